@@ -1,0 +1,96 @@
+"""Assemble a run from its config: mesh, sharding rules, model, optimizer, jitted init and step.
+
+`build(cfg, mesh)` returns a `Trainer` whose `init()` creates the train state directly in its
+shards and whose `step(state, batch)` is one `jax.jit` over the whole step with explicit in/out
+shardings and the state donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from lumen_jax.config import Config
+from lumen_jax.model import init_params, param_shapes_and_names
+from lumen_jax.optim import make_optimizer, schedule
+from lumen_jax.parallel.rules import Rules, activate
+from lumen_jax import step as step_lib
+
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+BATCH_AXES = ("batch", "seq")
+
+
+@dataclasses.dataclass
+class Trainer:
+    cfg: Config
+    mesh: Mesh
+    rules: Rules
+    step_cfg: step_lib.StepConfig
+    param_names: dict  # {path: logical axis names}
+    state_shardings: step_lib.TrainState
+    batch_sharding: NamedSharding
+    init: Any  # () -> TrainState
+    step: Any  # (TrainState, batch) -> (TrainState, metrics)
+    grads: Any  # (params, batch) -> (loss, grads): the step's gradients, for tests and tools
+
+    def param_specs(self, kind: str = "params") -> dict:
+        """PartitionSpec of every parameter for `kind` in params | grads | optimizer."""
+        return self.rules.tree_specs(self.param_names, kind)
+
+    def shard_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Global sharded arrays from this process's rows of the batch."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, local_batch[k])
+                for k in BATCH_KEYS}
+
+
+def build(cfg: Config, mesh: Mesh) -> Trainer:
+    rules = Rules(zero_stage=cfg.optim.zero_stage, sequence_parallel=cfg.mesh.sequence_parallel)
+    graphdef, _, names = param_shapes_and_names(cfg.model)
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    fp16 = cfg.model.compute_dtype == "float16"
+    sc = step_lib.StepConfig(graphdef=graphdef, tx=tx, lr_schedule=schedule(cfg.optim, cfg.train.steps),
+                             micro_batches=cfg.train.micro_batches, z_loss=cfg.optim.z_loss,
+                             dynamic_loss_scale=fp16,
+                             loss_scale_growth_interval=cfg.optim.loss_scale_growth_interval)
+    named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    param_sh = jax.tree.map(named, rules.tree_specs(names, "params"), is_leaf=is_spec)
+    grad_sh = jax.tree.map(named, rules.tree_specs(names, "grads"), is_leaf=is_spec)
+    opt_param_sh = jax.tree.map(named, rules.tree_specs(names, "optimizer"), is_leaf=is_spec)
+    replicated = named(P())
+
+    def make_state() -> step_lib.TrainState:
+        return step_lib.init_state(init_params(cfg.model, cfg.train.seed), tx,
+                                   cfg.optim.loss_scale_init if fp16 else 1.0)
+
+    abstract = jax.eval_shape(make_state)
+    opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, abstract.opt_state, opt_param_sh,
+                                   transform_non_params=lambda _: replicated,
+                                   is_leaf=lambda x: isinstance(x, NamedSharding))
+    state_sh = step_lib.TrainState(step=replicated, params=param_sh, opt_state=opt_sh,
+                                   loss_scale=replicated, good_steps=replicated)
+    batch_sh = named(rules.spec(BATCH_AXES))
+    batch_shardings = {k: batch_sh for k in BATCH_KEYS}
+    constrain_grads = functools.partial(jax.lax.with_sharding_constraint, shardings=grad_sh)
+
+    def traced(fn):  # trace under the rules so `constrain` in the model pins activations
+        @functools.wraps(fn)
+        def wrapper(*args):
+            with activate(mesh, rules):
+                return fn(*args)
+        return wrapper
+
+    init = jax.jit(make_state, out_shardings=state_sh)
+    step = jax.jit(traced(functools.partial(step_lib.train_step, sc=sc, constrain_grads=constrain_grads)),
+                   in_shardings=(state_sh, batch_shardings), out_shardings=(state_sh, replicated),
+                   donate_argnums=0)
+    grads = jax.jit(traced(lambda p, b: step_lib.loss_and_grads(p, b, 1.0, sc, constrain_grads)),
+                    in_shardings=(param_sh, batch_shardings), out_shardings=(replicated, grad_sh))
+    return Trainer(cfg=cfg, mesh=mesh, rules=rules, step_cfg=sc, param_names=names,
+                   state_shardings=state_sh, batch_sharding=batch_sh, init=init, step=step, grads=grads)

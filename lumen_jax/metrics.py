@@ -1,0 +1,335 @@
+"""FLOPs, throughput, MFU/HFU, metric writers (JSONL, TensorBoard) and the console progress bar.
+
+The FLOP formulas and the remat approximations are written out with a worked example in
+docs/FLOPS.md. Shape letters: V vocab, D d_model, L layers, N heads, K kv heads, H head_dim,
+F ffn_dim, S sequence length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lumen_jax.config import REMAT_POLICIES, ModelConfig
+
+# --------------------------------------------------------------------------------------------------
+# Parameters and FLOPs
+# --------------------------------------------------------------------------------------------------
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+    """Counts the decoder's parameters.
+
+    Args:
+        cfg: the model shape.
+
+    Returns:
+        `total` (every parameter, the tied logits matrix once), `embedding` (V*D), `layer_matmul`
+        (the linear weights of one layer), `matmul` (weights a token multiplies through: all layers'
+        linear weights plus the D*V logits matrix, counted even when tied to the embedding).
+    """
+    d, h, v = cfg.d_model, cfg.resolved_head_dim, cfg.vocab_size
+    attn = d * cfg.num_heads * h * 2 + d * cfg.num_kv_heads * h * 2  # wq, wo; wk, wv
+    mlp = 3 * d * cfg.ffn_dim  # w_gate, w_up, w_down
+    layer = attn + mlp + 2 * d  # + attn_norm, mlp_norm
+    embedding = v * d
+    lm_head = 0 if cfg.tie_embeddings else d * v
+    return {
+        "total": embedding + cfg.num_layers * layer + d + lm_head,  # + final_norm
+        "embedding": embedding,
+        "layer_matmul": attn + mlp,
+        "matmul": cfg.num_layers * (attn + mlp) + d * v,
+    }
+
+
+def attention_forward_flops_per_token(cfg: ModelConfig, seq_len: int, *,
+                                      causal: bool = True) -> float:
+    """Forward FLOPs per token of QK^T and AV over all layers: 2 * 2*S*N*H * L, halved if causal."""
+    full = 2 * 2 * seq_len * cfg.num_heads * cfg.resolved_head_dim * cfg.num_layers
+    return full / 2 if causal else float(full)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
+    """Model FLOPs per trained token (forward + backward), the MFU numerator.
+
+    `6 * matmul_params + 3 * attention_forward` (PaLM appendix B, with the causal half). The
+    embedding lookup, norms, softmax and other elementwise work are not counted.
+
+    Args:
+        cfg: the model shape.
+        seq_len: tokens per sequence S (attention spans the whole sequence).
+        causal: count half of the S x S score matrix (the masked half is not useful work).
+    """
+    return 6.0 * param_counts(cfg)["matmul"] + 3 * attention_forward_flops_per_token(
+        cfg, seq_len, causal=causal)
+
+
+def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, remat: str | None = None, *,
+                             causal: bool = True) -> float:
+    """Model FLOPs plus the forward FLOPs recomputed under activation checkpointing (HFU numerator).
+
+    Extra forward work per token, by policy (see docs/FLOPS.md for the reasoning):
+
+    * `none`, `dots_saveable`, `offload_dots`: 0 (every matmul output is kept or offloaded).
+    * `dots_with_no_batch_dims_saveable`: the attention forward (QK^T and AV have batch dims).
+    * `save_attention_out`: the layers' linear projections, 2 * L * layer_matmul.
+    * `full`: the whole layer forward, 2 * L * layer_matmul + attention forward.
+
+    Args:
+        cfg: the model shape.
+        seq_len: tokens per sequence.
+        remat: one of `REMAT_POLICIES`; None takes `cfg.remat`.
+        causal: as in `flops_per_token`.
+    """
+    remat = cfg.remat if remat is None else remat
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"model.remat={remat!r} is not a known policy; "
+                         f"use one of {REMAT_POLICIES}")
+    projections = 2.0 * cfg.num_layers * param_counts(cfg)["layer_matmul"]
+    attention = attention_forward_flops_per_token(cfg, seq_len, causal=causal)
+    extra = {"full": projections + attention,
+             "save_attention_out": projections,
+             "dots_with_no_batch_dims_saveable": attention}.get(remat, 0.0)
+    return flops_per_token(cfg, seq_len, causal=causal) + extra
+
+
+# --------------------------------------------------------------------------------------------------
+# Peak FLOP/s
+# --------------------------------------------------------------------------------------------------
+
+# Dense (no 2:4 sparsity) tensor-core peaks from NVIDIA datasheets, per GPU. `tf32` is also the
+# peak for float32 matmuls: XLA's default precision on these GPUs runs f32 dots as TF32; float16
+# shares the bf16 peak. The first pattern found in the lower-cased `device.device_kind` wins, so
+# variants come before the family name.
+_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("h200 nvl", {"bf16": 835e12, "fp8": 1670e12, "tf32": 417e12}),
+    ("h200", {"bf16": 989e12, "fp8": 1979e12, "tf32": 494.7e12}),  # also matches GH200
+    ("h100 pcie", {"bf16": 756e12, "fp8": 1513e12, "tf32": 378e12}),
+    ("h100 nvl", {"bf16": 835e12, "fp8": 1670e12, "tf32": 417e12}),
+    ("h100", {"bf16": 989e12, "fp8": 1979e12, "tf32": 494.7e12}),  # SXM: "NVIDIA H100 80GB HBM3"
+    ("a100", {"bf16": 312e12, "tf32": 156e12}),
+)
+
+_DTYPE_ALIASES = {
+    "bfloat16": "bf16", "bf16": "bf16", "float16": "bf16", "fp16": "bf16", "half": "bf16",
+    "float32": "tf32", "fp32": "tf32", "tf32": "tf32", "tfloat32": "tf32",
+    "fp8": "fp8", "float8": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
+}
+
+
+def device_peak_flops(device_kind: str, dtype: str) -> float | None:
+    """Datasheet dense matmul peak FLOP/s of one device, or None when the kind or dtype is unknown.
+
+    Args:
+        device_kind: `jax.Device.device_kind`, e.g. "NVIDIA H100 80GB HBM3" or "NVIDIA H200".
+        dtype: matmul input dtype: bfloat16 / float16, float32 (as TF32), fp8 (float8_e4m3fn ...).
+    """
+    key = _DTYPE_ALIASES.get(dtype.lower())
+    kind = device_kind.lower()
+    for pattern, peaks in _PEAKS:
+        if pattern in kind:
+            return peaks.get(key) if key else None
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def measure_cpu_matmul_peak(dtype: str = "float32", n: int = 1024, repeats: int = 5) -> float:
+    """Best observed FLOP/s of a jitted n x n matmul on the first CPU device (~0.1-0.5 s, cached).
+
+    Args:
+        dtype: a jnp dtype name, e.g. "float32" or "bfloat16".
+        n: matrix side; 2 * n**3 FLOPs per matmul.
+        repeats: timed calls after one warm-up call; stops early past 0.5 s.
+    """
+    device = jax.devices("cpu")[0]
+    a = jax.device_put(jnp.ones((n, n), dtype), device)
+    matmul = jax.jit(jnp.matmul)
+    matmul(a, a).block_until_ready()  # compile
+    best, spent = math.inf, 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        elapsed = time.perf_counter() - start
+        best, spent = min(best, elapsed), spent + elapsed
+        if spent > 0.5:
+            break
+    return 2.0 * n**3 / best
+
+
+def peak_flops_per_device(devices: Sequence[Any], dtype: str) -> tuple[float | None, str]:
+    """Peak FLOP/s of one device from the datasheet table, or measured on CPU.
+
+    Emulated CPU devices share one host's cores, so the measured host peak is divided among the
+    process's CPU devices.
+
+    Args:
+        devices: the run's devices (`jax.devices()`); all are assumed to be of one kind.
+        dtype: the compute dtype, as in `device_peak_flops`.
+
+    Returns:
+        (peak FLOP/s or None when unknown, a one-line description of where the number came from).
+    """
+    kind, platform = devices[0].device_kind, devices[0].platform
+    peak = device_peak_flops(kind, dtype)
+    if peak is not None:
+        return peak, f"datasheet: {kind} {dtype} {peak / 1e12:.1f} TFLOP/s"
+    if platform == "cpu":
+        host = measure_cpu_matmul_peak(dtype)
+        share = max(1, len(jax.local_devices(backend="cpu")))
+        return host / share, (f"measured: cpu {dtype} matmul {host / 1e9:.1f} GFLOP/s per host, "
+                              f"shared by {share} device(s)")
+    return None, f"unknown peak for {kind!r} {dtype}; MFU/HFU not reported"
+
+
+# --------------------------------------------------------------------------------------------------
+# Step metrics
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMetrics:
+    """Throughput and utilisation of a training step; MFU and HFU are None without a peak."""
+
+    step_time_s: float
+    tokens_per_sec: float
+    tokens_per_sec_per_device: float
+    tflops_per_device: float  # achieved model TFLOP/s per device
+    mfu: float | None
+    hfu: float | None
+
+    @classmethod
+    def compute(cls, step_time_s: float, tokens_per_step: int, num_devices: int,
+                flops_per_token: float, hw_flops_per_token: float,
+                peak_flops_per_device: float | None) -> "StepMetrics":
+        """Derives the metrics from a measured step time.
+
+        Args:
+            step_time_s: wall-clock seconds per step (> 0).
+            tokens_per_step: tokens in the global batch, all micro-batches included.
+            num_devices: devices the step ran on.
+            flops_per_token: model FLOPs per token (`flops_per_token`).
+            hw_flops_per_token: hardware FLOPs per token (`hardware_flops_per_token`).
+            peak_flops_per_device: peak FLOP/s of one device, or None.
+        """
+        if step_time_s <= 0 or num_devices <= 0:
+            raise ValueError(f"{step_time_s=} and {num_devices=} must be positive")
+        tps = tokens_per_step / step_time_s
+        per_device = tps / num_devices
+        peak = peak_flops_per_device
+        return cls(step_time_s=step_time_s, tokens_per_sec=tps,
+                   tokens_per_sec_per_device=per_device,
+                   tflops_per_device=per_device * flops_per_token / 1e12,
+                   mfu=per_device * flops_per_token / peak if peak else None,
+                   hfu=per_device * hw_flops_per_token / peak if peak else None)
+
+    def as_dict(self) -> dict[str, float]:
+        """The non-None fields, for a writer."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+# --------------------------------------------------------------------------------------------------
+# Writers and progress
+# --------------------------------------------------------------------------------------------------
+
+
+def _to_python(value: Any) -> Any:
+    """numpy / jax scalars (and size-1 arrays) to Python numbers; other values unchanged."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    array = np.asarray(value)
+    if array.size == 1 and array.dtype.kind in "biuf":
+        return array.item()
+    return value
+
+
+class MetricsWriter:
+    """Writes scalars to `<run_dir>/metrics.jsonl` and TensorBoard event files in `run_dir`.
+
+    Only one process should write: construct with `enabled=jax.process_index() == 0`; a disabled
+    writer creates no file. Usable as a context manager.
+    """
+
+    def __init__(self, run_dir: str, *, jsonl: bool = True, tensorboard: bool = True,
+                 enabled: bool = True) -> None:
+        self.run_dir = run_dir
+        self._jsonl = None
+        self._tb = None
+        if not enabled or not (jsonl or tensorboard):
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        if jsonl:  # append: a resumed run continues the same file
+            self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # deferred: slow import, unused when disabled
+            self._tb = SummaryWriter(logdir=run_dir)
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Writes a JSON line `{"step": step, **metrics}` and one TB scalar per number."""
+        record = {"step": int(step), **{k: _to_python(v) for k, v in metrics.items()}}
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record, default=str) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if key != "step" and numeric:
+                    self._tb.add_scalar(key, value, global_step=int(step))
+
+    def flush(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        """Flushes and closes the files; safe to call twice."""
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Progress:
+    """A tqdm bar showing step, loss, tokens/s and MFU; does nothing when disabled."""
+
+    def __init__(self, total_steps: int, enabled: bool = True, initial_step: int = 0) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total_steps, initial=initial_step, disable=not enabled,
+                         unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Moves the bar to `step` (steps completed) and shows the known metrics."""
+        if self._bar.disable:
+            return
+        self._bar.update(step - self._bar.n)
+        shown = {"loss": "loss {:.4f}", "tokens_per_sec": "{:,.0f} tok/s", "mfu": "MFU {:.1%}"}
+        parts = [fmt.format(_to_python(metrics[k])) for k, fmt in shown.items()
+                 if metrics.get(k) is not None]
+        self._bar.set_postfix_str(" ".join(parts), refresh=False)
+
+    def close(self) -> None:
+        self._bar.close()
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,120 @@
+"""Llama building blocks in Flax NNX: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP.
+
+Single-device math only. Every parameter carries logical axis names (`out_sharding` metadata);
+activations are pinned with `constrain(x, logical names)`. Shape letters: B batch, T sequence,
+D d_model, N query heads, K kv heads, H head dim, F ffn dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lumen_jax.config import ModelConfig
+from lumen_jax.ops.attention import attention
+from lumen_jax.parallel.rules import constrain
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float) -> nnx.Param:
+    value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
+    return nnx.Param(value, sharding_names=names)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), sharding_names=("norm",))
+        self.eps = eps
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        x32 = x_btd.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...]).astype(x_btd.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+    """Inverse frequencies [H/2], with Llama 3.1 frequency scaling when `rope_scaling == 'llama3'`."""
+    h = cfg.resolved_head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    if cfg.rope_scaling == "llama3":
+        low_wavelen = cfg.rope_original_max_len / cfg.rope_low_freq_factor
+        high_wavelen = cfg.rope_original_max_len / cfg.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor)
+                  / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
+        mid = (1 - smooth) * inv_freq / cfg.rope_scaling_factor + smooth * inv_freq
+        inv_freq = jnp.where(wavelen > low_wavelen, inv_freq / cfg.rope_scaling_factor,
+                             jnp.where(wavelen < high_wavelen, inv_freq, mid))
+    return inv_freq
+
+
+def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding, half-split convention (as Llama's Hugging Face checkpoints)."""
+    angles = positions_bt[:, :, None, None].astype(jnp.float32) * inv_freq  # [B, T, 1, H/2]
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_btnh.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention; Q/K/V column-split and the output row-split over heads."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+        self.wq = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), cfg.init_std)
+        self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        self.wv = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        # Output projection scaled down by depth (GPT-2 / Megatron residual init).
+        self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"),
+                         cfg.init_std / math.sqrt(2 * cfg.num_layers))
+        self.impl = cfg.attention
+
+    def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array | None,
+                 inv_freq: jax.Array) -> jax.Array:
+        dt = x_btd.dtype
+        q = jnp.einsum("btd,dnh->btnh", x_btd, self.wq[...].astype(dt))
+        k = jnp.einsum("btd,dkh->btkh", x_btd, self.wk[...].astype(dt))
+        v = jnp.einsum("btd,dkh->btkh", x_btd, self.wv[...].astype(dt))
+        q = constrain(apply_rope(q, positions_bt, inv_freq), ("batch", "seq", "act_heads", None))
+        k = constrain(apply_rope(k, positions_bt, inv_freq), ("batch", "seq", "act_kv_heads", None))
+        v = constrain(v, ("batch", "seq", "act_kv_heads", None))
+        o = attention(q, k, v, segment_ids_bt=segment_ids_bt, causal=True, impl=self.impl)
+        o = constrain(o, ("batch", "seq", "act_heads", None))
+        return jnp.einsum("btnh,nhd->btd", o, self.wo[...].astype(dt))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x @ gate) * (x @ up)); gate/up column-split, down row-split over `mlp`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.ffn_dim
+        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), cfg.init_std)
+        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), cfg.init_std)
+        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), cfg.init_std / math.sqrt(2 * cfg.num_layers))
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        dt = x_btd.dtype
+        gate = jnp.einsum("btd,df->btf", x_btd, self.w_gate[...].astype(dt))
+        up = jnp.einsum("btd,df->btf", x_btd, self.w_up[...].astype(dt))
+        h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+        return jnp.einsum("btf,fd->btd", h, self.w_down[...].astype(dt))
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array | None,
+                 inv_freq: jax.Array) -> jax.Array:
+        residual = ("batch", "act_seq", "act_embed")
+        x_btd = constrain(x_btd + self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt, inv_freq),
+                          residual)
+        return constrain(x_btd + self.mlp(self.mlp_norm(x_btd)), residual)

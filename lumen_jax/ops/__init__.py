@@ -1,0 +1,1 @@
+"""One dispatch point per op; the model calls these, never an implementation directly."""

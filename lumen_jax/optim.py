@@ -1,0 +1,38 @@
+"""The optax chain: global-norm clipping, AdamW (decoupled decay on matrices), warmup + decay."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from lumen_jax.config import OptimConfig
+
+
+def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup to `lr`, then cosine / linear decay to `lr * min_lr_ratio`, or constant."""
+    decay_steps = max((cfg.decay_steps or total_steps) - cfg.warmup_steps, 1)
+    end = cfg.lr * cfg.min_lr_ratio
+    warmup = optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1))
+    decay = {
+        "cosine": optax.cosine_decay_schedule(cfg.lr, decay_steps, alpha=cfg.min_lr_ratio),
+        "linear": optax.linear_schedule(cfg.lr, end, decay_steps),
+        "constant": optax.constant_schedule(cfg.lr),
+    }[cfg.schedule]
+    if cfg.warmup_steps == 0:
+        return decay
+    return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
+
+
+def _decay_mask(params: dict) -> dict:
+    # Weight decay on weight matrices only: norms' scales are excluded (their path says "norm").
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not any("norm" in str(getattr(k, "key", "")) for k in path), params)
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    """AdamW with the schedule above, after global-norm clipping when `grad_clip > 0`."""
+    adamw = optax.adamw(schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                        weight_decay=cfg.weight_decay, mask=_decay_mask)
+    if cfg.grad_clip > 0:
+        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
+    return adamw

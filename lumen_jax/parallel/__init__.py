@@ -1,0 +1,1 @@
+"""Mesh construction, the logical->mesh sharding rules, and (later) collectives for CP/PP/EP."""

@@ -1,0 +1,107 @@
+"""THE logical-axis -> mesh-axis table. The only place where model axis names meet mesh axis names.
+
+Model code names every parameter and activation axis logically (`embed`, `heads`, `batch`, ...).
+`Rules` turns those names into `PartitionSpec`s for one run, from the ZeRO stage and whether
+Megatron sequence parallelism is on:
+
+==============  =====================  ==========================================================
+logical axis    mesh axes              why
+==============  =====================  ==========================================================
+batch           (data, fsdp)           data parallelism; FSDP/ZeRO shards the batch like DP
+seq             context                context parallelism splits every sequence
+act_seq         (context, tensor)      residual stream between blocks under sequence parallelism
+                context                ... and without it
+vocab           tensor                 vocab-parallel embedding and logits (Megatron)
+heads/kv_heads  tensor                 column split of Q/K/V, row split of the attention output
+mlp             tensor                 column split of MLP-in, row split of MLP-out
+embed           fsdp (params)          ZeRO-3: parameters sharded over `fsdp`
+                fsdp (optimizer)       ZeRO-1/2/3: optimizer state always sharded
+                fsdp (gradients)       ZeRO-2/3: gradients reduce-scattered
+head_dim, norm, layers, act_embed -> replicated
+==============  =====================  ==========================================================
+
+Activation constraints are applied with `constrain(x, names)`; it is a no-op outside `activate`,
+so single-device model code runs untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any, Iterator, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MeshAxes = str | tuple[str, ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """Logical -> mesh axis tables for params, gradients, optimizer state and activations."""
+
+    zero_stage: int = 3
+    sequence_parallel: bool = False
+
+    def _table(self, kind: str) -> dict[str, MeshAxes]:
+        embed_sharded = {"params": self.zero_stage >= 3, "grads": self.zero_stage >= 2,
+                         "optimizer": self.zero_stage >= 1, "activations": False}[kind]
+        return {
+            # parameter axes
+            "vocab": "tensor",
+            "embed": "fsdp" if embed_sharded else None,
+            "heads": "tensor",
+            "kv_heads": "tensor",
+            "mlp": "tensor",
+            "head_dim": None,
+            "norm": None,
+            "layers": None,
+            # activation axes
+            "batch": ("data", "fsdp"),
+            "seq": "context",
+            "act_seq": ("context", "tensor") if self.sequence_parallel else "context",
+            "act_embed": None,
+            "act_heads": "tensor",
+            "act_kv_heads": "tensor",
+            "act_mlp": "tensor",
+            "act_vocab": "tensor",
+        }
+
+    def spec(self, names: Sequence[str | None], kind: str = "activations") -> P:
+        """PartitionSpec for one array whose axes carry `names` (None: replicated axis)."""
+        table = self._table(kind)
+        axes = []
+        for n in names:
+            if n is not None and n not in table:
+                raise KeyError(f"logical axis {n!r} has no rule in lumen_jax/parallel/rules.py")
+            axes.append(None if n is None else table[n])
+        return P(*axes)
+
+    def tree_specs(self, names_tree: Any, kind: str) -> Any:
+        """Map a pytree whose leaves are tuples of logical names to PartitionSpecs."""
+        return jax.tree.map(lambda n: self.spec(n, kind), names_tree,
+                            is_leaf=lambda x: isinstance(x, tuple))
+
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
+    "lumen_rules", default=None)
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules: Rules) -> Iterator[None]:
+    """Within this context (while tracing), `constrain` pins activations to `mesh` via `rules`."""
+    token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Sharding constraint on an activation by logical axis names; identity outside `activate`."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(names)))
