@@ -1,0 +1,603 @@
+"""Typed, frozen configuration: one dataclass per component, YAML/gin loading, overrides, validation.
+
+No JAX import here: a config can be loaded and checked on any machine before a backend starts.
+
+A run is described by `Config` (model, mesh, optim, data, train, checkpoint, log, runtime). Files in
+`configs/` are YAML mappings of the same shape (a file may name a `base:` it extends); gin files bind
+the same dataclasses (`model.d_model = 64`). Command-line overrides are dotted (`optim.lr=3e-4`).
+Every problem is a `ConfigError` whose message names the key, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import typing
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user-fixable problem with the configuration (the CLI prints it in one line, exit code 2)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Components
+# --------------------------------------------------------------------------------------------------
+
+ATTENTION_IMPLS = ("xla", "auto")
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
+                  "save_attention_out", "offload_dots")
+COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
+ROPE_SCALINGS = ("none", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Llama-family decoder shape and numerics."""
+
+    d_model: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 0  # 0: derived as d_model // num_heads
+    ffn_dim: int = 172
+    vocab_size: int = 512
+    norm_eps: float = 1e-5
+    rope_theta: float = 500_000.0
+    rope_scaling: str = "none"  # none | llama3 (Llama 3.1 frequency scaling)
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    attention: str = "xla"  # xla | auto (auto picks the best implementation for the backend)
+    remat: str = "none"  # one of REMAT_POLICIES
+    compute_dtype: str = "bfloat16"  # bfloat16 | float32 | float16; params stay float32
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh, axes outermost to innermost. One axis may be -1: it takes the remaining devices."""
+
+    data: int = 1
+    fsdp: int = -1
+    context: int = 1
+    tensor: int = 1
+    sequence_parallel: bool = False  # Megatron SP: norms/residual sharded along sequence over `tensor`
+
+    AXES: typing.ClassVar[tuple[str, ...]] = ("data", "fsdp", "context", "tensor")
+
+    def shape(self, num_devices: int) -> dict[str, int]:
+        """Resolve -1 against `num_devices`; raises ConfigError when the product does not match."""
+        sizes = {a: getattr(self, a) for a in self.AXES}
+        for a, s in sizes.items():
+            if s == 0 or s < -1:
+                raise ConfigError(f"mesh.{a}={s} is not a valid axis size; use a positive integer or -1")
+        free = [a for a, s in sizes.items() if s == -1]
+        if len(free) > 1:
+            raise ConfigError(f"mesh axes {', '.join('mesh.' + a for a in free)} are all -1; "
+                              "at most one axis may be -1 (it takes the remaining devices)")
+        fixed = 1
+        for s in sizes.values():
+            fixed *= max(s, 1)
+        if free:
+            if num_devices % fixed:
+                raise ConfigError(
+                    f"mesh.{free[0]}=-1 cannot fill {num_devices} devices: the other axes multiply to "
+                    f"{fixed}, which does not divide {num_devices}; change the other mesh axes")
+            sizes[free[0]] = num_devices // fixed
+        elif fixed != num_devices:
+            desc = "x".join(f"{a}={s}" for a, s in sizes.items())
+            raise ConfigError(
+                f"mesh {desc} has {fixed} devices but {num_devices} are available; make the product "
+                f"of mesh.data*mesh.fsdp*mesh.context*mesh.tensor equal {num_devices} or set one axis to -1")
+        return sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with warmup + cosine decay, global-norm clipping, ZeRO stage, optional z-loss."""
+
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 10
+    decay_steps: int = 0  # 0: train.steps
+    schedule: str = "cosine"  # cosine | linear | constant
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0 disables clipping
+    zero_stage: int = 3  # 1: optimizer state sharded; 2: + gradients; 3: + parameters (FSDP)
+    z_loss: float = 0.0  # coefficient of log(Z)^2 (PaLM)
+    loss_scale_init: float = 2.0 ** 15  # float16 only: dynamic loss scaling
+    loss_scale_growth_interval: int = 2000
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Token source, tokenizer and packing."""
+
+    source: str = "builtin"  # builtin (Python stdlib text, no download) | files
+    paths: tuple[str, ...] = ()  # globs of .txt / .jsonl / .parquet files when source=files
+    text_field: str = "text"  # field holding the text in jsonl / parquet rows
+    tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizers JSON file
+    seq_len: int = 128
+    global_batch_size: int = 16
+    builtin_max_bytes: int = 4_000_000  # cap on the builtin corpus (bytes of source text)
+    shuffle: bool = True
+    num_workers: int = 0  # grain worker processes (0: in-process)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Loop length, seeds, micro-batching and where the run writes."""
+
+    steps: int = 100
+    seed: int = 0
+    micro_batches: int = 1  # gradient accumulation inside the jitted step
+    run_dir: str = ""  # "": runs/<config name>
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints under <run_dir>/checkpoints."""
+
+    every_steps: int = 0  # 0: off
+    every_minutes: float = 0.0  # 0: off
+    keep: int = 3
+    keep_every: int = 0  # 0: none kept permanently
+    async_save: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+    """Metrics writers and the console."""
+
+    every_steps: int = 10
+    jsonl: bool = True
+    tensorboard: bool = True
+    progress: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """Process-level settings applied before JAX starts."""
+
+    cpu_devices: int = 0  # emulated CPU devices when no accelerator is present (0: leave JAX's default)
+    compilation_cache_dir: str = ".cache/jax"  # persistent compilation cache ("" disables)
+    platform: str = ""  # "" lets JAX choose; cpu | gpu forces one
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    mesh: MeshConfig = MeshConfig()
+    optim: OptimConfig = OptimConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    name: str = "default"  # the config file's stem; names the default run directory
+
+    def replace(self, **sections: Any) -> "Config":
+        return dataclasses.replace(self, **sections)
+
+
+# --------------------------------------------------------------------------------------------------
+# dict <-> dataclasses, with strict types
+# --------------------------------------------------------------------------------------------------
+
+SCHEDULES = ("cosine", "linear", "constant")
+ZERO_STAGES = (1, 2, 3)
+DATA_SOURCES = ("builtin", "files")
+PLATFORMS = ("", "cpu", "gpu", "cuda", "rocm", "tpu")
+
+# Enum-like fields: the allowed values, checked on load and in `validate`.
+CHOICES: dict[str, tuple[Any, ...]] = {
+    "model.attention": ATTENTION_IMPLS,
+    "model.remat": REMAT_POLICIES,
+    "model.compute_dtype": COMPUTE_DTYPES,
+    "model.rope_scaling": ROPE_SCALINGS,
+    "optim.schedule": SCHEDULES,
+    "optim.zero_stage": ZERO_STAGES,
+    "data.source": DATA_SOURCES,
+    "runtime.platform": PLATFORMS,
+}
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "mesh": MeshConfig, "optim": OptimConfig, "data": DataConfig,
+    "train": TrainConfig, "checkpoint": CheckpointConfig, "log": LogConfig, "runtime": RuntimeConfig,
+}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    """Field name -> resolved annotation (annotations are strings under `from __future__`)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+_TYPES = {section: _field_types(cls) for section, cls in SECTIONS.items()}
+
+
+def _show(value: Any) -> str:
+    """A value as the user would write it back in a message (`'abc'`, `64`, `[1, 2]`)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        value = list(value)
+    return repr(value)
+
+
+def _close(word: Any, candidates: Sequence[str], cutoff: float = 0.6) -> str | None:
+    close = difflib.get_close_matches(str(word), list(candidates), n=1, cutoff=cutoff)
+    return close[0] if close else None
+
+
+def _suggest_key(section: Any, key: Any) -> str | None:
+    """`model.d_modle` -> `model.d_model`; `modle.d_model` -> `model.d_model`; `model.seq_len` -> `data.seq_len`."""
+    s = section if section in _TYPES else _close(section, _TYPES)
+    k = _close(key, _TYPES[s]) if s else None
+    if k:
+        return f"{s}.{k}"
+    k = _close(key, [k for fields in _TYPES.values() for k in fields], cutoff=0.8)
+    return next((f"{s}.{k}" for s, fields in _TYPES.items() if k in fields), None)
+
+
+def _unknown_section(section: Any) -> ConfigError:
+    close = _close(section, SECTIONS)
+    hint = f"; did you mean {close}?" if close else ""
+    return ConfigError(f"unknown config section {section!r}{hint}"
+                       f" (sections: {', '.join(SECTIONS)})")
+
+
+def _check_key(section: Any, key: Any, shown: str | None = None, where: str = "") -> Any:
+    """The type of `section.key`, or a ConfigError (showing `section.key=shown`) with a did-you-mean."""
+    if section in _TYPES and key in _TYPES[section]:
+        return _TYPES[section][key]
+    dotted = f"{section}.{key}"
+    close = _suggest_key(section, key)
+    hint = f"; did you mean {close}?" if close else ""
+    if not close and section in _TYPES:
+        hint = f"; keys of {section}: {', '.join(_TYPES[section])}"
+    value = "" if shown is None else f"={shown}"
+    raise ConfigError(f"{where}unknown config key {dotted}{value}{hint}")
+
+
+def _convert(key: str, value: Any, typ: Any) -> Any:
+    """Checks `value` against the field type: ints widen to floats, lists become tuples, nothing else."""
+    def wrong(what: str) -> ConfigError:
+        return ConfigError(f"{key}={_show(value)} must be {what}; got {type(value).__name__}")
+
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise wrong("a bool (true or false)")
+    elif typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise wrong("an int")
+    elif typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise wrong("a float")
+        value = float(value)
+    elif typ is str:
+        if not isinstance(value, str):
+            raise wrong("a str")
+    elif typing.get_origin(typ) is tuple:  # only tuple[str, ...] so far
+        item = typing.get_args(typ)[0]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, item) for v in value):
+            raise wrong(f"a list of {item.__name__}")
+        value = tuple(value)
+    else:  # a field type this function was not taught: our bug, not the user's
+        raise TypeError(f"config field {key} has unsupported type {typ!r}")
+    allowed = CHOICES.get(key)
+    if allowed is not None and value not in allowed:
+        raise ConfigError(f"{key}={_show(value)} is not one of the allowed values; "
+                          f"choose {key} from {', '.join(_show(a) for a in allowed)}")
+    return value
+
+
+def from_dict(d: Mapping[str, Any]) -> Config:
+    """Builds a `Config` from a nested mapping `{model: {...}, mesh: {...}, ..., name: str}`.
+
+    Missing sections and keys keep their defaults. Unknown sections or keys, wrong types and values
+    outside an enum raise ConfigError.
+    """
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"a config must be a mapping of sections ({', '.join(SECTIONS)}); "
+                          f"got {type(d).__name__}")
+    kwargs: dict[str, Any] = {}
+    for section, body in d.items():
+        if section == "name":
+            if not isinstance(body, str):
+                raise ConfigError(f"name={_show(body)} must be a str; got {type(body).__name__}")
+            kwargs["name"] = body
+            continue
+        if section not in SECTIONS:
+            raise _unknown_section(section)
+        if body is None:  # `model:` with nothing under it
+            body = {}
+        if not isinstance(body, Mapping):
+            raise ConfigError(f"config section {section}={_show(body)} must be a mapping of keys "
+                              f"(e.g. {section}: {{{next(iter(_TYPES[section]))}: ...}}); "
+                              f"got {type(body).__name__}")
+        fields = {k: _convert(f"{section}.{k}", v, _check_key(section, k, _show(v))) for k, v in body.items()}
+        kwargs[section] = SECTIONS[section](**fields)
+    return Config(**kwargs)
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain nested dict of `cfg` (tuples as lists), ready for yaml.safe_dump / json.dumps."""
+    def plain(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x
+
+    return plain(dataclasses.asdict(cfg))
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading: YAML (with `base:`), gin, dotted overrides
+# --------------------------------------------------------------------------------------------------
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads `3e-4` as a float (YAML 1.1 wants a dot: `3.0e-4`)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+def _one_line(text: Any) -> str:
+    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
+def _deep_merge(base: dict[str, Any], child: Mapping[str, Any]) -> dict[str, Any]:
+    """`child` over `base`, recursing into mappings; an empty child section keeps the base one."""
+    out = dict(base)
+    for k, v in child.items():
+        if isinstance(out.get(k), dict) and (v is None or isinstance(v, Mapping)):
+            out[k] = _deep_merge(out[k], v or {})
+        else:
+            out[k] = v
+    return out
+
+
+def _read_yaml(path: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The merged mapping of `path` and the `base:` files it extends (relative to its own folder)."""
+    real = os.path.realpath(path)
+    if real in chain:
+        cycle = " -> ".join(os.path.basename(p) for p in (*chain, real))
+        raise ConfigError(f"config {path} extends itself through base: ({cycle}); remove a base: line")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.load(f, Loader=_Loader)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {_one_line(e)}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must be a mapping of sections ({', '.join(SECTIONS)}); "
+                          f"got {type(data).__name__}")
+    if "name" in data:
+        raise ConfigError(f"config file {path} sets name={_show(data['name'])}; remove it: the name is "
+                          "the file's stem")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str) or os.path.splitext(base)[1].lower() not in (".yaml", ".yml"):
+        raise ConfigError(f"{path}: base={_show(base)} must name a .yaml file relative to {path}")
+    base_path = os.path.join(os.path.dirname(path), base)
+    if not os.path.isfile(base_path):
+        raise ConfigError(f"{path}: base={_show(base)} does not exist (looked for {base_path}); "
+                          "fix the path, relative to the file that names it")
+    return _deep_merge(_read_yaml(base_path, (*chain, real)), data)
+
+
+_GIN_MODULE = "lumen_jax.config"
+_GIN_SEARCH_PATHS: set[str] = set()
+
+
+def _read_gin(path: str) -> dict[str, Any]:
+    """Parses a gin file binding the section dataclasses (`model.d_model = 64`) into a mapping."""
+    import gin  # only gin users pay for it
+
+    for section, cls in SECTIONS.items():
+        try:
+            gin.register(section, module=_GIN_MODULE)(cls)  # leaves the class itself untouched
+        except ValueError:  # already registered (e.g. the module was reloaded)
+            pass
+    path = os.path.abspath(path)
+    folder = os.path.dirname(path)
+    if folder not in _GIN_SEARCH_PATHS:  # `include 'x.gin'` relative to this file
+        gin.add_config_file_search_path(folder)
+        _GIN_SEARCH_PATHS.add(folder)
+    gin.clear_config()
+    try:
+        gin.parse_config_file(path)
+        # Calling the configurable applies the bindings, macros and references included.
+        sections = {s: gin.get_configurable(f"{_GIN_MODULE}.{s}")() for s in SECTIONS}
+    except (ValueError, TypeError, SyntaxError) as e:
+        msg = _one_line(e)
+        # Gin's own wording (pinned <0.6), turned into ours so both file formats read alike.
+        m = re.match(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'", msg)
+        if m:
+            _check_key(m.group(1).rsplit(".", 1)[-1], m.group(2), where=f"{path}: ")
+        m = re.match(r"No configurable matching '([\w.]+)'", msg)
+        if m:
+            raise ConfigError(f"{path}: {_unknown_section(m.group(1))}") from None
+        raise ConfigError(f"config file {path} is not valid gin: {msg}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+    finally:
+        gin.clear_config()  # leave no global bindings behind: the next load starts clean
+    return {s: dataclasses.asdict(obj) for s, obj in sections.items()}
+
+
+def _parse_override(text: str) -> tuple[str, str, Any]:
+    """`section.key=value` -> (section, key, value); the value is read as YAML (`3e-4`, `true`, `[a, b]`)."""
+    dotted, eq, raw = text.partition("=")
+    section, dot, key = dotted.strip().partition(".")
+    if not eq or not dot or not section or not key or "." in key:
+        raise ConfigError(f"override {text!r} must look like section.key=value (e.g. optim.lr=3e-4)")
+    raw = raw.strip()
+    typ = _check_key(section, key, raw)
+    try:
+        value = yaml.load(raw, Loader=_Loader)
+    except yaml.YAMLError:
+        value = raw
+    if typ is str and not isinstance(value, str):
+        value = raw  # train.run_dir=2024 or data.tokenizer=null mean the text itself
+    elif typing.get_origin(typ) is tuple and isinstance(value, str):
+        value = [value]  # data.paths=corpus/*.txt: one item
+    return section, key, value
+
+
+def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
+    """Loads a `.yaml`/`.yml` or `.gin` config file (None: all defaults) and applies dotted overrides.
+
+    Args:
+      path: config file. A YAML file may say `base: other.yaml` (relative to its own folder) to
+        deep-merge over another file; a gin file binds `model.d_model = 64` and may `include`.
+      overrides: `section.key=value` strings applied after the file, e.g. `optim.lr=3e-4`.
+
+    Returns:
+      The Config, named after the file's stem ("default" when path is None). Not yet checked
+      against a device count: call `validate` for that.
+    """
+    raw: dict[str, Any] = {}
+    name = "default"
+    if path is not None:
+        ext = os.path.splitext(path)[1].lower()
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path} does not exist; pass a path to a .yaml or .gin file "
+                              "(see configs/)")
+        if ext in (".yaml", ".yml"):
+            raw = _read_yaml(path)
+        elif ext == ".gin":
+            raw = _read_gin(path)
+        else:
+            raise ConfigError(f"config file {path} must end in .yaml, .yml or .gin; got {ext or 'no suffix'}")
+        name = os.path.splitext(os.path.basename(path))[0]
+    for text in overrides:
+        section, key, value = _parse_override(text)
+        body = raw.get(section)
+        if body is None:
+            body = raw[section] = {}
+        if isinstance(body, dict):  # anything else fails in from_dict with its own message
+            body[key] = value
+    raw["name"] = name
+    return from_dict(raw)
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation against a device count
+# --------------------------------------------------------------------------------------------------
+
+# (key, comparison, bound): the range each number must lie in, checked before anything divides by it.
+_BOUNDS: tuple[tuple[str, str, float], ...] = (
+    ("model.d_model", ">=", 1), ("model.num_layers", ">=", 1), ("model.num_heads", ">=", 1),
+    ("model.num_kv_heads", ">=", 1), ("model.head_dim", ">=", 0), ("model.ffn_dim", ">=", 1),
+    ("model.vocab_size", ">=", 1), ("model.norm_eps", ">", 0), ("model.rope_theta", ">", 0),
+    ("model.rope_scaling_factor", ">", 0), ("model.rope_original_max_len", ">=", 1),
+    ("model.init_std", ">", 0),
+    ("optim.lr", ">", 0), ("optim.min_lr_ratio", ">=", 0), ("optim.min_lr_ratio", "<=", 1),
+    ("optim.warmup_steps", ">=", 0), ("optim.decay_steps", ">=", 0),
+    ("optim.b1", ">=", 0), ("optim.b1", "<", 1), ("optim.b2", ">=", 0), ("optim.b2", "<", 1),
+    ("optim.eps", ">=", 0), ("optim.weight_decay", ">=", 0), ("optim.grad_clip", ">=", 0),
+    ("optim.z_loss", ">=", 0), ("optim.loss_scale_init", ">", 0),
+    ("optim.loss_scale_growth_interval", ">=", 1),
+    ("data.seq_len", ">=", 1), ("data.global_batch_size", ">=", 1), ("data.builtin_max_bytes", ">=", 1),
+    ("data.num_workers", ">=", 0),
+    ("train.steps", ">=", 1), ("train.micro_batches", ">=", 1),
+    ("checkpoint.every_steps", ">=", 0), ("checkpoint.every_minutes", ">=", 0), ("checkpoint.keep", ">=", 1),
+    ("checkpoint.keep_every", ">=", 0),
+    ("log.every_steps", ">=", 1),
+    ("runtime.cpu_devices", ">=", 0),
+)
+_COMPARE = {">=": lambda a, b: a >= b, ">": lambda a, b: a > b, "<=": lambda a, b: a <= b,
+            "<": lambda a, b: a < b}
+
+
+def _divisors(n: int, limit: int) -> str:
+    return ", ".join(str(d) for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def validate(cfg: Config, num_devices: int) -> dict[str, int]:
+    """Checks `cfg` against itself and `num_devices` before any mesh or array exists.
+
+    Args:
+      cfg: the run's configuration (types and enum values are re-checked, so configs built in code
+        with `dataclasses.replace` get the same checks as loaded ones).
+      num_devices: devices the mesh will span (all processes together).
+
+    Returns:
+      The resolved mesh shape {data, fsdp, context, tensor} (a -1 axis filled in).
+
+    Raises:
+      ConfigError: the first problem found, in one line naming the key, the value, the rule and a fix.
+    """
+    from_dict(to_dict(cfg))
+    for key, op, bound in _BOUNDS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if not _COMPARE[op](value, bound):
+            raise ConfigError(f"{key}={_show(value)} must be {op} {_show(bound)}; "
+                              f"set {key} to a value {op} {_show(bound)}")
+    if num_devices < 1:
+        raise ConfigError(f"num_devices={num_devices} must be >= 1; no devices were found")
+
+    shape = cfg.mesh.shape(num_devices)
+    m, d, mesh = cfg.model, cfg.data, cfg.mesh
+    tp, cp = shape["tensor"], shape["context"]
+    batch_shards = shape["data"] * shape["fsdp"] * cfg.train.micro_batches
+    checks: list[tuple[bool, str]] = [
+        *((getattr(m, k) % tp == 0,
+           f"mesh.tensor={tp} does not divide model.{k}={getattr(m, k)}; "
+           f"choose mesh.tensor among the divisors of {getattr(m, k)} ({_divisors(getattr(m, k), num_devices)})")
+          for k in ("num_heads", "num_kv_heads", "ffn_dim", "vocab_size")),
+        (m.num_heads % m.num_kv_heads == 0,
+         f"model.num_kv_heads={m.num_kv_heads} does not divide model.num_heads={m.num_heads}; grouped-query "
+         f"attention needs num_kv_heads among the divisors of {m.num_heads} "
+         f"({_divisors(m.num_heads, m.num_heads)})"),
+        (m.head_dim > 0 or m.d_model % m.num_heads == 0,
+         f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}, so model.head_dim=0 "
+         "cannot be derived; set model.head_dim explicitly or make d_model a multiple of num_heads"),
+        (m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor,
+         f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be > model.rope_low_freq_factor="
+         f"{m.rope_low_freq_factor} for rope_scaling=llama3; raise the high or lower the low factor"),
+        (d.global_batch_size % batch_shards == 0,
+         f"data.global_batch_size={d.global_batch_size} is not divisible by mesh.data*mesh.fsdp*"
+         f"train.micro_batches={shape['data']}*{shape['fsdp']}*{cfg.train.micro_batches}={batch_shards}; "
+         f"use a multiple of {batch_shards} or change the mesh or train.micro_batches"),
+        (d.seq_len % cp == 0,
+         f"data.seq_len={d.seq_len} is not divisible by mesh.context={cp}; use a multiple of {cp}"),
+        (not mesh.sequence_parallel or d.seq_len % (cp * tp) == 0,
+         f"mesh.sequence_parallel=true needs data.seq_len={d.seq_len} divisible by mesh.context*mesh.tensor="
+         f"{cp * tp}; use a multiple of {cp * tp} or set mesh.sequence_parallel=false"),
+        (d.source != "files" or bool(d.paths),
+         "data.source='files' but data.paths=[] is empty; set data.paths=[glob, ...] "
+         "or data.source=builtin"),
+        (d.tokenizer == "byte" or os.path.isfile(d.tokenizer),
+         f"data.tokenizer={d.tokenizer!r} does not exist; give the path of a Hugging Face tokenizer.json "
+         "or use data.tokenizer=byte"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    return shape

@@ -1,0 +1,240 @@
+"""Document sources: random-access sequences of text (`len(src)`, `src[i] -> str`) that grain reads from.
+
+* `builtin_documents(max_bytes)`: the `.py` files of this Python's standard library, in sorted path
+  order, without tests, site-packages and caches, until `max_bytes` (the last file is cut to fit).
+  No download; the same corpus wherever the same Python version runs.
+* `file_documents(globs, text_field)`: `.txt` (one document per file), `.jsonl` (one per non-empty line,
+  the string field `text_field`), `.parquet` (one per row, the string column `text_field`).
+
+Start-up only lists files and indexes them (a jsonl file is scanned once for newlines, a parquet file's
+footer is read); text is read when grain asks for a document. So a bad file is reported at start-up
+(missing, unreadable, not parquet, no such column) and a bad record when it is first read (a line that is
+not JSON, a missing field). Every problem is a one-line `DataError` naming the file and the fix.
+Parquet columns are loaded whole on first use and kept (per process / worker): memory = the text size.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import mmap
+import os
+import sysconfig
+
+import numpy as np
+
+from lumen_jax.data.errors import DataError
+
+_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+EXTENSIONS = (".txt", ".jsonl", ".parquet")
+
+
+def _oneline(e: BaseException) -> str:
+    s = str(e).strip()
+    return s.splitlines()[0] if s else type(e).__name__
+
+
+# --------------------------------------------------------------------------------------------------
+# One file each
+# --------------------------------------------------------------------------------------------------
+
+class _TextFile:
+    """One document: the whole file (builtin files are cut at `limit` bytes and decoded leniently)."""
+
+    def __init__(self, path: str, limit: int | None = None, lenient: bool = False):
+        self.path, self.limit, self.lenient = path, limit, lenient
+        if not lenient:
+            try:
+                open(path, "rb").close()
+            except OSError as e:
+                raise DataError(f"data file {path}: cannot read ({e.strerror})") from None
+
+    def __len__(self) -> int:
+        return 1
+
+    def get(self, i: int) -> str:
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read() if self.limit is None else f.read(self.limit)
+        except OSError as e:
+            raise DataError(f"data file {self.path}: cannot read ({e.strerror})") from None
+        try:
+            return raw.decode("utf-8", errors="replace" if self.lenient else "strict")
+        except UnicodeDecodeError as e:
+            raise DataError(f"data file {self.path}: not valid UTF-8 at byte {e.start}; "
+                            "re-encode the file as UTF-8") from None
+
+
+class _JsonlFile:
+    """One document per non-empty line; the index holds each line's byte range and number."""
+
+    def __init__(self, path: str, field: str):
+        self.path, self.field = path, field
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size:
+                    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                        buf = np.frombuffer(mm, np.uint8)
+                        ends = np.flatnonzero(buf == ord("\n"))
+                        if buf[-1] != ord("\n"):
+                            ends = np.append(ends, size)
+                        starts = np.concatenate([[0], ends[:-1] + 1])
+                        first = buf[np.minimum(starts, size - 1)]
+                        blank = (ends == starts) | ((ends - starts == 1) & (first == ord("\r")))
+                        del buf, first  # the mmap cannot close while a view exists
+                else:
+                    starts = ends = blank = np.zeros(0, np.int64)
+        except OSError as e:
+            raise DataError(f"data file {path}: cannot read ({e.strerror})") from None
+        keep = ~blank.astype(bool)
+        self.starts, self.ends = starts[keep], ends[keep]
+        self.lines = np.flatnonzero(keep) + 1
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def get(self, i: int) -> str:
+        where = f"data file {self.path} line {self.lines[i]}"
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(int(self.starts[i]))
+                raw = f.read(int(self.ends[i] - self.starts[i]))
+        except OSError as e:
+            raise DataError(f"{where}: cannot read ({e.strerror})") from None
+        try:
+            record = json.loads(raw)
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+            raise DataError(f"{where}: not valid JSON ({_oneline(e)}); fix or remove the line") from None
+        if not isinstance(record, dict) or self.field not in record:
+            keys = ", ".join(map(str, record)) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+            raise DataError(f"{where}: no field {self.field!r} (found {keys}); set data.text_field "
+                            "or fix the line")
+        text = record[self.field]
+        if not isinstance(text, str):
+            raise DataError(f"{where}: field {self.field!r} is {type(text).__name__}, not a string; "
+                            "fix or remove the line")
+        return text
+
+
+class _ParquetFile:
+    """One document per row of column `field`; the column is read on first use and kept."""
+
+    def __init__(self, path: str, field: str):
+        import pyarrow.parquet as pq
+
+        self.path, self.field = path, field
+        try:
+            pf = pq.ParquetFile(path)
+        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+            raise DataError(f"data file {path}: not a readable parquet file ({_oneline(e)})") from None
+        names = pf.schema_arrow.names
+        if field not in names:
+            raise DataError(f"data file {path}: no column {field!r} (columns: {', '.join(names)}); "
+                            "set data.text_field")
+        kind = pf.schema_arrow.field(field).type
+        if str(kind) not in ("string", "large_string", "string_view"):
+            raise DataError(f"data file {path}: column {field!r} has type {kind}, not string; "
+                            "set data.text_field to a text column")
+        self.num_rows = pf.metadata.num_rows
+        self._column = None
+
+    def __getstate__(self):  # grain workers get the index, not the loaded column
+        return {**self.__dict__, "_column": None}
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def get(self, i: int) -> str:
+        if self._column is None:
+            import pyarrow.parquet as pq
+
+            try:
+                self._column = pq.read_table(self.path, columns=[self.field]).column(0).combine_chunks()
+            except (OSError, ValueError) as e:
+                raise DataError(f"data file {self.path}: cannot read column {self.field!r} "
+                                f"({_oneline(e)})") from None
+        text = self._column[i].as_py()
+        if text is None:
+            raise DataError(f"data file {self.path} row {i}: {self.field!r} is null; "
+                            "drop or fill null rows")
+        return text
+
+
+# --------------------------------------------------------------------------------------------------
+# Many files as one sequence
+# --------------------------------------------------------------------------------------------------
+
+class Documents:
+    """The documents of several files as one random-access sequence of strings (a grain data source)."""
+
+    def __init__(self, files: list, description: str):
+        self.files = files
+        self.offsets = np.cumsum([0] + [len(f) for f in files])
+        self.description = description
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, index: int) -> str:
+        k = int(np.searchsorted(self.offsets, index, side="right")) - 1
+        return self.files[k].get(int(index - self.offsets[k]))
+
+    def __repr__(self) -> str:
+        return f"Documents({len(self)} documents: {self.description})"
+
+
+def builtin_documents(max_bytes: int) -> Documents:
+    """The standard library's `.py` files in sorted path order, `max_bytes` of them in total."""
+    if max_bytes <= 0:
+        raise DataError(f"data.builtin_max_bytes={max_bytes} must be positive")
+    root = sysconfig.get_paths()["stdlib"]
+    files, left = [], max_bytes
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)  # walk order = sorted paths
+        for name in sorted(filenames):
+            if not name.endswith(".py") or left <= 0:
+                continue
+            path = os.path.join(dirpath, name)
+            size = os.path.getsize(path)
+            files.append(_TextFile(path, limit=min(size, left), lenient=True))
+            left -= size
+        if left <= 0:
+            break
+    if not files:
+        raise DataError(f"the builtin corpus found no .py files under {root}; use data.source=files")
+    return Documents(files, f"{len(files)} .py files, {max_bytes - max(left, 0)} bytes of {root}")
+
+
+def file_documents(patterns: tuple[str, ...] | list[str], text_field: str) -> Documents:
+    """The documents of the files matched by `patterns` (globs, `**` allowed), in sorted order per glob."""
+    if not patterns:
+        raise DataError("data.source=files needs data.paths: globs of .txt / .jsonl / .parquet files")
+    paths: list[str] = []
+    for pattern in patterns:
+        matched = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        if not matched:
+            raise DataError(f"data.paths entry {pattern!r} matches no files; check the path or glob")
+        for p in matched:
+            if os.path.isdir(p):
+                raise DataError(f"data.paths entry {pattern!r} matches the directory {p}; "
+                                f"use a glob such as {os.path.join(p, '*.jsonl')!r}")
+            if p not in paths:
+                paths.append(p)
+    files = []
+    for p in paths:
+        ext = os.path.splitext(p)[1].lower()
+        if ext == ".txt":
+            files.append(_TextFile(p))
+        elif ext == ".jsonl":
+            files.append(_JsonlFile(p, text_field))
+        elif ext == ".parquet":
+            files.append(_ParquetFile(p, text_field))
+        else:
+            raise DataError(f"data file {p}: unsupported extension {ext!r}; use .txt (one document per "
+                            "file), .jsonl (one per line) or .parquet (column data.text_field)")
+    docs = Documents(files, f"{len(files)} files from {', '.join(patterns)}")
+    if not len(docs):
+        raise DataError(f"data.paths {', '.join(patterns)} matched {len(files)} files but no documents "
+                        "(empty files?)")
+    return docs

@@ -1,0 +1,31 @@
+"""Test set-up: 8 emulated CPU devices and a persistent compilation cache, before JAX starts."""
+
+import os
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_compilation_cache_dir",
+                  os.path.join(os.path.dirname(os.path.dirname(__file__)), ".cache", "jax-tests"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def eight_devices():
+    """Tests that build meshes need all 8 emulated devices: missing ones are a failure, not a skip."""
+    assert jax.device_count() == 8, f"expected 8 emulated CPU devices, got {jax.device_count()}"
+
+
+def assert_tree_close(actual, expected, rtol: float, what: str = "") -> None:
+    """Leaf-wise closeness with atol = rtol * max|expected| of the leaf (fp reduction order differs)."""
+    flat_a = jax.tree_util.tree_leaves_with_path(actual)
+    flat_e = jax.tree.leaves(expected)
+    assert len(flat_a) == len(flat_e)
+    for (path, a), e in zip(flat_a, flat_e):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * float(np.abs(e).max() + 1e-30),
+                                   err_msg=f"{what}{jax.tree_util.keystr(path)}")

@@ -1,0 +1,135 @@
+"""Every mesh gives the single-device run's losses and gradients (fp32, 3 optimizer steps)."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from conftest import assert_tree_close
+from helpers_data import packed_batch
+from lumen_jax.build import build
+from lumen_jax.config import Config, DataConfig, MeshConfig, ModelConfig, OptimConfig, TrainConfig
+from lumen_jax.parallel.mesh import make_mesh
+
+FP32_RTOL = 1e-5
+STEPS = 3
+BASE = Config(
+    model=ModelConfig(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=128,
+                      vocab_size=256, compute_dtype="float32"),
+    data=DataConfig(seq_len=32, global_batch_size=16),
+    optim=OptimConfig(lr=1e-2, warmup_steps=0, z_loss=1e-4),
+    train=TrainConfig(steps=STEPS),
+)
+
+
+def with_mesh(cfg: Config, zero_stage: int = 3, micro_batches: int = 1, **axes) -> Config:
+    return cfg.replace(mesh=MeshConfig(**{"data": 1, "fsdp": 1, "context": 1, "tensor": 1, **axes}),
+                       optim=dataclasses.replace(cfg.optim, zero_stage=zero_stage),
+                       train=dataclasses.replace(cfg.train, micro_batches=micro_batches))
+
+
+def batches(cfg: Config) -> list[dict]:
+    # The same batch each step, so the loss must fall (a check that the optimizer is doing work).
+    return [packed_batch(cfg.data.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size, seed=0)] * STEPS
+
+
+def run(cfg: Config, devices=None) -> dict:
+    """Loss and grad norm per step, and the full gradients before the first and after the last step.
+
+    Parameters themselves are not compared: Adam divides by sqrt(v), so an element whose gradient
+    is ~0 turns reduction-order noise into an lr-sized difference. The gradients after 3 steps
+    carry any real divergence of the parameters; they are compared as one vector (relative norm),
+    because the Q/K gradients are ~1000x smaller than the rest and inherit that Adam noise.
+    """
+    shape = {a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}
+    trainer = build(cfg, make_mesh(shape, devices))
+    state = trainer.init()
+    data = [trainer.shard_batch(b) for b in batches(cfg)]
+    _, grads0 = trainer.grads(state.params, data[0])
+    losses, norms = [], []
+    for b in data:
+        state, m = trainer.step(state, b)
+        losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+    _, grads_end = trainer.grads(state.params, data[-1])
+    return {"losses": np.array(losses), "grad_norms": np.array(norms),
+            "grads": jax.device_get(grads0), "grads_end": jax.device_get(grads_end)}
+
+
+def assert_same_run(got: dict, ref: dict, name: str) -> None:
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=FP32_RTOL, err_msg=f"{name} losses")
+    np.testing.assert_allclose(got["grad_norms"], ref["grad_norms"], rtol=FP32_RTOL,
+                               err_msg=f"{name} grad norms")
+    assert_tree_close(got["grads"], ref["grads"], FP32_RTOL, what=f"{name} first grads ")
+    diff = optax.tree.norm(jax.tree.map(lambda a, b: a - b, got["grads_end"], ref["grads_end"]))
+    assert diff <= FP32_RTOL * optax.tree.norm(ref["grads_end"]), f"{name} grads after 3 steps: {diff}"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run(with_mesh(BASE), devices=jax.devices()[:1])
+
+
+MESHES = {
+    "data=8": dict(data=8),
+    "fsdp=8": dict(fsdp=8),
+    "data=2,fsdp=2,tensor=2": dict(data=2, fsdp=2, tensor=2),
+    "fsdp=4,tensor=2,sp": dict(fsdp=4, tensor=2, sequence_parallel=True),
+    "zero1,fsdp=8": dict(fsdp=8, zero_stage=1),
+    "zero2,data=2,fsdp=4": dict(data=2, fsdp=4, zero_stage=2),
+    "context=2,fsdp=4": dict(context=2, fsdp=4),
+}
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("name", list(MESHES))
+def test_mesh_matches_single_device(name, reference):
+    axes = dict(MESHES[name])
+    zero = axes.pop("zero_stage", 3)
+    got = run(with_mesh(BASE, zero_stage=zero, **axes))
+    assert np.all(np.diff(reference["losses"]) < 0), reference["losses"]  # the optimizer is doing work
+    assert_same_run(got, reference, name)
+
+
+@pytest.mark.heavy
+def test_micro_batches_equal_one_big_batch(reference):
+    got = run(with_mesh(BASE, micro_batches=4, fsdp=8))
+    assert_same_run(got, reference, "micro_batches=4")
+
+
+# Golden table: the exact PartitionSpec of every parameter (leading axis = stacked layers).
+GOLDEN_FSDP4_TP2 = {
+    "embed": P("tensor", "fsdp"),
+    "lm_head": P("fsdp", "tensor"),
+    "final_norm/scale": P(None),
+    "blocks/attn/wq": P(None, "fsdp", "tensor", None),
+    "blocks/attn/wk": P(None, "fsdp", "tensor", None),
+    "blocks/attn/wv": P(None, "fsdp", "tensor", None),
+    "blocks/attn/wo": P(None, "tensor", None, "fsdp"),
+    "blocks/attn_norm/scale": P(None, None),
+    "blocks/mlp/w_gate": P(None, "fsdp", "tensor"),
+    "blocks/mlp/w_up": P(None, "fsdp", "tensor"),
+    "blocks/mlp/w_down": P(None, "tensor", "fsdp"),
+    "blocks/mlp_norm/scale": P(None, None),
+}
+# ZeRO-1: parameters replicated over fsdp (only tensor splits remain); optimizer state as ZeRO-3.
+GOLDEN_ZERO1_PARAMS = {k: P(*(None if a == "fsdp" else a for a in v)) for k, v in GOLDEN_FSDP4_TP2.items()}
+
+
+def _flat(tree) -> dict:
+    return {"/".join(str(k.key) for k in path): v
+            for path, v in jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(x, P))}
+
+
+@pytest.mark.parametrize("zero_stage,params_golden", [(3, GOLDEN_FSDP4_TP2), (1, GOLDEN_ZERO1_PARAMS)])
+def test_partition_specs_golden(zero_stage, params_golden):
+    cfg = with_mesh(BASE, zero_stage=zero_stage, fsdp=4, tensor=2)
+    trainer = build(cfg, make_mesh({"data": 1, "fsdp": 4, "context": 1, "tensor": 2}))
+    assert _flat(trainer.param_specs("params")) == params_golden
+    assert _flat(trainer.param_specs("optimizer")) == GOLDEN_FSDP4_TP2
+    placed = _flat(jax.tree.map(lambda s: s.spec, trainer.state_shardings.params,
+                                is_leaf=lambda x: hasattr(x, "spec")))
+    assert placed == params_golden
