@@ -319,11 +319,11 @@ class Progress:
         """Moves the bar to `step` (steps completed) and shows the known metrics."""
         if self._bar.disable:
             return
-        self._bar.update(step - self._bar.n)
         shown = {"loss": "loss {:.4f}", "tokens_per_sec": "{:,.0f} tok/s", "mfu": "MFU {:.1%}"}
         parts = [fmt.format(_to_python(metrics[k])) for k, fmt in shown.items()
                  if metrics.get(k) is not None]
         self._bar.set_postfix_str(" ".join(parts), refresh=False)
+        self._bar.update(step - self._bar.n)  # redraws with the new postfix
 
     def close(self) -> None:
         self._bar.close()
