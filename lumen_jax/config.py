@@ -578,6 +578,10 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         (m.head_dim > 0 or m.d_model % m.num_heads == 0,
          f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}, so model.head_dim=0 "
          "cannot be derived; set model.head_dim explicitly or make d_model a multiple of num_heads"),
+        (m.d_model % shape["fsdp"] == 0,
+         f"mesh.fsdp={shape['fsdp']} does not divide model.d_model={m.d_model} (parameters and optimizer "
+         f"state are sharded along d_model over fsdp); choose mesh.fsdp among the divisors of {m.d_model} "
+         f"({_divisors(m.d_model, num_devices)})"),
         (m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor,
          f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be > model.rope_low_freq_factor="
          f"{m.rope_low_freq_factor} for rope_scaling=llama3; raise the high or lower the low factor"),

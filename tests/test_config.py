@@ -303,12 +303,18 @@ def test_brief_example_message():
                                        "choose mesh.tensor among the divisors of 8 (1, 2)")
 
 
+def test_fsdp_divides_d_model():
+    msg = error(validate, with_(TINY, model=dict(d_model=36, num_heads=4)), 8)
+    assert msg.startswith("mesh.fsdp=8 does not divide model.d_model=36")
+    assert validate(with_(TINY, model=dict(d_model=36, num_heads=4), mesh=dict(fsdp=4, data=2)), 8)
+
+
 def test_gqa_and_head_dim():
     msg = error(validate, with_(TINY, model=dict(num_kv_heads=3)), 8)
     assert "model.num_kv_heads=3 does not divide model.num_heads=4" in msg
     msg = error(validate, with_(TINY, model=dict(d_model=66)), 8)
     assert "model.d_model=66" in msg and "model.num_heads=4" in msg and "model.head_dim" in msg
-    validate(with_(TINY, model=dict(d_model=66, head_dim=16)), 8)
+    validate(with_(TINY, model=dict(d_model=66, head_dim=16), mesh=dict(data=4, fsdp=2)), 8)
 
 
 def test_batch_and_sequence():
