@@ -43,6 +43,11 @@ class Trainer:
         """PartitionSpec of every parameter for `kind` in params | grads | optimizer."""
         return self.rules.tree_specs(self.param_names, kind)
 
+    def abstract_state(self) -> step_lib.TrainState:
+        """Shapes, dtypes and target shardings of the state (for restoring onto this mesh)."""
+        return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                            jax.eval_shape(self.init), self.state_shardings)
+
     def shard_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Global sharded arrays from this process's rows of the batch."""
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, local_batch[k])

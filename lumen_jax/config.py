@@ -146,6 +146,8 @@ class TrainConfig:
     seed: int = 0
     micro_batches: int = 1  # gradient accumulation inside the jitted step
     run_dir: str = ""  # "": runs/<config name>
+    max_nonfinite_steps: int = 20  # this many non-finite steps in a row stop the run (exit 3)
+    sdc_check_every: int = 0  # compare parameter replicas' checksums every N steps (0: off)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -524,7 +526,8 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("optim.loss_scale_growth_interval", ">=", 1),
     ("data.seq_len", ">=", 1), ("data.global_batch_size", ">=", 1), ("data.builtin_max_bytes", ">=", 1),
     ("data.num_workers", ">=", 0),
-    ("train.steps", ">=", 1), ("train.micro_batches", ">=", 1),
+    ("train.steps", ">=", 1), ("train.micro_batches", ">=", 1), ("train.max_nonfinite_steps", ">=", 1),
+    ("train.sdc_check_every", ">=", 0),
     ("checkpoint.every_steps", ">=", 0), ("checkpoint.every_minutes", ">=", 0), ("checkpoint.keep", ">=", 1),
     ("checkpoint.keep_every", ">=", 0),
     ("log.every_steps", ">=", 1),

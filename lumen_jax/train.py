@@ -1,6 +1,15 @@
 """`python -m lumen_jax.train --config configs/tiny.yaml [section.key=value ...]`: parse, build, loop.
 
-Exit codes: 0 done, 2 bad input (config, data), 1 our own bug (with a traceback).
+A run directory with checkpoints resumes from its latest good one. Exit codes:
+
+====  ==========================================================================================
+0     trained to `train.steps`
+1     a bug in lumen_jax (with a traceback)
+2     bad input: config, data file, checkpoint write failure (disk full); nothing was damaged
+3     diverged: `train.max_nonfinite_steps` non-finite steps in a row; last checkpoint intact
+4     silent data corruption: parameter replicas disagree (`train.sdc_check_every`)
+75    preempted: SIGTERM/SIGINT, the current step finished and a checkpoint was written
+====  ==========================================================================================
 """
 
 from __future__ import annotations
@@ -9,12 +18,11 @@ import argparse
 import json
 import os
 import sys
-import time
 from typing import Sequence
 
 from lumen_jax.config import Config, ConfigError, load_config, to_dict, validate
 
-EXIT_BAD_INPUT = 2
+EXIT_OK, EXIT_BUG, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_CORRUPTION, EXIT_PREEMPTED = 0, 1, 2, 3, 4, 75
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -29,12 +37,12 @@ def run_dir_for(cfg: Config) -> str:
 
 
 def train(cfg: Config) -> dict:
-    """Train `cfg` to `train.steps`; returns the last logged metrics."""
+    """Train `cfg` to `train.steps` (resuming from its run directory); returns the last metrics."""
     from lumen_jax import runtime
     runtime.configure(cfg.runtime)
 
     import jax
-    from lumen_jax import metrics as metrics_lib
+    from lumen_jax import loop
     from lumen_jax.build import build
     from lumen_jax.data import TrainData
     from lumen_jax.parallel.mesh import make_mesh
@@ -47,66 +55,29 @@ def train(cfg: Config) -> dict:
                           f"vocabulary ({data.tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer!r}); "
                           f"set model.vocab_size>={data.tokenizer.vocab_size}")
     trainer = build(cfg, make_mesh(mesh_shape))
-
-    is_main = jax.process_index() == 0
     run_dir = run_dir_for(cfg)
-    if is_main:
+    if jax.process_index() == 0:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(to_dict(cfg), f, indent=2)
-
-    tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
-    flops = metrics_lib.flops_per_token(cfg.model, cfg.data.seq_len)
-    hw_flops = metrics_lib.hardware_flops_per_token(cfg.model, cfg.data.seq_len)
-    peak, peak_source = metrics_lib.peak_flops_per_device(jax.devices(), cfg.model.compute_dtype)
-
-    t0 = time.perf_counter()
-    state = trainer.init()
-    batch = trainer.shard_batch(next(data))
-    step_fn = trainer.step.lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
-    if is_main:
-        print(f"lumen_jax: {jax.device_count()} {jax.devices()[0].platform} devices, mesh "
-              + " ".join(f"{k}={v}" for k, v in mesh_shape.items())
-              + f", {metrics_lib.param_counts(cfg.model)['total'] / 1e6:.2f}M params, "
-              f"compiled in {compile_s:.1f}s, peak {peak_source}, run dir {run_dir}", flush=True)
-
-    last: dict = {}
-    log_every = cfg.log.every_steps
-    with metrics_lib.MetricsWriter(run_dir, jsonl=cfg.log.jsonl, tensorboard=cfg.log.tensorboard,
-                                   enabled=is_main) as writer, \
-            metrics_lib.Progress(cfg.train.steps, enabled=is_main and cfg.log.progress) as progress:
-        t_last, steps_since = time.perf_counter(), 0
-        for step in range(1, cfg.train.steps + 1):
-            state, step_metrics = step_fn(state, batch)
-            steps_since += 1
-            if step < cfg.train.steps:
-                batch = trainer.shard_batch(next(data))  # host work overlaps the running step
-            if step % log_every == 0 or step == cfg.train.steps:
-                values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-                now = time.perf_counter()
-                perf = metrics_lib.StepMetrics.compute(
-                    step_time_s=(now - t_last) / steps_since, tokens_per_step=tokens_per_step,
-                    num_devices=jax.device_count(), flops_per_token=flops,
-                    hw_flops_per_token=hw_flops, peak_flops_per_device=peak)
-                last = {**values, **perf.as_dict()}
-                writer.write(step, last)
-                progress.update(step, last)
-                t_last, steps_since = time.perf_counter(), 0
-    return last
+    return loop.run(cfg, trainer, data, run_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    from lumen_jax.checkpoint import CheckpointError
     from lumen_jax.data import DataError
+    from lumen_jax.loop import CorruptionDetected, Diverged, Preempted
+    codes = {ConfigError: EXIT_BAD_INPUT, DataError: EXIT_BAD_INPUT, CheckpointError: EXIT_BAD_INPUT,
+             Diverged: EXIT_DIVERGED, CorruptionDetected: EXIT_CORRUPTION, Preempted: EXIT_PREEMPTED}
     try:
         cfg = load_config(args.config, args.overrides)
         last = train(cfg)
-    except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    except tuple(codes) as e:
+        print(f"{'stopped' if isinstance(e, Preempted) else 'error'}: {e}", file=sys.stderr, flush=True)
+        return codes[type(e)]
     print(f"done: step {cfg.train.steps} loss {last.get('loss', float('nan')):.4f}")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -1,0 +1,136 @@
+"""Run a training command and restart it from the latest good checkpoint when it dies.
+
+    python launch/supervise.py --run-dir runs/tiny --max-restarts 5 -- \\
+        python -m lumen_jax.train --config configs/tiny.yaml train.run_dir=runs/tiny checkpoint.every_steps=50
+
+The command resumes by itself (lumen_jax.train restores the latest good checkpoint of its run
+directory), so a restart is just running it again, after a backoff that doubles each time. Exit
+codes 0 (done), 2 (bad input), 3 (diverged) and 4 (silent data corruption) end supervision:
+running again would not help. Anything else (a crash, SIGKILL, 75 = preempted) is an interruption.
+
+At the end it prints each interruption (cause, steps lost, time lost) and the goodput: the share
+of wall time spent on training steps that were kept. It reads `<run-dir>/events.jsonl`, which the
+trainer writes at start, at each logged step and at each checkpoint, so steps lost are counted to
+the nearest logged step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+FINAL_CODES = {0: "done", 2: "bad input", 3: "diverged", 4: "silent data corruption"}
+
+
+@dataclasses.dataclass
+class Attempt:
+    pid: int
+    started: float
+    ended: float
+    returncode: int
+
+    @property
+    def cause(self) -> str:
+        if self.returncode < 0:
+            return f"killed by {signal.Signals(-self.returncode).name}"
+        if self.returncode == 75:
+            return "preempted (exit 75, checkpoint written)"
+        return FINAL_CODES.get(self.returncode, f"exit code {self.returncode}")
+
+
+@dataclasses.dataclass
+class Interruption:
+    attempt: int
+    cause: str
+    steps_lost: int
+    time_lost_s: float
+
+
+def read_events(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "events.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def account(attempts: Sequence[Attempt], events: Sequence[dict]) -> tuple[list[Interruption], float]:
+    """Interruptions and goodput (useful step time / total wall time) from attempts and trainer events."""
+    per_pid: dict[int, list[dict]] = {}
+    for e in events:
+        per_pid.setdefault(e["pid"], []).append(e)
+    resume = [next((e["resume_step"] for e in per_pid.get(a.pid, []) if e["event"] == "start"), None)
+              for a in attempts]
+    useful_s, interruptions = 0.0, []
+    for i, a in enumerate(attempts):
+        steps = [(e["step"], e["time"]) for e in per_pid.get(a.pid, []) if e["event"] == "step"]
+        start = resume[i] if resume[i] is not None else 0
+        reached = max([s for s, _ in steps], default=start)
+        later = next((r for r in resume[i + 1:] if r is not None), None)
+        kept = min(reached, later) if later is not None else reached
+        if len(steps) >= 2:
+            step_time = (steps[-1][1] - steps[0][1]) / max(steps[-1][0] - steps[0][0], 1)
+        else:
+            step_time = (a.ended - a.started) / max(reached - start, 1)
+        useful = max(kept - start, 0) * step_time
+        useful_s += useful
+        if i < len(attempts) - 1 or a.returncode not in FINAL_CODES:
+            interruptions.append(Interruption(i, a.cause, max(reached - kept, 0),
+                                              (a.ended - a.started) - useful))
+    wall = (attempts[-1].ended - attempts[0].started) if attempts else 0.0
+    return interruptions, (useful_s / wall if wall > 0 else 0.0)
+
+
+def supervise(command: Sequence[str], run_dir: str, max_restarts: int, backoff_s: float,
+              max_backoff_s: float = 60.0) -> int:
+    """Runs `command` until it finishes or fails for good; returns its last exit code."""
+    attempts: list[Attempt] = []
+    while True:
+        started = time.time()
+        proc = subprocess.Popen(command)
+        try:
+            returncode = proc.wait()
+        except KeyboardInterrupt:  # the supervisor itself is stopped: pass it on, then report
+            proc.send_signal(signal.SIGTERM)
+            returncode = proc.wait()
+        attempts.append(Attempt(proc.pid, started, time.time(), returncode))
+        restarts = len(attempts) - 1
+        if returncode in FINAL_CODES or restarts >= max_restarts:
+            break
+        delay = min(backoff_s * 2 ** restarts, max_backoff_s)
+        print(f"supervise: attempt {len(attempts)} ended ({attempts[-1].cause}); restarting in {delay:.1f}s "
+              f"({restarts + 1}/{max_restarts})", file=sys.stderr, flush=True)
+        time.sleep(delay)
+
+    interruptions, goodput = account(attempts, read_events(run_dir))
+    print(f"supervise: {len(attempts)} attempt(s), {len(interruptions)} interruption(s), "
+          f"final: {attempts[-1].cause}")
+    for it in interruptions:
+        print(f"  attempt {it.attempt + 1}: {it.cause}; steps lost {it.steps_lost}, "
+              f"time lost {it.time_lost_s:.1f}s")
+    print(f"supervise: goodput {100 * goodput:.1f}% of {attempts[-1].ended - attempts[0].started:.1f}s wall time")
+    return attempts[-1].returncode if attempts[-1].returncode >= 0 else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--run-dir", required=True, help="the run directory the command trains in")
+    p.add_argument("--max-restarts", type=int, default=10)
+    p.add_argument("--backoff", type=float, default=5.0, help="seconds before the first restart; doubles")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")
+    args = p.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        p.error("give the training command after --")
+    return supervise(command, args.run_dir, args.max_restarts, args.backoff)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Orbax checkpoints of the whole training state: async save, verified restore, reshard on restore.
+
+A checkpoint at step N is `<run_dir>/checkpoints/N/` holding two Orbax items:
+
+- `state`: the TrainState (params, optimizer state, step, loss scale), one file set per shard;
+- `meta`: JSON with the data iterator's state, the resolved config and a checksum per array.
+
+Orbax writes each step into a temporary folder and renames it when every file is written, and it
+deletes old steps only after the new one is committed: a crash or SIGKILL mid-save leaves the last
+committed step intact. On restore the arrays are read straight into the target shardings (so a
+checkpoint from one mesh lands on another), then their checksums are recomputed and compared; a
+step that fails to read or whose checksums differ is reported in one line, moved aside to
+`checkpoints/corrupt-N`, and the previous step is tried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from lumen_jax.config import CheckpointConfig
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (disk full, permissions): the run stops, state intact."""
+
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    state: Any
+    meta: dict
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The array's bits as uint32 words (the checksum must see bits, not values: -0.0 != 0.0)."""
+    x = jnp.ravel(x)
+    if x.dtype.itemsize == 4:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    if x.dtype.itemsize == 2:
+        return jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    if x.dtype.itemsize == 1:
+        return jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
+    raise TypeError(f"no checksum for dtype {x.dtype}")
+
+
+@jax.jit
+def checksums(tree: Any) -> Any:
+    """Per array, two uint32 sums of its bits (plain and position-weighted), exact on any mesh.
+
+    Integer sums wrap around and are associative, so the result does not depend on how the array
+    is sharded or in which order devices add up their parts.
+    """
+    def one(x: jax.Array) -> jax.Array:
+        w = _words(x)
+        weight = (jnp.arange(w.shape[0], dtype=jnp.uint32) % jnp.uint32(65521)) + jnp.uint32(1)
+        return jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * weight, dtype=jnp.uint32)])
+    return jax.tree.map(one, tree)
+
+
+def _checksum_list(tree: Any) -> list[list[int]]:
+    return [[int(v) for v in np.asarray(c)] for c in jax.tree.leaves(jax.device_get(checksums(tree)))]
+
+
+class Checkpointer:
+    """Saves every `every_steps` steps and/or `every_minutes` minutes; restores the latest good step."""
+
+    def __init__(self, directory: str, cfg: CheckpointConfig):
+        self.directory = os.path.abspath(directory)
+        self.cfg = cfg
+        self._last_save_time = time.monotonic()
+        self._manager = self._open()
+
+    def _open(self) -> ocp.CheckpointManager:
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=self.cfg.keep, keep_period=self.cfg.keep_every or None,
+            enable_async_checkpointing=self.cfg.async_save, create=True, cleanup_tmp_directories=True)
+        return ocp.CheckpointManager(self.directory, options=options)
+
+    def due(self, step: int) -> bool:
+        """Whether the schedule asks for a checkpoint after `step`."""
+        by_steps = self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
+        by_time = (self.cfg.every_minutes > 0
+                   and time.monotonic() - self._last_save_time >= 60 * self.cfg.every_minutes)
+        return by_steps or by_time
+
+    def save(self, step: int, state: Any, meta: dict) -> float:
+        """Starts writing `state` (+ JSON `meta`) as step `step`; returns the seconds the caller stalled.
+
+        The stall is the device-to-host copy (and, when a previous save is still being written,
+        waiting for it); the files are written in the background.
+        """
+        t0 = time.perf_counter()
+        meta = {**meta, "checksums": _checksum_list(state)}
+        try:
+            self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                             meta=ocp.args.JsonSave(meta)), force=True)
+        except Exception as e:  # noqa: BLE001 - disk full, permissions: name the folder and stop
+            raise CheckpointError(_write_error(self.directory, step, e)) from None
+        self._last_save_time = time.monotonic()
+        return time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Blocks until the last save is committed; raises CheckpointError if writing it failed."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(_write_error(self.directory, self._manager.latest_step(), e)) from None
+
+    def steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def restore_latest(self, abstract_state: Any) -> Restored | None:
+        """The newest step that reads back intact into `abstract_state`'s shardings, or None.
+
+        Args:
+          abstract_state: a pytree of `jax.ShapeDtypeStruct` with `sharding` set: the target layout
+            (any mesh, any device count).
+        """
+        for step in reversed(self.steps()):
+            try:
+                out = self._manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+                meta = dict(out["meta"])
+                if _checksum_list(out["state"]) != meta.get("checksums"):
+                    raise ValueError("array checksums differ from those recorded at save time")
+                return Restored(step=step, state=out["state"], meta=meta)
+            except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: report and fall back
+                self._quarantine(step, e)
+        return None
+
+    def _quarantine(self, step: int, error: Exception) -> None:
+        src = os.path.join(self.directory, str(step))
+        dst = os.path.join(self.directory, f"corrupt-{step}")
+        if jax.process_index() == 0 and os.path.isdir(src):
+            shutil.rmtree(dst, ignore_errors=True)
+            os.rename(src, dst)  # kept for inspection, out of the way of the next save of `step`
+        reason = " ".join(str(error).split())[:300]
+        print(f"warning: checkpoint {src} is unusable ({type(error).__name__}: {reason}); "
+              f"moved to {dst}, trying the previous step", file=sys.stderr, flush=True)
+        self._manager.close()
+        self._manager = self._open()
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def _write_error(directory: str, step: int | None, e: Exception) -> str:
+    reason = " ".join(str(e).split())[:300]
+    return (f"writing checkpoint step {step} to {directory} failed ({type(e).__name__}: {reason}); "
+            "the previous checkpoint is intact — free disk space or fix permissions, then rerun to resume")

@@ -1,0 +1,172 @@
+"""The training loop: steps, logging, checkpoints, preemption and the guards.
+
+The host never waits for the device inside a step: the next batch is prepared while the current
+step runs, and the step's metrics are read one step late (they are ready by then). A save blocks
+only for the device-to-host copy; Orbax writes in the background.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Any, Iterator
+
+import jax
+
+from lumen_jax import metrics as metrics_lib
+from lumen_jax.build import Trainer
+from lumen_jax.checkpoint import Checkpointer
+from lumen_jax.config import Config, to_dict
+from lumen_jax.parallel.sdc import find_divergent_replicas
+
+
+class Preempted(Exception):
+    """SIGTERM/SIGINT arrived: the current step finished and a checkpoint was written."""
+
+
+class Diverged(Exception):
+    """Too many non-finite steps in a row; the last good checkpoint is intact."""
+
+
+class CorruptionDetected(Exception):
+    """Parameter replicas disagree (silent data corruption)."""
+
+
+class _StopSignal:
+    """Turns the first SIGTERM/SIGINT into a flag the loop checks after each step."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:  # a second signal: stop now, the checkpoint is not waited for
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.received = signum
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+class Events:
+    """`<run_dir>/events.jsonl`: start, progress and checkpoint events for the supervisor."""
+
+    def __init__(self, run_dir: str, enabled: bool):
+        self.path = os.path.join(run_dir, "events.jsonl") if enabled else None
+
+    def write(self, event: str, **fields: Any) -> None:
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"event": event, "time": time.time(), "pid": os.getpid(), **fields}) + "\n")
+
+
+def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
+    """Train from the latest good checkpoint in `run_dir` (or from scratch) to `train.steps`.
+
+    Returns the last logged metrics. Raises Preempted, Diverged or CorruptionDetected (after
+    which the last committed checkpoint is intact), or CheckpointError.
+    """
+    is_main = jax.process_index() == 0
+    events = Events(run_dir, is_main)
+    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoint)
+    restored = ckpt.restore_latest(trainer.abstract_state())
+    if restored is not None:
+        state, start = restored.state, restored.step
+        data.set_state(restored.meta["data"])
+    else:
+        state, start = trainer.init(), 0
+    events.write("start", resume_step=start)
+
+    tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
+    flops = metrics_lib.flops_per_token(cfg.model, cfg.data.seq_len)
+    hw_flops = metrics_lib.hardware_flops_per_token(cfg.model, cfg.data.seq_len)
+    peak, peak_source = metrics_lib.peak_flops_per_device(jax.devices(), cfg.model.compute_dtype)
+
+    t0 = time.perf_counter()
+    data_state = data.get_state()  # position after `start` batches: what a checkpoint records
+    batch = trainer.shard_batch(next(data))
+    step_fn = trainer.step.lower(state, batch).compile()
+    if is_main:
+        print(f"lumen_jax: {jax.device_count()} {jax.devices()[0].platform} devices, mesh "
+              + " ".join(f"{k}={v}" for k, v in trainer.mesh.shape.items())
+              + f", {metrics_lib.param_counts(cfg.model)['total'] / 1e6:.2f}M params, "
+              f"compiled in {time.perf_counter() - t0:.1f}s, peak {peak_source}, run dir {run_dir}"
+              + (f", resumed from step {start}" if start else ""), flush=True)
+
+    def save(step: int) -> float:
+        meta = {"data": data_state, "config": to_dict(cfg)}
+        stall = ckpt.save(step, state, meta)
+        events.write("checkpoint", step=step)
+        return stall
+
+    stop = _StopSignal()
+    last: dict = {}
+    stall = 0.0
+    nonfinite_run = skipped_total = 0
+    previous: tuple[int, Any] | None = None
+    log_every = cfg.log.every_steps
+    try:
+        with metrics_lib.MetricsWriter(run_dir, jsonl=cfg.log.jsonl, tensorboard=cfg.log.tensorboard,
+                                       enabled=is_main) as writer, \
+                metrics_lib.Progress(cfg.train.steps, enabled=is_main and cfg.log.progress,
+                                     initial_step=start) as progress:
+            t_last, steps_since = time.perf_counter(), 0
+            for step in range(start + 1, cfg.train.steps + 1):
+                state, step_metrics = step_fn(state, batch)
+                steps_since += 1
+                data_state = data.get_state()  # after `step` batches
+                if step < cfg.train.steps:  # host work overlaps the running step
+                    batch = trainer.shard_batch(next(data))
+
+                # Guards on the previous step's metrics (ready by now; no pipeline stall).
+                for done_step, done_metrics in [previous] if previous else []:
+                    if int(done_metrics["skipped"]):
+                        nonfinite_run, skipped_total = nonfinite_run + 1, skipped_total + 1
+                        if nonfinite_run >= cfg.train.max_nonfinite_steps:
+                            raise Diverged(
+                                f"{nonfinite_run} steps in a row (up to step {done_step}) had a non-finite "
+                                f"loss or gradient norm (train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}); "
+                                f"updates were skipped and the last checkpoint in {ckpt.directory} is intact; "
+                                "lower optim.lr or check the data, then rerun to resume")
+                    else:
+                        nonfinite_run = 0
+                previous = (step, step_metrics)
+
+                if cfg.train.sdc_check_every and step % cfg.train.sdc_check_every == 0:
+                    bad = find_divergent_replicas(trainer.mesh, state.params)
+                    if bad:
+                        raise CorruptionDetected(f"silent data corruption at step {step}: {bad[0]}"
+                                                 + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+                                                 + "; exclude that device and resume from the last checkpoint")
+
+                if step % log_every == 0 or step == cfg.train.steps:
+                    values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+                    now = time.perf_counter()
+                    perf = metrics_lib.StepMetrics.compute(
+                        step_time_s=(now - t_last) / steps_since, tokens_per_step=tokens_per_step,
+                        num_devices=jax.device_count(), flops_per_token=flops,
+                        hw_flops_per_token=hw_flops, peak_flops_per_device=peak)
+                    last = {**values, **perf.as_dict(), "skipped_total": skipped_total,
+                            "checkpoint_stall_s": stall}
+                    writer.write(step, last)
+                    progress.update(step, last)
+                    events.write("step", step=step)
+                    t_last, steps_since, stall = time.perf_counter(), 0, 0.0
+
+                if stop.received is not None or ckpt.due(step) or step == cfg.train.steps:
+                    if step == cfg.train.steps and not (cfg.checkpoint.every_steps or cfg.checkpoint.every_minutes):
+                        break  # checkpointing off: nothing to write at the end
+                    stall += save(step)
+                    if stop.received is not None:
+                        ckpt.wait()
+                        raise Preempted(f"stopped by signal {signal.Signals(stop.received).name} after step "
+                                        f"{step}; checkpoint written to {ckpt.directory}; rerun to resume")
+        ckpt.wait()
+    finally:
+        stop.restore()
+        ckpt.close()
+    return last
