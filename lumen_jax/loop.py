@@ -64,6 +64,17 @@ class Events:
                 f.write(json.dumps({"event": event, "time": time.time(), "pid": os.getpid(), **fields}) + "\n")
 
 
+def _inject_kill(run_dir: str, step: int) -> None:
+    """Fault injection for tests: SIGKILL this process once after each step in
+    LUMEN_FAULT_SIGKILL_AFTER_STEPS (comma-separated), after the step (and its checkpoint, if one
+    was due) was issued: the async write may still be in flight."""
+    steps = os.environ.get("LUMEN_FAULT_SIGKILL_AFTER_STEPS", "")
+    marker = os.path.join(run_dir, f".fault-killed-{step}")
+    if str(step) in steps.split(",") and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
     """Train from the latest good checkpoint in `run_dir` (or from scratch) to `train.steps`.
 
@@ -165,6 +176,7 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
                         ckpt.wait()
                         raise Preempted(f"stopped by signal {signal.Signals(stop.received).name} after step "
                                         f"{step}; checkpoint written to {ckpt.directory}; rerun to resume")
+                _inject_kill(run_dir, step)
         ckpt.wait()
     finally:
         stop.restore()

@@ -2,7 +2,11 @@
 
 import os
 
-import jax
+from lumen_jax.runtime import set_cpu_xla_flags
+
+set_cpu_xla_flags()  # before the backend starts: see lumen_jax/runtime.py
+
+import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_compilation_cache_dir",

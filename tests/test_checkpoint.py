@@ -1,0 +1,234 @@
+"""Checkpoints and fault tolerance: exact resume, reshard on restore, atomicity, corruption,
+preemption, the supervisor, the non-finite and silent-data-corruption guards."""
+
+import glob
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from helpers_data import packed_batch
+from lumen_jax import train as train_cli
+from lumen_jax.build import build
+from lumen_jax.checkpoint import Checkpointer
+from lumen_jax.config import CheckpointConfig, Config, MeshConfig, ModelConfig
+from lumen_jax.parallel.mesh import make_mesh
+from lumen_jax.parallel.sdc import find_divergent_replicas
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = Config(model=ModelConfig(compute_dtype="float32"))
+IN_PROCESS = ["runtime.cpu_devices=0", "runtime.compilation_cache_dir=", "log.progress=false",
+              "log.tensorboard=false"]
+
+
+def _load_supervisor():
+    spec = importlib.util.spec_from_file_location("supervise", os.path.join(REPO, "launch", "supervise.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _mesh(**axes):
+    shape = {"data": 1, "fsdp": 1, "context": 1, "tensor": 1, **axes}
+    devices = jax.devices()[:int(np.prod(list(shape.values())))]
+    return shape, make_mesh(shape, devices)
+
+
+def _trainer(**axes):
+    shape, mesh = _mesh(**axes)
+    return build(CFG.replace(mesh=MeshConfig(**shape)), mesh)
+
+
+def _losses(run_dir: str) -> dict[int, float]:
+    out = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            out[row["step"]] = row["loss"]  # a resumed run logs some steps again: the same values
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint written on fsdp=8 after one step, and the state it holds."""
+    directory = str(tmp_path_factory.mktemp("ckpt"))
+    trainer = _trainer(fsdp=8)
+    state, _ = trainer.step(trainer.init(), trainer.shard_batch(packed_batch(16, 128, 512, seed=0)))
+    ckpt = Checkpointer(directory, CheckpointConfig())
+    ckpt.save(1, state, {"data": {"position": 17}})
+    ckpt.wait()
+    ckpt.close()
+    return directory, jax.device_get(state)
+
+
+@pytest.mark.parametrize("axes", [dict(data=2, fsdp=2, tensor=2), dict(fsdp=4, tensor=2), dict()],
+                         ids=["data2-fsdp2-tensor2", "fsdp4-tensor2", "one-device"])
+def test_restore_onto_another_mesh(saved, axes, tmp_path):
+    directory, expected = saved
+    copy = str(tmp_path / "ckpt")
+    shutil.copytree(directory, copy)
+    trainer = _trainer(**axes)
+    restored = Checkpointer(copy, CheckpointConfig()).restore_latest(trainer.abstract_state())
+    assert restored.step == 1 and restored.meta["data"] == {"position": 17}
+    for got, want in zip(jax.tree.leaves(restored.state), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(got), want)
+    for got, sh in zip(jax.tree.leaves(restored.state.params), jax.tree.leaves(trainer.state_shardings.params)):
+        assert got.sharding == sh
+
+
+def test_corrupted_file_falls_back_to_previous_step(saved, tmp_path):
+    directory, _ = saved
+    copy = str(tmp_path / "ckpt")
+    shutil.copytree(directory, copy)
+    shutil.copytree(os.path.join(copy, "1"), os.path.join(copy, "2"))
+    chunk = max((f for f in glob.glob(os.path.join(copy, "2", "state", "**", "d", "*"), recursive=True)),
+                key=os.path.getsize)
+    data = bytearray(open(chunk, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(chunk, "wb").write(data)
+    restored = Checkpointer(copy, CheckpointConfig()).restore_latest(_trainer(fsdp=8).abstract_state())
+    assert restored.step == 1
+    assert sorted(os.listdir(copy)) == ["1", "corrupt-2"]
+
+
+def test_missing_file_falls_back_and_half_written_save_is_ignored(saved, tmp_path):
+    directory, _ = saved
+    copy = str(tmp_path / "ckpt")
+    shutil.copytree(directory, copy)
+    shutil.copytree(os.path.join(copy, "1"), os.path.join(copy, "2"))
+    os.remove(os.path.join(copy, "2", "meta", "metadata"))
+    # A save killed midway: Orbax's temporary folder, never renamed to its step.
+    shutil.copytree(os.path.join(copy, "1"), os.path.join(copy, "3.orbax-checkpoint-tmp-1234"))
+    ckpt = Checkpointer(copy, CheckpointConfig())
+    assert ckpt.steps() == [1, 2]
+    assert ckpt.restore_latest(_trainer(fsdp=8).abstract_state()).step == 1
+
+
+def test_nan_gradient_skips_the_update():
+    trainer = _trainer(fsdp=8)
+    state = trainer.init()
+    before = jax.device_get(state)
+    poisoned = state.replace(loss_scale=state.loss_scale * np.nan)  # every gradient becomes NaN
+    after, metrics = trainer.step(poisoned, trainer.shard_batch(packed_batch(16, 128, 512, seed=0)))
+    assert int(metrics["skipped"]) == 1
+    for got, want in zip(jax.tree.leaves((after.params, after.opt_state)),
+                         jax.tree.leaves((before.params, before.opt_state))):
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_sdc_check_names_the_perturbed_replica():
+    shape, mesh = _mesh(data=4, fsdp=2)
+    trainer = build(CFG.replace(mesh=MeshConfig(data=4, fsdp=2)), mesh)
+    params = trainer.init().params
+    assert find_divergent_replicas(mesh, params) == []
+    x = params["lm_head"]
+    shards = [s.data for s in x.addressable_shards]
+    victim = x.addressable_shards[5]
+    shards[5] = jax.device_put(np.asarray(victim.data) * np.float32(1.0000001) + np.float32(1e-7), victim.device)
+    params = {**params, "lm_head": jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)}
+    problems = find_divergent_replicas(mesh, params)
+    assert len(problems) == 1 and problems[0].startswith(f"device {victim.device.id} ")
+    assert "['lm_head']" in problems[0]
+
+
+def test_nonfinite_steps_in_a_row_stop_the_run(tmp_path, capsys):
+    run_dir = str(tmp_path / "run")
+    rc = train_cli.main(["--config", "configs/tiny.yaml", f"train.run_dir={run_dir}", "train.steps=12",
+                         "optim.lr=1e30", "optim.warmup_steps=0", "train.max_nonfinite_steps=3",
+                         "checkpoint.every_steps=1", *IN_PROCESS])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == train_cli.EXIT_DIVERGED, err
+    assert len(err) == 1 and "3 steps in a row" in err[0] and "train.max_nonfinite_steps=3" in err[0]
+    steps = Checkpointer(os.path.join(run_dir, "checkpoints"), CheckpointConfig()).steps()
+    assert steps, "the checkpoints written before divergence are intact"
+
+
+def test_disk_full_during_save_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    import orbax.checkpoint as ocp
+    run_dir = str(tmp_path / "run")
+    real_save = ocp.CheckpointManager.save
+
+    def full_after_first(self, step, *args, **kwargs):
+        if step > 2:
+            raise OSError(28, "No space left on device")
+        return real_save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", full_after_first)
+    rc = train_cli.main(["--config", "configs/tiny.yaml", f"train.run_dir={run_dir}", "train.steps=6",
+                         "checkpoint.every_steps=2", *IN_PROCESS])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == train_cli.EXIT_BAD_INPUT
+    assert len(err) == 1 and "No space left on device" in err[0] and "step 4" in err[0]
+    monkeypatch.undo()
+    restored = Checkpointer(os.path.join(run_dir, "checkpoints"), CheckpointConfig()).restore_latest(
+        _trainer(fsdp=8).abstract_state())
+    assert restored.step == 2
+
+
+def _train_cmd(run_dir: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "lumen_jax.train", "--config", "configs/tiny.yaml",
+            f"train.run_dir={run_dir}", "log.every_steps=1", "log.progress=false", *extra]
+
+
+@pytest.mark.heavy
+def test_sigkill_at_three_steps_resumes_bit_for_bit_under_the_supervisor(tmp_path):
+    common = ["train.steps=14", "checkpoint.every_steps=2"]
+    reference = str(tmp_path / "reference")
+    ref = subprocess.run(_train_cmd(reference, *common), cwd=REPO, timeout=300, capture_output=True, text=True)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    run_dir = str(tmp_path / "killed")
+    env = {**os.environ, "LUMEN_FAULT_SIGKILL_AFTER_STEPS": "5,8,11"}
+    out = subprocess.run([sys.executable, "launch/supervise.py", "--run-dir", run_dir, "--max-restarts", "5",
+                          "--backoff", "0.1", "--", *_train_cmd(run_dir, *common)],
+                         cwd=REPO, env=env, timeout=600, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("killed by SIGKILL") == 3, out.stdout
+    assert "goodput" in out.stdout
+    goodput = float(out.stdout.split("goodput ")[1].split("%")[0])
+    assert 0 < goodput < 100
+    want, got = _losses(reference), _losses(run_dir)
+    assert sorted(got) == list(range(1, 15))
+    assert got == want  # bit for bit: JSON keeps every float exactly
+    starts = [e["resume_step"] for e in map(json.loads, open(os.path.join(run_dir, "events.jsonl")))
+              if e["event"] == "start"]
+    assert len(starts) == 4 and starts[0] == 0, (starts, out.stdout, out.stderr[-3000:])
+    assert starts[0] == 0 and all(0 < s <= k for s, k in zip(starts[1:], (5, 8, 11)))
+
+
+@pytest.mark.heavy
+def test_sigterm_writes_a_checkpoint_and_exits_75(tmp_path):
+    run_dir = str(tmp_path / "run")
+    proc = subprocess.Popen(_train_cmd(run_dir, "train.steps=100000"), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    events = os.path.join(run_dir, "events.jsonl")
+    deadline = time.time() + 120
+    while time.time() < deadline and not (os.path.exists(events) and '"step"' in open(events).read()):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == train_cli.EXIT_PREEMPTED, err[-2000:]
+    assert "stopped by signal SIGTERM" in err
+    steps = Checkpointer(os.path.join(run_dir, "checkpoints"), CheckpointConfig()).steps()
+    assert len(steps) == 1 and f"after step {steps[0]};" in err
+
+
+def test_supervisor_accounting():
+    sup = _load_supervisor()
+    attempts = [sup.Attempt(pid=1, started=0.0, ended=10.0, returncode=-9),
+                sup.Attempt(pid=2, started=11.0, ended=21.0, returncode=0)]
+    events = ([{"pid": 1, "event": "start", "resume_step": 0, "time": 0.0}]
+              + [{"pid": 1, "event": "step", "step": s, "time": 2.0 + s} for s in range(1, 7)]
+              + [{"pid": 2, "event": "start", "resume_step": 4, "time": 11.0}]
+              + [{"pid": 2, "event": "step", "step": s, "time": 9.0 + s} for s in range(5, 11)])
+    interruptions, goodput = sup.account(attempts, events)
+    assert [(i.cause, i.steps_lost) for i in interruptions] == [("killed by SIGKILL", 2)]
+    assert interruptions[0].time_lost_s == pytest.approx(10.0 - 4 * 1.0)
+    assert goodput == pytest.approx((4 * 1.0 + 6 * 1.0) / 21.0)
