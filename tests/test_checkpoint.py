@@ -32,6 +32,7 @@ IN_PROCESS = ["runtime.cpu_devices=0", "runtime.compilation_cache_dir=", "log.pr
 def _load_supervisor():
     spec = importlib.util.spec_from_file_location("supervise", os.path.join(REPO, "launch", "supervise.py"))
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["supervise"] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
