@@ -91,9 +91,12 @@ class MeshConfig:
             fixed *= max(s, 1)
         if free:
             if num_devices % fixed:
+                set_axes = {f"mesh.{a}": s for a, s in sizes.items() if s > 1}
+                product = ("*".join(set_axes) + "=" + "*".join(map(str, set_axes.values())) + f"={fixed}"
+                           if len(set_axes) > 1 else f"{next(iter(set_axes))}={fixed}")
                 raise ConfigError(
-                    f"mesh.{free[0]}=-1 cannot fill {num_devices} devices: the other axes multiply to "
-                    f"{fixed}, which does not divide {num_devices}; change the other mesh axes")
+                    f"mesh.{free[0]}=-1 cannot fill {num_devices} devices: {product} does not "
+                    f"divide {num_devices}; choose mesh axes whose product divides {num_devices}")
             sizes[free[0]] = num_devices // fixed
         elif fixed != num_devices:
             desc = "x".join(f"{a}={s}" for a, s in sizes.items())
