@@ -88,7 +88,7 @@ BAD_INPUTS = {
     "unknown key": (["model.d_modle=1"], ["model.d_modle", "did you mean model.d_model"]),
     "wrong type": (["model.d_model=abc"], ["model.d_model", "must be an int"]),
     "mesh product": (["mesh.fsdp=3", "mesh.tensor=1"], ["fsdp=3", "8 are available"]),
-    "mesh -1 cannot fill": (["mesh.tensor=3"], ["mesh.fsdp=-1", "8 devices", "multiply to 3"]),
+    "mesh -1 cannot fill": (["mesh.tensor=3"], ["mesh.fsdp=-1", "8 devices", "mesh.tensor=3 does not divide 8"]),
     "batch not divisible": (["data.global_batch_size=12"], ["data.global_batch_size=12", "multiple of 8"]),
     "missing data file": (["data.source=files", "data.paths=[/nonexistent/*.txt]"],
                           ["data.paths", "/nonexistent/*.txt", "matches no files"]),
