@@ -12,6 +12,14 @@ At the end it prints each interruption (cause, steps lost, time lost) and the go
 of wall time spent on training steps that were kept. It reads `<run-dir>/events.jsonl`, which the
 trainer writes at start, at each logged step and at each checkpoint, so steps lost are counted to
 the nearest logged step.
+
+The command may start several processes (srun, launch/local.py): the whole job is one attempt, and
+it is restarted as a whole. Each attempt gets LUMEN_ATTEMPT_ID in its environment, which the trainer
+copies into its events, so they are matched to the attempt whatever process wrote them.
+
+    python launch/supervise.py --run-dir runs/tiny -- \\
+        python launch/local.py --num-processes 2 --devices-per-process 4 -- \\
+        --config configs/tiny.yaml train.run_dir=runs/tiny checkpoint.every_steps=20
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ class Attempt:
     started: float
     ended: float
     returncode: int
+    attempt_id: str = ""  # LUMEN_ATTEMPT_ID given to the command; its events carry it
 
     @property
     def cause(self) -> str:
@@ -61,16 +70,30 @@ def read_events(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def reported_exit(events: Sequence[dict], attempt_id: str, returncode: int) -> int:
+    """The attempt's exit code as process 0 of a multi-process job recorded it, when it is final or 75.
+
+    A launcher of several processes (srun) returns the worst code of all of them: when one stops on
+    bad input the others are stopped by the coordination service (SIGABRT) or by srun (SIGKILL), which
+    would hide the 2 that should end supervision. A reported 1 is not trusted over the launcher's code:
+    it is usually a peer's death seen from process 0, and the launcher names the death.
+    """
+    reported = [e["code"] for e in events if e.get("attempt") == attempt_id and e["event"] == "exit"]
+    if reported and (reported[-1] in FINAL_CODES or reported[-1] == 75):
+        return reported[-1]
+    return returncode
+
+
 def account(attempts: Sequence[Attempt], events: Sequence[dict]) -> tuple[list[Interruption], float]:
     """Interruptions and goodput (useful step time / total wall time) from attempts and trainer events."""
-    per_pid: dict[int, list[dict]] = {}
+    per_attempt: dict[int | str, list[dict]] = {}
     for e in events:
-        per_pid.setdefault(e["pid"], []).append(e)
-    resume = [next((e["resume_step"] for e in per_pid.get(a.pid, []) if e["event"] == "start"), None)
-              for a in attempts]
+        per_attempt.setdefault(e.get("attempt") or e["pid"], []).append(e)
+    mine = [per_attempt.get(a.attempt_id or a.pid, []) for a in attempts]
+    resume = [next((e["resume_step"] for e in m if e["event"] == "start"), None) for m in mine]
     useful_s, interruptions = 0.0, []
     for i, a in enumerate(attempts):
-        steps = [(e["step"], e["time"]) for e in per_pid.get(a.pid, []) if e["event"] == "step"]
+        steps = [(e["step"], e["time"]) for e in mine[i] if e["event"] == "step"]
         start = resume[i] if resume[i] is not None else 0
         reached = max([s for s, _ in steps], default=start)
         later = next((r for r in resume[i + 1:] if r is not None), None)
@@ -94,13 +117,15 @@ def supervise(command: Sequence[str], run_dir: str, max_restarts: int, backoff_s
     attempts: list[Attempt] = []
     while True:
         started = time.time()
-        proc = subprocess.Popen(command)
+        attempt_id = f"{os.getpid()}.{len(attempts) + 1}"
+        proc = subprocess.Popen(command, env={**os.environ, "LUMEN_ATTEMPT_ID": attempt_id})
         try:
             returncode = proc.wait()
         except KeyboardInterrupt:  # the supervisor itself is stopped: pass it on, then report
             proc.send_signal(signal.SIGTERM)
             returncode = proc.wait()
-        attempts.append(Attempt(proc.pid, started, time.time(), returncode))
+        returncode = reported_exit(read_events(run_dir), attempt_id, returncode)
+        attempts.append(Attempt(proc.pid, started, time.time(), returncode, attempt_id))
         restarts = len(attempts) - 1
         if returncode in FINAL_CODES or restarts >= max_restarts:
             break

@@ -11,6 +11,10 @@ committed step intact. On restore the arrays are read straight into the target s
 checkpoint from one mesh lands on another), then their checksums are recomputed and compared; a
 step that fails to read or whose checksums differ is reported in one line, moved aside to
 `checkpoints/corrupt-N`, and the previous step is tried.
+
+With several processes each writes its own shards (Orbax) and process 0 the JSON; a checkpoint
+restores in any process count, because arrays are read into the target shardings and the data
+state holds every process's streams (loop.py).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from lumen_jax.config import CheckpointConfig
 
@@ -91,6 +96,8 @@ class Checkpointer:
         by_steps = self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
         by_time = (self.cfg.every_minutes > 0
                    and time.monotonic() - self._last_save_time >= 60 * self.cfg.every_minutes)
+        if self.cfg.every_minutes > 0 and jax.process_count() > 1:  # all save at the same step: process 0's clock
+            by_time = bool(multihost_utils.broadcast_one_to_all(np.int32(by_time)))
         return by_steps or by_time
 
     def save(self, step: int, state: Any, meta: dict) -> float:

@@ -2,9 +2,10 @@
 
 No JAX import here: a config can be loaded and checked on any machine before a backend starts.
 
-A run is described by `Config` (model, mesh, optim, data, train, checkpoint, log, runtime). Files in
-`configs/` are YAML mappings of the same shape (a file may name a `base:` it extends); gin files bind
-the same dataclasses (`model.d_model = 64`). Command-line overrides are dotted (`optim.lr=3e-4`).
+A run is described by `Config` (model, mesh, optim, data, train, checkpoint, log, runtime,
+distributed). Files in `configs/` are YAML mappings of the same shape (a file may name a `base:` it
+extends); gin files bind the same dataclasses (`model.d_model = 64`). Command-line overrides are
+dotted (`optim.lr=3e-4`).
 Every problem is a `ConfigError` whose message names the key, the value and the fix.
 """
 
@@ -28,7 +29,7 @@ class ConfigError(ValueError):
 # Components
 # --------------------------------------------------------------------------------------------------
 
-ATTENTION_IMPLS = ("xla", "auto")
+ATTENTION_IMPLS = ("xla", "flash", "auto")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
                   "save_attention_out", "offload_dots")
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
@@ -55,7 +56,9 @@ class ModelConfig:
     rope_original_max_len: int = 8192
     tie_embeddings: bool = False
     init_std: float = 0.02
-    attention: str = "xla"  # xla | auto (auto picks the best implementation for the backend)
+    attention: str = "xla"  # xla | flash | auto (auto: flash on GPU, xla on CPU)
+    flash_block_q: int = 0  # flash kernel's query tile (forward, dQ); 0: tuned default
+    flash_block_kv: int = 0  # flash kernel's key tile (forward, dK/dV); 0: tuned default
     remat: str = "none"  # one of REMAT_POLICIES
     compute_dtype: str = "bfloat16"  # bfloat16 | float32 | float16; params stay float32
 
@@ -184,6 +187,29 @@ class RuntimeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Several processes (one per node or per GPU) in one job: how they find each other, which devices
+    each uses, and which mesh axes cross nodes. Unset fields come from the environment (SLURM,
+    JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID); see lumen_jax/distributed.py."""
+
+    coordinator: str = ""  # host:port of process 0 ("": from the environment; none: a single process)
+    num_processes: int = 0  # 0: from the environment, else 1
+    process_id: int = -1  # -1: from the environment
+    local_device_ids: tuple[int, ...] = ()  # this process's devices; (): all, or one when several share a node
+    heartbeat_timeout_s: int = 100  # a process silent this long counts as dead: the others stop
+    initialization_timeout_s: int = 300  # how long processes wait for each other at start-up
+    # How many slices of each mesh axis lie across nodes (the rest stays inside a node). All 1: the
+    # nodes go to the outermost axes they divide (data, then fsdp, ...).
+    across_nodes_data: int = 1
+    across_nodes_fsdp: int = 1
+    across_nodes_context: int = 1
+    across_nodes_tensor: int = 1
+
+    def across_nodes(self) -> dict[str, int]:
+        return {a: getattr(self, f"across_nodes_{a}") for a in MeshConfig.AXES}
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = ModelConfig()
     mesh: MeshConfig = MeshConfig()
@@ -193,6 +219,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    distributed: DistributedConfig = DistributedConfig()
     name: str = "default"  # the config file's stem; names the default run directory
 
     def replace(self, **sections: Any) -> "Config":
@@ -223,6 +250,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "mesh": MeshConfig, "optim": OptimConfig, "data": DataConfig,
     "train": TrainConfig, "checkpoint": CheckpointConfig, "log": LogConfig, "runtime": RuntimeConfig,
+    "distributed": DistributedConfig,
 }
 
 
@@ -297,9 +325,10 @@ def _convert(key: str, value: Any, typ: Any) -> Any:
     elif typ is str:
         if not isinstance(value, str):
             raise wrong("a str")
-    elif typing.get_origin(typ) is tuple:  # only tuple[str, ...] so far
+    elif typing.get_origin(typ) is tuple:  # tuple[str, ...] or tuple[int, ...]
         item = typing.get_args(typ)[0]
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, item) for v in value):
+        if not isinstance(value, (list, tuple)) or not all(
+                isinstance(v, item) and not isinstance(v, bool) for v in value):
             raise wrong(f"a list of {item.__name__}")
         value = tuple(value)
     else:  # a field type this function was not taught: our bug, not the user's
@@ -468,8 +497,8 @@ def _parse_override(text: str) -> tuple[str, str, Any]:
         value = raw
     if typ is str and not isinstance(value, str):
         value = raw  # train.run_dir=2024 or data.tokenizer=null mean the text itself
-    elif typing.get_origin(typ) is tuple and isinstance(value, str):
-        value = [value]  # data.paths=corpus/*.txt: one item
+    elif typing.get_origin(typ) is tuple and isinstance(value, (str, *typing.get_args(typ)[:1])):
+        value = [value]  # data.paths=corpus/*.txt, distributed.local_device_ids=0: one item
     return section, key, value
 
 
@@ -535,6 +564,9 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("checkpoint.keep_every", ">=", 0),
     ("log.every_steps", ">=", 1),
     ("runtime.cpu_devices", ">=", 0),
+    ("distributed.num_processes", ">=", 0), ("distributed.process_id", ">=", -1),
+    ("distributed.heartbeat_timeout_s", ">=", 1), ("distributed.initialization_timeout_s", ">=", 1),
+    *((f"distributed.across_nodes_{a}", ">=", 1) for a in MeshConfig.AXES),
 )
 _COMPARE = {">=": lambda a, b: a >= b, ">": lambda a, b: a > b, "<=": lambda a, b: a <= b,
             "<": lambda a, b: a < b}
@@ -569,7 +601,7 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         raise ConfigError(f"num_devices={num_devices} must be >= 1; no devices were found")
 
     shape = cfg.mesh.shape(num_devices)
-    m, d, mesh = cfg.model, cfg.data, cfg.mesh
+    m, d, mesh, dist = cfg.model, cfg.data, cfg.mesh, cfg.distributed
     tp, cp = shape["tensor"], shape["context"]
     batch_shards = shape["data"] * shape["fsdp"] * cfg.train.micro_batches
     checks: list[tuple[bool, str]] = [
@@ -588,6 +620,13 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
          f"mesh.fsdp={shape['fsdp']} does not divide model.d_model={m.d_model} (parameters and optimizer "
          f"state are sharded along d_model over fsdp); choose mesh.fsdp among the divisors of {m.d_model} "
          f"({_divisors(m.d_model, num_devices)})"),
+        *((getattr(m, k) == 0 or (getattr(m, k) >= 16 and getattr(m, k) & (getattr(m, k) - 1) == 0),
+           f"model.{k}={getattr(m, k)} must be 0 (tuned default) or a power of two >= 16; "
+           f"set model.{k} to 0, 16, 32, 64 or 128")
+          for k in ("flash_block_q", "flash_block_kv")),
+        (m.attention != "flash" or cp == 1,
+         f"model.attention=flash does not split sequences yet, but mesh.context={cp}; use "
+         "model.attention=xla or auto (ring attention arrives with the context-parallel issue) or mesh.context=1"),
         (m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor,
          f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be > model.rope_low_freq_factor="
          f"{m.rope_low_freq_factor} for rope_scaling=llama3; raise the high or lower the low factor"),
@@ -603,6 +642,16 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         (d.source != "files" or bool(d.paths),
          "data.source='files' but data.paths=[] is empty; set data.paths=[glob, ...] "
          "or data.source=builtin"),
+        (not dist.coordinator or re.fullmatch(r"[^\s:]+:\d+|\[[0-9a-fA-F:]+\]:\d+", dist.coordinator),
+         f"distributed.coordinator={dist.coordinator!r} must be host:port of process 0 (e.g. node001:61234)"),
+        (dist.process_id < 0 or dist.num_processes == 0 or dist.process_id < dist.num_processes,
+         f"distributed.process_id={dist.process_id} must be below distributed.num_processes="
+         f"{dist.num_processes}; number processes 0..{dist.num_processes - 1}"),
+        *((shape[a] % n == 0,
+           f"distributed.across_nodes_{a}={n} does not divide mesh.{a}={shape[a]}; the axis is split into "
+           f"across-node and in-node parts, so choose distributed.across_nodes_{a} among the divisors of "
+           f"{shape[a]} ({_divisors(shape[a], shape[a])})")
+          for a, n in cfg.distributed.across_nodes().items()),
         (d.tokenizer == "byte" or os.path.isfile(d.tokenizer),
          f"data.tokenizer={d.tokenizer!r} does not exist; give the path of a Hugging Face tokenizer.json "
          "or use data.tokenizer=byte"),

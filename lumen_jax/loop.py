@@ -3,6 +3,10 @@
 The host never waits for the device inside a step: the next batch is prepared while the current
 step runs, and the step's metrics are read one step late (they are ready by then). A save blocks
 only for the device-to-host copy; Orbax writes in the background.
+
+With several processes every process runs this loop in step: a checkpoint records every process's
+data position (process 0 writes them all), and SIGTERM goes through JAX's preemption service, which
+picks one step at which all processes save and stop.
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ import time
 from typing import Any, Iterator
 
 import jax
+from jax.experimental import multihost_utils
 
-from lumen_jax import metrics as metrics_lib
+from lumen_jax import distributed, metrics as metrics_lib
 from lumen_jax.build import Trainer
 from lumen_jax.checkpoint import Checkpointer
 from lumen_jax.config import Config, to_dict
+from lumen_jax.data import DataError
 from lumen_jax.parallel.sdc import find_divergent_replicas
 
 
@@ -35,11 +41,23 @@ class CorruptionDetected(Exception):
 
 
 class _StopSignal:
-    """Turns the first SIGTERM/SIGINT into a flag the loop checks after each step."""
+    """Turns the first SIGTERM/SIGINT into a flag the loop checks after each step (`requested`).
+
+    With several processes they must stop at the same step: JAX's preemption service owns SIGTERM
+    (delivered to any one process, it agrees on a step for all), and SIGINT keeps Python's default.
+    """
 
     def __init__(self) -> None:
         self.received: int | None = None
-        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        self._multi = jax.process_count() > 1
+        signals = () if self._multi else (signal.SIGTERM, signal.SIGINT)
+        self._previous = {s: signal.signal(s, self._handle) for s in signals}
+
+    def requested(self, step: int) -> bool:
+        """Whether to checkpoint and stop after `step` (call after every step, on every process)."""
+        if self._multi and multihost_utils.reached_preemption_sync_point(step):
+            self.received = signal.SIGTERM
+        return self.received is not None
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is not None:  # a second signal: stop now, the checkpoint is not waited for
@@ -60,19 +78,52 @@ class Events:
 
     def write(self, event: str, **fields: Any) -> None:
         if self.path:
+            # LUMEN_ATTEMPT_ID (set by launch/supervise.py) ties events to an attempt when the supervisor's
+            # child is a launcher (srun, launch/local.py) rather than this process.
+            attempt = os.environ.get("LUMEN_ATTEMPT_ID")
             with open(self.path, "a") as f:
-                f.write(json.dumps({"event": event, "time": time.time(), "pid": os.getpid(), **fields}) + "\n")
+                f.write(json.dumps({"event": event, "time": time.time(), "pid": os.getpid(),
+                                    **({"attempt": attempt} if attempt else {}), **fields}) + "\n")
 
 
 def _inject_kill(run_dir: str, step: int) -> None:
     """Fault injection for tests: SIGKILL this process once after each step in
     LUMEN_FAULT_SIGKILL_AFTER_STEPS (comma-separated), after the step (and its checkpoint, if one
-    was due) was issued: the async write may still be in flight."""
+    was due) was issued: the async write may still be in flight. LUMEN_FAULT_PROCESS=i limits it to
+    process i of a multi-process run."""
     steps = os.environ.get("LUMEN_FAULT_SIGKILL_AFTER_STEPS", "")
+    only = os.environ.get("LUMEN_FAULT_PROCESS", "")
     marker = os.path.join(run_dir, f".fault-killed-{step}")
+    if only and int(only) != jax.process_index():
+        return
     if str(step) in steps.split(",") and not os.path.exists(marker):
         open(marker, "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _all_data_states(state: dict) -> dict | None:
+    """Every process's data position, merged (on process 0; None on the others).
+
+    Stream states merge into one state that restores any process count (data/pipeline.py); grain
+    worker states (data.num_workers > 0) only restore the same processes, so they are kept as a list.
+    """
+    states = distributed.gather_json(state, to_all=False)
+    if states is None or len(states) == 1:
+        return None if states is None else states[0]
+    if all("streams" in s for s in states):
+        return {**states[0], "streams": {r: s for st in states for r, s in st["streams"].items()}}
+    return {"processes": states}
+
+
+def _own_data_state(saved: dict) -> dict:
+    """This process's part of a checkpoint's data state (see _all_data_states)."""
+    if "processes" not in saved:
+        return saved
+    if len(saved["processes"]) != jax.process_count():
+        raise DataError(f"the checkpoint's data state (data.num_workers>0) was written by "
+                        f"{len(saved['processes'])} processes and restores only in as many, not "
+                        f"{jax.process_count()}; resume with that many processes or data.num_workers=0")
+    return saved["processes"][jax.process_index()]
 
 
 def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
@@ -87,7 +138,7 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
     restored = ckpt.restore_latest(trainer.abstract_state())
     if restored is not None:
         state, start = restored.state, restored.step
-        data.set_state(restored.meta["data"])
+        data.set_state(_own_data_state(restored.meta["data"]))
     else:
         state, start = trainer.init(), 0
     events.write("start", resume_step=start)
@@ -109,7 +160,7 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
               + (f", resumed from step {start}" if start else ""), flush=True)
 
     def save(step: int) -> float:
-        meta = {"data": data_state, "config": to_dict(cfg)}
+        meta = {"data": _all_data_states(data_state), "config": to_dict(cfg)}
         stall = ckpt.save(step, state, meta)
         events.write("checkpoint", step=step)
         return stall
@@ -168,11 +219,12 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
                     events.write("step", step=step)
                     t_last, steps_since, stall = time.perf_counter(), 0, 0.0
 
-                if stop.received is not None or ckpt.due(step) or step == cfg.train.steps:
+                stopping = stop.requested(step)
+                if stopping or ckpt.due(step) or step == cfg.train.steps:
                     if step == cfg.train.steps and not (cfg.checkpoint.every_steps or cfg.checkpoint.every_minutes):
                         break  # checkpointing off: nothing to write at the end
                     stall += save(step)
-                    if stop.received is not None:
+                    if stopping:
                         ckpt.wait()
                         raise Preempted(f"stopped by signal {signal.Signals(stop.received).name} after step "
                                         f"{step}; checkpoint written to {ckpt.directory}; rerun to resume")
