@@ -2,5 +2,10 @@
 
 (PyPI already has a package named `kernels`, hence the `package_dir` mapping in setup.cfg.)
 Each kernel lives beside its `custom_vjp` wrapper and its pure-jnp reference; the model reaches
-kernels only through the dispatch in `lumen_jax/ops/`. FlashAttention arrives with its own issue.
+kernels only through the dispatch in `lumen_jax/ops/`.
+
+- `flash_attention`: FlashAttention-2 forward and backward (dQ, dK/dV) in Pallas, lowered through
+  Triton on GPU and run by Pallas's interpreter on CPU; GQA, causal and document (segment id)
+  masking, any sequence length, and the log-sum-exp for merging partial results
+  (`model.attention: flash`; `auto` picks it on GPU).
 """

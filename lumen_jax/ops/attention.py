@@ -4,14 +4,22 @@
 
 - `xla`: the pure-jnp reference below (fp32 softmax, GQA without repeating K/V, causal and
   document masking). It is also the numerical reference for the kernels.
-- `auto`: the best implementation for the backend (today `xla` everywhere; flash on GPU once
-  the kernel lands).
+- `flash`: FlashAttention-2 Pallas kernels (`lumen_jax.kernels.flash_attention`): no [T, S] score
+  matrix in memory, causal blocks above the diagonal skipped, the same masks and GQA. Compiled
+  through Triton on GPU; Pallas's interpreter on CPU (correct, slow: for tests). On a multi-device
+  mesh the kernel runs per shard under `shard_map` (batch over data/fsdp, heads over tensor).
+- `auto`: `flash` on GPU when the kernel supports the shapes and `mesh.context == 1`, else `xla`.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+from lumen_jax.kernels import flash_attention as flash_lib
+from lumen_jax.parallel import rules as rules_lib
 
 
 def xla_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
@@ -34,36 +42,141 @@ def xla_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
     s, kh = k_bskh.shape[1], k_bskh.shape[2]
     if n % kh:
         raise ValueError(f"num_heads={n} must be a multiple of num_kv_heads={kh}")
+    g = n // kh
     scale = h ** -0.5 if scale is None else scale
-    q_btkgh = q_btnh.reshape(b, t, kh, n // kh, h)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh,
-                        preferred_element_type=jnp.float32) * scale
     mask_bts = jnp.ones((1, t, s), dtype=bool)
     if causal:
         mask_bts = mask_bts & (jnp.arange(t)[:, None] >= jnp.arange(s)[None, :])[None]
     if segment_ids_bt is not None:
         mask_bts = mask_bts & (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])
-    scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, n, h).astype(q_btnh.dtype)
+    # Heads first, [B, K, S, H] keys/values and, per query block, [B, K, G*bs, H] queries (the G
+    # query heads of one K/V head stacked along the rows): both matmuls and the softmax then work on
+    # contiguous [rows, S] blocks, and XLA:CPU needs no strided copies of the scores (forward or
+    # backward). Causal attention runs by query blocks that stop at the diagonal (`_causal_blocks`).
+    k_bksh, v_bksh = k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)
+    blocks = _causal_blocks(t) if causal and t == s else 1
+    bs = t // blocks
+    outs = []
+    for j in range(blocks):  # query block j: rows [j*bs, (j+1)*bs), keys [0, end)
+        end = (j + 1) * bs if blocks > 1 else s
+        q_bkrh = (q_btnh[:, j * bs:(j + 1) * bs].reshape(b, bs, kh, g, h).transpose(0, 2, 3, 1, 4)
+                  .reshape(b, kh, g * bs, h))
+        mask_j = mask_bts[:, j * bs:(j + 1) * bs, :end]
+        out = _attend(q_bkrh, k_bksh[:, :, :end], v_bksh[:, :, :end], mask_j, scale)
+        outs.append(out.reshape(b, kh, g, bs, h).transpose(0, 3, 1, 2, 4).reshape(b, bs, n, h))
+    out = jnp.concatenate(outs, axis=1) if blocks > 1 else outs[0]
+    return out.astype(q_btnh.dtype)
 
 
-_IMPLS = {"xla": xla_attention}
+_MIN_QUERY_BLOCK = 64
+_MAX_QUERY_BLOCKS = 8
+
+
+def _causal_blocks(t: int) -> int:
+    """Query blocks for causal attention over T tokens (1: the whole S x S square at once).
+
+    Block j's scores stop at key (j+1)*T/blocks, so only the blocks on and below the diagonal are
+    computed: (1 + 1/blocks)/2 of the square. Sequences shorter than 4 blocks of 64 stay whole
+    (little to save), and at most 8 blocks keep the traced program small.
+    """
+    if t < 4 * _MIN_QUERY_BLOCK:
+        return 1
+    blocks = min(_MAX_QUERY_BLOCKS, t // _MIN_QUERY_BLOCK)
+    while t % blocks:
+        blocks -= 1
+    return blocks
+
+
+def _attend(q_bkrh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, mask_bts: jax.Array,
+            scale: float) -> jax.Array:
+    """softmax(q k^T * scale, masked) v for rows R = G*T of [B, K, R, H]; float32 [B, K, R, H]."""
+    b, kh, r, _ = q_bkrh.shape
+    t, s = mask_bts.shape[1:]
+    batch = ((0, 1), (0, 1))  # (batch, kv head)
+    scores = jax.lax.dot_general(q_bkrh, k_bksh, (((3,), (3,)), batch),
+                                 preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask_bts[:, None, None], scores.reshape(b, kh, r // t, t, s),
+                       jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bksh.dtype).reshape(b, kh, r, s)
+    return jax.lax.dot_general(probs, v_bksh, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
+
+
+_IMPLS = ("xla", "flash")
 
 
 def resolve(impl: str) -> str:
-    """The concrete implementation `impl` stands for on this backend."""
+    """The implementation `impl` stands for on this backend: `auto` is `flash` on GPU, else `xla`.
+
+    (`attention` still runs `auto` as `xla` where the kernel cannot: see `_flash_unsupported`.)
+    """
     if impl == "auto":
-        return "xla"
+        return "flash" if jax.default_backend() == "gpu" else "xla"
     if impl not in _IMPLS:
         raise ValueError(f"model.attention={impl!r} is not one of {sorted(_IMPLS) + ['auto']}")
     return impl
 
 
+def _active_mesh() -> tuple[jax.sharding.Mesh, rules_lib.Rules] | None:
+    """The trainer's (mesh, rules) while it traces the step under `rules.activate`, if > 1 device."""
+    active = rules_lib.active()
+    return active if active is not None and active[0].size > 1 else None
+
+
+def _flash_unsupported(q_btnh: jax.Array, k_bskh: jax.Array) -> str | None:
+    """Why the flash kernel cannot take this call on this backend (None: it can)."""
+    problem = flash_lib.check_supported(q_btnh.shape, k_bskh.shape,
+                                        interpret=flash_lib.default_interpret())
+    if problem:
+        return problem
+    active = _active_mesh()
+    if active is not None and active[0].shape.get("context", 1) > 1:
+        return (f"mesh.context={active[0].shape['context']} > 1 needs ring attention (the "
+                "context-parallel issue); use model.attention=xla or auto")
+    return None
+
+
+def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
+                    segment_ids_bt: jax.Array | None = None, causal: bool = True,
+                    scale: float | None = None, block_q: int = 0, block_kv: int = 0) -> jax.Array:
+    """The Pallas FlashAttention kernel with `xla_attention`'s signature.
+
+    Under the trainer's mesh it runs per shard inside `shard_map` (batch over data/fsdp, heads
+    over tensor, sequence whole): a Pallas call has no SPMD partitioning rule, so without this XLA
+    would gather its operands onto every device. `block_q`/`block_kv` override the tuned tiles
+    (0: default; `model.flash_block_q`/`model.flash_block_kv`).
+    """
+    problem = _flash_unsupported(q_btnh, k_bskh)
+    if problem:
+        raise ValueError(f"model.attention=flash: {problem}")
+    blocks = flash_lib.BlockSizes.default(q_btnh.shape[-1]).with_overrides(block_q, block_kv)
+    fn = functools.partial(flash_lib.flash_attention, causal=causal, scale=scale, block_sizes=blocks)
+    active = _active_mesh()
+    if active is None:
+        return fn(q_btnh, k_bskh, v_bskh, segment_ids_bt=segment_ids_bt)
+    mesh, rules = active
+    q_spec = rules.spec(("batch", None, "act_heads", None))
+    kv_spec = rules.spec(("batch", None, "act_kv_heads", None))
+    if segment_ids_bt is None:
+        return jax.shard_map(lambda q, k, v: fn(q, k, v), mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec),
+                             out_specs=q_spec, check_vma=False)(q_btnh, k_bskh, v_bskh)
+    return jax.shard_map(lambda q, k, v, seg: fn(q, k, v, segment_ids_bt=seg), mesh=mesh,
+                         in_specs=(q_spec, kv_spec, kv_spec, rules.spec(("batch", None))),
+                         out_specs=q_spec, check_vma=False)(q_btnh, k_bskh, v_bskh, segment_ids_bt)
+
+
 def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
               segment_ids_bt: jax.Array | None = None, causal: bool = True,
-              scale: float | None = None, impl: str = "xla") -> jax.Array:
-    """Dispatch to the attention implementation named by `impl` (see module docstring)."""
-    return _IMPLS[resolve(impl)](q_btnh, k_bskh, v_bskh, segment_ids_bt=segment_ids_bt,
-                                 causal=causal, scale=scale)
+              scale: float | None = None, impl: str = "xla", block_q: int = 0,
+              block_kv: int = 0) -> jax.Array:
+    """Dispatch to the attention implementation named by `impl` (see module docstring).
+
+    `block_q`/`block_kv` are the flash kernel's tile overrides (0: tuned default); others ignore them.
+    """
+    name = resolve(impl)
+    if name == "flash" and impl == "auto" and _flash_unsupported(q_btnh, k_bskh):
+        name = "xla"
+    if name == "flash":
+        return flash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=segment_ids_bt,
+                               causal=causal, scale=scale, block_q=block_q, block_kv=block_kv)
+    return xla_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=segment_ids_bt, causal=causal,
+                         scale=scale)

@@ -98,6 +98,11 @@ def activate(mesh: Mesh, rules: Rules) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+def active() -> tuple[Mesh, Rules] | None:
+    """The (mesh, rules) of the enclosing `activate`, or None outside one (single-device code)."""
+    return _ACTIVE.get()
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Sharding constraint on an activation by logical axis names; identity outside `activate`."""
     active = _ACTIVE.get()

@@ -1,0 +1,649 @@
+"""FlashAttention-2 in Pallas: forward, backward (dQ and dK/dV kernels), `custom_vjp`, reference.
+
+`flash_attention(q, k, v, ...)` computes `softmax(q k^T * scale, masked) v` without ever holding
+the [T, S] score matrix: each program owns a tile of rows, streams the other side's blocks through
+an online softmax (running max `m` and sum `l`, the running output rescaled by `exp(m_old - m_new)`)
+and writes its tile of the output once, with the per-row log-sum-exp. The backward recomputes the
+scores from Q, K and that log-sum-exp:
+
+- `D = rowsum(dO * O) - dLSE` (an elementwise product and a row sum: left to XLA, which fuses it);
+- the dK/dV kernel: one program per (K/V block, batch, kv head) holds its K/V tile and streams the
+  Q/dO blocks of every query head of its group (GQA without repeating K/V anywhere);
+- the dQ kernel: one program per (Q block, batch, head) streams the K/V blocks.
+
+Semantics are those of `lumen_jax.ops.attention.xla_attention` (same argument names and masks):
+causal masking is top-left aligned (query t sees keys s <= t), segment ids mask attention across
+packed documents, query head n uses kv head n // (N // K). Scores, softmax and every accumulator
+are float32 whatever the input dtype; the probabilities are cast to V's dtype for the P.V matmul
+and dS to Q/K's dtype for the gradient matmuls (as FlashAttention-2 does). The log-sum-exp is
+returned in natural-log units, [B, N, T] float32, and is differentiable (its cotangent enters the
+backward through `D`), so partial results from several devices can be merged by context parallelism:
+`o = sum_i exp(lse_i - lse) o_i` with `lse = logaddexp_i lse_i`.
+
+Lengths need not be multiples of the blocks: Q/K/V are padded up to one (a no-op when they already
+are), padded keys are masked inside the kernels and padded query rows are sliced off (their
+log-sum-exp is set to +inf in the backward, so they contribute exactly zero). Causal attention
+skips the K/V blocks above the diagonal, and only the blocks crossing the diagonal (or the padded
+tail, or any block when segment ids are given) pay for building a mask.
+
+On GPU the kernels lower through Pallas's Triton backend (`interpret=False`); on CPU they run in
+Pallas's interpreter (`interpret=True`, see `default_interpret`). `BlockSizes(forward="mosaic")`
+runs the forward through JAX's Mosaic GPU (Hopper wgmma/TMA) attention kernel instead, keeping our
+Triton backward; it supports fewer cases (no segment ids, bf16/fp16, head dim a multiple of 64) and
+is opt-in until the benchmark (`benchmarks/attention_gpu.py`) shows it faster.
+
+Shape letters: B batch, T query length, S key length, N query heads, K kv heads, G = N // K,
+H head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu  # CompilerParams only; safe to import on CPU
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# Finite, so a fully masked row gives exp2(MASK - MASK) = 1 instead of NaN (its output is the mean of
+# V, as softmax over equal scores in the reference), and far below any real score.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+MIN_BLOCK = 16  # Triton's tl.dot needs every tile dimension >= 16
+FORWARD_IMPLS = ("triton", "mosaic")
+
+
+def default_interpret() -> bool:
+    """Pallas's interpreter on CPU (the only mode there), compiled kernels on GPU."""
+    return jax.default_backend() == "cpu"
+
+
+# --------------------------------------------------------------------------------------------------
+# Block sizes
+# --------------------------------------------------------------------------------------------------
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes (powers of two >= 16) and Triton launch parameters.
+
+    Forward: programs own `block_q` query rows and stream `block_kv` keys. dK/dV: programs own
+    `block_kv_dkv` keys and stream `block_q_dkv` query rows. dQ: programs own `block_q_dq` rows and
+    stream `block_kv_dq` keys. Tiles larger than the (padded) sequence shrink to fit it.
+    """
+
+    block_q: int = 128
+    block_kv: int = 64
+    block_q_dkv: int = 32
+    block_kv_dkv: int = 128
+    block_q_dq: int = 128
+    block_kv_dq: int = 32
+    num_warps: int = 8
+    num_stages: int = 3
+    num_warps_bwd: int = 8
+    num_stages_bwd: int = 2
+    forward: str = "triton"  # triton | mosaic (Hopper only; see the module docstring)
+
+    def __post_init__(self):
+        for f in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"):
+            v = getattr(self, f)
+            if not (_is_pow2(v) and v >= MIN_BLOCK):
+                raise ValueError(f"BlockSizes.{f}={v} must be a power of two >= {MIN_BLOCK}")
+        if self.forward not in FORWARD_IMPLS:
+            raise ValueError(f"BlockSizes.forward={self.forward!r} is not one of {FORWARD_IMPLS}")
+
+    @classmethod
+    def default(cls, head_dim: int, device: jax.Device | None = None) -> BlockSizes:
+        """Starting points per GPU generation (from the Triton fused-attention tutorial's settings
+        for A100/H100; `benchmarks/attention_gpu.py --sweep` measures alternatives).
+
+        On CPU (interpreter) the largest tiles are the fastest to interpret.
+        """
+        device = device or jax.devices()[0]
+        if device.platform == "cpu":
+            return cls(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128,
+                       block_q_dq=128, block_kv_dq=128)
+        cc = getattr(device, "compute_capability", "0.0")
+        major = int(str(cc).split(".")[0]) if str(cc)[:1].isdigit() else 0
+        if head_dim > 128:  # 256: shared memory limits the tiles
+            return cls(block_q=64, block_kv=32, block_q_dkv=32, block_kv_dkv=64, block_q_dq=64,
+                       block_kv_dq=32, num_warps=8, num_stages=2, num_warps_bwd=8, num_stages_bwd=1)
+        if major >= 9:  # Hopper (H100/H200) and later
+            return cls(block_q=128, block_kv=64 if head_dim > 64 else 128,
+                       num_warps=8 if head_dim > 64 else 4, num_stages=3,
+                       num_warps_bwd=8 if head_dim > 64 else 4, num_stages_bwd=2)
+        # Ampere (A100) and anything else
+        return cls(block_q=128, block_kv=64 if head_dim > 64 else 128,
+                   num_warps=8 if head_dim > 64 else 4, num_stages=2,
+                   num_warps_bwd=4, num_stages_bwd=2)
+
+    def with_overrides(self, block_q: int = 0, block_kv: int = 0) -> BlockSizes:
+        """Config overrides (0 keeps the default): `block_q` is the row tile a program owns in the
+        forward and dQ kernels, `block_kv` the key tile streamed by the forward and owned by dK/dV."""
+        changes = {}
+        if block_q:
+            changes.update(block_q=block_q, block_q_dq=block_q)
+        if block_kv:
+            changes.update(block_kv=block_kv, block_kv_dkv=block_kv)
+        return dataclasses.replace(self, **changes)
+
+
+def _fit(block: int, length: int) -> int:
+    """The tile shrunk to the sequence (rounded up to a power of two, at least MIN_BLOCK)."""
+    return min(block, max(MIN_BLOCK, pl.next_power_of_2(length)))
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything the kernels specialise on (hashable: a nondiff argument of the custom_vjp)."""
+
+    scale: float
+    causal: bool
+    blocks: BlockSizes  # already fitted to the sequence lengths
+    q_len: int
+    kv_len: int
+    q_pad: int  # padded lengths: multiples of every q-side (kv-side) tile
+    kv_pad: int
+    interpret: bool
+    poison: bool
+
+
+def _static(q_len, kv_len, *, scale, causal, blocks, interpret, poison) -> _Static:
+    fq = functools.partial(_fit, length=q_len)
+    fk = functools.partial(_fit, length=kv_len)
+    b = dataclasses.replace(blocks, block_q=fq(blocks.block_q), block_kv=fk(blocks.block_kv),
+                            block_q_dkv=fq(blocks.block_q_dkv), block_kv_dkv=fk(blocks.block_kv_dkv),
+                            block_q_dq=fq(blocks.block_q_dq), block_kv_dq=fk(blocks.block_kv_dq))
+    q_pad = _round_up(q_len, max(b.block_q, b.block_q_dkv, b.block_q_dq))  # powers of two: max = lcm
+    kv_pad = _round_up(kv_len, max(b.block_kv, b.block_kv_dkv, b.block_kv_dq))
+    return _Static(scale=scale, causal=causal, blocks=b, q_len=q_len, kv_len=kv_len, q_pad=q_pad,
+                   kv_pad=kv_pad, interpret=interpret, poison=poison)
+
+
+# --------------------------------------------------------------------------------------------------
+# Pieces shared by the kernels
+# --------------------------------------------------------------------------------------------------
+
+def _dot_nt(a, b):
+    """a [M, C] . b [N, C]^T -> [M, N] float32."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot_nn(a, b):
+    """a [M, C] . b [C, N] -> [M, N] float32."""
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot_tn(a, b):
+    """a [C, M]^T . b [C, N] -> [M, N] float32."""
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _mask(row0, col0, shape, *, causal: bool, kv_len: int | None, q_seg, kv_seg):
+    """Which (row, col) of a [rows, cols] tile starting at (row0, col0) may attend."""
+    rows = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
+    cols = col0 + lax.broadcasted_iota(jnp.int32, shape, 1)
+    mask = jnp.ones(shape, jnp.bool_)
+    if kv_len is not None:
+        mask = mask & (cols < kv_len)
+    if causal:
+        mask = mask & (rows >= cols)
+    if q_seg is not None:
+        mask = mask & (q_seg[:, None] == kv_seg[None, :])
+    return mask
+
+
+def _tail(st: _Static) -> int | None:
+    """The key length to mask beyond, when the keys were padded."""
+    return st.kv_len if st.kv_pad != st.kv_len else None
+
+
+def _kv_loop_bounds(row0, *, st: _Static, block_rows: int, block_cols: int, has_seg: bool):
+    """For a row tile starting at row0: (n_plain, n_total) K/V blocks; blocks [0, n_plain) need no
+    mask at all, blocks [n_plain, n_total) need one, blocks >= n_total are fully masked (skipped)."""
+    n_kv = st.kv_pad // block_cols
+    n_real = st.kv_len // block_cols  # blocks with no padded key
+    if st.causal:
+        n_total = lax.min(lax.div(row0 + block_rows + block_cols - 1, block_cols), n_kv)
+        n_plain = lax.min(lax.div(row0, block_cols), n_real)  # every key < row0 <= every row
+    else:
+        n_total, n_plain = n_kv, n_real
+    if has_seg:
+        n_plain = 0
+    return n_plain, n_total
+
+
+def _q_loop_bounds(col0, *, st: _Static, block_rows: int, block_cols: int, has_seg: bool):
+    """For a key tile starting at col0: (first, plain) query blocks; blocks < first see none of
+    these keys (skipped), [first, plain) need a mask, blocks >= plain need none."""
+    n_q = st.q_pad // block_rows
+    if not st.causal:
+        return 0, 0
+    first = lax.div(col0, block_rows)
+    if has_seg:
+        return first, first
+    # From `plain` on, a query block's first row is beyond the tile's last key.
+    return first, lax.min(lax.div(col0 + block_cols + block_rows - 1, block_rows), n_q)
+
+
+def _compiler_params(num_warps: int, num_stages: int):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _pallas(kernel, *, args, grid, in_specs, out_specs, out_shape, st: _Static, name: str,
+            num_warps: int, num_stages: int):
+    """pallas_call; with `st.poison` every output starts NaN-filled (an aliased input buffer), so a
+    tile the kernel never writes shows up as NaN, in the interpreter and on GPU alike."""
+    n_in = len(args)
+    if st.poison:
+        fills = [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape]
+        args = [*args, *fills]
+        in_specs = [*in_specs, *out_specs]
+        aliases = {n_in + i: i for i in range(len(out_shape))}
+        inner = kernel
+
+        def kernel(*refs):  # drop the aliased input refs: the kernel writes only its outputs
+            inner(*refs[:n_in], *refs[n_in + len(out_shape):])
+    else:
+        aliases = {}
+    return pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        input_output_aliases=aliases, interpret=st.interpret, name=name,
+        compiler_params=None if st.interpret else _compiler_params(num_warps, num_stages),
+    )(*args)
+
+
+def _pad_axis(x, axis: int, size: int, value=0):
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------------
+
+def _fwd_kernel(*refs, st: _Static, has_seg: bool):
+    if has_seg:
+        q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref = refs
+    else:
+        q_ref, k_ref, v_ref, o_ref, lse_ref = refs
+        qseg_ref = kvseg_ref = None
+    bq, bk = st.blocks.block_q, st.blocks.block_kv
+    row0 = pl.program_id(0) * bq
+    q = q_ref[...]  # [bq, H]
+    q_seg = qseg_ref[...] if has_seg else None
+    qk_scale = st.scale * LOG2E  # scores in base 2: exp(x) = exp2(x * log2 e)
+
+    def step(j, carry, masked: bool):
+        acc, m, l = carry
+        col0 = pl.multiple_of(j * bk, bk)
+        k = k_ref[pl.ds(col0, bk), :]
+        v = v_ref[pl.ds(col0, bk), :]
+        s = _dot_nt(q, k) * qk_scale  # [bq, bk]
+        if masked:
+            kv_seg = kvseg_ref[pl.ds(col0, bk)] if has_seg else None
+            s = jnp.where(_mask(row0, col0, s.shape, causal=st.causal, kv_len=_tail(st),
+                                q_seg=q_seg, kv_seg=kv_seg), s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m - m_new)  # rescales what was accumulated under the old max
+        p = jnp.exp2(s - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot_nn(p.astype(v.dtype), v)
+        return acc, m_new, l
+
+    n_plain, n_total = _kv_loop_bounds(row0, st=st, block_rows=bq, block_cols=bk, has_seg=has_seg)
+    carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
+             jnp.zeros((bq,), jnp.float32))
+    carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False), carry)
+    acc, m, l = lax.fori_loop(n_plain, n_total, functools.partial(step, masked=True), carry)
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m * LN2 + jnp.log(l)
+
+
+def _forward_triton(q, k, v, q_seg, kv_seg, st: _Static):
+    """Padded inputs -> (o [B, Tp, N, H], lse [B, N, Tp] f32)."""
+    b, tp, n, h = q.shape
+    kh = k.shape[2]
+    g = n // kh
+    bq = st.blocks.block_q
+    has_seg = q_seg is not None
+    grid = (tp // bq, b, n)
+    in_specs = [
+        pl.BlockSpec((None, bq, None, h), lambda i, bi, ni: (bi, i, ni, 0)),
+        pl.BlockSpec((None, st.kv_pad, None, h), lambda i, bi, ni: (bi, 0, lax.div(ni, g), 0)),
+        pl.BlockSpec((None, st.kv_pad, None, h), lambda i, bi, ni: (bi, 0, lax.div(ni, g), 0)),
+    ]
+    args = [q, k, v]
+    if has_seg:
+        in_specs += [pl.BlockSpec((None, bq), lambda i, bi, ni: (bi, i)),
+                     pl.BlockSpec((None, st.kv_pad), lambda i, bi, ni: (bi, 0))]
+        args += [q_seg, kv_seg]
+    out_specs = [pl.BlockSpec((None, bq, None, h), lambda i, bi, ni: (bi, i, ni, 0)),
+                 pl.BlockSpec((None, None, bq), lambda i, bi, ni: (bi, ni, i))]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((b, n, tp), jnp.float32)]
+    o, lse = _pallas(functools.partial(_fwd_kernel, st=st, has_seg=has_seg), args=args, grid=grid,
+                     in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, st=st,
+                     name="flash_fwd", num_warps=st.blocks.num_warps,
+                     num_stages=st.blocks.num_stages)
+    return o, lse
+
+
+def _forward_mosaic(q, k, v, q_seg, st: _Static):
+    """JAX's Mosaic GPU (Hopper) forward on unpadded inputs -> (o, lse [B, N, T] natural log).
+
+    Its kernel has no softmax scale (it uses 1): q is scaled beforehand, in q's dtype.
+    """
+    from jax.experimental.pallas.ops.gpu import attention_mgpu  # GPU-only module: import lazily
+
+    t, s, h = q.shape[1], k.shape[1], q.shape[-1]
+    bq, bk = st.blocks.block_q, st.blocks.block_kv
+    problems = [
+        (q_seg is None, "segment ids are not supported"),
+        (q.dtype in (jnp.bfloat16, jnp.float16), f"dtype {q.dtype} is not bfloat16/float16"),
+        (h % 64 == 0, f"head_dim={h} is not a multiple of 64"),
+        (t == s, f"q length {t} != kv length {s}"),
+        (bq % 64 == 0 and bk % 64 == 0, f"block_q={bq} and block_kv={bk} must be multiples of 64"),
+        (t % (2 * bq) == 0, f"seq_len={t} must be a multiple of 2*block_q={2 * bq}"),
+        (s % bk == 0, f"seq_len={s} must be a multiple of block_kv={bk}"),
+    ]
+    bad = [msg for ok, msg in problems if not ok]
+    if bad:
+        raise ValueError("BlockSizes(forward='mosaic') cannot run this call: " + "; ".join(bad)
+                         + "; use forward='triton'")
+    cfg = attention_mgpu.TuningConfig(block_q=bq, block_kv=bk, max_concurrent_steps=2,
+                                      causal=st.causal)
+    o, (lse2,) = attention_mgpu.attention((q * st.scale).astype(q.dtype), k, v, cfg,
+                                          save_residuals=True)
+    return o, lse2 * LN2  # its log-sum-exp is in base 2
+
+
+def _forward(q, k, v, q_seg, kv_seg, st: _Static):
+    """Unpadded inputs -> (o [B, T, N, H], lse [B, N, T] float32)."""
+    if st.blocks.forward == "mosaic":
+        if st.interpret:
+            raise ValueError("BlockSizes(forward='mosaic') needs a Hopper GPU (the interpreter runs "
+                             "only the Triton kernels); use forward='triton'")
+        return _forward_mosaic(q, k, v, q_seg, st)
+    qp, kp, vp = _pad_axis(q, 1, st.q_pad), _pad_axis(k, 1, st.kv_pad), _pad_axis(v, 1, st.kv_pad)
+    if q_seg is not None:
+        q_seg, kv_seg = _pad_axis(q_seg, 1, st.q_pad), _pad_axis(kv_seg, 1, st.kv_pad)
+    o, lse = _forward_triton(qp, kp, vp, q_seg, kv_seg, st)
+    return o[:, :st.q_len], lse[:, :, :st.q_len]
+
+
+# --------------------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------------------
+
+def _dkv_kernel(*refs, st: _Static, has_seg: bool, groups: int):
+    if has_seg:
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref) = refs
+    else:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dk_ref, dv_ref = refs
+        qseg_ref = kvseg_ref = None
+    bq, bk = st.blocks.block_q_dkv, st.blocks.block_kv_dkv
+    col0 = pl.program_id(0) * bk
+    k = k_ref[...]  # [bk, H]
+    v = v_ref[...]
+    kv_seg = kvseg_ref[...] if has_seg else None
+    n_q = st.q_pad // bq
+    qk_scale = st.scale * LOG2E
+
+    def step(i, carry, g, masked: bool):
+        dk, dv = carry
+        row0 = pl.multiple_of(i * bq, bq)
+        q = q_ref[pl.ds(row0, bq), g, :]  # [bq, H]
+        do = do_ref[pl.ds(row0, bq), g, :]
+        lse2 = lse_ref[g, pl.ds(row0, bq)] * LOG2E  # +inf on padded rows: p = 0 there
+        delta = d_ref[g, pl.ds(row0, bq)]
+        s = _dot_nt(q, k) * qk_scale  # [bq, bk]
+        if masked:
+            q_seg = qseg_ref[pl.ds(row0, bq)] if has_seg else None
+            # Padded keys need no mask here: their dK/dV rows are sliced off, and they do not
+            # enter the real keys' gradients.
+            s = jnp.where(_mask(row0, col0, s.shape, causal=st.causal, kv_len=None,
+                                q_seg=q_seg, kv_seg=kv_seg), s, MASK_VALUE)
+        p = jnp.exp2(s - lse2[:, None])
+        dv = dv + _dot_tn(p.astype(do.dtype), do)
+        dp = _dot_nt(do, v)
+        ds = p * (dp - delta[:, None])
+        dk = dk + _dot_tn(ds.astype(q.dtype), q)
+        return dk, dv
+
+    first, plain = _q_loop_bounds(col0, st=st, block_rows=bq, block_cols=bk, has_seg=has_seg)
+
+    def head(g, carry):
+        carry = lax.fori_loop(first, plain, functools.partial(step, g=g, masked=True), carry)
+        return lax.fori_loop(plain, n_q, functools.partial(step, g=g, masked=has_seg), carry)
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(0, groups, head, (zeros, zeros))
+    dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(*refs, st: _Static, has_seg: bool):
+    if has_seg:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, qseg_ref, kvseg_ref, dq_ref = refs
+    else:
+        q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dq_ref = refs
+        qseg_ref = kvseg_ref = None
+    bq, bk = st.blocks.block_q_dq, st.blocks.block_kv_dq
+    row0 = pl.program_id(0) * bq
+    q = q_ref[...]  # [bq, H]
+    do = do_ref[...]
+    lse2 = lse_ref[...] * LOG2E
+    delta = d_ref[...]
+    q_seg = qseg_ref[...] if has_seg else None
+    qk_scale = st.scale * LOG2E
+
+    def step(j, dq, masked: bool):
+        col0 = pl.multiple_of(j * bk, bk)
+        k = k_ref[pl.ds(col0, bk), :]
+        v = v_ref[pl.ds(col0, bk), :]
+        s = _dot_nt(q, k) * qk_scale
+        if masked:
+            kv_seg = kvseg_ref[pl.ds(col0, bk)] if has_seg else None
+            s = jnp.where(_mask(row0, col0, s.shape, causal=st.causal, kv_len=_tail(st),
+                                q_seg=q_seg, kv_seg=kv_seg), s, MASK_VALUE)
+        p = jnp.exp2(s - lse2[:, None])
+        ds = p * (_dot_nt(do, v) - delta[:, None])
+        return dq + _dot_nn(ds.astype(k.dtype), k)
+
+    n_plain, n_total = _kv_loop_bounds(row0, st=st, block_rows=bq, block_cols=bk, has_seg=has_seg)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dq = lax.fori_loop(0, n_plain, functools.partial(step, masked=False), dq)
+    dq = lax.fori_loop(n_plain, n_total, functools.partial(step, masked=True), dq)
+    dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
+
+
+def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, st: _Static):
+    """(dq, dk, dv) from unpadded residuals and cotangents."""
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    g = n // kh
+    # D_i = sum_h dO_ih O_ih - dLSE_i: with it, dS = P * (dP - D) covers both cotangents.
+    delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), o.astype(jnp.float32)) - dlse
+    qp, dop = _pad_axis(q, 1, st.q_pad), _pad_axis(do, 1, st.q_pad)
+    kp, vp = _pad_axis(k, 1, st.kv_pad), _pad_axis(v, 1, st.kv_pad)
+    lse = _pad_axis(lse, 2, st.q_pad, value=jnp.inf)  # padded rows: P = exp(s - inf) = 0
+    delta = _pad_axis(delta, 2, st.q_pad)
+    has_seg = q_seg is not None
+    if has_seg:
+        q_seg, kv_seg = _pad_axis(q_seg, 1, st.q_pad), _pad_axis(kv_seg, 1, st.kv_pad)
+    bl = st.blocks
+    tp, sp = st.q_pad, st.kv_pad
+
+    # dK, dV: grid over (key block, batch, kv head); each program sees the G query heads of its group.
+    bk = bl.block_kv_dkv
+    in_specs = [
+        pl.BlockSpec((None, tp, g, h), lambda j, bi, ki: (bi, 0, ki, 0)),  # q
+        pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0)),  # k
+        pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0)),  # v
+        pl.BlockSpec((None, tp, g, h), lambda j, bi, ki: (bi, 0, ki, 0)),  # do
+        pl.BlockSpec((None, g, tp), lambda j, bi, ki: (bi, ki, 0)),  # lse
+        pl.BlockSpec((None, g, tp), lambda j, bi, ki: (bi, ki, 0)),  # delta
+    ]
+    args = [qp, kp, vp, dop, lse, delta]
+    if has_seg:
+        in_specs += [pl.BlockSpec((None, tp), lambda j, bi, ki: (bi, 0)),
+                     pl.BlockSpec((None, bk), lambda j, bi, ki: (bi, j))]
+        args += [q_seg, kv_seg]
+    kv_spec = pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0))
+    dk, dv = _pallas(
+        functools.partial(_dkv_kernel, st=st, has_seg=has_seg, groups=g), args=args,
+        grid=(sp // bk, b, kh), in_specs=in_specs, out_specs=[kv_spec, kv_spec],
+        out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)],
+        st=st, name="flash_bwd_dkv", num_warps=bl.num_warps_bwd, num_stages=bl.num_stages_bwd)
+
+    # dQ: grid over (query block, batch, head), streaming K/V of the head's kv head.
+    bq = bl.block_q_dq
+    q_spec = pl.BlockSpec((None, bq, None, h), lambda i, bi, ni: (bi, i, ni, 0))
+    kv_full = pl.BlockSpec((None, sp, None, h), lambda i, bi, ni: (bi, 0, lax.div(ni, g), 0))
+    row_spec = pl.BlockSpec((None, None, bq), lambda i, bi, ni: (bi, ni, i))
+    in_specs = [q_spec, kv_full, kv_full, q_spec, row_spec, row_spec]
+    args = [qp, kp, vp, dop, lse, delta]
+    if has_seg:
+        in_specs += [pl.BlockSpec((None, bq), lambda i, bi, ni: (bi, i)),
+                     pl.BlockSpec((None, sp), lambda i, bi, ni: (bi, 0))]
+        args += [q_seg, kv_seg]
+    (dq,) = _pallas(
+        functools.partial(_dq_kernel, st=st, has_seg=has_seg), args=args, grid=(tp // bq, b, n),
+        in_specs=in_specs, out_specs=[q_spec], out_shape=[jax.ShapeDtypeStruct(qp.shape, q.dtype)],
+        st=st, name="flash_bwd_dq", num_warps=bl.num_warps_bwd, num_stages=bl.num_stages_bwd)
+    return dq[:, :t], dk[:, :k.shape[1]], dv[:, :v.shape[1]]
+
+
+# --------------------------------------------------------------------------------------------------
+# custom_vjp and the public function
+# --------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, q_seg, kv_seg, st: _Static):
+    return _forward(q, k, v, q_seg, kv_seg, st)
+
+
+def _flash_fwd(q, k, v, q_seg, kv_seg, st):
+    o, lse = _forward(q, k, v, q_seg, kv_seg, st)
+    return (o, lse), (q, k, v, q_seg, kv_seg, o, lse)
+
+
+def _flash_bwd(st, residuals, cotangents):
+    q, k, v, q_seg, kv_seg, o, lse = residuals
+    do, dlse = cotangents
+    dq, dk, dv = _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, st)
+    return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def check_supported(q_shape, k_shape, *, interpret: bool) -> str | None:
+    """Why the kernel cannot run these shapes (None when it can)."""
+    b, t, n, h = q_shape
+    if len(k_shape) != 4 or k_shape[0] != b or k_shape[3] != h:
+        return f"q {tuple(q_shape)} and k/v {tuple(k_shape)} must be [B, T, N, H] and [B, S, K, H]"
+    if n % k_shape[2]:
+        return f"num_heads={n} must be a multiple of num_kv_heads={k_shape[2]}"
+    if not interpret and not (_is_pow2(h) and h >= MIN_BLOCK):
+        return (f"head_dim={h} must be a power of two >= {MIN_BLOCK} for the compiled kernel "
+                "(64, 128 and 256 have tuned block sizes)")
+    return None
+
+
+def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
+                    segment_ids_bt: jax.Array | None = None,
+                    kv_segment_ids_bs: jax.Array | None = None,
+                    causal: bool = True, scale: float | None = None,
+                    block_sizes: BlockSizes | None = None, interpret: bool | None = None,
+                    return_lse: bool = False, poison_outputs: bool = False):
+    """FlashAttention with grouped-query heads; differentiable (custom_vjp with Pallas kernels).
+
+    Args:
+      q_btnh: queries [B, T, N, H] (bfloat16, float16 or float32).
+      k_bskh, v_bskh: keys/values [B, S, K, H], N % K == 0; query head n uses kv head n // (N//K).
+      segment_ids_bt: [B, T] int document ids of packed sequences: tokens attend only within
+        their document. None: one document per row.
+      kv_segment_ids_bs: [B, S] the keys' document ids; default `segment_ids_bt` (needs T == S).
+      causal: mask keys after the query (top-left aligned: query t sees keys s <= t).
+      scale: softmax scale; default 1/sqrt(H).
+      block_sizes: tiles and launch parameters; default `BlockSizes.default(H)` for the device.
+      interpret: run in Pallas's interpreter; default `default_interpret()` (True on CPU).
+      return_lse: also return the log-sum-exp of each row's (scaled, masked) scores.
+      poison_outputs: testing aid: NaN-fill every output buffer before the kernels run, so a tile
+        that is never written fails a comparison.
+
+    Returns:
+      out [B, T, N, H] in q's dtype, and with `return_lse` also lse [B, N, T] float32 (natural log).
+    """
+    interpret = default_interpret() if interpret is None else interpret
+    problem = check_supported(q_btnh.shape, k_bskh.shape, interpret=interpret)
+    if problem is None and v_bskh.shape != k_bskh.shape:
+        problem = f"v {tuple(v_bskh.shape)} must have k's shape {tuple(k_bskh.shape)}"
+    if problem:
+        raise ValueError(f"flash_attention: {problem}")
+    t, s, h = q_btnh.shape[1], k_bskh.shape[1], q_btnh.shape[3]
+    if segment_ids_bt is not None and kv_segment_ids_bs is None:
+        if t != s:
+            raise ValueError(f"flash_attention: segment_ids_bt alone needs T == S (got T={t}, S={s});"
+                             " pass kv_segment_ids_bs too")
+        kv_segment_ids_bs = segment_ids_bt
+    if (segment_ids_bt is None) != (kv_segment_ids_bs is None):
+        raise ValueError("flash_attention: kv_segment_ids_bs needs segment_ids_bt")
+    if segment_ids_bt is not None:
+        segment_ids_bt = segment_ids_bt.astype(jnp.int32)
+        kv_segment_ids_bs = kv_segment_ids_bs.astype(jnp.int32)
+    blocks = block_sizes or BlockSizes.default(h)
+    st = _static(t, s, scale=float(h ** -0.5 if scale is None else scale), causal=bool(causal),
+                 blocks=blocks, interpret=bool(interpret), poison=bool(poison_outputs))
+    out, lse = _flash(q_btnh, k_bskh, v_bskh, segment_ids_bt, kv_segment_ids_bs, st)
+    return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------------
+
+def mha_reference(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
+                  segment_ids_bt: jax.Array | None = None,
+                  kv_segment_ids_bs: jax.Array | None = None, causal: bool = True,
+                  scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+    """Pure-jnp attention with the kernel's semantics: (out [B, T, N, H], lse [B, N, T] float32).
+
+    Materialises the [B, N, T, S] scores in float32 (tests only). Its output equals
+    `lumen_jax.ops.attention.xla_attention` (tests/test_flash_attention.py checks).
+    """
+    b, t, n, h = q_btnh.shape
+    s, kh = k_bskh.shape[1], k_bskh.shape[2]
+    scale = h ** -0.5 if scale is None else scale
+    q = q_btnh.astype(jnp.float32).reshape(b, t, kh, n // kh, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k_bskh.astype(jnp.float32),
+                        precision=lax.Precision.HIGHEST) * scale
+    mask = jnp.ones((1, t, s), bool)
+    if causal:
+        mask = mask & (jnp.arange(t)[:, None] >= jnp.arange(s)[None, :])[None]
+    if segment_ids_bt is not None:
+        kv_seg = segment_ids_bt if kv_segment_ids_bs is None else kv_segment_ids_bs
+        mask = mask & (segment_ids_bt[:, :, None] == kv_seg[:, None, :])
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    lse = jax.nn.logsumexp(scores, axis=-1)  # [B, K, G, T]
+    probs = jnp.exp(scores - lse[..., None])
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh.astype(jnp.float32),
+                     precision=lax.Precision.HIGHEST)
+    return out.reshape(b, t, n, h).astype(q_btnh.dtype), lse.reshape(b, n, t)
