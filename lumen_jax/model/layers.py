@@ -134,6 +134,7 @@ class Attention(nnx.Module):
         self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"),
                          cfg.init_std / math.sqrt(2 * cfg.num_layers))
         self.impl = cfg.attention
+        self.flash_blocks = (cfg.flash_block_q, cfg.flash_block_kv)
 
     def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array | None,
                  inv_freq: jax.Array) -> jax.Array:
@@ -144,7 +145,8 @@ class Attention(nnx.Module):
         q = constrain(apply_rope(q, positions_bt, inv_freq), ("batch", "seq", "act_heads", None))
         k = constrain(apply_rope(k, positions_bt, inv_freq), ("batch", "seq", "act_kv_heads", None))
         v = constrain(v, ("batch", "seq", "act_kv_heads", None))
-        o = attention(q, k, v, segment_ids_bt=segment_ids_bt, causal=True, impl=self.impl)
+        o = attention(q, k, v, segment_ids_bt=segment_ids_bt, causal=True, impl=self.impl,
+                      block_q=self.flash_blocks[0], block_kv=self.flash_blocks[1])
         o = constrain(o, ("batch", "seq", "act_heads", None))
         return project("btnh,nhd->btd", o, self.wo[...].astype(dt))
 
