@@ -81,9 +81,6 @@ def test_hardware_flops_full_remat_match_xla():
     assert 0.5 * formula_extra < recomputed <= formula_extra, (recomputed, formula_extra)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: no activation is named 'attention_out' (jax.ad_checkpoint."
-                   "checkpoint_name) in lumen_jax/model, so remat=save_attention_out saves nothing and "
-                   "recomputes as much as remat=full")
 def test_save_attention_out_recomputes_less_than_full():
     full = xla_flops_for("full")
     cfg, xla = tiny_one_layer("save_attention_out"), xla_flops_for("save_attention_out")

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from lumen_jax.config import ModelConfig
 from lumen_jax.ops.attention import attention
@@ -147,7 +148,8 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", "seq", "act_kv_heads", None))
         o = attention(q, k, v, segment_ids_bt=segment_ids_bt, causal=True, impl=self.impl,
                       block_q=self.flash_blocks[0], block_kv=self.flash_blocks[1])
-        o = constrain(o, ("batch", "seq", "act_heads", None))
+        # Named so that remat=save_attention_out keeps it and recomputes only the projections/MLP.
+        o = checkpoint_name(constrain(o, ("batch", "seq", "act_heads", None)), "attention_out")
         return project("btnh,nhd->btd", o, self.wo[...].astype(dt))
 
 
