@@ -1,0 +1,172 @@
+"""Reading config files: YAML (with `base:`), gin, and dotted command-line overrides.
+
+`lumen_jax.config.load_config` is the entry point; this module holds the file formats so that
+config.py stays the schema, the conversion and the validation. No JAX import here either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import typing
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from lumen_jax.config import (SECTIONS, Config, ConfigError, _check_key, _show, _unknown_section,
+                              from_dict)
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads `3e-4` as a float (YAML 1.1 wants a dot: `3.0e-4`)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+def _one_line(text: Any) -> str:
+    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
+def _deep_merge(base: dict[str, Any], child: Mapping[str, Any]) -> dict[str, Any]:
+    """`child` over `base`, recursing into mappings; an empty child section keeps the base one."""
+    out = dict(base)
+    for k, v in child.items():
+        if isinstance(out.get(k), dict) and (v is None or isinstance(v, Mapping)):
+            out[k] = _deep_merge(out[k], v or {})
+        else:
+            out[k] = v
+    return out
+
+
+def _read_yaml(path: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The merged mapping of `path` and the `base:` files it extends (relative to its own folder)."""
+    real = os.path.realpath(path)
+    if real in chain:
+        cycle = " -> ".join(os.path.basename(p) for p in (*chain, real))
+        raise ConfigError(f"config {path} extends itself through base: ({cycle}); remove a base: line")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.load(f, Loader=_Loader)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {_one_line(e)}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must be a mapping of sections ({', '.join(SECTIONS)}); "
+                          f"got {type(data).__name__}")
+    if "name" in data:
+        raise ConfigError(f"config file {path} sets name={_show(data['name'])}; remove it: the name is "
+                          "the file's stem")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str) or os.path.splitext(base)[1].lower() not in (".yaml", ".yml"):
+        raise ConfigError(f"{path}: base={_show(base)} must name a .yaml file relative to {path}")
+    base_path = os.path.join(os.path.dirname(path), base)
+    if not os.path.isfile(base_path):
+        raise ConfigError(f"{path}: base={_show(base)} does not exist (looked for {base_path}); "
+                          "fix the path, relative to the file that names it")
+    return _deep_merge(_read_yaml(base_path, (*chain, real)), data)
+
+
+_GIN_MODULE = "lumen_jax.config"
+_GIN_SEARCH_PATHS: set[str] = set()
+
+
+def _read_gin(path: str) -> dict[str, Any]:
+    """Parses a gin file binding the section dataclasses (`model.d_model = 64`) into a mapping."""
+    import gin  # only gin users pay for it
+
+    for section, cls in SECTIONS.items():
+        try:
+            gin.register(section, module=_GIN_MODULE)(cls)  # leaves the class itself untouched
+        except ValueError:  # already registered (e.g. the module was reloaded)
+            pass
+    path = os.path.abspath(path)
+    folder = os.path.dirname(path)
+    if folder not in _GIN_SEARCH_PATHS:  # `include 'x.gin'` relative to this file
+        gin.add_config_file_search_path(folder)
+        _GIN_SEARCH_PATHS.add(folder)
+    gin.clear_config()
+    try:
+        gin.parse_config_file(path)
+        # Calling the configurable applies the bindings, macros and references included.
+        sections = {s: gin.get_configurable(f"{_GIN_MODULE}.{s}")() for s in SECTIONS}
+    except (ValueError, TypeError, SyntaxError) as e:
+        msg = _one_line(e)
+        # Gin's own wording (pinned <0.6), turned into ours so both file formats read alike.
+        m = re.match(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'", msg)
+        if m:
+            _check_key(m.group(1).rsplit(".", 1)[-1], m.group(2), where=f"{path}: ")
+        m = re.match(r"No configurable matching '([\w.]+)'", msg)
+        if m:
+            raise ConfigError(f"{path}: {_unknown_section(m.group(1))}") from None
+        raise ConfigError(f"config file {path} is not valid gin: {msg}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+    finally:
+        gin.clear_config()  # leave no global bindings behind: the next load starts clean
+    return {s: dataclasses.asdict(obj) for s, obj in sections.items()}
+
+
+def _parse_override(text: str) -> tuple[str, str, Any]:
+    """`section.key=value` -> (section, key, value); the value is read as YAML (`3e-4`, `true`, `[a, b]`)."""
+    dotted, eq, raw = text.partition("=")
+    section, dot, key = dotted.strip().partition(".")
+    if not eq or not dot or not section or not key or "." in key:
+        raise ConfigError(f"override {text!r} must look like section.key=value (e.g. optim.lr=3e-4)")
+    raw = raw.strip()
+    typ = _check_key(section, key, raw)
+    try:
+        value = yaml.load(raw, Loader=_Loader)
+    except yaml.YAMLError:
+        value = raw
+    if typ is str and not isinstance(value, str):
+        value = raw  # train.run_dir=2024 or data.tokenizer=null mean the text itself
+    elif typing.get_origin(typ) is tuple and isinstance(value, (str, *typing.get_args(typ)[:1])):
+        value = [value]  # data.paths=corpus/*.txt, distributed.local_device_ids=0: one item
+    return section, key, value
+
+
+def read_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
+    """Loads a `.yaml`/`.yml` or `.gin` config file (None: all defaults) and applies dotted overrides.
+
+    Args:
+      path: config file. A YAML file may say `base: other.yaml` (relative to its own folder) to
+        deep-merge over another file; a gin file binds `model.d_model = 64` and may `include`.
+      overrides: `section.key=value` strings applied after the file, e.g. `optim.lr=3e-4`.
+
+    Returns:
+      The Config, named after the file's stem ("default" when path is None). Not yet checked
+      against a device count: call `validate` for that.
+    """
+    raw: dict[str, Any] = {}
+    name = "default"
+    if path is not None:
+        ext = os.path.splitext(path)[1].lower()
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path} does not exist; pass a path to a .yaml or .gin file "
+                              "(see configs/)")
+        if ext in (".yaml", ".yml"):
+            raw = _read_yaml(path)
+        elif ext == ".gin":
+            raw = _read_gin(path)
+        else:
+            raise ConfigError(f"config file {path} must end in .yaml, .yml or .gin; got {ext or 'no suffix'}")
+        name = os.path.splitext(os.path.basename(path))[0]
+    for text in overrides:
+        section, key, value = _parse_override(text)
+        body = raw.get(section)
+        if body is None:
+            body = raw[section] = {}
+        if isinstance(body, dict):  # anything else fails in from_dict with its own message
+            body[key] = value
+    raw["name"] = name
+    return from_dict(raw)
