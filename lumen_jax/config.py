@@ -19,7 +19,6 @@ import typing
 from typing import Any, Mapping, Sequence
 
 
-
 class ConfigError(ValueError):
     """A user-fixable problem with the configuration (the CLI prints it in one line, exit code 2)."""
 

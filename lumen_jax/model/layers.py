@@ -153,6 +153,13 @@ class Attention(nnx.Module):
         return project("btnh,nhd->btd", o, self.wo[...].astype(dt))
 
 
+@jax.checkpoint
+def _swiglu(gate_btf: jax.Array, up_btf: jax.Array) -> jax.Array:
+    # Checkpointed: the backward keeps only `gate` and `up` and recomputes the sigmoid (elementwise)
+    # instead of saving three more [B, T, F] intermediates per layer; 1-3% of the CPU benchmark's step.
+    return jax.nn.silu(gate_btf) * up_btf
+
+
 class MLP(nnx.Module):
     """SwiGLU: down(silu(x @ gate) * (x @ up)); gate/up column-split, down row-split over `mlp`."""
 
@@ -166,7 +173,7 @@ class MLP(nnx.Module):
         dt = x_btd.dtype
         gate = project("btd,df->btf", x_btd, self.w_gate[...].astype(dt))
         up = project("btd,df->btf", x_btd, self.w_up[...].astype(dt))
-        h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+        h = constrain(_swiglu(gate, up), ("batch", "seq", "act_mlp"))
         return project("btf,fd->btd", h, self.w_down[...].astype(dt))
 
 
