@@ -1,0 +1,36 @@
+"""Count the bytes, FLOPs and collectives of a run before launch: `python -m lumen_jax.plan`.
+
+```
+python -m lumen_jax.plan --config configs/llama3_70b.yaml --devices 512 --device h100 [key=value ...]
+python -m lumen_jax.plan --config configs/llama3_405b.yaml --devices 16384 --pipeline 16 --search
+```
+
+Everything is arithmetic on the config, in small pure functions a test or a notebook can call one
+by one. Per-device figures are for the worst device (the pipeline stage holding the embedding or
+the logits, plus its share of the layers). The model behind each number, its calibration against
+XLA, and a worked 7B/70B example are in docs/PLANNING.md.
+
+- `hardware`: `Hardware` (memory, peak, links), `DEVICES`, `Layout` (mesh, pipeline, ZeRO, micro-batches).
+- `memory`: `state_bytes` (exact, from the parameter shapes and the sharding rules), `activation_bytes`.
+- `cost`: `flops_per_device`, `bubble_fraction`, `collectives` per mesh axis.
+- `predict`: `predict` -> `Plan` (bytes, FLOPs, step time, MFU, verdict), `search`.
+- `cli`: the command line.
+"""
+
+from lumen_jax.plan.cost import (
+    ELEMENTWISE_OPS, Collective, bubble_fraction, collectives, flops_per_device, hardware_flops_per_token,
+    link_of)
+from lumen_jax.plan.hardware import AXES, DEVICES, Hardware, Layout, compute_bytes, layout_from_config
+from lumen_jax.plan.memory import (
+    PHASES, STATE_BYTES, TEXTBOOK_BYTES_PER_PARAM, Activations, Residuals, activation_bytes,
+    korthikanti_bytes_per_layer, layer_residuals, recomputes, saved_bytes_per_token, state_bytes,
+    working_bytes_per_token)
+from lumen_jax.plan.predict import SEARCH_REMATS, Plan, planned_attention, predict, search
+
+__all__ = [
+    "AXES", "DEVICES", "ELEMENTWISE_OPS", "PHASES", "SEARCH_REMATS", "STATE_BYTES", "TEXTBOOK_BYTES_PER_PARAM",
+    "Activations", "Collective", "Hardware", "Layout", "Plan", "Residuals", "activation_bytes",
+    "bubble_fraction", "collectives", "compute_bytes", "flops_per_device", "hardware_flops_per_token",
+    "korthikanti_bytes_per_layer", "layer_residuals", "layout_from_config", "link_of", "planned_attention",
+    "predict", "recomputes", "saved_bytes_per_token", "search", "state_bytes", "working_bytes_per_token",
+]

@@ -1,0 +1,146 @@
+"""`python -m lumen_jax.plan`: parse, plan (or search), print a table or JSON. No math here."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Sequence
+
+from lumen_jax import metrics
+from lumen_jax.config import Config, ConfigError, MeshConfig, load_config, validate
+from lumen_jax.plan.hardware import DEVICES, Hardware, layout_from_config
+from lumen_jax.plan.predict import Plan, predict, search
+
+EXIT_BAD_INPUT = 2
+USAGE = "count the bytes, FLOPs and collectives of a run before launch (docs/PLANNING.md)"
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:10.2f} GB"
+
+
+def format_plan(plan: Plan, cfg: Config) -> str:
+    """The human-readable report of one plan."""
+    b, a, lay = plan.bytes_per_device, plan.activations, plan.layout
+    n_params = metrics.param_counts(cfg.model)["total"]
+    lines = [
+        f"{cfg.name}: {n_params / 1e9:.2f}B parameters, {lay.num_devices} devices ({lay.describe()}), "
+        f"zero_stage={lay.zero_stage}, remat={plan.remat}, attention={plan.attention}, "
+        f"{plan.micro_batch} x {cfg.data.seq_len} tokens per device per micro-batch, "
+        f"{lay.micro_batches} micro-batches per step",
+        "",
+        "memory per device",
+        f"  parameters      {_gb(b['params'])}   fp32 master weights",
+        f"  gradients       {_gb(b['grads'])}   fp32",
+        f"  optimizer       {_gb(b['optimizer'])}   Adam mu + nu, fp32",
+        f"  activations     {_gb(b['activations'])}   saved {a.saved / 1e9:.2f} + working {a.working / 1e9:.2f}"
+        f" ({a.phase}) + weight/gradient buffers {a.buffers / 1e9:.2f} + batch {a.inputs / 1e9:.2f}"
+        + (f" (+ {a.host / 1e9:.2f} GB on host)" if a.host else ""),
+        f"  fp8 scaling     {_gb(b['fp8'])}",
+        f"  total           {_gb(b['total'])}   of {plan.usable_memory_bytes / 1e9:.1f} GB usable "
+        f"({plan.device_memory_bytes / 1e9:.0f} GB device)",
+        "",
+        f"FLOPs per token  {plan.flops_per_token:.4g} model (6N + attention), "
+        f"{plan.hardware_flops_per_token:.4g} with recompute",
+        f"FLOPs per step   {plan.flops_per_step:.4g} ({plan.tokens_per_step:,} tokens)",
+        "",
+        "communication per step, per device",
+        f"  {'axis':9s}{'size':>5s}  {'link':6s} {'collective':15s}{'on the wire':>14s}{'time':>10s}"
+        "  overlaps  what",
+    ]
+    for c in plan.collectives:
+        lines.append(f"  {c.axis:9s}{c.size:5d}  {c.link:6s} {c.kind:15s}{c.wire_bytes / 1e9:11.2f} GB"
+                     f"{c.seconds * 1e3:8.1f}ms  {'yes' if c.overlapped else 'no':8s}  {c.what}")
+    if not plan.collectives:
+        lines.append("  none (one device)")
+    lines += [
+        "",
+        f"compute {plan.compute_s:.3f} s, communication {plan.overlapped_comm_s:.3f} s overlapped + "
+        f"{plan.exposed_comm_s:.3f} s exposed"
+        + (f", pipeline bubble {plan.bubble:.1%} (p={lay.pipeline}, m={lay.micro_batches})"
+           if lay.pipeline > 1 else ""),
+        f"predicted step {plan.step_time_s:.3f} s, {plan.tokens_per_s:,.0f} tokens/s, MFU {plan.mfu:.1%}"
+        + ("" if plan.overlapped_comm_s <= plan.compute_s else
+           f" (communication-bound: overlapped collectives take {plan.overlapped_comm_s / plan.compute_s:.1f}x"
+           " the compute)"),
+        "",
+        plan.verdict(),
+    ]
+    return "\n".join(lines)
+
+
+def format_search(plans: Sequence[Plan]) -> str:
+    """One line per candidate, best first: mesh, remat, sequences per micro-batch (b), micro-batches (m)."""
+    head = (f"{'rank':>4s}  {'mesh':36s}{'remat':34s}{'b':>3s}{'m':>5s}{'GB':>8s}{'step s':>9s}"
+            f"{'tokens/s':>12s}{'MFU':>7s}")
+    rows = [f"{i + 1:4d}  {p.layout.describe():36s}{p.remat:34s}{p.micro_batch:3d}{p.layout.micro_batches:5d}"
+            f"{p.bytes_per_device['total'] / 1e9:8.1f}{p.step_time_s:9.3f}{p.tokens_per_s:12,.0f}{p.mfu:7.1%}"
+            for i, p in enumerate(plans)]
+    return "\n".join([head, *rows]) if rows else "no candidate fits"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m lumen_jax.plan", description=USAGE)
+    p.add_argument("--config", help="YAML or gin file (configs/*.yaml)")
+    p.add_argument("--devices", type=int, required=True, help="devices the run will use")
+    p.add_argument("--device", default="h100", choices=sorted(DEVICES), help="accelerator (default h100)")
+    p.add_argument("--pipeline", type=int, default=1, help="pipeline stages (planning only: not executed yet)")
+    p.add_argument("--pipeline-microbatches", type=int, default=0,
+                   help="micro-batches per step through the pipeline (default train.micro_batches)")
+    p.add_argument("--attention", choices=("xla", "flash"),
+                   help="xla keeps the S x S scores in memory, flash does not (default: from model.attention, "
+                        "where auto means flash on a GPU when the trainer has it)")
+    p.add_argument("--efficiency", type=float, default=0.7, help="fraction of peak FLOP/s the matmuls reach")
+    p.add_argument("--memory-fraction", type=float, default=0.9, help="fraction of device memory usable")
+    p.add_argument("--memory-gb", type=float, help="device memory in GB (default: the device's)")
+    p.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device (default: datasheet)")
+    p.add_argument("--nvlink-gbps", type=float, help="GB/s per device inside a node (default 900)")
+    p.add_argument("--ib-gbps", type=float, help="GB/s per device across nodes (default 50)")
+    p.add_argument("--devices-per-node", type=int, help="devices per node (default 8)")
+    p.add_argument("--search", action="store_true", help="rank fitting meshes x remat x micro-batch sizes")
+    p.add_argument("--top", type=int, default=5, help="candidates --search lists")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.tensor=8 model.remat=full")
+    return p.parse_args(argv)
+
+
+def hardware_from_args(args: argparse.Namespace) -> Hardware:
+    hw = DEVICES[args.device]
+    changes = {"memory_bytes": args.memory_gb and args.memory_gb * 1e9,
+               "peak_flops": args.peak_tflops and args.peak_tflops * 1e12,
+               "nvlink_bytes_per_s": args.nvlink_gbps and args.nvlink_gbps * 1e9,
+               "ib_bytes_per_s": args.ib_gbps and args.ib_gbps * 1e9,
+               "devices_per_node": args.devices_per_node}
+    return dataclasses.replace(hw, **{k: v for k, v in changes.items() if v})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        hw = hardware_from_args(args)
+        for name, value, low, high in (("--efficiency", args.efficiency, 0, 1),
+                                       ("--memory-fraction", args.memory_fraction, 0, 1)):
+            if not low < value <= high:
+                raise ConfigError(f"{name}={value} must be in ({low}, {high}]")
+        kwargs = {"attention": args.attention, "efficiency": args.efficiency,
+                  "memory_fraction": args.memory_fraction}
+        if args.search:  # the search picks the mesh: check everything else on one device
+            one = MeshConfig(data=1, fsdp=1, context=1, tensor=1)
+            validate(cfg.replace(mesh=one, train=dataclasses.replace(cfg.train, micro_batches=1)), 1)
+            if args.pipeline < 1 or args.devices % args.pipeline:
+                raise ConfigError(f"--pipeline {args.pipeline} must be >= 1 and divide "
+                                  f"--devices {args.devices}")
+            plans = search(cfg, args.devices, hw, pipeline=args.pipeline, top=args.top, **kwargs)
+            text = (json.dumps([p.to_json() for p in plans], indent=2) if args.json else format_search(plans))
+        else:
+            layout = layout_from_config(cfg, args.devices, args.pipeline, args.pipeline_microbatches or None)
+            plan = predict(cfg, layout, hw, **kwargs)
+            text = json.dumps(plan.to_json(), indent=2) if args.json else format_plan(plan, cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(text)
+    return 0

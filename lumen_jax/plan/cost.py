@@ -1,0 +1,160 @@
+"""FLOPs, the pipeline bubble, and the collectives of a step on each mesh axis."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from lumen_jax import metrics
+from lumen_jax.config import ModelConfig
+from lumen_jax.plan.hardware import AXES, Hardware, Layout, compute_bytes
+from lumen_jax.plan.memory import STATE_BYTES, computed_score_fraction, recomputes, state_bytes
+
+# Elementwise work XLA's cost_analysis counts besides the matmuls (ops per element, a non-negative
+# least-squares fit to XLA's CPU counts of our step): softmax and masking per computed score, norms,
+# residuals, RoPE and SwiGLU per d_model element of each layer, cross-entropy per logit, clipping +
+# AdamW per local parameter. Used only for the compiler comparison; MFU counts matmuls alone.
+ELEMENTWISE_OPS = {"score": 19, "embed": 58, "logit": 9, "param": 36}
+
+
+def hardware_flops_per_token(model: ModelConfig, seq_len: int, remat: str, *,
+                             score_fraction: float = 0.5) -> float:
+    """Model FLOPs per token plus the forward work the backward pass re-runs under `remat`.
+
+    Model FLOPs are `metrics.flops_per_token`'s: 6 x the matmul parameters + 3 x the attention
+    forward, of which `score_fraction` of the S x S square is counted (1/2: the causal MFU
+    convention). `memory.recomputes` reads the re-run work off the model's residuals: the layers'
+    projections (2 x L x layer_matmul) unless the policy saves them, the attention core (QK^T and
+    PV) unless it saves the scores; the logits matmul lies outside the checkpointed layers. (This
+    can differ from `metrics.hardware_flops_per_token`, which assumes what each policy saves.)
+    """
+    redo = recomputes(remat)
+    counts = metrics.param_counts(model)
+    attention = metrics.attention_forward_flops_per_token(model, seq_len, causal=False) * score_fraction
+    return (6.0 * counts["matmul"] + 3 * attention + attention * redo["attention"]
+            + 2.0 * model.num_layers * counts["layer_matmul"] * redo["projections"])
+
+
+def flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, *,
+                     remat: str | None = None, causal: bool = True, layers: int | None = None,
+                     elementwise: bool = False) -> float:
+    """Hardware FLOPs (matmuls, with the remat recompute) one device runs per optimizer step.
+
+    Args:
+      model, layout, seq_len, global_batch: the run.
+      remat: the activation-checkpointing policy (default `model.remat`).
+      causal: count half of the S x S scores (the MFU convention). False: the part of the square
+        the model's attention actually computes (`memory.computed_score_fraction`: all of it, or
+        the blocks on and below the diagonal), which is what the compiler counts.
+      layers: count this many layers instead of `model.num_layers`. XLA's `cost_analysis` counts
+        the body of the scan over layers once: pass 1 to compare with it.
+      elementwise: add the elementwise work XLA also counts (`ELEMENTWISE_OPS`).
+    """
+    m = model if layers is None else dataclasses.replace(model, num_layers=layers)
+    remat = model.remat if remat is None else remat
+    fraction = 0.5 if causal else computed_score_fraction(seq_len)
+    total = hardware_flops_per_token(m, seq_len, remat, score_fraction=fraction) * global_batch * seq_len
+    total /= layout.num_devices
+    if elementwise:
+        tp, sp = layout.tensor, layout.sequence_parallel
+        local_tokens = global_batch * seq_len / (layout.data * layout.fsdp * layout.context)
+        layers = m.num_layers / layout.pipeline
+        per_token = (layers * (ELEMENTWISE_OPS["score"] * m.num_heads * seq_len * fraction / tp
+                               + ELEMENTWISE_OPS["embed"] * m.d_model / (tp if sp else 1))
+                     + ELEMENTWISE_OPS["logit"] * m.vocab_size / tp)
+        local_params = state_bytes(m, layout)["optimizer"] / STATE_BYTES["optimizer"]
+        total += per_token * local_tokens + ELEMENTWISE_OPS["param"] * local_params
+    return total
+
+
+def bubble_fraction(stages: int, microbatches: int, interleave: int = 1) -> float:
+    """Idle fraction of a 1F1B pipeline: (p - 1) / (v*m + p - 1) (Narayanan et al. 2021)."""
+    return (stages - 1) / (interleave * microbatches + stages - 1)
+
+
+_WIRE = {"all-reduce": lambda g: 2 * (g - 1) / g, "all-gather": lambda g: (g - 1) / g,
+         "reduce-scatter": lambda g: (g - 1) / g, "send/recv": lambda g: 1.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One kind of collective on one mesh axis, summed over a step, for one device."""
+
+    axis: str
+    size: int
+    link: str  # nvlink | ib
+    kind: str  # all-reduce | all-gather | reduce-scatter | send/recv
+    what: str
+    payload_bytes: float  # the full tensor of one call, per device
+    calls: float  # per optimizer step
+    overlapped: bool  # can run under compute (prefetch / async reduction)
+    bandwidth: float  # bytes/s of the link
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each device sends: ring all-reduce 2(G-1)/G, all-gather/reduce-scatter (G-1)/G."""
+        return _WIRE[self.kind](self.size) * self.payload_bytes * self.calls
+
+    @property
+    def seconds(self) -> float:
+        return self.wire_bytes / self.bandwidth
+
+
+def link_of(axis: str, layout: Layout, hw: Hardware) -> tuple[str, float]:
+    """NVLink when the axis and every axis inside it fit in one node, else InfiniBand."""
+    inner = math.prod(layout.size(a) for a in AXES[AXES.index(axis) + 1:])
+    if inner * layout.size(axis) <= hw.devices_per_node:
+        return "nvlink", hw.nvlink_bytes_per_s
+    return "ib", hw.ib_bytes_per_s
+
+
+def collectives(model: ModelConfig, layout: Layout, hw: Hardware, seq_len: int, micro_batch: int,
+                remat: str) -> list[Collective]:
+    """The collectives of one step per mesh axis (see docs/PLANNING.md for each count).
+
+    fsdp: ZeRO-3 gathers the fp32 weights in the forward and again in the backward and
+    reduce-scatters the gradients, every micro-batch; ZeRO-2 reduce-scatters gradients and gathers
+    the updated weights once; ZeRO-1 all-reduces gradients and gathers the updated weights once.
+    data: all-reduce of the (ZeRO-sharded) gradients per micro-batch. tensor: Megatron's two
+    all-reduces of [tokens, D] per layer forward and two backward (+2 when `full` recomputes the
+    layer; sequence parallelism turns each into an all-gather + reduce-scatter of the same bytes),
+    plus the vocab-parallel embedding and logits. context: K/V all-gathered per layer (re-gathered
+    in the backward unless saved) and dK/dV reduce-scattered. pipeline: activations sent forward and
+    gradients back per micro-batch.
+    """
+    m, c, tp = layout.micro_batches, compute_bytes(model), layout.tensor
+    tokens = micro_batch * seq_len / layout.context
+    layers = -(-model.num_layers // layout.pipeline)
+    out: list[Collective] = []
+
+    def add(axis: str, kind: str, what: str, payload: float, calls: float, overlapped: bool) -> None:
+        if layout.size(axis) > 1 and calls > 0:
+            link, bw = link_of(axis, layout, hw)
+            out.append(Collective(axis, layout.size(axis), link, kind, what, payload, calls, overlapped, bw))
+
+    weights = state_bytes(model, dataclasses.replace(layout, data=1, fsdp=1))["params"]  # fp32, /tp, /pp
+    grads = state_bytes(model, layout)["grads"]
+    if layout.zero_stage >= 3:
+        add("fsdp", "all-gather", "fp32 weights, forward", weights, m, True)
+        add("fsdp", "all-gather", "fp32 weights, backward", weights, m, True)
+        add("fsdp", "reduce-scatter", "fp32 gradients", weights, m, True)
+    else:
+        kind = "reduce-scatter" if layout.zero_stage == 2 else "all-reduce"
+        add("fsdp", kind, "fp32 gradients", weights, m, True)
+        add("fsdp", "all-gather", "updated fp32 weights", weights, 1, True)
+    add("data", "all-reduce", "fp32 gradients", grads, m, True)
+    row = tokens * model.d_model * c
+    # Recomputing the projections re-runs the two row-parallel matmuls and their all-reduces.
+    per_layer = 4 + (2 if recomputes(remat)["projections"] else 0)
+    calls = m * (per_layer * layers + 2)  # + the embedding lookup and the gradient into the logits
+    if layout.sequence_parallel:
+        for kind in ("all-gather", "reduce-scatter"):
+            add("tensor", kind, f"activations, {per_layer}/layer (sequence parallel)", row, calls, False)
+    else:
+        add("tensor", "all-reduce", f"activations, {per_layer}/layer", row, calls, False)
+    kv = 2 * micro_batch * seq_len * model.num_kv_heads * model.resolved_head_dim / tp * c
+    add("context", "all-gather", "K/V per layer (ring attention: c-1 hops, same bytes)", kv,
+        m * layers * (1 if remat == "none" else 2), False)
+    add("context", "reduce-scatter", "dK/dV per layer", kv, m * layers, False)
+    add("pipeline", "send/recv", "stage activations and gradients", row, 2 * m, False)
+    return out

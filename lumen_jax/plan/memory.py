@@ -1,0 +1,337 @@
+"""Bytes per device: parameters, gradients and optimizer state (exact), activations (a model).
+
+The activation model, its calibration against XLA and a worked example are in docs/PLANNING.md.
+Width letters: D d_model, Q = N*H, KV = K*H, F ffn, S = N*seq (one row of attention scores), V vocab.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import io
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import print_saved_residuals
+
+from lumen_jax import metrics
+from lumen_jax.config import ModelConfig
+from lumen_jax.model import apply, param_shapes_and_names
+from lumen_jax.parallel.rules import Rules
+from lumen_jax.plan.hardware import Layout, compute_bytes
+
+F32 = 4
+# Our step keeps fp32 master parameters, fp32 gradients and Adam's two fp32 moments: 4 + 4 + 8 bytes
+# per parameter (the textbook bf16 recipe splits the same 16 bytes as 2 + 2 + 12).
+STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}
+TEXTBOOK_BYTES_PER_PARAM = 2 + 2 + 12
+
+
+@functools.lru_cache(maxsize=16)
+def _param_leaves(model: ModelConfig) -> tuple[tuple[str, tuple[int, ...], tuple[str, ...]], ...]:
+    """(path, shape, logical axis names) of every parameter, traced without allocating."""
+    _, shapes, names = param_shapes_and_names(model)
+    flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    flat_names = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple))
+    return tuple((jax.tree_util.keystr(p), tuple(s.shape), n) for (p, s), n in zip(flat_shapes, flat_names))
+
+
+def _shape_key(model: ModelConfig) -> ModelConfig:
+    # Only the shape fields matter; one trace serves every remat/dtype/attention variant.
+    return dataclasses.replace(model, remat="none", compute_dtype="bfloat16", attention="xla")
+
+
+def state_bytes(model: ModelConfig, layout: Layout) -> dict[str, int]:
+    """Per-device bytes of `params`, `grads` and `optimizer` (Adam mu + nu), exactly as sharded.
+
+    Each leaf's `PartitionSpec` comes from `Rules(zero_stage, sequence_parallel).tree_specs` (the table
+    the trainer uses); a dim split over mesh axes of total size g holds ceil(dim / g) per device.
+    With a pipeline, the stacked `layers` axis is split over stages (ceil(L / p) per stage) and the
+    worst stage also holds the embedding (first stage) or the final norm and logits (last stage).
+    """
+    return dict(_state_bytes(_shape_key(model), dataclasses.replace(layout, micro_batches=1)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _state_bytes(model: ModelConfig, layout: Layout) -> tuple[tuple[str, int], ...]:
+    rules = Rules(zero_stage=layout.zero_stage, sequence_parallel=layout.sequence_parallel)
+    leaves = _param_leaves(model)
+    out = {}
+    for kind, nbytes in STATE_BYTES.items():
+        stage, first, last = 0, 0, 0
+        for path, shape, names in leaves:
+            count = 1
+            for dim, name, axes in zip(shape, names, rules.spec(names, kind)):
+                group = math.prod(layout.size(a) for a in ((axes,) if isinstance(axes, str) else axes or ()))
+                if name == "layers":
+                    group *= layout.pipeline
+                count *= -(-dim // group)
+            if names[0] == "layers":
+                stage += count
+            elif "embed" in path and "lm_head" not in path:
+                first += count
+            else:
+                last += count
+        out[kind] = nbytes * (stage + (max(first, last) if layout.pipeline > 1 else first + last))
+    return tuple(out.items())
+
+
+# --------------------------------------------------------------------------------------------------
+# Activations
+# --------------------------------------------------------------------------------------------------
+
+# Width classes, in elements per token on one device: D d_model (split by sequence parallelism),
+# G d_model gathered for a matmul, Q = N*H, KV = K*H, F ffn, S = N*seq (one row of attention
+# scores per head), N heads (softmax statistics), V vocab. Dtype classes: c the compute dtype,
+# f fp32, b bool.
+ATTENTION_CLASSES = ("Q", "KV", "S", "N")  # D-wide rows are split evenly between the two halves
+PROBE = ModelConfig(d_model=40, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=6, ffn_dim=28,
+                    vocab_size=64, compute_dtype="bfloat16")
+_PROBE_WIDTHS = {40: "D", 24: "Q", 12: "KV", 28: "F", 4: "N"}  # all distinct on purpose
+_KV_WIDTH = 12
+_PROBE_MIN_SEQ = 48  # a residual whose last axis is longer than every width above holds scores
+_DTYPES = {"bf16": "c", "f32": "f", "bool": "b"}
+_RESIDUAL = re.compile(r"(\w+)(<host>)?\[([\d,]*)\] (.*)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Residuals:
+    """What one layer saves for its backward pass under a remat policy, read off the model."""
+
+    rows: tuple[tuple[str, str, float], ...]  # (width class, dtype class, count): per layer, per token;
+    # S counts rows of the whole S x S square (a causal implementation that skips blocks keeps < 1)
+    weight_copies: float  # the layer's matmul weights kept again in the compute dtype, in copies
+    hoisted: tuple[tuple[str, str, float], ...]  # per token, once per step (loop-invariant, e.g. masks)
+    score_block: float  # the largest single score tensor, as a fraction of the S x S square
+    host: tuple[tuple[str, str, float], ...] = ()  # like `rows`, offloaded to host memory
+
+    def counts(self, host: bool = False) -> collections.Counter:
+        """`rows` by (width class, dtype class); with `host`, the offloaded rows too."""
+        counts = collections.Counter()
+        for k, d, n in self.rows + (self.host if host else ()):
+            counts[k, d] += n
+        return counts
+
+
+@functools.lru_cache(maxsize=64)
+def layer_residuals(remat: str, seq_len: int = _PROBE_MIN_SEQ, attention: str = "xla") -> Residuals:
+    """The residuals of the model's layer under `remat` at sequence length `seq_len`, with the
+    model's `attention` implementation (xla or flash).
+
+    Read off `jax.ad_checkpoint.print_saved_residuals` of a two-layer bf16 probe of the real model
+    (traced, nothing allocated) whose widths are all distinct, so each residual's elements per token
+    name its width class; a residual whose last axis is longer than every width holds attention
+    scores. The planner therefore follows the model code: change a layer, the attention or a remat
+    policy and the counts change with it.
+    """
+    model, seq = dataclasses.replace(PROBE, remat=remat, attention=attention), max(seq_len, _PROBE_MIN_SEQ)
+    graphdef, shapes, _ = param_shapes_and_names(model)
+    tokens = jnp.zeros((1, seq), jnp.int32)
+    positions = jnp.arange(seq, dtype=jnp.int32)[None]
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        print_saved_residuals(lambda p: apply(graphdef, p, tokens, positions, jnp.ones_like(tokens)).sum(),
+                              shapes)
+    rows, hoisted, host, weights, block = (collections.Counter(), collections.Counter(), collections.Counter(),
+                                           0.0, 0.0)
+    square = model.num_heads * seq * seq
+    layer_matmul = metrics.param_counts(model)["layer_matmul"]
+    for line in text.getvalue().splitlines():
+        match = _RESIDUAL.match(line)
+        if not match:
+            continue
+        dtype, on_host, dims, source = match.groups()
+        shape = [int(d) for d in dims.split(",") if d]
+        if dtype not in _DTYPES or len(shape) < 3:
+            continue
+        saved = host if on_host else rows
+        in_scan = "output of scan" in source and shape[0] == model.num_layers
+        if in_scan and shape[1] != 1:  # a weight, [L, ...], cast to the compute dtype for its matmul
+            weights += math.prod(shape[1:]) / layer_matmul if dtype == "bf16" else 0.0
+            continue
+        if shape[1 if in_scan else 0] != 1:  # not an activation of the batch (of one sequence)
+            continue
+        size = math.prod(shape[2 if in_scan else 1:])
+        if in_scan and _PROBE_WIDTHS.get(size / seq) == "N":  # softmax statistics (flash: log-sum-exp)
+            saved["N", _DTYPES[dtype]] += 1
+        elif shape[-1] > max(_PROBE_WIDTHS):  # attention scores (or their mask)
+            (saved if in_scan else hoisted)["S", _DTYPES[dtype]] += size / square
+            block = max(block, size / square)
+        elif in_scan and size / seq in _PROBE_WIDTHS:
+            saved[_PROBE_WIDTHS[size / seq], _DTYPES[dtype]] += 1
+        elif in_scan and shape[-1] == model.head_dim:
+            # a per-block piece of a per-head tensor (queries, or the keys/values up to the block's
+            # diagonal): counted by its elements as K/V-wide rows (both split by tensor parallelism)
+            saved["KV", _DTYPES[dtype]] += size / seq / _KV_WIDTH
+    as_rows = lambda c: tuple((k, d, n) for (k, d), n in sorted(c.items()))  # noqa: E731
+    return Residuals(rows=as_rows(rows), weight_copies=weights, hoisted=as_rows(hoisted), score_block=block,
+                     host=as_rows(host))
+
+
+# Transient working sets, calibrated against XLA's buffer assignment for our step (see
+# docs/PLANNING.md): rows per token, by width class, live on top of everything saved. F-wide rows
+# are in the compute dtype, the others fp32; S rows span one query block of the attention core.
+PHASES = {
+    # attention backward: the unsaved attention tensors + the score rows it works on (the
+    # recomputed probabilities, dP and dS, one query block each) + 4 D-wide rows
+    "attention backward": {"S": 3, "G": 4},
+    # MLP backward: every unsaved tensor of the layer (recompute runs the whole forward first) + a
+    # score row + the gradients of four F-wide tensors
+    "mlp backward": {"S": 1, "F": 4},
+    # the loss: the fp32 logits and their gradient, and 2 D-wide rows
+    "loss": {"V": 2, "G": 2},
+}
+POLICY_PHASES: dict[str, dict[str, dict[str, float]]] = {
+    # without checkpointing the probabilities are saved: the backward adds one score row (dS
+    # overwrites dP) to what is already kept
+    "none": {"attention backward": {"S": 1, "G": 4}},
+    # dots_saveable keeps the raw scores: one row less to recompute
+    "dots_saveable": {"attention backward": {"S": 2, "G": 4}},
+}
+TP_PARTIAL_SUMS = 2  # row-parallel matmul outputs: full-width partial sums before the all-reduce
+WEIGHT_BUFFER_COPIES = 0.5  # fp32 copies of one layer's and the embedding/logits weights, per kind
+BATCH_ARRAYS = 5  # inputs, targets, segment_ids, positions, loss_mask: 4 bytes each per token
+
+
+@dataclasses.dataclass(frozen=True)
+class Activations:
+    """Per-device activation bytes of one step (worst pipeline stage)."""
+
+    saved: float  # residuals kept for the backward pass: every local layer, every in-flight micro-batch
+    working: float  # the largest transient working set (`phase`)
+    phase: str  # which of `PHASES` is largest
+    buffers: float  # one layer's gathered weights and unsharded gradients, the embedding and logits
+    inputs: float  # the step's batch arrays
+    host: float  # offloaded to host memory (offload_dots), not counted on the device
+
+    @property
+    def total(self) -> float:
+        return self.saved + self.working + self.buffers + self.inputs
+
+
+def _widths(model: ModelConfig, layout: Layout, seq_len: int) -> dict[str, float]:
+    """Elements per token of each width class on one device."""
+    tp, sp = layout.tensor, layout.sequence_parallel
+    h = model.resolved_head_dim
+    return {"D": model.d_model / (tp if sp else 1), "G": model.d_model, "Q": model.num_heads * h / tp,
+            "KV": model.num_kv_heads * h / tp, "F": model.ffn_dim / tp,
+            "S": model.num_heads * seq_len / tp,
+            "N": model.num_heads / tp, "V": model.vocab_size / tp}
+
+
+def _bytes(rows: collections.Counter, widths: dict[str, float], c: int) -> float:
+    return sum(n * widths[k] * {"c": c, "f": F32, "b": 1}[d] for (k, d), n in rows.items())
+
+
+def _rows(counts: dict[str, int], widths: dict[str, float], c: int) -> float:
+    """Bytes of `counts` rows per width class; F-wide rows in the compute dtype, the others fp32."""
+    return sum(n * widths[k] * (c if k == "F" else F32) for k, n in counts.items())
+
+
+def _as_gathered(rows: collections.Counter, remat: str) -> collections.Counter:
+    # Without checkpointing, the compute-dtype D rows a layer saves are its norm outputs, which a
+    # matmul gathers under sequence parallelism; with it, they are the layer input, which stays split.
+    if remat != "none":
+        return rows
+    return collections.Counter({("G" if k == "D" and d == "c" else k, d): n for (k, d), n in rows.items()})
+
+
+def saved_bytes_per_token(model: ModelConfig, layout: Layout, seq_len: int, remat: str,
+                          attention: str = "xla") -> float:
+    """Bytes one layer saves per local token under `remat` with `attention` (xla or flash)."""
+    rows = _as_gathered(layer_residuals(remat, seq_len, attention).counts(), remat)
+    return _bytes(rows, _widths(model, layout, seq_len), compute_bytes(model))
+
+
+def computed_score_fraction(seq_len: int) -> float:
+    """The part of the S x S score square the model's attention computes and keeps (1: all of it;
+    (1 + 1/blocks) / 2 for an attention that skips the query blocks above the diagonal)."""
+    return layer_residuals("none", seq_len).counts()[("S", "f")] or 1.0
+
+
+def recomputes(remat: str) -> dict[str, bool]:
+    """Which forward work the backward pass re-runs: `projections` unless the policy saves a
+    projection (an F- or KV-wide row), `attention` (QK^T, PV) unless it saves scores."""
+    kinds = {k for k, _ in layer_residuals(remat).counts(host=True)}
+    return {"projections": not kinds & {"F", "KV"}, "attention": "S" not in kinds}
+
+
+def working_bytes_per_token(model: ModelConfig, layout: Layout, seq_len: int, remat: str,
+                            attention: str = "xla") -> dict[str, float]:
+    """Bytes per local token of each phase in `PHASES` that `remat` goes through."""
+    c, w = compute_bytes(model), _widths(model, layout, seq_len)
+    every = _as_gathered(layer_residuals("none", seq_len, attention).counts(), "none")
+    unsaved = every - _as_gathered(layer_residuals(remat, seq_len, attention).counts(host=True), remat)
+    if remat != "none":  # only `none` keeps the probabilities: the others recompute them
+        unsaved |= collections.Counter({key: n for key, n in every.items() if key[0] == "S"})
+    half = lambda keep: collections.Counter(  # noqa: E731
+        {(k, d): (n / 2 if k in ("D", "G") else n) for (k, d), n in unsaved.items() if keep(k)})
+    attn = half(lambda k: k in ATTENTION_CLASSES or k in ("D", "G"))
+    partial = TP_PARTIAL_SUMS * w["G"] * c if layout.tensor > 1 else 0.0
+    kv = 2 * w["KV"] * c * (layout.context - 1)  # context parallelism gathers the whole K and V
+    block = layer_residuals("none", seq_len, attention).score_block  # transient score rows: one block
+    rows = {name: {k: n * (block if k == "S" else 1) for k, n in row.items()}
+            for name, row in {**PHASES, **POLICY_PHASES.get(remat, {})}.items()}
+    phases = {
+        "attention backward": _bytes(attn, w, c) + _rows(rows["attention backward"], w, c) + partial + kv,
+        "mlp backward": _bytes(unsaved, w, c) + _rows(rows["mlp backward"], w, c) + partial,
+        "loss": _rows(rows["loss"], w, c),
+    }
+    hoisted = _bytes(collections.Counter(
+        {(k, d): n for k, d, n in layer_residuals(remat, seq_len, attention).hoisted}), w, c)
+    return {k: v + hoisted for k, v in phases.items()}
+
+
+def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_batch: int,
+                     remat: str | None = None, attention: str = "xla") -> Activations:
+    """Activation memory of one device for micro-batches of `micro_batch` sequences per device.
+
+    `saved` = layers per stage x in-flight micro-batches x (tokens x `saved_bytes_per_token` + the
+    weight copies a layer keeps), where a 1F1B pipeline keeps min(p, m) micro-batches in flight on
+    its first stage. `working` = tokens x the largest phase of `working_bytes_per_token`. `buffers`
+    = `WEIGHT_BUFFER_COPIES` x (one layer's matmul weights + the embedding, logits and final norm)
+    in fp32, split by tensor parallelism. `inputs` = the batch arrays of the whole step.
+    """
+    remat = model.remat if remat is None else remat
+    c, tp = compute_bytes(model), layout.tensor
+    tokens = micro_batch * seq_len / layout.context
+    layers = -(-model.num_layers // layout.pipeline)
+    in_flight = min(layout.pipeline, layout.micro_batches)
+    phases = working_bytes_per_token(model, layout, seq_len, remat, attention)
+    phase = max(phases, key=phases.get)
+    counts = metrics.param_counts(model)
+    # A layer casts its fp32 weights to the compute dtype and may keep the casts for the backward:
+    # counted as gathered (split only by tensor parallelism). In fp32 the cast is the weight itself.
+    residuals = layer_residuals(remat, seq_len, attention)
+    copies = (residuals.weight_copies * counts["layer_matmul"] * c / layout.tensor
+              if model.compute_dtype != "float32" else 0.0)
+    per_layer = tokens * saved_bytes_per_token(model, layout, seq_len, remat, attention) + copies
+    outside_layers = counts["total"] - model.num_layers * (counts["layer_matmul"] + 2 * model.d_model)
+    # Gathered weights exist when the parameters are sharded over fsdp (ZeRO-3), unsharded gradient
+    # staging when the gradients are (ZeRO >= 2).
+    sharded = (layout.fsdp > 1) * ((layout.zero_stage >= 3) + (layout.zero_stage >= 2))
+    host = _bytes(residuals.counts(host=True) - residuals.counts(), _widths(model, layout, seq_len), c)
+    return Activations(
+        saved=layers * in_flight * per_layer, working=tokens * phases[phase], phase=phase,
+        buffers=sharded * WEIGHT_BUFFER_COPIES * F32 * (counts["layer_matmul"] + outside_layers) / tp,
+        inputs=BATCH_ARRAYS * 4 * tokens * layout.micro_batches, host=layers * in_flight * tokens * host)
+
+
+def korthikanti_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *, tensor: int = 1,
+                                sequence_parallel: bool = False, recompute: str = "none") -> float:
+    """Korthikanti et al. 2022 activation bytes of one GPT layer in 16-bit precision (the textbook).
+
+    `none`: 34sbh + 5as^2b (split by t with tensor parallelism, except the 10sbh of layer norms and
+    dropout that only sequence parallelism splits); `selective` (attention core recomputed, or a
+    fused flash kernel): the 5as^2b term is gone; `full`: only the layer input, 2sbh.
+    """
+    s, b, h, a, t = seq, batch, hidden, heads, tensor
+    if recompute == "full":
+        return 2 * s * b * h / (t if sequence_parallel else 1)
+    score = 0 if recompute == "selective" else 5 * a * s * s * b / t
+    linear = 34 * s * b * h / t if sequence_parallel else s * b * h * (10 + 24 / t)
+    return linear + score

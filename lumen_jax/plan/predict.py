@@ -1,0 +1,185 @@
+"""A plan for one layout (bytes, FLOPs, collectives, step time, verdict) and the search over layouts."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from lumen_jax import metrics
+from lumen_jax.config import ATTENTION_IMPLS, Config, ModelConfig
+from lumen_jax.plan.cost import Collective, bubble_fraction, collectives, hardware_flops_per_token
+from lumen_jax.plan.hardware import Hardware, Layout
+from lumen_jax.plan.memory import Activations, activation_bytes, state_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything `python -m lumen_jax.plan` reports for one layout."""
+
+    layout: Layout
+    remat: str
+    micro_batch: int  # sequences per device per micro-batch
+    attention: str
+    state: dict[str, int]  # params, grads, optimizer
+    activations: Activations
+    device_memory_bytes: float
+    usable_memory_bytes: float
+    flops_per_token: float  # model FLOPs (6N + causal attention), the MFU numerator
+    hardware_flops_per_token: float  # + the remat recompute
+    tokens_per_step: int
+    collectives: tuple[Collective, ...]
+    bubble: float
+    compute_s: float
+    step_time_s: float
+    peak_flops: float
+
+    @property
+    def bytes_per_device(self) -> dict[str, float]:
+        b = {**self.state, "activations": self.activations.total, "fp8": 0.0}
+        return {**b, "total": sum(b.values())}
+
+    @property
+    def fits(self) -> bool:
+        return self.bytes_per_device["total"] <= self.usable_memory_bytes
+
+    @property
+    def flops_per_step(self) -> float:
+        return self.flops_per_token * self.tokens_per_step
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_time_s
+
+    @property
+    def mfu(self) -> float:
+        return self.flops_per_step / (self.step_time_s * self.layout.num_devices * self.peak_flops)
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return sum(c.seconds for c in self.collectives if not c.overlapped)
+
+    @property
+    def overlapped_comm_s(self) -> float:
+        return sum(c.seconds for c in self.collectives if c.overlapped)
+
+    def verdict(self) -> str:
+        b, gb = self.bytes_per_device, lambda x: f"{x / 1e9:.1f} GB"
+        budget = f"{gb(self.usable_memory_bytes)} usable of {gb(self.device_memory_bytes)}"
+        if self.fits:
+            return f"fits: {gb(b['total'])} per device, {budget}"
+        state = b["params"] + b["grads"] + b["optimizer"]
+        if state >= b["activations"]:
+            why = (f"parameters + gradients + optimizer state take {gb(state)}: shard them further "
+                   "(optim.zero_stage=3 with a larger mesh.fsdp, mesh.tensor, or --pipeline)")
+        else:
+            a, lay = self.activations, self.layout
+            fixes = [fix for fix, useful in (
+                ("model.remat=full", self.remat not in ("full", "save_attention_out")),
+                ("fewer sequences per micro-batch (raise train.micro_batches)", self.micro_batch > 1),
+                ("mesh.tensor with mesh.sequence_parallel=true", not lay.sequence_parallel),
+                ("flash attention (--attention flash shows its effect)",
+                 self.attention == "xla" and a.working > a.saved),
+                ("--pipeline", True)) if useful]
+            why = (f"activations take {gb(b['activations'])} (saved {gb(a.saved)}, working {gb(a.working)} "
+                   f"in the {a.phase}); try {', '.join(fixes)}")
+        return f"does not fit: {gb(b['total'])} per device > {budget}; {why}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "layout": dataclasses.asdict(self.layout), "num_devices": self.layout.num_devices,
+            "remat": self.remat, "micro_batch": self.micro_batch, "attention": self.attention,
+            "bytes_per_device": self.bytes_per_device,
+            "activations": {**dataclasses.asdict(self.activations), "total": self.activations.total},
+            "device_memory_bytes": self.device_memory_bytes, "usable_memory_bytes": self.usable_memory_bytes,
+            "fits": self.fits, "verdict": self.verdict(),
+            "flops_per_token": self.flops_per_token, "hardware_flops_per_token": self.hardware_flops_per_token,
+            "tokens_per_step": self.tokens_per_step, "flops_per_step": self.flops_per_step,
+            "communication": [{**dataclasses.asdict(c), "wire_bytes": c.wire_bytes, "seconds": c.seconds}
+                              for c in self.collectives],
+            "pipeline_bubble": self.bubble, "compute_s": self.compute_s,
+            "exposed_comm_s": self.exposed_comm_s, "overlapped_comm_s": self.overlapped_comm_s,
+            "predicted_step_time_s": self.step_time_s, "predicted_tokens_per_s": self.tokens_per_s,
+            "predicted_mfu": self.mfu, "peak_flops_per_device": self.peak_flops,
+        }
+
+
+def planned_attention(model: ModelConfig) -> str:
+    """`xla` (S x S scores in memory) or `flash` for `model.attention` on a GPU (`auto`: flash if the
+    trainer has a flash implementation)."""
+    if model.attention == "auto":
+        return "flash" if "flash" in ATTENTION_IMPLS else "xla"
+    return "flash" if model.attention == "flash" else "xla"
+
+
+def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = None,
+            attention: str | None = None, efficiency: float = 0.7, memory_fraction: float = 0.9) -> Plan:
+    """Bytes, FLOPs, collectives and a step time for `cfg` on `layout`.
+
+    Step time = max(compute, overlapped communication) + exposed communication, stretched by the
+    pipeline bubble; compute = hardware FLOPs per device / (peak x `efficiency`), where `efficiency`
+    is the fraction of the datasheet peak the matmuls reach.
+    """
+    model, seq = cfg.model, cfg.data.seq_len
+    remat = model.remat if remat is None else remat
+    attention = planned_attention(model) if attention is None else attention
+    micro_batch = cfg.data.global_batch_size // (layout.data * layout.fsdp * layout.micro_batches)
+    tokens = cfg.data.global_batch_size * seq
+    peak = hw.peak(model.compute_dtype)
+    hw_per_token = hardware_flops_per_token(model, seq, remat)
+    comms = tuple(collectives(model, layout, hw, seq, micro_batch, remat))
+    compute_s = hw_per_token * tokens / layout.num_devices / (peak * efficiency)
+    busy = (max(compute_s, sum(c.seconds for c in comms if c.overlapped))
+            + sum(c.seconds for c in comms if not c.overlapped))
+    bubble = bubble_fraction(layout.pipeline, layout.micro_batches) if layout.pipeline > 1 else 0.0
+    return Plan(layout=layout, remat=remat, micro_batch=micro_batch, attention=attention,
+                state=state_bytes(model, layout),
+                activations=activation_bytes(model, layout, seq, micro_batch, remat, attention),
+                device_memory_bytes=hw.memory_bytes, usable_memory_bytes=hw.memory_bytes * memory_fraction,
+                flops_per_token=metrics.flops_per_token(model, seq), hardware_flops_per_token=hw_per_token,
+                tokens_per_step=tokens, collectives=comms, bubble=bubble, compute_s=compute_s,
+                step_time_s=busy / (1 - bubble), peak_flops=peak)
+
+
+SEARCH_REMATS = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "full")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, top: int = 5,
+           **predict_kwargs: Any) -> list[Plan]:
+    """The `top` fitting (mesh x remat x micro-batch) candidates, best predicted MFU first.
+
+    Tries tensor sizes that fit in a node and divide the heads, kv heads, ffn and vocab; context
+    sizes that divide the sequence; every fsdp x data split of the rest; sequence parallelism on
+    and off; the remat policies in `SEARCH_REMATS`; and per-device micro-batches of 1, 2, 4, ...
+    sequences. The ZeRO stage and the pipeline depth stay as given.
+    """
+    m, seq, batch = cfg.model, cfg.data.seq_len, cfg.data.global_batch_size
+    per_stage = num_devices // pipeline
+    found = []
+    for tp in _divisors(per_stage):
+        if tp > hw.devices_per_node or any(x % tp for x in (m.num_heads, m.num_kv_heads, m.ffn_dim,
+                                                            m.vocab_size)):
+            continue
+        for cp in _divisors(per_stage // tp):
+            if seq % cp or cp > 16:
+                continue
+            rest = per_stage // (tp * cp)
+            for fsdp in _divisors(rest):
+                if m.d_model % fsdp or batch % rest:
+                    continue
+                for sp in ((False, True) if tp > 1 and seq % (cp * tp) == 0 else (False,)):
+                    for mb in (2 ** i for i in range(12)):
+                        if batch % (rest * mb):
+                            break
+                        layout = Layout(data=rest // fsdp, fsdp=fsdp, context=cp, tensor=tp, pipeline=pipeline,
+                                        sequence_parallel=sp, zero_stage=cfg.optim.zero_stage,
+                                        micro_batches=batch // (rest * mb))
+                        for remat in SEARCH_REMATS:
+                            plan = predict(cfg, layout, hw, remat=remat, **predict_kwargs)
+                            if plan.fits:
+                                found.append(plan)
+    found.sort(key=lambda p: (-round(p.mfu, 4), p.bytes_per_device["total"]))
+    return found[:top]

@@ -1,0 +1,314 @@
+"""The planner against XLA's accounting of the compiled step, textbook figures and its own CLI."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import print_saved_residuals
+from jax.sharding import NamedSharding, PartitionSpec
+
+from lumen_jax import metrics, plan
+from lumen_jax.build import BATCH_KEYS, build
+from lumen_jax.config import ModelConfig, load_config
+from lumen_jax.parallel.mesh import make_mesh
+from lumen_jax.plan.cli import main
+
+BYTES_RTOL = 0.10  # the issue's bound for bytes per device against memory_analysis()
+FLOPS_RTOL = 0.05  # ... and for FLOPs against cost_analysis()
+H100 = plan.DEVICES["h100"]
+YEAR_S = 365 * 24 * 3600
+
+# The tiny model (configs/tiny.yaml: fp32, 2 layers, d_model 64, seq 128, batch 16) on 8 CPU devices.
+XLA_CASES = {
+    "fsdp=8 none": ["mesh.fsdp=8", "model.remat=none"],
+    "fsdp=8 full": ["mesh.fsdp=8", "model.remat=full"],
+    "data=2,fsdp=2,tensor=2 dots_with_no_batch_dims_saveable":
+        ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "model.remat=dots_with_no_batch_dims_saveable"],
+    "fsdp=4,tensor=2,sp dots_saveable":
+        ["mesh.fsdp=4", "mesh.tensor=2", "mesh.sequence_parallel=true", "model.remat=dots_saveable"],
+    "fsdp=4,context=2 none": ["mesh.fsdp=4", "mesh.context=2", "model.remat=none"],
+}
+
+
+def compiled_step(cfg):
+    """The train step compiled for abstract (sharded) state and batch: nothing is allocated."""
+    layout = plan.layout_from_config(cfg, jax.device_count())
+    trainer = build(cfg, make_mesh({a: layout.size(a) for a in ("data", "fsdp", "context", "tensor")}))
+    state = jax.eval_shape(trainer.init)
+    shape = (cfg.data.global_batch_size, cfg.data.seq_len)
+    batch = {k: jax.ShapeDtypeStruct(shape, np.float32 if k == "loss_mask" else np.int32,
+                                     sharding=trainer.batch_sharding) for k in BATCH_KEYS}
+    return layout, trainer.step.lower(state, batch).compile()
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("name", list(XLA_CASES))
+def test_bytes_and_flops_match_the_compiled_step(name):
+    cfg = load_config("configs/tiny.yaml", XLA_CASES[name])
+    layout, compiled = compiled_step(cfg)
+    p = plan.predict(cfg, layout, H100)
+    ma = compiled.memory_analysis()
+    xla_bytes = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+                 - ma.alias_size_in_bytes)
+    predicted = p.bytes_per_device["total"]
+    assert predicted == pytest.approx(xla_bytes, rel=BYTES_RTOL), (
+        f"{name}: predicted {predicted:,.0f} B, XLA {xla_bytes:,} B ({predicted / xla_bytes - 1:+.1%})")
+    # The arguments are the state and the batch: exact, up to the optimizer's scalar step counts.
+    args = p.state["params"] + p.state["optimizer"] + p.activations.inputs
+    assert 0 <= ma.argument_size_in_bytes - args <= 64
+
+    cost = compiled.cost_analysis()
+    xla_flops = (cost[0] if isinstance(cost, list) else cost)["flops"]
+    # cost_analysis counts the scanned layer body once, the full (non-causal) score square the
+    # xla attention computes before masking, and elementwise work: count the same things.
+    flops = plan.flops_per_device(cfg.model, layout, cfg.data.seq_len, cfg.data.global_batch_size,
+                                  causal=False, layers=1, elementwise=True)
+    assert flops == pytest.approx(xla_flops, rel=FLOPS_RTOL), (
+        f"{name}: predicted {flops:,.0f} FLOPs, XLA {xla_flops:,.0f} ({flops / xla_flops - 1:+.1%})")
+
+
+@pytest.mark.parametrize("axes", [dict(fsdp=8), dict(data=2, fsdp=2, tensor=2), dict(data=8)])
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_state_bytes_are_the_shards_the_trainer_creates(axes, zero_stage):
+    cfg = load_config("configs/tiny.yaml", [f"optim.zero_stage={zero_stage}", "mesh.fsdp=1",
+                                            *(f"mesh.{k}={v}" for k, v in axes.items())])
+    layout = plan.layout_from_config(cfg, 8)
+    trainer = build(cfg, make_mesh({a: layout.size(a) for a in ("data", "fsdp", "context", "tensor")}))
+    state = jax.eval_shape(trainer.init)
+
+    def shard_bytes(tree) -> int:
+        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+    adam = state.opt_state[1][0]  # chain(clip, adamw), adamw = chain(scale_by_adam, ...)
+    grad_specs = jax.tree.leaves(trainer.param_specs("grads"), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    grads = sum(math.prod(NamedSharding(trainer.mesh, spec).shard_shape(x.shape)) * x.dtype.itemsize
+                for x, spec in zip(jax.tree.leaves(state.params), grad_specs))
+    assert plan.state_bytes(cfg.model, layout) == {
+        "params": shard_bytes(state.params), "grads": grads, "optimizer": shard_bytes((adam.mu, adam.nu))}
+
+
+# The planner reads what each remat policy saves off the model (`memory.layer_residuals`).
+
+
+@pytest.mark.parametrize("remat", ["none", "full", "dots_saveable", "offload_dots"])
+@pytest.mark.parametrize("seq", [128, 512])  # 512: the xla attention works by causal query blocks
+def test_residual_probe_accounts_for_every_activation(remat, seq):
+    """The probe's classes add up to every per-layer activation residual the model saves."""
+    from lumen_jax.model import apply, param_shapes_and_names
+
+    probe = dataclasses.replace(plan.memory.PROBE, remat=remat)
+    graphdef, shapes, _ = param_shapes_and_names(probe)
+    tokens = jnp.zeros((1, seq), jnp.int32)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(
+            lambda p: apply(graphdef, p, tokens, jnp.arange(seq)[None], tokens + 1).sum(), shapes)
+    total = 0.0  # elements per token of the stacked [L, batch=1, ...] residuals, norm statistics left out
+    for line in out.getvalue().splitlines():
+        shape = [int(d) for d in re.match(r"\w+(?:<host>)?\[([\d,]*)\]", line).group(1).split(",") if d]
+        if "output of scan" in line and shape[:2] == [probe.num_layers, 1] and math.prod(shape[2:]) > 2 * seq:
+            total += math.prod(shape[2:]) / seq
+    widths = {"D": 40, "Q": 24, "KV": 12, "F": 28, "N": 4, "S": 4 * seq}
+    found = sum(n * widths[k] for (k, _), n in plan.layer_residuals(remat, seq).counts(host=True).items())
+    assert found == pytest.approx(total, rel=0.05)
+
+
+def test_residuals_of_the_policies():
+    assert plan.layer_residuals("full").rows == (("D", "c", 1),)  # the layer input only: 2sbh
+    none = plan.layer_residuals("none").counts()
+    assert none[("F", "c")] >= 2 and none[("S", "f")] >= 1  # SwiGLU's F-wide rows, the probabilities
+    assert plan.recomputes("none") == {"projections": False, "attention": False}
+    assert plan.recomputes("full") == {"projections": True, "attention": True}
+    assert plan.recomputes("dots_with_no_batch_dims_saveable") == {"projections": False, "attention": True}
+    assert plan.layer_residuals("offload_dots").host and plan.recomputes("offload_dots")["projections"] is False
+
+
+# --------------------------------------------------------------------------------------------------
+# Textbook figures
+# --------------------------------------------------------------------------------------------------
+
+
+def test_sixteen_bytes_per_parameter_and_fourteen_gpus_for_70b():
+    cfg = load_config("configs/llama3_70b.yaml")
+    n = metrics.param_counts(cfg.model)["total"]
+    one = plan.state_bytes(cfg.model, plan.Layout())
+    assert one == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}  # our 4 + 4 + 8 split
+    assert sum(one.values()) == plan.TEXTBOOK_BYTES_PER_PARAM * n  # the textbook's 2 + 2 + 12
+    assert sum(one.values()) == pytest.approx(1.1e12, rel=0.05)  # "about 1.1 TB of state"
+    assert sum(one.values()) / 80e9 == pytest.approx(14, rel=0.02)  # "fourteen 80 GB GPUs"
+    sharded = plan.state_bytes(cfg.model, plan.Layout(fsdp=16))
+    assert sum(sharded.values()) == pytest.approx(sum(one.values()) / 16, rel=1e-3)  # norms replicated
+
+
+def test_six_n_d_for_70b_on_15t_tokens():
+    cfg = load_config("configs/llama3_70b.yaml")
+    n, tokens = 70e9, 15e12
+    assert 6 * n * tokens == pytest.approx(6.3e24)
+    assert 6 * n * tokens / 1e15 / YEAR_S == pytest.approx(200, rel=0.01)  # one GPU at 1 PFLOP/s
+    # Our per-token count is 6N plus attention (causal half): ~7% above 6N at 8k context.
+    per_token = plan.predict(cfg, plan.layout_from_config(cfg, 512), H100).flops_per_token
+    six_n = 6 * metrics.param_counts(cfg.model)["total"]
+    assert 1.0 < per_token / six_n < 1.1
+
+
+def test_pipeline_bubble():
+    assert plan.bubble_fraction(8, 8) == pytest.approx(7 / 15) == pytest.approx(0.47, abs=0.005)
+    assert plan.bubble_fraction(8, 64) == pytest.approx(7 / 71) == pytest.approx(0.10, abs=0.005)
+    assert plan.bubble_fraction(8, 8, interleave=4) == pytest.approx(7 / 39)
+
+
+def test_llama3_405b_on_16k_h100():
+    """TP 8, CP 1, PP 16, DP 128 at 8k context (Llama 3 paper, table 4): 16M tokens per step."""
+    cfg = load_config("configs/llama3_405b.yaml", ["mesh.fsdp=128", "mesh.tensor=8", "mesh.context=1"])
+    layout = plan.layout_from_config(cfg, 16384, pipeline=16, pipeline_microbatches=16)
+    assert (layout.pipeline, layout.fsdp, layout.tensor, layout.context) == (16, 128, 8, 1)
+    assert layout.num_devices == 16384
+    p = plan.predict(cfg, layout, H100)
+    assert p.tokens_per_step == 2048 * 8192
+    assert p.micro_batch == 1 and p.bubble == pytest.approx(15 / 31)
+    assert p.fits, p.verdict()
+    # Per device: 8 of the 126 layers split 8 ways by tensor and 128 by fsdp (norms replicated); the
+    # worst stage is the last: the logits matrix (as large as the embedding) and the final norm.
+    n, d = metrics.param_counts(cfg.model), cfg.model.d_model
+    assert p.state["params"] == 4 * (8 * (n["layer_matmul"] // 1024 + 2 * d) + n["embedding"] // 1024 + d)
+    assert p.flops_per_step == pytest.approx(6 * n["total"] * p.tokens_per_step, rel=0.1)
+    links = {(c.axis, c.link) for c in p.collectives}
+    assert links == {("fsdp", "ib"), ("tensor", "nvlink"), ("pipeline", "ib")}
+
+
+# --------------------------------------------------------------------------------------------------
+# Activations against Korthikanti et al. 2022
+# --------------------------------------------------------------------------------------------------
+
+
+def test_korthikanti_formulas():
+    s, b, h, a = 2048, 1, 12288, 96  # GPT-3 175B
+    assert plan.korthikanti_bytes_per_layer(s, b, h, a) == 34 * s * b * h + 5 * a * s * s * b
+    assert plan.korthikanti_bytes_per_layer(s, b, h, a, recompute="selective") == 34 * s * b * h
+    assert plan.korthikanti_bytes_per_layer(s, b, h, a, recompute="full") == 2 * s * b * h
+    assert plan.korthikanti_bytes_per_layer(s, b, h, a, tensor=8, sequence_parallel=True) == pytest.approx(
+        (34 * s * b * h + 5 * a * s * s * b) / 8)
+    assert plan.korthikanti_bytes_per_layer(s, b, h, a, tensor=8) == pytest.approx(
+        s * b * h * (10 + 24 / 8) + 5 * a * s * s * b / 8)
+
+
+LLAMA_7B = ModelConfig(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32, ffn_dim=11008,
+                       vocab_size=32000, compute_dtype="bfloat16")
+
+
+def test_our_layer_against_korthikanti():
+    h, a, f, s, one = 4096, 32, LLAMA_7B.ffn_dim, 4096, plan.Layout()
+    per_token = lambda remat, seq, attention: plan.saved_bytes_per_token(  # noqa: E731
+        LLAMA_7B, one, seq, remat, attention)
+    assert per_token("full", s, "xla") == per_token("full", s, "flash") == 2 * h  # the layer input: 2sbh
+    # The xla attention keeps the probabilities in fp32 and cast to bf16: 6as^2b, times the part of
+    # the square its causal query blocks cover (Korthikanti: 5as^2b = softmax output 2 + dropout
+    # mask 1 + dropout output 2).
+    rows = plan.layer_residuals("none", s).counts()
+    assert (4 * rows[("S", "f")] + 2 * rows[("S", "c")]) * a * s == pytest.approx(
+        6 * a * s * plan.memory.computed_score_fraction(s))
+    # Flash attention keeps no score rows: nothing grows with s.
+    assert per_token("none", 2 * s, "flash") == per_token("none", s, "flash")
+    # Its s*b*h terms: fp32 norm copies 2 x (4 + 4)h, norm outputs 2 x 2h, q, o (the kernel's output
+    # and the projection's input) and o again, k, v 5 x 2h, SwiGLU's gate, up, product 3 x 2F, and a
+    # log-sum-exp per head: larger than Korthikanti's 34sbh.
+    assert per_token("none", s, "flash") == 16 * h + 4 * h + 10 * h + 6 * f + 4 * a
+    # Tensor + sequence parallelism split everything t ways but the norm outputs a matmul gathers.
+    tp = plan.Layout(tensor=8, sequence_parallel=True)
+    assert plan.saved_bytes_per_token(LLAMA_7B, tp, s, "none", "flash") == pytest.approx(
+        (per_token("none", s, "flash") - 4 * h) / 8 + 4 * h)
+
+
+def test_remat_policies_order_activation_memory():
+    cfg = load_config("configs/llama3_8b.yaml")
+    layout = plan.layout_from_config(cfg, 64)
+    saved = {r: plan.activation_bytes(cfg.model, layout, 8192, 2, r).saved for r in plan.SEARCH_REMATS}
+    assert saved["full"] <= saved["dots_with_no_batch_dims_saveable"] <= saved["dots_saveable"] < saved["none"]
+    assert saved["full"] == 32 * 2 * 8192 * 2 * 4096  # L x b x S x 2D bytes
+
+
+# --------------------------------------------------------------------------------------------------
+# Communication
+# --------------------------------------------------------------------------------------------------
+
+
+def test_ring_factors_and_links():
+    c = plan.Collective("data", 8, "ib", "all-reduce", "", 1e9, 2, True, 50e9)
+    assert c.wire_bytes == pytest.approx(2 * 7 / 8 * 1e9 * 2)
+    assert c.seconds == pytest.approx(c.wire_bytes / 50e9)
+    assert dataclasses.replace(c, kind="all-gather").wire_bytes == pytest.approx(7 / 8 * 2e9)
+    assert dataclasses.replace(c, kind="reduce-scatter").wire_bytes == pytest.approx(7 / 8 * 2e9)
+    node = plan.Layout(data=2, fsdp=2, tensor=2)
+    assert {a: plan.link_of(a, node, H100)[0] for a in ("data", "fsdp", "tensor")} == {
+        "data": "nvlink", "fsdp": "nvlink", "tensor": "nvlink"}
+    big = plan.Layout(fsdp=64, tensor=8)
+    assert plan.link_of("tensor", big, H100) == ("nvlink", 900e9)
+    assert plan.link_of("fsdp", big, H100) == ("ib", 50e9)
+
+
+def test_collectives_of_a_70b_step():
+    cfg = load_config("configs/llama3_70b.yaml")  # fsdp 64 x tensor 8, 8 micro-batches, remat full
+    layout = plan.layout_from_config(cfg, 512)
+    comms = {(c.axis, c.kind, c.what.split(",")[0]): c for c in plan.collectives(
+        cfg.model, layout, H100, 8192, 1, "full")}
+    weights = 4 * metrics.param_counts(cfg.model)["total"] / 8  # fp32, one tensor shard
+    gather = comms[("fsdp", "all-gather", "fp32 weights")]
+    assert gather.calls == 8 and gather.payload_bytes == pytest.approx(weights, rel=1e-3)
+    assert gather.overlapped and gather.link == "ib"
+    tensor = comms[("tensor", "all-reduce", "activations")]
+    assert tensor.payload_bytes == 8192 * 8192 * 2  # [tokens, D] in bf16
+    assert tensor.calls == 8 * (6 * 80 + 2)  # 2 fwd + 2 bwd + 2 recompute per layer, embedding, logits
+    assert not tensor.overlapped and tensor.link == "nvlink"
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------
+
+
+def test_cli_json(capsys):
+    assert main(["--config", "configs/llama3_70b.yaml", "--devices", "512", "--device", "h100", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["bytes_per_device"]) >= {"params", "grads", "optimizer", "activations", "total"}
+    for key in ("device_memory_bytes", "fits", "flops_per_token", "flops_per_step",
+                "predicted_step_time_s", "predicted_mfu"):
+        assert key in out
+    assert out["fits"] is True and 0 < out["predicted_mfu"] < 1
+    assert out["device_memory_bytes"] == 80e9
+
+
+def test_cli_table_and_search(capsys):
+    assert main(["--config", "configs/llama3_70b.yaml", "--devices", "512"]) == 0
+    table = capsys.readouterr().out
+    assert "memory per device" in table and table.splitlines()[-1].startswith("fits: ")
+    # 70B on one node: 1.13 TB of state cannot fit in 8 x 80 GB.
+    assert main(["--config", "configs/llama3_70b.yaml", "--devices", "8", "train.micro_batches=64"]) == 0
+    verdict = capsys.readouterr().out.splitlines()[-1]
+    assert verdict.startswith("does not fit: ") and "parameters + gradients + optimizer" in verdict
+    assert main(["--config", "configs/llama3_8b.yaml", "--devices", "64", "--search", "--top", "3",
+                 "--json"]) == 0
+    ranked = json.loads(capsys.readouterr().out)
+    assert len(ranked) == 3 and all(r["fits"] for r in ranked)
+    mfus = [r["predicted_mfu"] for r in ranked]
+    assert mfus == sorted(mfus, reverse=True)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--devices", "8", "mesh.fsdp=3"], "fsdp=3"),
+    (["--devices", "8", "model.d_modle=64"], "did you mean model.d_model"),
+    (["--devices", "8", "--pipeline", "3"], "--pipeline 3"),
+    (["--devices", "8", "--efficiency", "1.5"], "--efficiency"),
+])
+def test_cli_bad_input_exits_2(capsys, argv, message):
+    assert main(["--config", "configs/tiny.yaml", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
