@@ -7,9 +7,7 @@ D d_model, N query heads, K kv heads, H head dim, F ffn dim, V vocab.
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -24,67 +22,6 @@ from lumen_jax.parallel.rules import constrain
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float) -> nnx.Param:
     value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
     return nnx.Param(value, sharding_names=names)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def project(spec: str, x: jax.Array, w: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
-    """`jnp.einsum(spec, x, w)` of activations `x` and a weight `w`, e.g. `"btd,df->btf"`.
-
-    Same value and gradients as the einsum; only the backward pass is written out. JAX transposes
-    the weight's einsum into `dot(dy, x)` followed by a transpose, which XLA:CPU turned into a
-    strided copy of the (wide) output gradient and a slower matmul path. Here the weight gradient
-    is one einsum over the token axes, `einsum("btd,btf->df", x, dy)`: measured on the CPU
-    benchmark (docs/PERFORMANCE.md) it removes those copies. `out_dtype` is the einsum's
-    `preferred_element_type` (float32 logits from bfloat16 inputs).
-    """
-    return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
-
-
-def _project_fwd(spec, x, w, out_dtype):
-    return project(spec, x, w, out_dtype), (x, w)
-
-
-def _project_bwd(spec, out_dtype, residuals, dy):
-    x, w = residuals
-    inputs, out = spec.split("->")
-    x_axes, w_axes = inputs.split(",")
-    dx = jnp.einsum(f"{out},{w_axes}->{x_axes}", dy, w, preferred_element_type=x.dtype)
-    dw = jnp.einsum(f"{x_axes},{out}->{w_axes}", x, dy, preferred_element_type=w.dtype)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-project.defvjp(_project_fwd, _project_bwd)
-
-
-def _only_dot(jaxpr: jax.extend.core.Jaxpr) -> jax.extend.core.JaxprEqn | None:
-    """The dot_general of a jaxpr that computes one einsum and nothing else, else None."""
-    dots, others = [], 0
-    for eqn in jaxpr.eqns:
-        subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
-        if eqn.primitive.name == "dot_general":
-            dots.append(eqn)
-        elif subs:
-            found = [_only_dot(sub) for sub in subs]
-            dots += [d for d in found if d is not None]
-            others += sum(d is None for d in found)
-        elif eqn.primitive.name not in ("convert_element_type", "transpose", "reshape"):
-            others += 1
-    return dots[0] if len(dots) == 1 and not others else None
-
-
-def remat_policy(policy: Callable[..., Any]) -> Callable[..., Any]:
-    """`policy` (a `jax.checkpoint_policies` policy) seeing each `project` as the einsum inside it.
-
-    A custom_vjp reaches remat policies as one opaque `custom_vjp_call`, so the dot-based policies
-    (`dots_saveable`, ...) would save none of the projections and recompute them all.
-    """
-    def adapted(prim, *avals, **params):
-        if prim.name == "custom_vjp_call":
-            dot = _only_dot(params["call_jaxpr"].jaxpr)
-            if dot is not None:
-                return policy(dot.primitive, *avals, **dot.params)
-        return policy(prim, *avals, **params)
-    return adapted
 
 
 class RMSNorm(nnx.Module):
@@ -140,9 +77,9 @@ class Attention(nnx.Module):
     def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array | None,
                  inv_freq: jax.Array) -> jax.Array:
         dt = x_btd.dtype
-        q = project("btd,dnh->btnh", x_btd, self.wq[...].astype(dt))
-        k = project("btd,dkh->btkh", x_btd, self.wk[...].astype(dt))
-        v = project("btd,dkh->btkh", x_btd, self.wv[...].astype(dt))
+        q = jnp.einsum("btd,dnh->btnh", x_btd, self.wq[...].astype(dt))
+        k = jnp.einsum("btd,dkh->btkh", x_btd, self.wk[...].astype(dt))
+        v = jnp.einsum("btd,dkh->btkh", x_btd, self.wv[...].astype(dt))
         q = constrain(apply_rope(q, positions_bt, inv_freq), ("batch", "seq", "act_heads", None))
         k = constrain(apply_rope(k, positions_bt, inv_freq), ("batch", "seq", "act_kv_heads", None))
         v = constrain(v, ("batch", "seq", "act_kv_heads", None))
@@ -150,14 +87,7 @@ class Attention(nnx.Module):
                       block_q=self.flash_blocks[0], block_kv=self.flash_blocks[1])
         # Named so that remat=save_attention_out keeps it and recomputes only the projections/MLP.
         o = checkpoint_name(constrain(o, ("batch", "seq", "act_heads", None)), "attention_out")
-        return project("btnh,nhd->btd", o, self.wo[...].astype(dt))
-
-
-@jax.checkpoint
-def _swiglu(gate_btf: jax.Array, up_btf: jax.Array) -> jax.Array:
-    # Checkpointed: the backward keeps only `gate` and `up` and recomputes the sigmoid (elementwise)
-    # instead of saving three more [B, T, F] intermediates per layer; 1-3% of the CPU benchmark's step.
-    return jax.nn.silu(gate_btf) * up_btf
+        return jnp.einsum("btnh,nhd->btd", o, self.wo[...].astype(dt))
 
 
 class MLP(nnx.Module):
@@ -171,10 +101,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         dt = x_btd.dtype
-        gate = project("btd,df->btf", x_btd, self.w_gate[...].astype(dt))
-        up = project("btd,df->btf", x_btd, self.w_up[...].astype(dt))
-        h = constrain(_swiglu(gate, up), ("batch", "seq", "act_mlp"))
-        return project("btf,fd->btd", h, self.w_down[...].astype(dt))
+        gate = jnp.einsum("btd,df->btf", x_btd, self.w_gate[...].astype(dt))
+        up = jnp.einsum("btd,df->btf", x_btd, self.w_up[...].astype(dt))
+        h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+        return jnp.einsum("btf,fd->btd", h, self.w_down[...].astype(dt))
 
 
 class Block(nnx.Module):

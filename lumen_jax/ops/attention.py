@@ -42,63 +42,19 @@ def xla_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
     s, kh = k_bskh.shape[1], k_bskh.shape[2]
     if n % kh:
         raise ValueError(f"num_heads={n} must be a multiple of num_kv_heads={kh}")
-    g = n // kh
     scale = h ** -0.5 if scale is None else scale
+    q_btkgh = q_btnh.reshape(b, t, kh, n // kh, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh,
+                        preferred_element_type=jnp.float32) * scale
     mask_bts = jnp.ones((1, t, s), dtype=bool)
     if causal:
         mask_bts = mask_bts & (jnp.arange(t)[:, None] >= jnp.arange(s)[None, :])[None]
     if segment_ids_bt is not None:
         mask_bts = mask_bts & (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])
-    # Heads first, [B, K, S, H] keys/values and, per query block, [B, K, G*bs, H] queries (the G
-    # query heads of one K/V head stacked along the rows): both matmuls and the softmax then work on
-    # contiguous [rows, S] blocks, and XLA:CPU needs no strided copies of the scores (forward or
-    # backward). Causal attention runs by query blocks that stop at the diagonal (`_causal_blocks`).
-    k_bksh, v_bksh = k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)
-    blocks = _causal_blocks(t) if causal and t == s else 1
-    bs = t // blocks
-    outs = []
-    for j in range(blocks):  # query block j: rows [j*bs, (j+1)*bs), keys [0, end)
-        end = (j + 1) * bs if blocks > 1 else s
-        q_bkrh = (q_btnh[:, j * bs:(j + 1) * bs].reshape(b, bs, kh, g, h).transpose(0, 2, 3, 1, 4)
-                  .reshape(b, kh, g * bs, h))
-        mask_j = mask_bts[:, j * bs:(j + 1) * bs, :end]
-        out = _attend(q_bkrh, k_bksh[:, :, :end], v_bksh[:, :, :end], mask_j, scale)
-        outs.append(out.reshape(b, kh, g, bs, h).transpose(0, 3, 1, 2, 4).reshape(b, bs, n, h))
-    out = jnp.concatenate(outs, axis=1) if blocks > 1 else outs[0]
-    return out.astype(q_btnh.dtype)
-
-
-_MIN_QUERY_BLOCK = 64
-_MAX_QUERY_BLOCKS = 8
-
-
-def _causal_blocks(t: int) -> int:
-    """Query blocks for causal attention over T tokens (1: the whole S x S square at once).
-
-    Block j's scores stop at key (j+1)*T/blocks, so only the blocks on and below the diagonal are
-    computed: (1 + 1/blocks)/2 of the square. Sequences shorter than 4 blocks of 64 stay whole
-    (little to save), and at most 8 blocks keep the traced program small.
-    """
-    if t < 4 * _MIN_QUERY_BLOCK:
-        return 1
-    blocks = min(_MAX_QUERY_BLOCKS, t // _MIN_QUERY_BLOCK)
-    while t % blocks:
-        blocks -= 1
-    return blocks
-
-
-def _attend(q_bkrh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, mask_bts: jax.Array,
-            scale: float) -> jax.Array:
-    """softmax(q k^T * scale, masked) v for rows R = G*T of [B, K, R, H]; float32 [B, K, R, H]."""
-    b, kh, r, _ = q_bkrh.shape
-    t, s = mask_bts.shape[1:]
-    batch = ((0, 1), (0, 1))  # (batch, kv head)
-    scores = jax.lax.dot_general(q_bkrh, k_bksh, (((3,), (3,)), batch),
-                                 preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask_bts[:, None, None], scores.reshape(b, kh, r // t, t, s),
-                       jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_bksh.dtype).reshape(b, kh, r, s)
-    return jax.lax.dot_general(probs, v_bksh, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
+    scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, n, h).astype(q_btnh.dtype)
 
 
 _IMPLS = ("xla", "flash")
