@@ -136,17 +136,7 @@ def _parse_override(text: str) -> tuple[str, str, Any]:
 
 
 def read_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
-    """Loads a `.yaml`/`.yml` or `.gin` config file (None: all defaults) and applies dotted overrides.
-
-    Args:
-      path: config file. A YAML file may say `base: other.yaml` (relative to its own folder) to
-        deep-merge over another file; a gin file binds `model.d_model = 64` and may `include`.
-      overrides: `section.key=value` strings applied after the file, e.g. `optim.lr=3e-4`.
-
-    Returns:
-      The Config, named after the file's stem ("default" when path is None). Not yet checked
-      against a device count: call `validate` for that.
-    """
+    """`lumen_jax.config.load_config`'s implementation (see its docstring)."""
     raw: dict[str, Any] = {}
     name = "default"
     if path is not None:
