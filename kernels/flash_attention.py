@@ -616,6 +616,25 @@ def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
     return (out, lse) if return_lse else out
 
 
+def flash_attention_bwd(q_btnh, k_bskh, v_bskh, o_btnh, lse_bnt, do_btnh, dlse_bnt=None, *,
+                        segment_ids_bt=None, kv_segment_ids_bs=None, causal: bool = True,
+                        scale: float | None = None, block_sizes: BlockSizes | None = None,
+                        interpret: bool | None = None):
+    """The backward kernels alone: (dq, dk, dv) of this (Q, K/V) pair given an output `o_btnh` and
+    log-sum-exp `lse_bnt` that may come from a larger attention (context parallelism merges several
+    K/V chunks: with the merged o and lse, FlashAttention-2's backward gives each chunk's share)."""
+    interpret = default_interpret() if interpret is None else interpret
+    t, s, h = q_btnh.shape[1], k_bskh.shape[1], q_btnh.shape[3]
+    if segment_ids_bt is not None:
+        segment_ids_bt = segment_ids_bt.astype(jnp.int32)
+        kv_segment_ids_bs = (segment_ids_bt if kv_segment_ids_bs is None else kv_segment_ids_bs).astype(jnp.int32)
+    st = _static(t, s, scale=float(h ** -0.5 if scale is None else scale), causal=bool(causal),
+                 blocks=block_sizes or BlockSizes.default(h), interpret=bool(interpret), poison=False)
+    dlse_bnt = jnp.zeros_like(lse_bnt) if dlse_bnt is None else dlse_bnt
+    return _backward(q_btnh, k_bskh, v_bskh, segment_ids_bt, kv_segment_ids_bs, o_btnh, lse_bnt,
+                     do_btnh, dlse_bnt, st)
+
+
 # --------------------------------------------------------------------------------------------------
 # Reference
 # --------------------------------------------------------------------------------------------------

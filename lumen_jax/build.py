@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from lumen_jax.config import Config
 from lumen_jax.model import init_params, param_shapes_and_names
 from lumen_jax.optim import make_optimizer, schedule
+from lumen_jax.parallel import context as context_lib
 from lumen_jax.parallel.rules import Rules, activate
 from lumen_jax import step as step_lib
 
@@ -49,13 +50,20 @@ class Trainer:
                             jax.eval_shape(self.init), self.state_shardings)
 
     def shard_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Global sharded arrays from this process's rows of the batch."""
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, local_batch[k])
+        """Global sharded arrays from this process's rows of the batch.
+
+        Under context parallelism the tokens of every row are first put in the load-balanced order
+        the attention expects (`parallel.context.permute_tokens`; positions move with them).
+        """
+        layout = context_lib.Layout(self.mesh.shape["context"], self.rules.context_balance)
+        return {k: jax.make_array_from_process_local_data(
+                    self.batch_sharding, context_lib.permute_tokens(np.asarray(local_batch[k]), layout))
                 for k in BATCH_KEYS}
 
 
 def build(cfg: Config, mesh: Mesh) -> Trainer:
-    rules = Rules(zero_stage=cfg.optim.zero_stage, sequence_parallel=cfg.mesh.sequence_parallel)
+    rules = Rules(zero_stage=cfg.optim.zero_stage, sequence_parallel=cfg.mesh.sequence_parallel,
+                  context_parallel=cfg.model.context_parallel, context_balance=cfg.model.context_balance)
     graphdef, _, names = param_shapes_and_names(cfg.model)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     fp16 = cfg.model.compute_dtype == "float16"

@@ -28,6 +28,8 @@ class ConfigError(ValueError):
 # --------------------------------------------------------------------------------------------------
 
 ATTENTION_IMPLS = ("xla", "flash", "auto")
+CONTEXT_PARALLEL = ("ring", "allgather")  # how attention crosses the `context` axis
+CONTEXT_BALANCE = ("zigzag", "contiguous")  # which sequence chunks each context device holds
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
                   "save_attention_out", "offload_dots")
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
@@ -57,6 +59,10 @@ class ModelConfig:
     attention: str = "xla"  # xla | flash | auto (auto: flash on GPU, xla on CPU)
     flash_block_q: int = 0  # flash kernel's query tile (forward, dQ); 0: tuned default
     flash_block_kv: int = 0  # flash kernel's key tile (forward, dK/dV); 0: tuned default
+    # mesh.context > 1: ring (K/V hop around the context ring) | allgather (gather K/V, Llama 3)
+    context_parallel: str = "ring"
+    # zigzag: context device i holds chunks i and 2C-1-i (equal causal work) | contiguous: chunk i
+    context_balance: str = "zigzag"
     remat: str = "none"  # one of REMAT_POLICIES
     compute_dtype: str = "bfloat16"  # bfloat16 | float32 | float16; params stay float32
 
@@ -236,6 +242,8 @@ PLATFORMS = ("", "cpu", "gpu", "cuda", "rocm", "tpu")
 # Enum-like fields: the allowed values, checked on load and in `validate`.
 CHOICES: dict[str, tuple[Any, ...]] = {
     "model.attention": ATTENTION_IMPLS,
+    "model.context_parallel": CONTEXT_PARALLEL,
+    "model.context_balance": CONTEXT_BALANCE,
     "model.remat": REMAT_POLICIES,
     "model.compute_dtype": COMPUTE_DTYPES,
     "model.rope_scaling": ROPE_SCALINGS,
@@ -480,9 +488,6 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
            f"model.{k}={getattr(m, k)} must be 0 (tuned default) or a power of two >= 16; "
            f"set model.{k} to 0, 16, 32, 64 or 128")
           for k in ("flash_block_q", "flash_block_kv")),
-        (m.attention != "flash" or cp == 1,
-         f"model.attention=flash does not split sequences yet, but mesh.context={cp}; use "
-         "model.attention=xla or auto (ring attention arrives with the context-parallel issue) or mesh.context=1"),
         (m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor,
          f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be > model.rope_low_freq_factor="
          f"{m.rope_low_freq_factor} for rope_scaling=llama3; raise the high or lower the low factor"),
@@ -495,6 +500,9 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         (not mesh.sequence_parallel or d.seq_len % (cp * tp) == 0,
          f"mesh.sequence_parallel=true needs data.seq_len={d.seq_len} divisible by mesh.context*mesh.tensor="
          f"{cp * tp}; use a multiple of {cp * tp} or set mesh.sequence_parallel=false"),
+        (cp == 1 or m.context_balance != "zigzag" or d.seq_len % (2 * cp) == 0,
+         f"model.context_balance=zigzag cuts data.seq_len={d.seq_len} into 2*mesh.context={2 * cp} chunks; "
+         f"use a multiple of {2 * cp} or model.context_balance=contiguous"),
         (d.source != "files" or bool(d.paths),
          "data.source='files' but data.paths=[] is empty; set data.paths=[glob, ...] "
          "or data.source=builtin"),

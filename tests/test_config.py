@@ -328,6 +328,10 @@ def test_batch_and_sequence():
     cfg = with_(TINY, data=dict(seq_len=10), mesh=dict(fsdp=-1, context=2, tensor=2, sequence_parallel=True))
     msg = error(validate, cfg, 8)
     assert "mesh.sequence_parallel=true" in msg and "data.seq_len=10" in msg and "mesh.context*mesh.tensor=4" in msg
+    msg = error(validate, with_(TINY, data=dict(seq_len=36), mesh=dict(context=4, fsdp=2)), 8)
+    assert msg.startswith("model.context_balance=zigzag cuts data.seq_len=36 into 2*mesh.context=8 chunks")
+    assert validate(with_(TINY, data=dict(seq_len=36), mesh=dict(context=4, fsdp=2),
+                          model=dict(context_balance="contiguous")), 8)["context"] == 4
     validate(with_(cfg, data=dict(seq_len=16)), 8)
 
 

@@ -8,7 +8,11 @@
   matrix in memory, causal blocks above the diagonal skipped, the same masks and GQA. Compiled
   through Triton on GPU; Pallas's interpreter on CPU (correct, slow: for tests). On a multi-device
   mesh the kernel runs per shard under `shard_map` (batch over data/fsdp, heads over tensor).
-- `auto`: `flash` on GPU when the kernel supports the shapes and `mesh.context == 1`, else `xla`.
+- `auto`: `flash` on GPU when the kernel supports the shapes, else `xla`.
+
+When the trainer's mesh has `context > 1` the call goes to context parallelism
+(`lumen_jax.parallel.context`: ring or all-gather, load-balanced), which runs the chosen
+implementation on each (query chunk, key chunk) pair through `block_kernel`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from lumen_jax.kernels import flash_attention as flash_lib
+from lumen_jax.parallel import context as context_lib
 from lumen_jax.parallel import rules as rules_lib
 
 
@@ -84,10 +89,6 @@ def _flash_unsupported(q_btnh: jax.Array, k_bskh: jax.Array) -> str | None:
                                         interpret=flash_lib.default_interpret())
     if problem:
         return problem
-    active = _active_mesh()
-    if active is not None and active[0].shape.get("context", 1) > 1:
-        return (f"mesh.context={active[0].shape['context']} > 1 needs ring attention (the "
-                "context-parallel issue); use model.attention=xla or auto")
     return None
 
 
@@ -120,6 +121,94 @@ def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
                          out_specs=q_spec, check_vma=False)(q_btnh, k_bskh, v_bskh, segment_ids_bt)
 
 
+def _block_mask(t: int, s: int, causal: bool, q_seg, kv_seg) -> jax.Array:
+    mask = jnp.ones((1, t, s), dtype=bool)
+    if causal:
+        mask = mask & (jnp.arange(t)[:, None] >= jnp.arange(s)[None, :])[None]
+    if q_seg is not None:
+        mask = mask & (q_seg[:, :, None] == kv_seg[:, None, :])
+    return mask[:, None, None]  # [B|1, 1, 1, T, S] against scores [B, K, G, T, S]
+
+
+def _xla_block_fwd(q, k, v, q_seg, kv_seg, causal, *, scale):
+    """(o float32 [B, T, N, H], lse [B, N, T]) of one chunk pair; lse -inf where no key is visible."""
+    b, t, n, h = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    scores = jnp.einsum("btkgh,bskh->bkgts", q.reshape(b, t, kh, n // kh, h), k,
+                        preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(_block_mask(t, s, causal, q_seg, kv_seg), scores, -jnp.inf)
+    lse = jax.nn.logsumexp(scores, axis=-1)  # [B, K, G, T]
+    probs = jnp.exp(scores - jnp.where(jnp.isneginf(lse), 0.0, lse)[..., None])
+    o = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(b, t, n, h), lse.reshape(b, n, t)
+
+
+def _xla_block_bwd(q, k, v, q_seg, kv_seg, o, lse, do, dlse, causal, *, scale):
+    """FlashAttention-2's backward for one chunk pair, from the merged o and lse (all float32)."""
+    b, t, n, h = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    g = n // kh
+    f32 = jnp.float32
+    q_g = q.astype(f32).reshape(b, t, kh, g, h)
+    do_g = do.astype(f32).reshape(b, t, kh, g, h)
+    k, v = k.astype(f32), v.astype(f32)
+    delta = (jnp.einsum("btnh,btnh->bnt", do_g.reshape(b, t, n, h), o.astype(f32)) - dlse).reshape(b, kh, g, t)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_g, k) * scale
+    probs = jnp.where(_block_mask(t, s, causal, q_seg, kv_seg),
+                      jnp.exp(scores - lse.reshape(b, kh, g, t)[..., None]), 0.0)
+    dv = jnp.einsum("bkgts,btkgh->bskh", probs, do_g)
+    ds = probs * (jnp.einsum("btkgh,bskh->bkgts", do_g, v) - delta[..., None])
+    dq = jnp.einsum("bkgts,bskh->btkgh", ds, k).reshape(b, t, n, h) * scale
+    dk = jnp.einsum("bkgts,btkgh->bskh", ds, q_g) * scale
+    return dq, dk, dv
+
+
+def block_kernel(impl: str, head_dim: int, *, scale: float | None = None, block_q: int = 0,
+                 block_kv: int = 0) -> context_lib.BlockKernel:
+    """The chunk-pair attention that context parallelism runs: `xla` (jnp) or `flash` (Pallas)."""
+    scale = head_dim ** -0.5 if scale is None else scale
+    if impl == "xla":
+        return context_lib.BlockKernel(functools.partial(_xla_block_fwd, scale=scale),
+                                       functools.partial(_xla_block_bwd, scale=scale))
+    blocks = flash_lib.BlockSizes.default(head_dim).with_overrides(block_q, block_kv)
+
+    def fwd(q, k, v, q_seg, kv_seg, causal):
+        o, lse = flash_lib.flash_attention(q, k, v, segment_ids_bt=q_seg, kv_segment_ids_bs=kv_seg,
+                                           causal=causal, scale=scale, block_sizes=blocks, return_lse=True)
+        return o.astype(jnp.float32), lse
+
+    def bwd(q, k, v, q_seg, kv_seg, o, lse, do, dlse, causal):
+        return flash_lib.flash_attention_bwd(q, k, v, o.astype(q.dtype), lse, do.astype(q.dtype), dlse,
+                                             segment_ids_bt=q_seg, kv_segment_ids_bs=kv_seg,
+                                             causal=causal, scale=scale, block_sizes=blocks)
+
+    return context_lib.BlockKernel(fwd, bwd)
+
+
+def context_parallel_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
+                               segment_ids_bt: jax.Array | None = None, causal: bool = True,
+                               scale: float | None = None, impl: str = "xla", block_q: int = 0,
+                               block_kv: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Attention over the trainer's `context` axis (see `lumen_jax.parallel.context`): (out, lse).
+
+    Must run under `rules.activate(mesh, rules)`; the tokens are in the layout's order.
+    """
+    mesh, rules = rules_lib.active()
+    name = resolve(impl)
+    if name == "flash" and flash_lib.check_supported(q_btnh.shape, k_bskh.shape,
+                                                     interpret=flash_lib.default_interpret()):
+        if impl != "auto":
+            raise ValueError("model.attention=flash: " + flash_lib.check_supported(
+                q_btnh.shape, k_bskh.shape, interpret=flash_lib.default_interpret()))
+        name = "xla"
+    kernel = block_kernel(name, q_btnh.shape[-1], scale=scale, block_q=block_q, block_kv=block_kv)
+    return context_lib.context_attention(
+        q_btnh, k_bskh, v_bskh, segment_ids_bt=segment_ids_bt, causal=causal, kernel=kernel, mesh=mesh,
+        q_spec=rules.spec(("batch", "seq", "act_heads", None)),
+        kv_spec=rules.spec(("batch", "seq", "act_kv_heads", None)), seg_spec=rules.spec(("batch", "seq")),
+        strategy=rules.context_parallel, balance=rules.context_balance)
+
+
 def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
               segment_ids_bt: jax.Array | None = None, causal: bool = True,
               scale: float | None = None, impl: str = "xla", block_q: int = 0,
@@ -128,6 +217,11 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
 
     `block_q`/`block_kv` are the flash kernel's tile overrides (0: tuned default); others ignore them.
     """
+    active = _active_mesh()
+    if active is not None and active[0].shape.get("context", 1) > 1:
+        return context_parallel_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=segment_ids_bt,
+                                          causal=causal, scale=scale, impl=impl, block_q=block_q,
+                                          block_kv=block_kv)[0]
     name = resolve(impl)
     if name == "flash" and impl == "auto" and _flash_unsupported(q_btnh, k_bskh):
         name = "xla"

@@ -43,6 +43,10 @@ class Rules:
 
     zero_stage: int = 3
     sequence_parallel: bool = False
+    # How attention crosses the `context` axis (lumen_jax/parallel/context.py): not a table entry,
+    # but the same kind of decision, read by the attention dispatch under `activate`.
+    context_parallel: str = "ring"  # ring | allgather
+    context_balance: str = "zigzag"  # zigzag | contiguous
 
     def _table(self, kind: str) -> dict[str, MeshAxes]:
         embed_sharded = {"params": self.zero_stage >= 3, "grads": self.zero_stage >= 2,

@@ -1,0 +1,345 @@
+"""Context parallelism: attention over sequences split along the `context` mesh axis.
+
+Every sequence of length L is cut into chunks and each of the C devices of the `context` axis holds
+L/C of its tokens (queries, keys and values alike). Two strategies (`model.context_parallel`):
+
+- `ring` (Liu et al. 2023, Ring Attention): each device keeps its queries; the K/V chunks (with
+  their segment ids) travel around the ring with `ppermute`, C-1 hops. Each hop's partial output
+  and log-sum-exp are merged with the online-softmax rule
+  `lse = logaddexp(lse_a, lse_b)`, `o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b`.
+  The transfer for hop s+1 is issued before hop s is computed, so it can overlap. The backward is a
+  ring too (`custom_vjp`): K/V travel again and their gradient accumulators travel with them, C
+  hops, arriving home at the end. No device ever holds more than two K/V chunks.
+- `allgather` (as Llama 3 did for its long-context stage): all-gather K/V (small next to Q under
+  GQA), attend to all of them locally, and reduce-scatter dK/dV in the backward.
+
+Causal load balance (`model.context_balance`): with plain contiguous chunks device C-1 does C
+times the causal work of device 0. `zigzag` cuts the sequence into 2C chunks and gives device i
+chunks i and 2C-1-i, so every device does the same work. The tokens are permuted once on the host
+(`permute_tokens`, called by `Trainer.shard_batch`); positions travel with the tokens, so RoPE
+needs no change, and the loss is a sum over tokens, so it does not notice the order. Causal masking
+inside attention uses the layout's global chunk ids: a (query chunk, key chunk) pair is skipped
+when the keys are all later, computed unmasked when they are all earlier, and with the causal mask
+on the diagonal.
+
+The per-pair attention is a `BlockKernel` supplied by `lumen_jax.ops.attention` (the Pallas flash
+kernel on GPU, the jnp reference on CPU): forward -> (o, lse), backward from the merged (o, lse).
+Shape letters: B batch, T local sequence, N query heads, K kv heads, H head dim, C context size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+AXIS = "context"
+SKIP, FULL, DIAGONAL = 0, 1, 2  # how one query chunk attends to one key chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockKernel:
+    """Attention of one query chunk to one key chunk, forward and backward (local, no collectives).
+
+    fwd(q, k, v, q_seg, kv_seg, causal) -> (o [B, T, N, H] float32, lse [B, N, T] float32); a row
+      with no visible key has lse -inf (or a very negative finite value) and contributes nothing.
+    bwd(q, k, v, q_seg, kv_seg, o, lse, do, dlse, causal) -> (dq, dk, dv): this pair's share of
+      the gradients given the *merged* output and log-sum-exp (FlashAttention-2's backward).
+    """
+
+    fwd: Callable
+    bwd: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Which chunks of the sequence each context device holds."""
+
+    size: int  # C: devices on the context axis
+    balance: str = "zigzag"  # zigzag | contiguous
+
+    @property
+    def chunks_per_device(self) -> int:
+        return 2 if self.balance == "zigzag" else 1
+
+    def chunk_ids(self, device):
+        """Global chunk index of each local chunk of `device` (an int, or a traced int)."""
+        if self.balance == "zigzag":
+            return (device, 2 * self.size - 1 - device)
+        return (device,)
+
+    def order(self, seq_len: int) -> np.ndarray:
+        """Token permutation: position p of the permuted sequence holds original token order[p]."""
+        n_chunks = self.size * self.chunks_per_device
+        if seq_len % n_chunks:
+            raise ValueError(f"seq_len={seq_len} must be a multiple of {n_chunks} chunks "
+                             f"(context={self.size}, balance={self.balance})")
+        chunk = seq_len // n_chunks
+        ids = [c for d in range(self.size) for c in self.chunk_ids(d)]
+        return np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in ids])
+
+
+def permute_tokens(x: np.ndarray, layout: Layout, axis: int = 1) -> np.ndarray:
+    """Reorder the sequence axis of a host array into `layout`'s order (identity when contiguous)."""
+    if layout.balance == "contiguous" or layout.size == 1:
+        return x
+    return np.take(x, layout.order(x.shape[axis]), axis=axis)
+
+
+def unpermute_tokens(x, layout: Layout, axis: int = 1):
+    """Inverse of `permute_tokens` (numpy or jax arrays)."""
+    if layout.balance == "contiguous" or layout.size == 1:
+        return x
+    return jnp.take(x, np.argsort(layout.order(x.shape[axis])), axis=axis)
+
+
+def pair_kind(q_chunk, k_chunk, causal: bool):
+    """SKIP, FULL or DIAGONAL for a (query chunk, key chunk) pair of global chunk ids."""
+    if not causal:
+        return FULL
+    return jnp.where(k_chunk > q_chunk, SKIP, jnp.where(k_chunk == q_chunk, DIAGONAL, FULL))
+
+
+def work_per_device(layout: Layout, causal: bool = True) -> list[float]:
+    """Attention blocks each device computes (a diagonal block counts half: its upper half is
+    skipped by the kernel). What the ring and all-gather schedules below execute."""
+    weight = {SKIP: 0.0, FULL: 1.0, DIAGONAL: 0.5}
+    return [sum(weight[int(pair_kind(q, k, causal))]
+                for j in range(layout.size) for q in layout.chunk_ids(i) for k in layout.chunk_ids(j))
+            for i in range(layout.size)]
+
+
+# --------------------------------------------------------------------------------------------------
+# The schedule: local shards in, local shards out (runs inside shard_map)
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    layout: Layout
+    strategy: str  # ring | allgather
+    causal: bool
+    kernel: BlockKernel
+
+
+def _split(x, parts: int, axis: int):
+    return (x,) if parts == 1 else tuple(jnp.split(x, parts, axis=axis))
+
+
+def _join(xs, axis: int):
+    return xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=axis)
+
+
+def _merge(acc, part):
+    """Online-softmax merge of two partial results (o float32 [B, T, N, H], lse [B, N, T])."""
+    (o_a, lse_a), (o_b, lse_b) = acc, part
+    lse = jnp.logaddexp(lse_a, lse_b)
+    safe = jnp.where(jnp.isneginf(lse), 0.0, lse)  # rows no key has reached yet stay (0, -inf)
+    w_a = jnp.exp(lse_a - safe).transpose(0, 2, 1)[..., None]
+    w_b = jnp.exp(lse_b - safe).transpose(0, 2, 1)[..., None]
+    return o_a * w_a + o_b * w_b, lse
+
+
+def _segs(seg, parts):
+    return (None,) * parts if seg is None else _split(seg, parts, 1)
+
+
+def _attend(spec: _Spec, acc, q_ids, qs, q_segs, kv, kv_device):
+    """Merge into `acc` the attention of every local query chunk to `kv` (device `kv_device`'s)."""
+    k, v, kv_seg = kv
+    p = spec.layout.chunks_per_device
+    ks, vs, k_segs = _split(k, p, 1), _split(v, p, 1), _segs(kv_seg, p)
+    k_ids = spec.layout.chunk_ids(kv_device)
+    kernel = spec.kernel
+
+    def skip(q, k, v, qs_, ks_):
+        b, t, n, _ = q.shape
+        return jnp.zeros(q.shape, jnp.float32), jnp.full((b, n, t), -jnp.inf, jnp.float32)
+
+    def full(q, k, v, qs_, ks_):
+        return kernel.fwd(q, k, v, qs_, ks_, False)
+
+    def diagonal(q, k, v, qs_, ks_):
+        return kernel.fwd(q, k, v, qs_, ks_, True)
+
+    acc = list(acc)
+    for a in range(p):
+        for b in range(p):
+            args = (qs[a], ks[b], vs[b], q_segs[a], k_segs[b])
+            if spec.causal:
+                part = lax.switch(pair_kind(q_ids[a], k_ids[b], True), (skip, full, diagonal), *args)
+            else:
+                part = full(*args)
+            acc[a] = _merge(acc[a], part)
+    return acc
+
+
+def _attend_grads(spec: _Spec, dq, q_ids, res, kv, kv_device):
+    """(dq, dk, dv) contributions of `kv` (device `kv_device`'s chunks) to every local query chunk."""
+    qs, q_segs, os_, lses, dos, dlses = res
+    k, v, kv_seg = kv
+    p = spec.layout.chunks_per_device
+    ks, vs, k_segs = _split(k, p, 1), _split(v, p, 1), _segs(kv_seg, p)
+    k_ids = spec.layout.chunk_ids(kv_device)
+    kernel = spec.kernel
+
+    def skip(*args):
+        q, k = args[0], args[1]
+        return jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32)
+
+    def grads(causal):
+        def fn(*args):
+            return tuple(g.astype(jnp.float32) for g in kernel.bwd(*args, causal))
+        return fn
+
+    dq = list(dq)
+    dks = [jnp.zeros(x.shape, jnp.float32) for x in ks]
+    dvs = [jnp.zeros(x.shape, jnp.float32) for x in vs]
+    for a in range(p):
+        for b in range(p):
+            args = (qs[a], ks[b], vs[b], q_segs[a], k_segs[b], os_[a], lses[a], dos[a], dlses[a])
+            if spec.causal:
+                g = lax.switch(pair_kind(q_ids[a], k_ids[b], True), (skip, grads(False), grads(True)), *args)
+            else:
+                g = grads(False)(*args)
+            dq[a] = dq[a] + g[0]
+            dks[b], dvs[b] = dks[b] + g[1], dvs[b] + g[2]
+    return dq, _join(dks, 1), _join(dvs, 1)
+
+
+def _shift(x, size: int):
+    """Send to the next device on the context ring (device i receives device i-1's)."""
+    return jax.tree.map(lambda a: lax.ppermute(a, AXIS, [(d, (d + 1) % size) for d in range(size)]), x)
+
+
+def _gather(x):
+    return None if x is None else lax.all_gather(x, AXIS, axis=1, tiled=True)
+
+
+def _device_slice(x, device, length: int):
+    return None if x is None else lax.dynamic_slice_in_dim(x, device * length, length, axis=1)
+
+
+def _forward(q, k, v, q_seg, kv_seg, spec: _Spec):
+    c, p = spec.layout.size, spec.layout.chunks_per_device
+    i = lax.axis_index(AXIS)
+    q_ids = spec.layout.chunk_ids(i)
+    qs, q_segs = _split(q, p, 1), _segs(q_seg, p)
+    b, t, n, _ = qs[0].shape
+    acc = [(jnp.zeros(x.shape, jnp.float32), jnp.full((b, n, t), -jnp.inf, jnp.float32)) for x in qs]
+    attend = functools.partial(_attend, spec, q_ids=q_ids, qs=qs, q_segs=q_segs)
+
+    if spec.strategy == "allgather":
+        k_all, v_all, seg_all = _gather(k), _gather(v), _gather(kv_seg)
+        length = k.shape[1]
+
+        def step(acc, j):
+            kv = tuple(_device_slice(x, j, length) for x in (k_all, v_all, seg_all))
+            return attend(acc, kv=kv, kv_device=j), None
+
+        acc, _ = lax.scan(step, acc, jnp.arange(c))
+    else:
+        def hop(carry, s):
+            acc, kv = carry
+            incoming = _shift(kv, c)  # issued before this hop's compute: the transfer can overlap it
+            return (attend(acc, kv=kv, kv_device=(i - s) % c), incoming), None
+
+        (acc, kv), _ = lax.scan(hop, (acc, (k, v, kv_seg)), jnp.arange(c - 1))
+        acc = attend(acc, kv=kv, kv_device=(i - (c - 1)) % c)  # the last hop sends nothing on
+    o = _join([o for o, _ in acc], 1)
+    lse = _join([lse for _, lse in acc], 2)
+    return o.astype(q.dtype), lse
+
+
+def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, spec: _Spec):
+    c, p = spec.layout.size, spec.layout.chunks_per_device
+    i = lax.axis_index(AXIS)
+    q_ids = spec.layout.chunk_ids(i)
+    res = (_split(q, p, 1), _segs(q_seg, p), _split(o, p, 1), _split(lse, p, 2), _split(do, p, 1),
+           _split(dlse, p, 2))
+    dq = [jnp.zeros(x.shape, jnp.float32) for x in res[0]]
+    grads = functools.partial(_attend_grads, spec, q_ids=q_ids, res=res)
+
+    if spec.strategy == "allgather":
+        k_all, v_all, seg_all = _gather(k), _gather(v), _gather(kv_seg)
+        length = k.shape[1]
+
+        def step(carry, j):
+            dq, dk_all, dv_all = carry
+            kv = tuple(_device_slice(x, j, length) for x in (k_all, v_all, seg_all))
+            dq, dk, dv = grads(dq, kv=kv, kv_device=j)
+            dk_all = lax.dynamic_update_slice_in_dim(dk_all, dk, j * length, axis=1)
+            dv_all = lax.dynamic_update_slice_in_dim(dv_all, dv, j * length, axis=1)
+            return (dq, dk_all, dv_all), None
+
+        zeros = jnp.zeros(k_all.shape, jnp.float32)
+        (dq, dk_all, dv_all), _ = lax.scan(step, (dq, zeros, zeros), jnp.arange(c))
+        dk = lax.psum_scatter(dk_all, AXIS, scatter_dimension=1, tiled=True)
+        dv = lax.psum_scatter(dv_all, AXIS, scatter_dimension=1, tiled=True)
+    else:
+        def hop(carry, s, last: bool = False):
+            dq, kv, dkv = carry
+            incoming = kv if last else _shift(kv, c)  # next hop's K/V, issued before the compute
+            dq, dk, dv = grads(dq, kv=kv, kv_device=(i - s) % c)
+            # The accumulators travel with their K/V: after C shifts they are back at their owner.
+            dkv = _shift((dkv[0] + dk, dkv[1] + dv), c)
+            return (dq, incoming, dkv), None
+
+        dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+        carry, _ = lax.scan(hop, (dq, (k, v, kv_seg), dkv), jnp.arange(c - 1))
+        (dq, _, (dk, dv)), _ = hop(carry, c - 1, last=True)
+    return _join(dq, 1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _local(q, k, v, q_seg, kv_seg, spec: _Spec):
+    return _forward(q, k, v, q_seg, kv_seg, spec)
+
+
+def _local_fwd(q, k, v, q_seg, kv_seg, spec):
+    o, lse = _forward(q, k, v, q_seg, kv_seg, spec)
+    return (o, lse), (q, k, v, q_seg, kv_seg, o, lse)
+
+
+def _local_bwd(spec, residuals, cotangents):
+    q, k, v, q_seg, kv_seg, o, lse = residuals
+    do, dlse = cotangents
+    dq, dk, dv = _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, spec)
+    return dq, dk, dv, None, None
+
+
+_local.defvjp(_local_fwd, _local_bwd)
+
+
+def context_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
+                      segment_ids_bt: jax.Array | None, causal: bool, kernel: BlockKernel,
+                      mesh: jax.sharding.Mesh, q_spec, kv_spec, seg_spec, strategy: str = "ring",
+                      balance: str = "zigzag") -> tuple[jax.Array, jax.Array]:
+    """Attention over sequences sharded along `context`, tokens in `Layout(C, balance)`'s order.
+
+    Args:
+      q_btnh, k_bskh, v_bskh: global arrays whose sequence axis is sharded over `context` in the
+        layout's token order (`permute_tokens`); GQA as in `xla_attention`.
+      segment_ids_bt: [B, T] document ids (same order), or None.
+      causal: causal masking by original token position.
+      kernel: the local attention of one chunk pair.
+      mesh, q_spec, kv_spec, seg_spec: the mesh and the PartitionSpecs of q, k/v and segment ids
+        (their sequence axis must be `context`).
+      strategy: ring | allgather. balance: zigzag | contiguous.
+
+    Returns:
+      (out [B, T, N, H] in q's dtype, lse [B, N, T] float32), in the same token order.
+    """
+    spec = _Spec(Layout(mesh.shape[AXIS], balance), strategy, bool(causal), kernel)
+    lse_spec = jax.sharding.PartitionSpec(q_spec[0], q_spec[2], q_spec[1])
+    if segment_ids_bt is None:
+        fn = lambda q, k, v: _local(q, k, v, None, None, spec)  # noqa: E731
+        return jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=(q_spec, lse_spec),
+                             check_vma=False)(q_btnh, k_bskh, v_bskh)
+    fn = lambda q, k, v, seg: _local(q, k, v, seg, seg, spec)  # noqa: E731
+    return jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
+                         out_specs=(q_spec, lse_spec), check_vma=False)(q_btnh, k_bskh, v_bskh, segment_ids_bt)

@@ -1,0 +1,129 @@
+"""Context parallelism (ring and all-gather attention) equals single-device attention.
+
+Meshes put `context` = C in {2, 4, 8} and the rest of the 8 devices on `data` (B is split too), so
+every case also checks that the sequence split composes with batch sharding.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+from lumen_jax.kernels import flash_attention as flash_lib
+from lumen_jax.ops import attention as attention_ops
+from lumen_jax.parallel import context as context_lib
+from lumen_jax.parallel.mesh import make_mesh
+from lumen_jax.parallel.rules import Rules, activate
+
+B, L, N, K, H = 4, 64, 4, 2, 16
+TOL = dict(atol=2e-5, rtol=2e-5)  # float32: a few roundings of the online-softmax merge
+
+
+def inputs(seed: int = 0, segments: bool = False):
+    kq, kk, kv, ks, kc, kl = jax.random.split(jax.random.key(seed), 6)
+    q = jax.random.normal(kq, (B, L, N, H), jnp.float32)
+    k = jax.random.normal(kk, (B, L, K, H), jnp.float32)
+    v = jax.random.normal(kv, (B, L, K, H), jnp.float32)
+    seg = None
+    if segments:  # documents of random lengths, crossing chunk borders
+        starts = jax.random.bernoulli(ks, 0.08, (B, L)).at[:, 0].set(True)
+        seg = jnp.cumsum(starts, axis=1).astype(jnp.int32)
+    ct_o = jax.random.normal(kc, (B, L, N, H), jnp.float32)
+    ct_lse = 0.1 * jax.random.normal(kl, (B, N, L), jnp.float32)
+    return q, k, v, seg, ct_o, ct_lse
+
+
+def reference(q, k, v, seg, ct_o, ct_lse, causal):
+    def loss(q, k, v):
+        o, lse = flash_lib.mha_reference(q, k, v, segment_ids_bt=seg, causal=causal)
+        return jnp.sum(o * ct_o) + jnp.sum(lse * ct_lse), (o, lse)
+    grads, (o, lse) = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return o, lse, grads
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(c: int, strategy: str, causal: bool, has_seg: bool, balance: str, impl: str):
+    mesh = make_mesh({"data": 8 // c, "fsdp": 1, "context": c, "tensor": 1})
+    rules = Rules(context_parallel=strategy, context_balance=balance)
+
+    def loss(q, k, v, seg, ct_o, ct_lse):
+        with activate(mesh, rules):
+            o, lse = attention_ops.context_parallel_attention(q, k, v, segment_ids_bt=seg, causal=causal,
+                                                              impl=impl)
+        return jnp.sum(o * ct_o) + jnp.sum(lse * ct_lse), (o, lse)
+
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+    return mesh, rules, fn
+
+
+def context_parallel(q, k, v, seg, ct_o, ct_lse, *, c, strategy, causal, balance="zigzag", impl="xla"):
+    """Run on the mesh with tokens permuted into the layout; results back in the original order."""
+    mesh, rules, fn = _compiled(c, strategy, causal, seg is not None, balance, impl)
+    layout = context_lib.Layout(c, balance)
+    perm = lambda x, axis=1: jnp.asarray(context_lib.permute_tokens(np.asarray(x), layout, axis))  # noqa: E731
+    put = lambda x, names: jax.device_put(x, NamedSharding(mesh, rules.spec(names)))  # noqa: E731
+    args = (put(perm(q), ("batch", "seq", "act_heads", None)), put(perm(k), ("batch", "seq", "act_kv_heads", None)),
+            put(perm(v), ("batch", "seq", "act_kv_heads", None)),
+            None if seg is None else put(perm(seg), ("batch", "seq")),
+            put(perm(ct_o), ("batch", "seq", "act_heads", None)), put(perm(ct_lse, 2), ("batch", None, "seq")))
+    grads, (o, lse) = fn(*args)
+    back = lambda x, axis=1: context_lib.unpermute_tokens(x, layout, axis)  # noqa: E731
+    return back(o), back(lse, 2), tuple(back(g) for g in grads)
+
+
+def assert_matches(got, want):
+    (o, lse, grads), (o_ref, lse_ref, grads_ref) = got, want
+    np.testing.assert_allclose(o, o_ref, **TOL, err_msg="output")
+    np.testing.assert_allclose(lse, lse_ref, **TOL, err_msg="log-sum-exp")
+    for name, g, g_ref in zip("qkv", grads, grads_ref):
+        np.testing.assert_allclose(g, g_ref, **TOL, err_msg=f"d{name}")
+
+
+CASES = [(c, strategy, causal, segments)
+         for c in (2, 4, 8) for strategy in ("ring", "allgather")
+         for causal, segments in ((True, False), (True, True), (False, True))]
+
+
+@pytest.mark.parametrize("c,strategy,causal,segments", CASES)
+def test_matches_single_device(c, strategy, causal, segments):
+    data = inputs(seed=c, segments=segments)
+    assert_matches(context_parallel(*data, c=c, strategy=strategy, causal=causal),
+                   reference(*data, causal=causal))
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+def test_contiguous_layout_matches(strategy):
+    data = inputs(seed=5, segments=True)
+    assert_matches(context_parallel(*data, c=4, strategy=strategy, causal=True, balance="contiguous"),
+                   reference(*data, causal=True))
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+def test_flash_kernel_per_chunk(strategy):
+    """The Pallas kernel (interpreted on CPU) as the local attention of every chunk pair."""
+    data = inputs(seed=7, segments=True)
+    assert_matches(context_parallel(*data, c=2, strategy=strategy, causal=True, impl="flash"),
+                   reference(*data, causal=True))
+
+
+@pytest.mark.parametrize("c", [2, 4, 8])
+def test_zigzag_balances_causal_work(c):
+    balanced = context_lib.work_per_device(context_lib.Layout(c, "zigzag"))
+    assert max(balanced) / min(balanced) <= 1.1, balanced
+    contiguous = context_lib.work_per_device(context_lib.Layout(c, "contiguous"))
+    assert max(contiguous) / min(contiguous) == 2 * c - 1, contiguous  # the imbalance zigzag removes
+    # Every (query, key) chunk pair below or on the diagonal is computed exactly once overall.
+    n = 2 * c
+    assert sum(balanced) == n * (n - 1) / 2 + n * 0.5
+
+
+def test_layout_order_is_a_permutation():
+    layout = context_lib.Layout(4, "zigzag")
+    order = layout.order(32)
+    assert sorted(order.tolist()) == list(range(32))
+    assert order[:8].tolist() == [0, 1, 2, 3, 28, 29, 30, 31]  # device 0: chunks 0 and 7
+    x = np.arange(2 * 32).reshape(2, 32)
+    np.testing.assert_array_equal(context_lib.unpermute_tokens(context_lib.permute_tokens(x, layout), layout), x)
