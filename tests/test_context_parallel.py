@@ -5,6 +5,7 @@ every case also checks that the sequence split composes with batch sharding.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -127,3 +128,32 @@ def test_layout_order_is_a_permutation():
     assert order[:8].tolist() == [0, 1, 2, 3, 28, 29, 30, 31]  # device 0: chunks 0 and 7
     x = np.arange(2 * 32).reshape(2, 32)
     np.testing.assert_array_equal(context_lib.unpermute_tokens(context_lib.permute_tokens(x, layout), layout), x)
+
+
+def _compiled_hlo(strategy: str, seq_len: int, c: int) -> str:
+    """Per-device HLO of the forward + backward at a long sequence (compiled, never run)."""
+    mesh = make_mesh({"data": 8 // c, "fsdp": 1, "context": c, "tensor": 1})
+    rules = Rules(context_parallel=strategy)
+
+    def loss(q, k, v):
+        with activate(mesh, rules):
+            o, _ = attention_ops.context_parallel_attention(q, k, v, causal=True)
+        return jnp.sum(o)
+
+    def arg(heads, names):
+        return jax.ShapeDtypeStruct((1, seq_len, heads, 16), jnp.float32,
+                                    sharding=NamedSharding(mesh, rules.spec(names)))
+
+    q, kv = arg(2, ("batch", "seq", "act_heads", None)), arg(1, ("batch", "seq", "act_kv_heads", None))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile().as_text()
+
+
+@pytest.mark.heavy
+def test_ring_backward_never_holds_the_full_sequence():
+    """L=8192 over C=8: the ring's compiled program has no buffer with the full sequence length
+    (K/V live in chunks of L/C); the all-gather variant, which does gather K/V, is the control."""
+    full = re.compile(r"\[[0-9,]*\b8192\b[0-9,]*\]")
+    ring = _compiled_hlo("ring", 8192, 8)
+    assert "collective-permute" in ring
+    assert not full.findall(ring), full.findall(ring)[:5]
+    assert full.findall(_compiled_hlo("allgather", 8192, 8))

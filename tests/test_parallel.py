@@ -80,7 +80,12 @@ MESHES = {
     "fsdp=4,tensor=2,sp": dict(fsdp=4, tensor=2, sequence_parallel=True),
     "zero1,fsdp=8": dict(fsdp=8, zero_stage=1),
     "zero2,data=2,fsdp=4": dict(data=2, fsdp=4, zero_stage=2),
-    "context=2,fsdp=4": dict(context=2, fsdp=4),
+    "context=2,fsdp=4": dict(context=2, fsdp=4),  # ring attention, zigzag layout
+    "context=4,fsdp=2": dict(context=4, fsdp=2),
+    "data=2,context=2,tensor=2": dict(data=2, context=2, tensor=2),
+    "context=4,tensor=2": dict(context=4, tensor=2),
+    "allgather,fsdp=2,context=2,tensor=2,sp": dict(fsdp=2, context=2, tensor=2, sequence_parallel=True,
+                                                   context_parallel="allgather"),
 }
 
 
@@ -89,7 +94,8 @@ MESHES = {
 def test_mesh_matches_single_device(name, reference):
     axes = dict(MESHES[name])
     zero = axes.pop("zero_stage", 3)
-    got = run(with_mesh(BASE, zero_stage=zero, **axes))
+    model = dataclasses.replace(BASE.model, context_parallel=axes.pop("context_parallel", "ring"))
+    got = run(with_mesh(BASE.replace(model=model), zero_stage=zero, **axes))
     assert np.all(np.diff(reference["losses"]) < 0), reference["losses"]  # the optimizer is doing work
     assert_same_run(got, reference, name)
 
