@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import re
 import typing
@@ -34,6 +35,19 @@ REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_save
                   "save_attention_out", "offload_dots")
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
 ROPE_SCALINGS = ("none", "llama3")
+FP8_RECIPES = ("none", "current", "delayed", "blockwise")
+FP8_LAYERS = ("attention", "mlp")
+FP8_KEEP_BF16 = ("first", "last")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+    """fp8 matmuls (lumen_jax/ops/fp8.py): E4M3 forward, E5M2 gradients, fp32 accumulation."""
+
+    recipe: str = "none"  # none (compute dtype) | current | delayed | blockwise
+    amax_history: int = 1024  # delayed: steps of amax history the scale is taken from
+    layers: tuple[str, ...] = ("attention", "mlp")  # layer types whose projections run in fp8
+    keep_bf16: tuple[str, ...] = ("first", "last")  # layers kept in the compute dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +79,7 @@ class ModelConfig:
     context_balance: str = "zigzag"
     remat: str = "none"  # one of REMAT_POLICIES
     compute_dtype: str = "bfloat16"  # bfloat16 | float32 | float16; params stay float32
+    fp8: Fp8Config = dataclasses.field(default_factory=Fp8Config)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -247,6 +262,9 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "model.remat": REMAT_POLICIES,
     "model.compute_dtype": COMPUTE_DTYPES,
     "model.rope_scaling": ROPE_SCALINGS,
+    "model.fp8.recipe": FP8_RECIPES,
+    "model.fp8.layers": FP8_LAYERS,  # list fields: every item
+    "model.fp8.keep_bf16": FP8_KEEP_BF16,
     "optim.schedule": SCHEDULES,
     "optim.zero_stage": ZERO_STAGES,
     "data.source": DATA_SOURCES,
@@ -266,7 +284,10 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-_TYPES = {section: _field_types(cls) for section, cls in SECTIONS.items()}
+# Sub-sections one level down (`model.fp8.recipe`): a field whose type is a dataclass.
+NESTED: dict[str, type] = {"model.fp8": Fp8Config}
+
+_TYPES = {section: _field_types(cls) for section, cls in {**SECTIONS, **NESTED}.items()}
 
 
 def _show(value: Any) -> str:
@@ -337,10 +358,23 @@ def _convert(key: str, value: Any, typ: Any) -> Any:
                 isinstance(v, item) and not isinstance(v, bool) for v in value):
             raise wrong(f"a list of {item.__name__}")
         value = tuple(value)
+    elif key in NESTED:  # a sub-section (model.fp8): a mapping of its own keys
+        if isinstance(value, typ):
+            value = dataclasses.asdict(value)
+        if not isinstance(value, Mapping):
+            raise wrong(f"a mapping of keys ({', '.join(_TYPES[key])}), e.g. {key}: "
+                        f"{{{next(iter(_TYPES[key]))}: ...}}")
+        return typ(**{k: _convert(f"{key}.{k}", v, _check_key(key, k, _show(v))) for k, v in value.items()})
     else:  # a field type this function was not taught: our bug, not the user's
         raise TypeError(f"config field {key} has unsupported type {typ!r}")
     allowed = CHOICES.get(key)
-    if allowed is not None and value not in allowed:
+    if allowed is not None and isinstance(value, tuple):  # a list field: every item must be allowed
+        bad = [v for v in value if v not in allowed]
+        if bad:
+            raise ConfigError(f"{key}={_show(value)} has {', '.join(_show(v) for v in bad)}, not among the "
+                              f"allowed values; choose the items of {key} from "
+                              f"{', '.join(_show(a) for a in allowed)}")
+    elif allowed is not None and value not in allowed:
         raise ConfigError(f"{key}={_show(value)} is not one of the allowed values; "
                           f"choose {key} from {', '.join(_show(a) for a in allowed)}")
     return value
@@ -413,7 +447,7 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("model.num_kv_heads", ">=", 1), ("model.head_dim", ">=", 0), ("model.ffn_dim", ">=", 1),
     ("model.vocab_size", ">=", 1), ("model.norm_eps", ">", 0), ("model.rope_theta", ">", 0),
     ("model.rope_scaling_factor", ">", 0), ("model.rope_original_max_len", ">=", 1),
-    ("model.init_std", ">", 0),
+    ("model.init_std", ">", 0), ("model.fp8.amax_history", ">=", 1),
     ("optim.lr", ">", 0), ("optim.min_lr_ratio", ">=", 0), ("optim.min_lr_ratio", "<=", 1),
     ("optim.warmup_steps", ">=", 0), ("optim.decay_steps", ">=", 0),
     ("optim.b1", ">=", 0), ("optim.b1", "<", 1), ("optim.b2", ">=", 0), ("optim.b2", "<", 1),
@@ -456,8 +490,7 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
     """
     from_dict(to_dict(cfg))
     for key, op, bound in _BOUNDS:
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
+        value = functools.reduce(getattr, key.split("."), cfg)  # model.fp8.amax_history: two levels
         if not _COMPARE[op](value, bound):
             raise ConfigError(f"{key}={_show(value)} must be {op} {_show(bound)}; "
                               f"set {key} to a value {op} {_show(bound)}")

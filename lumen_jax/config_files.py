@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from lumen_jax.config import (SECTIONS, Config, ConfigError, _check_key, _show, _unknown_section,
+from lumen_jax.config import (NESTED, SECTIONS, Config, ConfigError, _check_key, _show, _unknown_section,
                               from_dict)
 
 
@@ -84,9 +84,10 @@ def _read_gin(path: str) -> dict[str, Any]:
     """Parses a gin file binding the section dataclasses (`model.d_model = 64`) into a mapping."""
     import gin  # only gin users pay for it
 
-    for section, cls in SECTIONS.items():
+    for section, cls in {**SECTIONS, **NESTED}.items():  # `model.fp8` is `fp8` in module `...config.model`
+        parent, _, name = f"{_GIN_MODULE}.{section}".rpartition(".")
         try:
-            gin.register(section, module=_GIN_MODULE)(cls)  # leaves the class itself untouched
+            gin.register(name, module=parent)(cls)  # leaves the class itself untouched
         except ValueError:  # already registered (e.g. the module was reloaded)
             pass
     path = os.path.abspath(path)
@@ -98,13 +99,18 @@ def _read_gin(path: str) -> dict[str, Any]:
     try:
         gin.parse_config_file(path)
         # Calling the configurable applies the bindings, macros and references included.
-        sections = {s: gin.get_configurable(f"{_GIN_MODULE}.{s}")() for s in SECTIONS}
+        sections = {s: dataclasses.asdict(gin.get_configurable(f"{_GIN_MODULE}.{s}")()) for s in SECTIONS}
+        for dotted in NESTED:  # `model.fp8.recipe = 'delayed'` binds the sub-section's own configurable
+            if gin.get_bindings(f"{_GIN_MODULE}.{dotted}"):
+                section, key = dotted.split(".")
+                sections[section][key] = dataclasses.asdict(gin.get_configurable(f"{_GIN_MODULE}.{dotted}")())
     except (ValueError, TypeError, SyntaxError) as e:
         msg = _one_line(e)
         # Gin's own wording (pinned <0.6), turned into ours so both file formats read alike.
         m = re.match(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'", msg)
         if m:
-            _check_key(m.group(1).rsplit(".", 1)[-1], m.group(2), where=f"{path}: ")
+            name = m.group(1).removeprefix(f"{_GIN_MODULE}.")
+            _check_key(name if name in NESTED else name.rsplit(".", 1)[-1], m.group(2), where=f"{path}: ")
         m = re.match(r"No configurable matching '([\w.]+)'", msg)
         if m:
             raise ConfigError(f"{path}: {_unknown_section(m.group(1))}") from None
@@ -113,14 +119,17 @@ def _read_gin(path: str) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {path}: {e}") from None
     finally:
         gin.clear_config()  # leave no global bindings behind: the next load starts clean
-    return {s: dataclasses.asdict(obj) for s, obj in sections.items()}
+    return sections
 
 
 def _parse_override(text: str) -> tuple[str, str, Any]:
     """`section.key=value` -> (section, key, value); the value is read as YAML (`3e-4`, `true`, `[a, b]`)."""
     dotted, eq, raw = text.partition("=")
-    section, dot, key = dotted.strip().partition(".")
-    if not eq or not dot or not section or not key or "." in key:
+    section, dot, key = dotted.strip().rpartition(".")
+    if section.count(".") == 1 and section.split(".")[0] in SECTIONS:  # model.fp8.recipe=delayed
+        _check_key(*section.split("."))  # model.fp9.recipe: did you mean model.fp8?
+    if not eq or not dot or not section or not key or (section.count(".") > 1) or (
+            "." in section and section not in NESTED):
         raise ConfigError(f"override {text!r} must look like section.key=value (e.g. optim.lr=3e-4)")
     raw = raw.strip()
     typ = _check_key(section, key, raw)
@@ -153,10 +162,14 @@ def read_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
         name = os.path.splitext(os.path.basename(path))[0]
     for text in overrides:
         section, key, value = _parse_override(text)
-        body = raw.get(section)
-        if body is None:
-            body = raw[section] = {}
-        if isinstance(body, dict):  # anything else fails in from_dict with its own message
+        body = raw
+        for part in section.split("."):  # `model`, or `model` then `fp8`
+            if body.get(part) is None:
+                body[part] = {}
+            body = body[part]
+            if not isinstance(body, dict):  # anything else fails in from_dict with its own message
+                break
+        else:
             body[key] = value
     raw["name"] = name
     return from_dict(raw)

@@ -377,3 +377,58 @@ def test_validate_rechecks_types_of_configs_built_in_code():
     assert msg.startswith("model.attention='flashy' is not one of the allowed values")
     msg = error(validate, with_(TINY, model=dict(num_layers="2")), 8)
     assert msg == "model.num_layers='2' must be an int; got str"
+
+
+# --------------------------------------------------------------------------------------------------
+# One nested level: model.fp8
+# --------------------------------------------------------------------------------------------------
+
+def test_fp8_yaml_override_gin_and_round_trip(tmp_path):
+    assert Config().model.fp8 == C.Fp8Config() and Config().model.fp8.recipe == "none"
+    p = write(tmp_path, "a.yaml", "base: " + cfg_path("tiny.yaml") + "\nmodel: {fp8: {recipe: delayed}}\n")
+    cfg = load_config(p)
+    assert cfg.model.fp8 == C.Fp8Config(recipe="delayed") and cfg.model.d_model == 64
+    cfg = load_config(p, ["model.fp8.amax_history=16", "model.fp8.keep_bf16=[]", "model.fp8.layers=mlp"])
+    assert cfg.model.fp8 == C.Fp8Config(recipe="delayed", amax_history=16, layers=("mlp",), keep_bf16=())
+    assert load_config(None, ["model.fp8={recipe: current}"]).model.fp8.recipe == "current"
+    g = load_config(write(tmp_path, "a.gin", "model.fp8.recipe = 'blockwise'\nmodel.fp8.keep_bf16 = ['last']\n"))
+    assert g.model.fp8 == C.Fp8Config(recipe="blockwise", keep_bf16=("last",))
+    assert load_config(cfg_path("tiny.gin")).model.fp8 == C.Fp8Config()  # no bindings: the defaults
+    d = to_dict(cfg)
+    assert d["model"]["fp8"] == {"recipe": "delayed", "amax_history": 16, "layers": ["mlp"], "keep_bf16": []}
+    assert from_dict(d) == cfg == from_dict(yaml.safe_load(yaml.safe_dump(d))) == from_dict(json.loads(json.dumps(d)))
+    validate(with_(TINY, model=dict(fp8=C.Fp8Config(recipe="delayed"))), 8)
+
+
+def test_fp8_errors(tmp_path):
+    assert error(load_config, None, ["model.fp8.recpie=delayed"]) == \
+        "unknown config key model.fp8.recpie=delayed; did you mean model.fp8.recipe?"
+    assert error(load_config, None, ["model.fp9.recipe=delayed"]) == \
+        "unknown config key model.fp9; did you mean model.fp8?"
+    assert error(load_config, None, ["model.recipe=delayed"]) == \
+        "unknown config key model.recipe=delayed; did you mean model.fp8.recipe?"
+    assert "section.key=value" in error(load_config, None, ["model.fp8.recipe.x=1"])
+    assert error(from_dict, {"model": {"fp8": {"recipe": "e4m3"}}}) == (
+        "model.fp8.recipe='e4m3' is not one of the allowed values; choose model.fp8.recipe from "
+        "'none', 'current', 'delayed', 'blockwise'")
+    assert error(from_dict, {"model": {"fp8": {"layers": ["attention", "moe"]}}}) == (
+        "model.fp8.layers=['attention', 'moe'] has 'moe', not among the allowed values; choose the items "
+        "of model.fp8.layers from 'attention', 'mlp'")
+    assert "model.fp8.keep_bf16=['middle'] has 'middle'" in error(from_dict, {"model": {"fp8": {"keep_bf16": ["middle"]}}})
+    assert error(from_dict, {"model": {"fp8": "delayed"}}).startswith(
+        "model.fp8='delayed' must be a mapping of keys (recipe, amax_history, layers, keep_bf16)")
+    assert error(from_dict, {"model": {"fp8": {"amax_history": "long"}}}) == \
+        "model.fp8.amax_history='long' must be an int; got str"
+    msg = error(validate, with_(TINY, model=dict(fp8=C.Fp8Config(amax_history=0))), 8)
+    assert msg.startswith("model.fp8.amax_history=0 must be >= 1")
+    msg = error(validate, with_(TINY, model=dict(fp8=C.Fp8Config(recipe="fp8"))), 8)
+    assert msg.startswith("model.fp8.recipe='fp8' is not one of the allowed values")
+    msg = error(load_config, write(tmp_path, "b.gin", "model.fp8.recpie = 'delayed'\n"))
+    assert msg.endswith("unknown config key model.fp8.recpie; did you mean model.fp8.recipe?")
+
+
+def test_fp8_error_through_the_cli_exits_2(capsys):
+    from lumen_jax import train as train_cli
+    rc = train_cli.main(["--config", cfg_path("tiny.yaml"), "model.fp8.recipe=e5m2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "model.fp8.recipe='e5m2' is not one of the allowed values" in err[0]

@@ -1,0 +1,421 @@
+"""fp8 matmuls: E4M3 operands forward, E5M2 gradients backward, fp32 accumulation, three scaling recipes.
+
+The model calls `einsum(spec, x, w, meta)` for a projection whose layer type runs in fp8 (`meta` is
+that layer's `Fp8Meta`); everything else keeps its plain `jnp.einsum`. Each operand is multiplied by
+a scale, clipped to the format's largest finite value (never inf) and cast to fp8; the product is
+accumulated in fp32 and divided by the scales; the output has the activation's dtype. Weights are
+quantized from the fp32 master copy, and their gradient is returned in fp32.
+
+Recipes (`model.fp8.recipe`):
+
+- `current`: per-tensor scale `fp8_max / amax` from this step's amax of each operand.
+- `delayed` (Transformer Engine): per-tensor scale from the max of an amax history of the previous
+  `amax_history` steps (most recent first). The first step, with an empty history, scales by the
+  current amax. The histories are inputs of the custom VJP, and its backward pass emits the updated
+  histories as their "gradients" (flax's overwrite-with-gradient): the train step stores these as
+  the new state instead of applying them. A global `jnp.max` over a sharded tensor is a reduction
+  over the mesh, so every device computes the same scales and histories.
+- `blockwise` (DeepSeek-V3): a scale per 1x128 tile of activations and gradients (along the
+  contraction) and per 128x128 block of weights; for the weight gradient the tiles run along the
+  sequence (128x1). Per-block scales along the contraction cannot be factored out of one GEMM, so
+  the quantized operands are dequantized and multiplied in the compute dtype: fp8 numerics, not
+  fp8 speed (that needs a block-scaled GEMM kernel).
+
+On GPUs with fp8 tensor cores (sm_89+), the per-tensor recipes' `dot_general(fp8, fp8) -> f32`
+followed by a scalar multiply is what XLA's GEMM rewriter turns into a cuBLASLt fp8 GEMM
+(`__cublas$lt$matmul$f8`); `fp8_gemms(hlo_text)` finds them. On CPU XLA upcasts the operands:
+numerics only.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from lumen_jax.config import Fp8Config
+
+E4M3 = jnp.float8_e4m3fn  # activations and weights: 3 mantissa bits, max 448
+E5M2 = jnp.float8_e5m2  # gradients: 2 mantissa bits, max 57344, wider range
+TILE = 128  # blockwise recipe: 1 x TILE activation tiles, TILE x TILE weight blocks
+_AMAX_FLOOR = 2.0 ** -100  # keeps fp8_max / amax finite in fp32 for denormal amaxes
+
+HISTORY_KEYS = ("x", "w", "g")  # the operands of one projection: input, weight, output gradient
+
+
+def fp8_max(dtype: Any) -> float:
+    """The largest finite value of an fp8 format (a Python float: ml_dtypes gives an fp8 scalar)."""
+    return float(ml_dtypes.finfo(dtype).max)
+
+
+def amax(x: jax.Array) -> jax.Array:
+    """max |x| as an fp32 scalar (over the whole mesh when `x` is sharded)."""
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def compute_scale(amax_: jax.Array, dtype: Any) -> jax.Array:
+    """`fp8_max / amax`, so the largest magnitude lands on the format's max; 1 where amax is 0 or not finite."""
+    amax_ = jnp.asarray(amax_, jnp.float32)
+    ok = (amax_ > 0) & jnp.isfinite(amax_)
+    return jnp.where(ok, fp8_max(dtype) / jnp.maximum(amax_, _AMAX_FLOOR), 1.0).astype(jnp.float32)
+
+
+def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """`x * scale` saturated to +-fp8_max (never inf; NaN stays NaN) and cast to `dtype`."""
+    m = fp8_max(dtype)
+    return jnp.clip(x.astype(jnp.float32) * scale, -m, m).astype(dtype)
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
+    return (q.astype(jnp.float32) / scale).astype(dtype)
+
+
+def delayed_scale(history: jax.Array, current_amax: jax.Array, dtype: Any) -> jax.Array:
+    """Scale from the max of the amax history; the current amax while the history is still empty."""
+    past = jnp.max(history)
+    return compute_scale(jnp.where(past > 0, past, current_amax), dtype)
+
+
+def update_history(history: jax.Array, current_amax: jax.Array) -> jax.Array:
+    """The history [H] shifted by one step, `current_amax` first (the oldest value drops out)."""
+    return jnp.roll(history, 1).at[0].set(current_amax)
+
+
+# --------------------------------------------------------------------------------------------------
+# Blockwise quantization
+# --------------------------------------------------------------------------------------------------
+
+
+def quantize_blocks(x: jax.Array, block: tuple[int, ...], dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """Quantizes `x` with one scale per block of shape `block` (1 along untiled axes).
+
+    Axes whose length is not a multiple of the block are zero-padded for the amax (zeros do not
+    change it). Returns (fp8 values shaped like x, scales [ceil(n_i / b_i) ...]).
+    """
+    pads = [(0, -n % b) for n, b in zip(x.shape, block)]
+    xp = jnp.pad(x.astype(jnp.float32), pads)
+    split = [d for n, b in zip(xp.shape, block) for d in (n // b, b)]
+    tiles = xp.reshape(split)
+    within = tuple(range(1, 2 * x.ndim, 2))
+    scale = compute_scale(jnp.max(jnp.abs(tiles), axis=within, keepdims=True), dtype)
+    q = quantize(tiles, scale, dtype).reshape(xp.shape)
+    q = q[tuple(slice(0, n) for n in x.shape)]
+    return q, jnp.squeeze(scale, within)
+
+
+def dequantize_blocks(q: jax.Array, scale: jax.Array, block: tuple[int, ...], dtype: Any) -> jax.Array:
+    """Inverse of `quantize_blocks`: every element divided by its block's scale, cast to `dtype`."""
+    full = scale
+    for axis, b in enumerate(block):
+        full = jnp.repeat(full, b, axis=axis)
+    full = full[tuple(slice(0, n) for n in q.shape)]
+    return (q.astype(jnp.float32) / full).astype(dtype)
+
+
+def fake_quantize_blocks(x: jax.Array, block: tuple[int, ...], fmt: Any, dtype: Any) -> jax.Array:
+    """`x` rounded through `fmt` with per-block scales, as `dtype` (the values an fp8 GEMM would see)."""
+    q, s = quantize_blocks(x, block, fmt)
+    return dequantize_blocks(q, s, block, dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# The quantized dot: x [*B, K] . w [K, N] -> [*B, N], with a custom VJP
+# --------------------------------------------------------------------------------------------------
+
+
+def _dims_xw(x: jax.Array) -> Any:  # x's last axis with w's first
+    return (((x.ndim - 1,), (0,)), ((), ()))
+
+
+def _dims_gw(g: jax.Array) -> Any:  # dx = g . w^T: g's last axis with w's last
+    return (((g.ndim - 1,), (1,)), ((), ()))
+
+
+def _dims_xg(x: jax.Array) -> Any:  # dw = x^T . g: every batch axis of x with g's
+    batch = tuple(range(x.ndim - 1))
+    return ((batch, batch), ((), ()))
+
+
+def _scaled_dot(a: jax.Array, b: jax.Array, dims: Any, inv_scale: jax.Array, dtype: Any) -> jax.Array:
+    """fp8 x fp8 GEMM with fp32 accumulation, then one scalar rescale (cuBLASLt fuses both)."""
+    out = jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    return (out * inv_scale).astype(dtype)
+
+
+def _tensor_scales(recipe: str, hist: dict, x: jax.Array, w: jax.Array) -> tuple[jax.Array, ...]:
+    ax, aw = amax(x), amax(w)
+    if recipe == "delayed":
+        return ax, aw, delayed_scale(hist["x"], ax, E4M3), delayed_scale(hist["w"], aw, E4M3)
+    return ax, aw, compute_scale(ax, E4M3), compute_scale(aw, E4M3)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _tensor_dot(x: jax.Array, w: jax.Array, hist: dict, recipe: str) -> jax.Array:
+    return _tensor_dot_fwd(x, w, hist, recipe)[0]
+
+
+def _tensor_dot_fwd(x, w, hist, recipe):
+    ax, aw, sx, sw = _tensor_scales(recipe, hist, x, w)
+    qx, qw = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
+    y = _scaled_dot(qx, qw, _dims_xw(x), 1.0 / (sx * sw), x.dtype)
+    # fp8 residuals: the backward GEMMs reuse the forward's quantized operands (as Transformer Engine).
+    # (Empty arrays carry the operands' dtypes: residuals must be arrays.)
+    return y, (qx, qw, sx, sw, ax, aw, hist, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+
+
+def _tensor_dot_bwd(recipe, res, g):
+    qx, qw, sx, sw, ax, aw, hist, x_like, w_like = res
+    x_dtype, w_dtype = x_like.dtype, w_like.dtype
+    ag = amax(g)
+    sg = delayed_scale(hist["g"], ag, E5M2) if recipe == "delayed" else compute_scale(ag, E5M2)
+    qg = quantize(g, sg, E5M2)
+    dx = _scaled_dot(qg, qw, _dims_gw(g), 1.0 / (sg * sw), x_dtype)
+    dw = _scaled_dot(qx, qg, _dims_xg(qx), 1.0 / (sx * sg), w_dtype)
+    # Overwrite-with-gradient: the "cotangent" of each history is its next value.
+    new_hist = ({"x": update_history(hist["x"], ax), "w": update_history(hist["w"], aw),
+                 "g": update_history(hist["g"], ag)} if recipe == "delayed" else hist)
+    return dx, dw, new_hist
+
+
+_tensor_dot.defvjp(_tensor_dot_fwd, _tensor_dot_bwd)
+
+
+def _tiles_last(ndim: int) -> tuple[int, ...]:  # 1 x TILE along the last axis
+    return (1,) * (ndim - 1) + (TILE,)
+
+
+def _tiles_seq(ndim: int) -> tuple[int, ...]:  # TILE x 1: along the sequence (the last batch axis)
+    return (1,) * (ndim - 2) + (TILE, 1)
+
+
+@jax.custom_vjp
+def _block_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    dx = fake_quantize_blocks(x, _tiles_last(x.ndim), E4M3, x.dtype)
+    dw = fake_quantize_blocks(w, (TILE, TILE), E4M3, x.dtype)
+    return jax.lax.dot_general(dx, dw, _dims_xw(x), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _block_dot_fwd(x, w):
+    return _block_dot(x, w), (x, w)
+
+
+def _block_dot_bwd(res, g):
+    x, w = res
+    cd = x.dtype
+    g_rows = fake_quantize_blocks(g, _tiles_last(g.ndim), E5M2, cd)  # dgrad contracts over N
+    w_blocks = fake_quantize_blocks(w, (TILE, TILE), E4M3, cd)
+    dx = jax.lax.dot_general(g_rows, w_blocks, _dims_gw(g), preferred_element_type=jnp.float32)
+    g_seq = fake_quantize_blocks(g, _tiles_seq(g.ndim), E5M2, cd)  # wgrad contracts over tokens
+    x_seq = fake_quantize_blocks(x, _tiles_seq(x.ndim), E4M3, cd)
+    dw = jax.lax.dot_general(x_seq, g_seq, _dims_xg(x), preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_block_dot.defvjp(_block_dot_fwd, _block_dot_bwd)
+
+
+def dot(x: jax.Array, w: jax.Array, recipe: str, history: dict | None = None) -> jax.Array:
+    """x [*B, K] . w [K, N] -> [*B, N] in x.dtype with fp8 operands (see the module docstring).
+
+    Args:
+      x: activations in the compute dtype.
+      w: weights, best the fp32 master copy (quantized from it; its gradient comes back in w.dtype).
+      recipe: current | delayed | blockwise.
+      history: delayed only: {"x", "w", "g"} amax histories [H]; their gradients are the updated
+        histories.
+    """
+    if recipe == "blockwise":
+        return _block_dot(x, w)
+    if recipe not in ("current", "delayed"):
+        raise ValueError(f"fp8 recipe {recipe!r} is not one of current, delayed, blockwise")
+    return _tensor_dot(x, w, history if recipe == "delayed" else {}, recipe)
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-layer state and the einsum the model calls
+# --------------------------------------------------------------------------------------------------
+
+
+class Fp8History(nnx.Variable):
+    """An amax history [H] of one operand of one projection (delayed recipe): train state, not a parameter."""
+
+
+class Fp8Enabled(nnx.Variable):
+    """1.0 where this layer's matmuls run in fp8, 0.0 where kept in bf16: a constant set from the config."""
+
+
+def layer_mask(cfg: Fp8Config, num_layers: int) -> tuple[bool, ...]:
+    """Per layer, whether its chosen matmuls run in fp8 (`keep_bf16` holds first and/or last)."""
+    if cfg.recipe == "none":
+        return (False,) * num_layers
+    kept = {0} if "first" in cfg.keep_bf16 else set()
+    kept |= {num_layers - 1} if "last" in cfg.keep_bf16 else set()
+    return tuple(i not in kept for i in range(num_layers))
+
+
+class Fp8Meta(nnx.Module):
+    """fp8 settings and state of one layer type's projections, created inside the scanned layer.
+
+    `enabled` exists only when some layers run fp8 and others do not: it is stacked along the
+    scan axis like the parameters and picks, per layer, the fp8 or the plain matmul (`lax.cond`).
+    """
+
+    def __init__(self, cfg: Fp8Config, num_layers: int, projections: tuple[str, ...]):
+        self.recipe = cfg.recipe
+        mask = layer_mask(cfg, num_layers)
+        self.enabled = Fp8Enabled(jnp.ones((), jnp.float32)) if 0 < sum(mask) < num_layers else None
+        if cfg.recipe == "delayed":
+            self.history = nnx.Dict({p: nnx.Dict({k: Fp8History(jnp.zeros((cfg.amax_history,), jnp.float32),
+                                                                sharding_names=(None,))
+                                                  for k in HISTORY_KEYS}) for p in projections})
+        else:
+            self.history = None
+
+
+def make_meta(cfg: Fp8Config, num_layers: int, layer_type: str,
+              projections: tuple[str, ...]) -> Fp8Meta | None:
+    """The `Fp8Meta` of a layer type, or None when none of its matmuls run in fp8."""
+    if layer_type not in cfg.layers or not any(layer_mask(cfg, num_layers)):
+        return None
+    return Fp8Meta(cfg, num_layers, projections)
+
+
+def _split_spec(spec: str, x_ndim: int, w_ndim: int) -> int:
+    """Number of contracted axes of a projection einsum `x..., w... -> out`; checks its form."""
+    inputs, out = spec.split("->")
+    xs, ws = inputs.split(",")
+    c = len(set(xs) & set(ws))
+    ok = (len(xs) == x_ndim and len(ws) == w_ndim and xs[x_ndim - c:] == ws[:c]
+          and out == xs[:x_ndim - c] + ws[c:])
+    if not ok:
+        raise ValueError(f"fp8 einsum {spec!r} must contract x's trailing axes with w's leading ones")
+    return c
+
+
+def einsum(spec: str, x: jax.Array, w: jax.Array, meta: Fp8Meta, name: str) -> jax.Array:
+    """`jnp.einsum(spec, x, w)` with fp8 operands (the projection `name` of `meta`'s layer).
+
+    The contracted axes (x's trailing, w's leading) and w's output axes are merged so the GEMM is
+    x [*B, K] . w [K, N]; the merges keep the sharded axis major (heads before head_dim).
+    """
+    c = _split_spec(spec, x.ndim, w.ndim)
+    batch, out_dims = x.shape[:x.ndim - c], w.shape[c:]
+    k = int(np.prod(w.shape[:c]))
+    x2, w2 = x.reshape(*batch, k), w.reshape(k, int(np.prod(out_dims)))
+    history = meta.history[name] if meta.history is not None else None
+    hist = None if history is None else {key: history[key][...] for key in HISTORY_KEYS}
+
+    def fp8_path(x2, w2, hist):
+        return dot(x2, w2, meta.recipe, hist)
+
+    if meta.enabled is None:
+        y = fp8_path(x2, w2, hist)
+    else:  # this layer may be one kept in bf16: the plain matmul, exactly as without fp8
+        y = jax.lax.cond(meta.enabled[...] > 0, fp8_path,
+                         lambda x2, w2, hist: jnp.einsum("...k,kn->...n", x2, w2.astype(x2.dtype)),
+                         x2, w2, hist)
+    return y.reshape(*batch, *out_dims)
+
+
+# --------------------------------------------------------------------------------------------------
+# Model state <-> train state
+# --------------------------------------------------------------------------------------------------
+
+
+def split_state(tree: dict) -> tuple[dict, dict, dict]:
+    """Splits the model's variable dict into (params, fp8 histories, fp8 enable flags).
+
+    fp8 variables live under keys named `fp8` (`...attn.fp8.history.q.x`, `...attn.fp8.enabled`);
+    leaves may be arrays, shapes or logical names.
+    """
+    params, hist, consts = {}, {}, {}
+    for key, value in tree.items():
+        if key == "fp8" and isinstance(value, dict):
+            hist[key] = {k: v for k, v in value.items() if k == "history"}
+            consts[key] = {k: v for k, v in value.items() if k == "enabled"}
+        elif isinstance(value, dict):
+            p, h, c = split_state(value)
+            params[key] = p
+            if h:
+                hist[key] = h
+            if c:
+                consts[key] = c
+        else:
+            params[key] = value
+    return params, _prune(hist), _prune(consts)
+
+
+def _prune(tree: dict) -> dict:
+    """Drops empty dicts (a meta without history or flag)."""
+    out = {}
+    for k, v in tree.items():
+        v = _prune(v) if isinstance(v, dict) else v
+        if not (isinstance(v, dict) and not v):
+            out[k] = v
+    return out
+
+
+def merge_state(*trees: dict | None) -> dict:
+    """Deep union of nested dicts (params, histories, flags) back into the model's variable dict."""
+    trees = [t for t in trees if t]
+    if len(trees) == 1:
+        return trees[0]  # fp8 off: the very same dict
+    out: dict = {}
+    for t in trees:
+        for k, v in t.items():
+            out[k] = merge_state(out[k], v) if isinstance(v, dict) and k in out else v
+    return out
+
+
+def enabled_values(consts: dict, cfg: Fp8Config, num_layers: int) -> dict:
+    """The flags of `consts` (any leaves) set to the per-layer mask of `cfg`: float32 [L] each."""
+    mask = np.asarray(layer_mask(cfg, num_layers), np.float32)
+    return jax.tree.map(lambda _: mask, consts, is_leaf=lambda x: not isinstance(x, dict))
+
+
+def combine_histories(a: dict, b: dict) -> dict:
+    """Two micro-batches' updated histories: the shifted part is equal, the newest slot takes the max."""
+    return jax.tree.map(jnp.maximum, a, b)
+
+
+# --------------------------------------------------------------------------------------------------
+# HLO check
+# --------------------------------------------------------------------------------------------------
+
+
+def fp8_gemms(hlo_text: str) -> list[str]:
+    """The instructions of an HLO module that are fp8 GEMMs: cuBLASLt fp8 custom calls or dots on f8 operands.
+
+    Works on `compiled.as_text()` (GPU: `__cublas$lt$matmul$f8` custom calls) and on pre-optimization
+    HLO (`lowered.as_text(dialect="hlo")`: `dot(f8e4m3fn[...] %a, f8e5m2[...] %b)`). An f8 operand
+    converted to f16/bf16/f32 before the dot (what XLA:CPU does) is not an fp8 GEMM and is not listed.
+    """
+    types = dict(_DEF.findall(hlo_text))  # instruction name -> element type
+    found = []
+    for line in hlo_text.splitlines():
+        s = line.strip()
+        if "__cublas$lt$matmul$f8" in s:
+            found.append(s)
+            continue
+        m = re.search(r"\bdot\((.*?)\)", s)
+        if m:
+            operands = re.findall(r"(?:(\w+)\[[^\]]*\]\S*\s+)?(%?[\w.\-]+)", m.group(1))
+            kinds = [t or types.get(name, "") for t, name in operands]
+            if len(kinds) == 2 and all(k.startswith("f8") for k in kinds):
+                found.append(s)
+    return found
+
+
+_DEF = re.compile(r"(%?[\w.\-]+) = (\w+)\[")
+
+
+__all__ = ["E4M3", "E5M2", "TILE", "Fp8Meta", "Fp8History", "Fp8Enabled", "amax", "combine_histories",
+           "compute_scale", "delayed_scale", "dequantize", "dequantize_blocks", "dot", "einsum",
+           "enabled_values", "fake_quantize_blocks", "fp8_gemms", "fp8_max", "layer_mask", "make_meta",
+           "merge_state", "quantize", "quantize_blocks", "split_state", "update_history"]
