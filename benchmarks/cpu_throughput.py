@@ -30,7 +30,6 @@ Results and commands: docs/PERFORMANCE.md.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import os
 import resource
@@ -45,23 +44,6 @@ from lumen_jax.config import (ATTENTION_IMPLS, REMAT_POLICIES, Config, DataConfi
 SHAPE = ModelConfig(d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=688, vocab_size=4096,
                     compute_dtype="float32")
 SEQ_LEN, BATCH = 256, 8
-
-# glibc mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
-
-
-def keep_freed_memory() -> None:
-    """glibc: one arena, no mmap for large blocks, no trimming: a freed block is reused, not unmapped.
-
-    Must run before JAX's threads start (an existing thread keeps its arena). Without it every step's
-    temporary buffer is mmapped fresh (large blocks from non-main arenas always are) and faults in
-    page by page.
-    """
-    libc = ctypes.CDLL("libc.so.6")
-    for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1)):
-        if libc.mallopt(param, value) != 1:
-            raise RuntimeError(f"mallopt({param}, {value}) failed")
-
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -100,7 +82,7 @@ def make_config(a: argparse.Namespace) -> Config:
                   optim=OptimConfig(),
                   data=DataConfig(seq_len=a.seq, global_batch_size=a.batch),
                   train=TrainConfig(steps=a.warmup + a.steps, micro_batches=a.micro_batches),
-                  runtime=RuntimeConfig(cpu_devices=1, compilation_cache_dir="", platform="cpu"),
+                  runtime=RuntimeConfig(cpu_devices=1, compilation_cache_dir="", platform="cpu", malloc=a.malloc),
                   name="cpu_throughput")
 
 
@@ -137,11 +119,9 @@ def xla_flops(compiled) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    if a.malloc == "reuse":
-        keep_freed_memory()
     cfg = make_config(a)
     from lumen_jax import runtime
-    runtime.configure(cfg.runtime)
+    runtime.configure(cfg.runtime)  # runtime.malloc=reuse applies keep_freed_memory
 
     import jax
     from lumen_jax import metrics as metrics_lib

@@ -203,6 +203,9 @@ class RuntimeConfig:
     cpu_devices: int = 0  # emulated CPU devices when no accelerator is present (0: leave JAX's default)
     compilation_cache_dir: str = ".cache/jax"  # persistent compilation cache ("" disables)
     platform: str = ""  # "" lets JAX choose; cpu | gpu forces one
+    # CPU runs: reuse makes glibc keep freed memory, so XLA:CPU's per-step temporary buffer is not
+    # unmapped and page-faulted in again every step (-15% CPU time); default leaves glibc as is.
+    malloc: str = "reuse"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +272,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "optim.zero_stage": ZERO_STAGES,
     "data.source": DATA_SOURCES,
     "runtime.platform": PLATFORMS,
+    "runtime.malloc": ("reuse", "default"),
 }
 
 SECTIONS: dict[str, type] = {
