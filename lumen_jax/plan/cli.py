@@ -36,9 +36,9 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         f"  gradients       {_gb(b['grads'])}   fp32",
         f"  optimizer       {_gb(b['optimizer'])}   Adam mu + nu, fp32",
         f"  activations     {_gb(b['activations'])}   saved {a.saved / 1e9:.2f} + working {a.working / 1e9:.2f}"
-        f" ({a.phase}) + weight/gradient buffers {a.buffers / 1e9:.2f} + batch {a.inputs / 1e9:.2f}"
+        f" (largest part: {a.phase}) + gradient accumulation {a.buffers / 1e9:.2f} + batch {a.inputs / 1e9:.2f}"
         + (f" (+ {a.host / 1e9:.2f} GB on host)" if a.host else ""),
-        f"  fp8 scaling     {_gb(b['fp8'])}",
+        f"  fp8 scaling     {_gb(b['fp8'])}   fp8 recipe: {getattr(getattr(cfg.model, 'fp8', None), 'recipe', 'none')}",
         f"  total           {_gb(b['total'])}   of {plan.usable_memory_bytes / 1e9:.1f} GB usable "
         f"({plan.device_memory_bytes / 1e9:.0f} GB device)",
         "",

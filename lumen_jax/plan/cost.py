@@ -8,6 +8,7 @@ import math
 from lumen_jax import metrics
 from lumen_jax.config import ModelConfig
 from lumen_jax.plan.hardware import AXES, Hardware, Layout, compute_bytes
+from lumen_jax.plan.memory import F32 as F32_BYTES
 from lumen_jax.plan.memory import STATE_BYTES, computed_score_fraction, recomputes, state_bytes
 
 # Elementwise work XLA's cost_analysis counts besides the matmuls (ops per element, a non-negative
@@ -67,6 +68,17 @@ def flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, global_ba
     return total
 
 
+def compiled_flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> float:
+    """What XLA's `cost_analysis()` reports for the compiled step, to check `flops_per_device` against.
+
+    The compiler counts the body of a loop once: the scan over layers (one layer) and the
+    gradient-accumulation scan (one micro-batch of global_batch / micro_batches sequences); it
+    counts the part of the score square the attention computes, and elementwise work.
+    """
+    return flops_per_device(model, layout, seq_len, global_batch // layout.micro_batches, causal=False,
+                            layers=1, elementwise=True)
+
+
 def bubble_fraction(stages: int, microbatches: int, interleave: int = 1) -> float:
     """Idle fraction of a 1F1B pipeline: (p - 1) / (v*m + p - 1) (Narayanan et al. 2021)."""
     return (stages - 1) / (interleave * microbatches + stages - 1)
@@ -118,9 +130,12 @@ def collectives(model: ModelConfig, layout: Layout, hw: Hardware, seq_len: int, 
     data: all-reduce of the (ZeRO-sharded) gradients per micro-batch. tensor: Megatron's two
     all-reduces of [tokens, D] per layer forward and two backward (+2 when `full` recomputes the
     layer; sequence parallelism turns each into an all-gather + reduce-scatter of the same bytes),
-    plus the vocab-parallel embedding and logits. context: K/V all-gathered per layer (re-gathered
-    in the backward unless saved) and dK/dV reduce-scattered. pipeline: activations sent forward and
-    gradients back per micro-batch.
+    plus the vocab-parallel embedding and logits. context, `model.context_parallel: ring`: K/V
+    chunks hop C-1 times around the axis per layer forward (again when the backward recomputes the
+    forward), and in the backward K/V travel with the fp32 dK/dV accumulators, overlapping the
+    chunk computations; `allgather`: K/V all-gathered per layer (re-gathered in the backward unless
+    saved) and dK/dV reduce-scattered, exposed. pipeline: activations sent forward and gradients
+    back per micro-batch.
     """
     m, c, tp = layout.micro_batches, compute_bytes(model), layout.tensor
     tokens = micro_batch * seq_len / layout.context
@@ -152,9 +167,18 @@ def collectives(model: ModelConfig, layout: Layout, hw: Hardware, seq_len: int, 
             add("tensor", kind, f"activations, {per_layer}/layer (sequence parallel)", row, calls, False)
     else:
         add("tensor", "all-reduce", f"activations, {per_layer}/layer", row, calls, False)
-    kv = 2 * micro_batch * seq_len * model.num_kv_heads * model.resolved_head_dim / tp * c
-    add("context", "all-gather", "K/V per layer (ring attention: c-1 hops, same bytes)", kv,
-        m * layers * (1 if remat == "none" else 2), False)
-    add("context", "reduce-scatter", "dK/dV per layer", kv, m * layers, False)
+    # context parallelism (`model.context_parallel`): each device holds S/C of every sequence.
+    cp, hops = getattr(model, "context_parallel", "ring"), layout.context - 1
+    kv_chunk = 2 * micro_batch * seq_len / layout.context * model.num_kv_heads * model.resolved_head_dim / tp * c
+    fwd = 1 if remat == "none" else 2  # the backward re-runs the forward's K/V exchange unless saved
+    if cp == "ring":  # K/V chunks hop C-1 times per layer forward; dK/dV (fp32) travel back with them
+        add("context", "send/recv", "K/V chunks, C-1 ring hops per layer (forward, recompute)", kv_chunk,
+            m * layers * hops * fwd, True)
+        add("context", "send/recv", "K/V and fp32 dK/dV chunks, C-1 ring hops per layer (backward)",
+            kv_chunk * (1 + F32_BYTES / c), m * layers * hops, True)
+    else:  # all-gather K, V over the context axis; reduce-scatter dK/dV
+        kv = kv_chunk * layout.context
+        add("context", "all-gather", "K/V per layer (again in the backward unless saved)", kv, m * layers * fwd, False)
+        add("context", "reduce-scatter", "dK/dV per layer", kv, m * layers, False)
     add("pipeline", "send/recv", "stage activations and gradients", row, 2 * m, False)
     return out

@@ -88,7 +88,6 @@ def _state_bytes(model: ModelConfig, layout: Layout) -> tuple[tuple[str, int], .
 # G d_model gathered for a matmul, Q = N*H, KV = K*H, F ffn, S = N*seq (one row of attention
 # scores per head), N heads (softmax statistics), V vocab. Dtype classes: c the compute dtype,
 # f fp32, b bool.
-ATTENTION_CLASSES = ("Q", "KV", "S", "N")  # D-wide rows are split evenly between the two halves
 PROBE = ModelConfig(d_model=40, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=6, ffn_dim=28,
                     vocab_size=64, compute_dtype="bfloat16")
 _PROBE_WIDTHS = {40: "D", 24: "Q", 12: "KV", 28: "F", 4: "N"}  # all distinct on purpose
@@ -156,13 +155,11 @@ def layer_residuals(remat: str, seq_len: int = _PROBE_MIN_SEQ, attention: str = 
         if shape[1 if in_scan else 0] != 1:  # not an activation of the batch (of one sequence)
             continue
         size = math.prod(shape[2 if in_scan else 1:])
-        if in_scan and _PROBE_WIDTHS.get(size / seq) == "N":  # softmax statistics (flash: log-sum-exp)
-            saved["N", _DTYPES[dtype]] += 1
-        elif shape[-1] > max(_PROBE_WIDTHS):  # attention scores (or their mask)
+        if in_scan and size / seq in _PROBE_WIDTHS:  # N: softmax statistics (flash: log-sum-exp)
+            saved[_PROBE_WIDTHS[size / seq], _DTYPES[dtype]] += 1
+        elif size / seq > max(_PROBE_WIDTHS):  # attention scores (or their mask), in any axis order
             (saved if in_scan else hoisted)["S", _DTYPES[dtype]] += size / square
             block = max(block, size / square)
-        elif in_scan and size / seq in _PROBE_WIDTHS:
-            saved[_PROBE_WIDTHS[size / seq], _DTYPES[dtype]] += 1
         elif in_scan and shape[-1] == model.head_dim:
             # a per-block piece of a per-head tensor (queries, or the keys/values up to the block's
             # diagonal): counted by its elements as K/V-wide rows (both split by tensor parallelism)
@@ -172,28 +169,29 @@ def layer_residuals(remat: str, seq_len: int = _PROBE_MIN_SEQ, attention: str = 
                      host=as_rows(host))
 
 
-# Transient working sets, calibrated against XLA's buffer assignment for our step (see
-# docs/PLANNING.md): rows per token, by width class, live on top of everything saved. F-wide rows
-# are in the compute dtype, the others fp32; S rows span one query block of the attention core.
-PHASES = {
-    # attention backward: the unsaved attention tensors + the score rows it works on (the
-    # recomputed probabilities, dP and dS, one query block each) + 4 D-wide rows
-    "attention backward": {"S": 3, "G": 4},
-    # MLP backward: every unsaved tensor of the layer (recompute runs the whole forward first) + a
-    # score row + the gradients of four F-wide tensors
-    "mlp backward": {"S": 1, "F": 4},
-    # the loss: the fp32 logits and their gradient, and 2 D-wide rows
-    "loss": {"V": 2, "G": 2},
+# The transient working set of a layer's backward pass, fitted to XLA's buffer assignment of the
+# compiled CPU step (docs/PLANNING.md, section 2): per remat policy, (score rows, share of the
+# layer's unsaved tensors) live on top of everything saved. A score row is one query's fp32 scores
+# over every key of every local head (N*S/t elements); it counts only where the attention
+# materialises scores (xla). The other unsaved tensors are those the policy does not keep (read off
+# the probe): recomputing them is what the backward pass does first. Structure, not fit: what each
+# policy saves, the widths, the dtypes; fit: these ten numbers.
+BACKWARD_ROWS: dict[str, tuple[float, float]] = {
+    # no recompute: the saved probabilities + dP and dS (and the mask's fp32 select)
+    "none": (2.58, 0.0),
+    # everything recomputed: masked scores, probabilities, dP, dS + part of the rest
+    "full": (3.19, 0.42),
+    # the raw scores are saved (counted as saved), the backward re-derives the masked scores and
+    # probabilities from them
+    "dots_saveable": (2.77, 0.62),
+    "dots_with_no_batch_dims_saveable": (3.25, 0.55),
+    # the attention output is saved, so the recompute runs the attention core and the projections
+    "save_attention_out": (6.06, 0.0),
 }
-POLICY_PHASES: dict[str, dict[str, dict[str, float]]] = {
-    # without checkpointing the probabilities are saved: the backward adds one score row (dS
-    # overwrites dP) to what is already kept
-    "none": {"attention backward": {"S": 1, "G": 4}},
-    # dots_saveable keeps the raw scores: one row less to recompute
-    "dots_saveable": {"attention backward": {"S": 2, "G": 4}},
-}
-TP_PARTIAL_SUMS = 2  # row-parallel matmul outputs: full-width partial sums before the all-reduce
-WEIGHT_BUFFER_COPIES = 0.5  # fp32 copies of one layer's and the embedding/logits weights, per kind
+BACKWARD_ROWS["offload_dots"] = BACKWARD_ROWS["dots_with_no_batch_dims_saveable"]  # same on the device
+LOGIT_ROWS = 1.74  # fp32 logits (and their gradient) per token, V/t wide, alive with the layer backward
+TP_PARTIAL_SUMS = 3  # row-parallel matmul outputs: full-width partial sums before the all-reduce
+GRAD_ACCUMULATION_COPIES = 2  # micro-batches > 1: the gradient sum carried through the loop + this micro-batch's
 BATCH_ARRAYS = 5  # inputs, targets, segment_ids, positions, loss_mask: 4 bytes each per token
 
 
@@ -203,8 +201,8 @@ class Activations:
 
     saved: float  # residuals kept for the backward pass: every local layer, every in-flight micro-batch
     working: float  # the largest transient working set (`phase`)
-    phase: str  # which of `PHASES` is largest
-    buffers: float  # one layer's gathered weights and unsharded gradients, the embedding and logits
+    phase: str  # the largest part of the working set (scores, recompute, partial_sums, kv, logits)
+    buffers: float  # gradient-accumulation buffers (micro-batches > 1)
     inputs: float  # the step's batch arrays
     host: float  # offloaded to host memory (offload_dots), not counted on the device
 
@@ -225,11 +223,6 @@ def _widths(model: ModelConfig, layout: Layout, seq_len: int) -> dict[str, float
 
 def _bytes(rows: collections.Counter, widths: dict[str, float], c: int) -> float:
     return sum(n * widths[k] * {"c": c, "f": F32, "b": 1}[d] for (k, d), n in rows.items())
-
-
-def _rows(counts: dict[str, int], widths: dict[str, float], c: int) -> float:
-    """Bytes of `counts` rows per width class; F-wide rows in the compute dtype, the others fp32."""
-    return sum(n * widths[k] * (c if k == "F" else F32) for k, n in counts.items())
 
 
 def _as_gathered(rows: collections.Counter, remat: str) -> collections.Counter:
@@ -260,30 +253,31 @@ def recomputes(remat: str) -> dict[str, bool]:
     return {"projections": not kinds & {"F", "KV"}, "attention": "S" not in kinds}
 
 
+def score_keys(seq_len: int, layout: Layout, context_parallel: str = "ring") -> float:
+    """Keys one query's score row spans at a time: the whole sequence, or under ring context
+    parallelism the chunk of K/V in hand (S / context)."""
+    return seq_len / layout.context if layout.context > 1 and context_parallel == "ring" else seq_len
+
+
 def working_bytes_per_token(model: ModelConfig, layout: Layout, seq_len: int, remat: str,
                             attention: str = "xla") -> dict[str, float]:
-    """Bytes per local token of each phase in `PHASES` that `remat` goes through."""
+    """Bytes per local token of the largest transient working set under `remat`, by part:
+    `scores` (score rows, xla attention only), `recompute` (the unsaved tensors of the layer),
+    `partial_sums` (tensor parallelism), `kv` (context parallelism), `logits`."""
     c, w = compute_bytes(model), _widths(model, layout, seq_len)
+    scores, share = BACKWARD_ROWS[remat]
     every = _as_gathered(layer_residuals("none", seq_len, attention).counts(), "none")
     unsaved = every - _as_gathered(layer_residuals(remat, seq_len, attention).counts(host=True), remat)
-    if remat != "none":  # only `none` keeps the probabilities: the others recompute them
-        unsaved |= collections.Counter({key: n for key, n in every.items() if key[0] == "S"})
-    half = lambda keep: collections.Counter(  # noqa: E731
-        {(k, d): (n / 2 if k in ("D", "G") else n) for (k, d), n in unsaved.items() if keep(k)})
-    attn = half(lambda k: k in ATTENTION_CLASSES or k in ("D", "G"))
-    partial = TP_PARTIAL_SUMS * w["G"] * c if layout.tensor > 1 else 0.0
-    kv = 2 * w["KV"] * c * (layout.context - 1)  # context parallelism gathers the whole K and V
-    block = layer_residuals("none", seq_len, attention).score_block  # transient score rows: one block
-    rows = {name: {k: n * (block if k == "S" else 1) for k, n in row.items()}
-            for name, row in {**PHASES, **POLICY_PHASES.get(remat, {})}.items()}
-    phases = {
-        "attention backward": _bytes(attn, w, c) + _rows(rows["attention backward"], w, c) + partial + kv,
-        "mlp backward": _bytes(unsaved, w, c) + _rows(rows["mlp backward"], w, c) + partial,
-        "loss": _rows(rows["loss"], w, c),
-    }
-    hoisted = _bytes(collections.Counter(
-        {(k, d): n for k, d, n in layer_residuals(remat, seq_len, attention).hoisted}), w, c)
-    return {k: v + hoisted for k, v in phases.items()}
+    unsaved = collections.Counter({key: n for key, n in unsaved.items() if key[0] != "S" and n > 0})
+    cp = getattr(model, "context_parallel", "ring")
+    row = model.num_heads * score_keys(seq_len, layout, cp) / layout.tensor * F32
+    # context parallelism: ring attention holds two K/V chunks (the one in use, the one arriving),
+    # all-gather the whole K and V
+    kv = (2 * w["KV"] * c * (2 if cp == "ring" else layout.context)) if layout.context > 1 else 0.0
+    return {"scores": scores * row if attention == "xla" else 0.0,
+            "recompute": share * _bytes(unsaved, w, c),
+            "partial_sums": TP_PARTIAL_SUMS * w["G"] * c if layout.tensor > 1 else 0.0,
+            "kv": kv, "logits": LOGIT_ROWS * w["V"] * F32}
 
 
 def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_batch: int,
@@ -292,17 +286,16 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
 
     `saved` = layers per stage x in-flight micro-batches x (tokens x `saved_bytes_per_token` + the
     weight copies a layer keeps), where a 1F1B pipeline keeps min(p, m) micro-batches in flight on
-    its first stage. `working` = tokens x the largest phase of `working_bytes_per_token`. `buffers`
-    = `WEIGHT_BUFFER_COPIES` x (one layer's matmul weights + the embedding, logits and final norm)
-    in fp32, split by tensor parallelism. `inputs` = the batch arrays of the whole step.
+    its first stage. `working` = tokens x the sum of `working_bytes_per_token`'s parts (`phase`
+    names the largest). `buffers` = the gradient-accumulation loop's copies of the (sharded)
+    gradients when micro-batches > 1. `inputs` = the batch arrays of the whole step.
     """
     remat = model.remat if remat is None else remat
-    c, tp = compute_bytes(model), layout.tensor
+    c = compute_bytes(model)
     tokens = micro_batch * seq_len / layout.context
     layers = -(-model.num_layers // layout.pipeline)
     in_flight = min(layout.pipeline, layout.micro_batches)
-    phases = working_bytes_per_token(model, layout, seq_len, remat, attention)
-    phase = max(phases, key=phases.get)
+    parts = working_bytes_per_token(model, layout, seq_len, remat, attention)
     counts = metrics.param_counts(model)
     # A layer casts its fp32 weights to the compute dtype and may keep the casts for the backward:
     # counted as gathered (split only by tensor parallelism). In fp32 the cast is the weight itself.
@@ -310,15 +303,51 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     copies = (residuals.weight_copies * counts["layer_matmul"] * c / layout.tensor
               if model.compute_dtype != "float32" else 0.0)
     per_layer = tokens * saved_bytes_per_token(model, layout, seq_len, remat, attention) + copies
-    outside_layers = counts["total"] - model.num_layers * (counts["layer_matmul"] + 2 * model.d_model)
-    # Gathered weights exist when the parameters are sharded over fsdp (ZeRO-3), unsharded gradient
-    # staging when the gradients are (ZeRO >= 2).
-    sharded = (layout.fsdp > 1) * ((layout.zero_stage >= 3) + (layout.zero_stage >= 2))
+    grads = state_bytes(model, layout)["grads"]
     host = _bytes(residuals.counts(host=True) - residuals.counts(), _widths(model, layout, seq_len), c)
     return Activations(
-        saved=layers * in_flight * per_layer, working=tokens * phases[phase], phase=phase,
-        buffers=sharded * WEIGHT_BUFFER_COPIES * F32 * (counts["layer_matmul"] + outside_layers) / tp,
+        saved=layers * in_flight * per_layer, working=tokens * sum(parts.values()),
+        phase=max(parts, key=parts.get),
+        buffers=GRAD_ACCUMULATION_COPIES * grads if layout.micro_batches > 1 else 0.0,
         inputs=BATCH_ARRAYS * 4 * tokens * layout.micro_batches, host=layers * in_flight * tokens * host)
+
+
+FP8_OPERANDS_PER_MATMUL = 3  # the input, the weight and the output gradient each get a scale
+FP8_MATMULS = {"attention": 4, "mlp": 3}  # wq, wk, wv, wo; gate, up, down
+FP8_BLOCK = 128  # blockwise: one scale per 128 x 128 weight tile and per 1 x 128 activation tile
+
+
+def fp8_bytes(model: ModelConfig, layout: Layout, tokens: float = 0.0) -> float:
+    """Per-device bytes of fp8 scaling state (`model.fp8`; 0 when absent or `recipe: none`).
+
+    delayed: every quantized operand keeps `amax_history` fp32 amaxes and one fp32 scale, i.e.
+    (amax_history + 1) x 4 bytes x 3 operands per matmul x the fp8 matmuls of each layer (7 for
+    attention + mlp) x the layers on the device, minus those `keep_bf16` keeps in the compute dtype
+    (`first`, `last`). current: one fp32 scale per operand, recomputed every step. blockwise: one
+    fp32 scale per 128 x 128 weight tile (split like the weights by tensor parallelism) and per
+    128 elements of each quantized activation row (`tokens` local tokens, transient).
+    """
+    fp8 = getattr(model, "fp8", None)
+    recipe = getattr(fp8, "recipe", "none")
+    if fp8 is None or recipe == "none":
+        return 0.0
+    layers = -(-model.num_layers // layout.pipeline)
+    kept = len(set(getattr(fp8, "keep_bf16", ())) & {"first", "last"}) if layout.pipeline == 1 else 1
+    layers = max(layers - min(kept, layers), 0)
+    matmuls = sum(FP8_MATMULS.get(kind, 0) for kind in getattr(fp8, "layers", tuple(FP8_MATMULS)))
+    operands = layers * matmuls * FP8_OPERANDS_PER_MATMUL
+    if recipe == "delayed":
+        return operands * (getattr(fp8, "amax_history", 1024) + 1) * F32
+    if recipe == "current":
+        return operands * F32
+    if recipe == "blockwise":
+        h = model.resolved_head_dim
+        widths = {"attention": 2 * (model.num_heads + model.num_kv_heads) * h, "mlp": 2 * model.ffn_dim + model.d_model}
+        per_layer = metrics.param_counts(model)["layer_matmul"]
+        weight_tiles = per_layer / (FP8_BLOCK * FP8_BLOCK) / layout.tensor
+        act = sum(w for kind, w in widths.items() if kind in getattr(fp8, "layers", tuple(widths)))
+        return layers * (weight_tiles * F32) + tokens * act / layout.tensor / FP8_BLOCK * F32
+    raise ValueError(f"model.fp8.recipe={recipe!r} is not one of none, current, delayed, blockwise")
 
 
 def korthikanti_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *, tensor: int = 1,

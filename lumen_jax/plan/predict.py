@@ -9,7 +9,7 @@ from lumen_jax import metrics
 from lumen_jax.config import ATTENTION_IMPLS, Config, ModelConfig
 from lumen_jax.plan.cost import Collective, bubble_fraction, collectives, hardware_flops_per_token
 from lumen_jax.plan.hardware import Hardware, Layout
-from lumen_jax.plan.memory import Activations, activation_bytes, state_bytes
+from lumen_jax.plan.memory import Activations, activation_bytes, fp8_bytes, state_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +21,7 @@ class Plan:
     micro_batch: int  # sequences per device per micro-batch
     attention: str
     state: dict[str, int]  # params, grads, optimizer
+    fp8: float  # fp8 scaling state (amax histories, scales)
     activations: Activations
     device_memory_bytes: float
     usable_memory_bytes: float
@@ -35,7 +36,7 @@ class Plan:
 
     @property
     def bytes_per_device(self) -> dict[str, float]:
-        b = {**self.state, "activations": self.activations.total, "fp8": 0.0}
+        b = {**self.state, "activations": self.activations.total, "fp8": self.fp8}
         return {**b, "total": sum(b.values())}
 
     @property
@@ -133,6 +134,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     bubble = bubble_fraction(layout.pipeline, layout.micro_batches) if layout.pipeline > 1 else 0.0
     return Plan(layout=layout, remat=remat, micro_batch=micro_batch, attention=attention,
                 state=state_bytes(model, layout),
+                fp8=fp8_bytes(model, layout, micro_batch * seq / layout.context),
                 activations=activation_bytes(model, layout, seq, micro_batch, remat, attention),
                 device_memory_bytes=hw.memory_bytes, usable_memory_bytes=hw.memory_bytes * memory_fraction,
                 flops_per_token=metrics.flops_per_token(model, seq), hardware_flops_per_token=hw_per_token,
