@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from lumen_jax.config import Config
 from lumen_jax.model import init_params, param_shapes_and_names
+from lumen_jax.ops import fp8 as fp8_lib
 from lumen_jax.optim import make_optimizer, schedule
 from lumen_jax.parallel import context as context_lib
 from lumen_jax.parallel.rules import Rules, activate
@@ -64,13 +65,19 @@ class Trainer:
 def build(cfg: Config, mesh: Mesh) -> Trainer:
     rules = Rules(zero_stage=cfg.optim.zero_stage, sequence_parallel=cfg.mesh.sequence_parallel,
                   context_parallel=cfg.model.context_parallel, context_balance=cfg.model.context_balance)
-    graphdef, _, names = param_shapes_and_names(cfg.model)
+    graphdef, shapes, names = param_shapes_and_names(cfg.model)
+    # fp8 variables (ops/fp8.py) are not parameters: amax histories go to TrainState.fp8_state, the
+    # per-layer enable flags are constants of the step.
+    names, fp8_names, flag_names = fp8_lib.split_state(names)
+    _, fp8_shapes, _ = fp8_lib.split_state(shapes)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     fp16 = cfg.model.compute_dtype == "float16"
     sc = step_lib.StepConfig(graphdef=graphdef, tx=tx, lr_schedule=schedule(cfg.optim, cfg.train.steps),
                              micro_batches=cfg.train.micro_batches, z_loss=cfg.optim.z_loss,
                              dynamic_loss_scale=fp16,
-                             loss_scale_growth_interval=cfg.optim.loss_scale_growth_interval)
+                             loss_scale_growth_interval=cfg.optim.loss_scale_growth_interval,
+                             fp8_flags=fp8_lib.enabled_values(flag_names, cfg.model.fp8, cfg.model.num_layers) or None,
+                             fp8_fresh=jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), fp8_shapes) or None)
     named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     param_sh = jax.tree.map(named, rules.tree_specs(names, "params"), is_leaf=is_spec)
@@ -79,15 +86,17 @@ def build(cfg: Config, mesh: Mesh) -> Trainer:
     replicated = named(P())
 
     def make_state() -> step_lib.TrainState:
-        return step_lib.init_state(init_params(cfg.model, cfg.train.seed), tx,
-                                   cfg.optim.loss_scale_init if fp16 else 1.0)
+        params, fp8_state, _ = fp8_lib.split_state(init_params(cfg.model, cfg.train.seed))
+        return step_lib.init_state(params, tx, cfg.optim.loss_scale_init if fp16 else 1.0, fp8_state)
 
     abstract = jax.eval_shape(make_state)
     opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, abstract.opt_state, opt_param_sh,
                                    transform_non_params=lambda _: replicated,
                                    is_leaf=lambda x: isinstance(x, NamedSharding))
     state_sh = step_lib.TrainState(step=replicated, params=param_sh, opt_state=opt_sh,
-                                   loss_scale=replicated, good_steps=replicated)
+                                   loss_scale=replicated, good_steps=replicated,
+                                   fp8_state=jax.tree.map(named, rules.tree_specs(fp8_names, "params"),
+                                                          is_leaf=is_spec))
     batch_sh = named(rules.spec(BATCH_AXES))
     batch_shardings = {k: batch_sh for k in BATCH_KEYS}
     constrain_grads = functools.partial(jax.lax.with_sharding_constraint, shardings=grad_sh)

@@ -18,6 +18,7 @@ import optax
 from flax import nnx, struct
 
 from lumen_jax.model import apply
+from lumen_jax.ops import fp8 as fp8_ops
 
 Batch = dict[str, jax.Array]
 
@@ -30,6 +31,8 @@ class TrainState(struct.PyTreeNode):
     opt_state: Any
     loss_scale: jax.Array  # float32 scalar
     good_steps: jax.Array  # int32 scalar: finite steps since the last loss-scale change
+    # model.fp8.recipe=delayed: amax histories [L, H] per projection operand, replicated ({} otherwise).
+    fp8_state: dict = struct.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,18 +46,27 @@ class StepConfig:
     z_loss: float = 0.0
     dynamic_loss_scale: bool = False  # float16
     loss_scale_growth_interval: int = 2000
+    # fp8 (ops/fp8.py): per-layer enable flags (constants from the config) and fresh amax histories;
+    # numpy trees, or None without fp8.
+    fp8_flags: Any = dataclasses.field(default=None, compare=False)
+    fp8_fresh: Any = dataclasses.field(default=None, compare=False)
 
 
-def init_state(params: dict, tx: optax.GradientTransformation, loss_scale: float) -> TrainState:
+def init_state(params: dict, tx: optax.GradientTransformation, loss_scale: float,
+               fp8_state: dict | None = None) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       loss_scale=jnp.asarray(loss_scale, jnp.float32),
-                      good_steps=jnp.zeros((), jnp.int32))
+                      good_steps=jnp.zeros((), jnp.int32), fp8_state=fp8_state or {})
 
 
-def _micro_loss(params: dict, mb: Batch, total_tokens: jax.Array, scale: jax.Array,
+def _micro_loss(params: dict, fp8_state: dict, mb: Batch, total_tokens: jax.Array, scale: jax.Array,
                 sc: StepConfig) -> tuple[jax.Array, jax.Array]:
-    """(scaled objective / total_tokens, summed cross-entropy) of one micro-batch."""
-    logits_btv = apply(sc.graphdef, params, mb["inputs"], mb["positions"], mb["segment_ids"])
+    """(scaled objective / total_tokens, summed cross-entropy) of one micro-batch.
+
+    Its gradient with respect to `fp8_state` is the updated amax histories (ops/fp8.py).
+    """
+    variables = fp8_ops.merge_state(params, fp8_state, sc.fp8_flags)
+    logits_btv = apply(sc.graphdef, variables, mb["inputs"], mb["positions"], mb["segment_ids"])
     mask = mb["loss_mask"].astype(jnp.float32)
     ce_sum = (optax.softmax_cross_entropy_with_integer_labels(logits_btv, mb["targets"]) * mask).sum()
     objective = ce_sum
@@ -65,37 +77,53 @@ def _micro_loss(params: dict, mb: Batch, total_tokens: jax.Array, scale: jax.Arr
 
 
 def loss_and_grads(params: dict, batch: Batch, scale: jax.Array, sc: StepConfig,
-                   constrain_grads: Callable[[Any], Any] = lambda g: g) -> tuple[jax.Array, dict]:
+                   constrain_grads: Callable[[Any], Any] = lambda g: g,
+                   fp8_state: dict | None = None) -> tuple[jax.Array, dict]:
     """Mean token cross-entropy of the batch and the gradients of the (scaled) objective.
 
+    `fp8_state`: the delayed-scaling histories to use (None: fresh ones, as at step 0); their
+    updates are dropped here (`train_step` keeps them).
+    """
+    fp8_state = (sc.fp8_fresh or {}) if fp8_state is None else fp8_state
+    loss, grads, _ = loss_grads_and_fp8(params, fp8_state, batch, scale, sc, constrain_grads)
+    return loss, grads
+
+
+def loss_grads_and_fp8(params: dict, fp8_state: dict, batch: Batch, scale: jax.Array, sc: StepConfig,
+                       constrain_grads: Callable[[Any], Any] = lambda g: g) -> tuple[jax.Array, dict, dict]:
+    """(mean token cross-entropy, gradients of the scaled objective, updated fp8 histories).
+
     Micro-batch m takes rows m, m+M, m+2M, ... so each device's contiguous slice of the batch
-    stays on that device (no resharding before the scan).
+    stays on that device (no resharding before the scan). Gradients add up over micro-batches;
+    the fp8 histories, each one step newer, combine by max (not sum).
     """
     total_tokens = jnp.maximum(batch["loss_mask"].astype(jnp.float32).sum(), 1.0)
-    grad_fn = jax.grad(_micro_loss, has_aux=True)
+    grad_fn = jax.grad(_micro_loss, argnums=(0, 1), has_aux=True)
     m = sc.micro_batches
     if m == 1:
-        grads, ce_sum = grad_fn(params, batch, total_tokens, scale, sc)
-        return ce_sum / total_tokens, constrain_grads(grads)
+        (grads, fp8_new), ce_sum = grad_fn(params, fp8_state, batch, total_tokens, scale, sc)
+        return ce_sum / total_tokens, constrain_grads(grads), fp8_new
 
     def split(x: jax.Array) -> jax.Array:  # [B, ...] -> [M, B/M, ...]
         return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
 
-    def accumulate(carry: tuple[dict, jax.Array], mb: Batch) -> tuple[tuple[dict, jax.Array], None]:
-        grads, ce = carry
-        g, c = grad_fn(params, mb, total_tokens, scale, sc)
-        return (constrain_grads(jax.tree.map(jnp.add, grads, g)), ce + c), None
+    def accumulate(carry: tuple[dict, jax.Array, dict], mb: Batch) -> tuple[tuple[dict, jax.Array, dict], None]:
+        grads, ce, fp8_acc = carry
+        (g, f), c = grad_fn(params, fp8_state, mb, total_tokens, scale, sc)
+        return (constrain_grads(jax.tree.map(jnp.add, grads, g)), ce + c,
+                fp8_ops.combine_histories(fp8_acc, f)), None
 
     zeros = constrain_grads(jax.tree.map(jnp.zeros_like, params))
-    (grads, ce_sum), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros((), jnp.float32)),
-                                      jax.tree.map(split, batch))
-    return ce_sum / total_tokens, grads
+    carry = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, fp8_state))
+    (grads, ce_sum, fp8_new), _ = jax.lax.scan(accumulate, carry, jax.tree.map(split, batch))
+    return ce_sum / total_tokens, grads, fp8_new
 
 
 def train_step(state: TrainState, batch: Batch, sc: StepConfig,
                constrain_grads: Callable[[Any], Any] = lambda g: g) -> tuple[TrainState, dict]:
     """One optimizer step on a global batch; returns the new state and scalar metrics."""
-    loss, grads = loss_and_grads(state.params, batch, state.loss_scale, sc, constrain_grads)
+    loss, grads, fp8_state = loss_grads_and_fp8(state.params, state.fp8_state, batch, state.loss_scale, sc,
+                                                constrain_grads)
     grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -113,7 +141,8 @@ def train_step(state: TrainState, batch: Batch, sc: StepConfig,
 
     new_state = TrainState(step=state.step + 1, params=keep(params, state.params),
                            opt_state=keep(opt_state, state.opt_state),
-                           loss_scale=loss_scale, good_steps=good_steps)
+                           loss_scale=loss_scale, good_steps=good_steps,
+                           fp8_state=keep(fp8_state, state.fp8_state))
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": sc.lr_schedule(state.step),
                "loss_scale": state.loss_scale, "skipped": (~finite).astype(jnp.int32),
                "tokens": batch["loss_mask"].astype(jnp.float32).sum()}

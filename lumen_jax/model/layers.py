@@ -15,6 +15,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from lumen_jax.config import ModelConfig
+from lumen_jax.ops import fp8 as fp8_ops
 from lumen_jax.ops.attention import attention
 from lumen_jax.parallel.rules import constrain
 
@@ -22,6 +23,13 @@ from lumen_jax.parallel.rules import constrain
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float) -> nnx.Param:
     value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
     return nnx.Param(value, sharding_names=names)
+
+
+def _project(spec: str, x: jax.Array, w: nnx.Param, meta: fp8_ops.Fp8Meta | None, name: str) -> jax.Array:
+    """`einsum(spec, x, w)` in x's dtype; with fp8 operands when this layer type runs fp8 (`meta`)."""
+    if meta is None:
+        return jnp.einsum(spec, x, w[...].astype(x.dtype))
+    return fp8_ops.einsum(spec, x, w[...], meta, name)
 
 
 class RMSNorm(nnx.Module):
@@ -73,13 +81,13 @@ class Attention(nnx.Module):
                          cfg.init_std / math.sqrt(2 * cfg.num_layers))
         self.impl = cfg.attention
         self.flash_blocks = (cfg.flash_block_q, cfg.flash_block_kv)
+        self.fp8 = fp8_ops.make_meta(cfg.fp8, cfg.num_layers, "attention", ("q", "k", "v", "o"))
 
     def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array | None,
                  inv_freq: jax.Array) -> jax.Array:
-        dt = x_btd.dtype
-        q = jnp.einsum("btd,dnh->btnh", x_btd, self.wq[...].astype(dt))
-        k = jnp.einsum("btd,dkh->btkh", x_btd, self.wk[...].astype(dt))
-        v = jnp.einsum("btd,dkh->btkh", x_btd, self.wv[...].astype(dt))
+        q = _project("btd,dnh->btnh", x_btd, self.wq, self.fp8, "q")
+        k = _project("btd,dkh->btkh", x_btd, self.wk, self.fp8, "k")
+        v = _project("btd,dkh->btkh", x_btd, self.wv, self.fp8, "v")
         q = constrain(apply_rope(q, positions_bt, inv_freq), ("batch", "seq", "act_heads", None))
         k = constrain(apply_rope(k, positions_bt, inv_freq), ("batch", "seq", "act_kv_heads", None))
         v = constrain(v, ("batch", "seq", "act_kv_heads", None))
@@ -87,7 +95,7 @@ class Attention(nnx.Module):
                       block_q=self.flash_blocks[0], block_kv=self.flash_blocks[1])
         # Named so that remat=save_attention_out keeps it and recomputes only the projections/MLP.
         o = checkpoint_name(constrain(o, ("batch", "seq", "act_heads", None)), "attention_out")
-        return jnp.einsum("btnh,nhd->btd", o, self.wo[...].astype(dt))
+        return _project("btnh,nhd->btd", o, self.wo, self.fp8, "o")
 
 
 class MLP(nnx.Module):
@@ -98,13 +106,13 @@ class MLP(nnx.Module):
         self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), cfg.init_std)
         self.w_up = _param(rngs, (d, f), ("embed", "mlp"), cfg.init_std)
         self.w_down = _param(rngs, (f, d), ("mlp", "embed"), cfg.init_std / math.sqrt(2 * cfg.num_layers))
+        self.fp8 = fp8_ops.make_meta(cfg.fp8, cfg.num_layers, "mlp", ("gate", "up", "down"))
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
-        dt = x_btd.dtype
-        gate = jnp.einsum("btd,df->btf", x_btd, self.w_gate[...].astype(dt))
-        up = jnp.einsum("btd,df->btf", x_btd, self.w_up[...].astype(dt))
+        gate = _project("btd,df->btf", x_btd, self.w_gate, self.fp8, "gate")
+        up = _project("btd,df->btf", x_btd, self.w_up, self.fp8, "up")
         h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
-        return jnp.einsum("btf,fd->btd", h, self.w_down[...].astype(dt))
+        return _project("btf,fd->btd", h, self.w_down, self.fp8, "down")
 
 
 class Block(nnx.Module):

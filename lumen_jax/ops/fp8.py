@@ -269,7 +269,8 @@ class Fp8Meta(nnx.Module):
     def __init__(self, cfg: Fp8Config, num_layers: int, projections: tuple[str, ...]):
         self.recipe = cfg.recipe
         mask = layer_mask(cfg, num_layers)
-        self.enabled = Fp8Enabled(jnp.ones((), jnp.float32)) if 0 < sum(mask) < num_layers else None
+        mixed = 0 < sum(mask) < num_layers
+        self.enabled = Fp8Enabled(jnp.ones((), jnp.float32), sharding_names=()) if mixed else None
         if cfg.recipe == "delayed":
             self.history = nnx.Dict({p: nnx.Dict({k: Fp8History(jnp.zeros((cfg.amax_history,), jnp.float32),
                                                                 sharding_names=(None,))
