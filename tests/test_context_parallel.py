@@ -157,3 +157,37 @@ def test_ring_backward_never_holds_the_full_sequence():
     assert "collective-permute" in ring
     assert not full.findall(ring), full.findall(ring)[:5]
     assert full.findall(_compiled_hlo("allgather", 8192, 8))
+
+
+@pytest.mark.parametrize("balance", ["zigzag", "contiguous"])
+def test_executed_blocks_per_device(balance):
+    """Count the chunk pairs each device's forward really computes (a host callback in the kernel):
+    they match `work_per_device`, and zigzag keeps max/min within 1.1."""
+    c = 4
+    mesh = make_mesh({"data": 2, "fsdp": 1, "context": c, "tensor": 1})
+    rules = Rules(context_parallel="ring", context_balance=balance)
+    xla = attention_ops.block_kernel("xla", H)
+    seen = []
+
+    def fwd(q, k, v, q_seg, kv_seg, causal):
+        jax.debug.callback(lambda d, diag: seen.append((int(d), bool(diag))), jax.lax.axis_index("context"),
+                           causal)
+        return xla.fwd(q, k, v, q_seg, kv_seg, causal)
+
+    kernel = context_lib.BlockKernel(fwd, xla.bwd)
+    q, k, v, *_ = inputs()
+    sharded = lambda x, names: jax.device_put(x, NamedSharding(mesh, rules.spec(names)))  # noqa: E731
+    out = jax.jit(lambda q, k, v: context_lib.context_attention(
+        q, k, v, segment_ids_bt=None, causal=True, kernel=kernel, mesh=mesh,
+        q_spec=rules.spec(("batch", "seq", "act_heads", None)), kv_spec=rules.spec(("batch", "seq", "act_kv_heads", None)),
+        seg_spec=rules.spec(("batch", "seq")), strategy="ring", balance=balance))(
+        sharded(q, ("batch", "seq", "act_heads", None)), sharded(k, ("batch", "seq", "act_kv_heads", None)),
+        sharded(v, ("batch", "seq", "act_kv_heads", None)))
+    jax.block_until_ready(out)
+    work = [0.0] * c
+    for device, diag in seen:
+        work[device] += 0.5 if diag else 1.0
+    work = [w / 2 for w in work]  # each context device appears once per data shard (data=2)
+    assert work == context_lib.work_per_device(context_lib.Layout(c, balance)), work
+    ratio = max(work) / min(work)
+    assert ratio <= 1.1 if balance == "zigzag" else ratio == 2 * c - 1, work
