@@ -40,6 +40,10 @@ XLA_CASES = {
         ["mesh.fsdp=4", "mesh.tensor=2", "mesh.sequence_parallel=true", "model.remat=dots_saveable"],
     "fsdp=8 zero_stage=1 none": ["mesh.fsdp=8", "optim.zero_stage=1", "model.remat=none"],
     "fsdp=8 micro_batches=2 none": ["mesh.fsdp=8", "train.micro_batches=2", "model.remat=none"],
+    # context parallelism: the ring and the all-gather attention under shard_map (zigzag chunks)
+    "fsdp=4,context=2 ring none": ["mesh.fsdp=4", "mesh.context=2", "model.remat=none"],
+    "fsdp=4,context=2 allgather full":
+        ["mesh.fsdp=4", "mesh.context=2", "model.context_parallel=allgather", "model.remat=full"],
 }
 
 
@@ -133,6 +137,21 @@ def test_residuals_of_the_policies():
     assert plan.recomputes("full") == {"projections": True, "attention": True}
     assert plan.recomputes("dots_with_no_batch_dims_saveable") == {"projections": False, "attention": True}
     assert plan.layer_residuals("offload_dots").host and plan.recomputes("offload_dots")["projections"] is False
+
+
+def test_context_parallel_residuals_and_work():
+    """The ring and all-gather attention save the local q, k, v, o and log-sum-exp, never the scores."""
+    for strategy in ("ring", "allgather"):
+        rows = plan.layer_residuals("none", 128, "xla", 4, strategy).counts()
+        assert rows[("Q", "c")] == 3 and rows[("KV", "c")] == 2 and rows[("N", "f")] == 1
+        assert not any(k == "S" for k, _ in rows)
+    assert plan.recomputes("none", 2) == {"projections": False, "attention": False}
+    assert plan.recomputes("full", 2) == {"projections": True, "attention": True}
+    # zigzag balances causal work: the busiest device computes 1/2 of its share of the square with
+    # flash (diagonal blocks halved), (2C+1)/(4C) with the masking xla kernel; contiguous: C - 1/2 blocks.
+    assert plan.context_score_fraction(4, "zigzag", "flash") == 0.5
+    assert plan.context_score_fraction(4, "zigzag", "xla") == 9 / 16
+    assert plan.context_score_fraction(4, "contiguous", "flash") == 3.5 / 4
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,19 +18,20 @@ XLA, and a worked 7B/70B example are in docs/PLANNING.md.
 """
 
 from lumen_jax.plan.cost import (
-    ELEMENTWISE_OPS, Collective, bubble_fraction, collectives, compiled_flops_per_device, flops_per_device,
+    ELEMENTWISE_OPS, Collective, bubble_fraction, collectives, compiled_flops_per_device, context_score_fraction,
+    flops_per_device,
     hardware_flops_per_token, link_of)
 from lumen_jax.plan.hardware import AXES, DEVICES, Hardware, Layout, compute_bytes, layout_from_config
 from lumen_jax.plan.memory import (
-    BACKWARD_ROWS, STATE_BYTES, TEXTBOOK_BYTES_PER_PARAM, Activations, Residuals, activation_bytes,
+    BACKWARD_ROWS, CONTEXT_BACKWARD_ROWS, STATE_BYTES, TEXTBOOK_BYTES_PER_PARAM, Activations, Residuals, activation_bytes,
     fp8_bytes, korthikanti_bytes_per_layer, layer_residuals, recomputes, saved_bytes_per_token, state_bytes,
     working_bytes_per_token)
 from lumen_jax.plan.predict import SEARCH_REMATS, Plan, planned_attention, predict, search
 
 __all__ = [
-    "AXES", "BACKWARD_ROWS", "DEVICES", "ELEMENTWISE_OPS", "SEARCH_REMATS", "STATE_BYTES", "TEXTBOOK_BYTES_PER_PARAM",
+    "AXES", "BACKWARD_ROWS", "CONTEXT_BACKWARD_ROWS", "DEVICES", "ELEMENTWISE_OPS", "SEARCH_REMATS", "STATE_BYTES", "TEXTBOOK_BYTES_PER_PARAM",
     "Activations", "Collective", "Hardware", "Layout", "Plan", "Residuals", "activation_bytes",
-    "bubble_fraction", "collectives", "compute_bytes", "compiled_flops_per_device", "flops_per_device", "fp8_bytes", "hardware_flops_per_token",
+    "bubble_fraction", "collectives", "compute_bytes", "compiled_flops_per_device", "context_score_fraction", "flops_per_device", "fp8_bytes", "hardware_flops_per_token",
     "korthikanti_bytes_per_layer", "layer_residuals", "layout_from_config", "link_of", "planned_attention",
     "predict", "recomputes", "saved_bytes_per_token", "search", "state_bytes", "working_bytes_per_token",
 ]

@@ -7,6 +7,7 @@ import math
 
 from lumen_jax import metrics
 from lumen_jax.config import ModelConfig
+from lumen_jax.parallel import context as context_lib
 from lumen_jax.plan.hardware import AXES, Hardware, Layout, compute_bytes
 from lumen_jax.plan.memory import F32 as F32_BYTES
 from lumen_jax.plan.memory import STATE_BYTES, computed_score_fraction, recomputes, state_bytes
@@ -18,27 +19,47 @@ from lumen_jax.plan.memory import STATE_BYTES, computed_score_fraction, recomput
 ELEMENTWISE_OPS = {"score": 19, "embed": 58, "logit": 9, "param": 36}
 
 
+def context_score_fraction(context: int, balance: str = "zigzag", attention: str = "flash") -> float:
+    """The part of the S x S score square the busiest context device computes, times C: 1/2 for
+    balanced causal work (zigzag with a kernel that skips the upper half of a diagonal block).
+
+    Counts the (query chunk, key chunk) pairs `lumen_jax.parallel.context` does not skip: a pair
+    below the diagonal in full, a diagonal pair half with the flash kernel and whole with the xla
+    one (which masks it). Contiguous chunks leave device C-1 with C - 1/2 blocks against C/2 on average.
+    """
+    layout = context_lib.Layout(context, balance)
+    diagonal = 0.5 if attention == "flash" else 1.0
+    n_chunks = context * layout.chunks_per_device
+    work = [sum(1.0 if k < q else diagonal if k == q else 0.0
+                for j in range(context) for q in layout.chunk_ids(i) for k in layout.chunk_ids(j))
+            for i in range(context)]
+    return max(work) * context / n_chunks ** 2
+
+
 def hardware_flops_per_token(model: ModelConfig, seq_len: int, remat: str, *,
-                             score_fraction: float = 0.5) -> float:
+                             score_fraction: float = 0.5, context: int = 1) -> float:
     """Model FLOPs per token plus the forward work the backward pass re-runs under `remat`.
 
     Model FLOPs are `metrics.flops_per_token`'s: 6 x the matmul parameters + 3 x the attention
     forward, of which `score_fraction` of the S x S square is counted (1/2: the causal MFU
     convention). `memory.recomputes` reads the re-run work off the model's residuals: the layers'
     projections (2 x L x layer_matmul) unless the policy saves them, the attention core (QK^T and
-    PV) unless it saves the scores; the logits matmul lies outside the checkpointed layers. (This
-    can differ from `metrics.hardware_flops_per_token`, which assumes what each policy saves.)
+    PV) unless it saves the scores; the logits matmul lies outside the checkpointed layers. Under
+    context parallelism (`context` > 1) the chunk kernel's backward recomputes QK^T (half the
+    attention forward) whatever the policy. (This can differ from `metrics.hardware_flops_per_token`,
+    which assumes what each policy saves.)
     """
-    redo = recomputes(remat)
+    redo = recomputes(remat, context, getattr(model, "context_parallel", "ring"))
     counts = metrics.param_counts(model)
     attention = metrics.attention_forward_flops_per_token(model, seq_len, causal=False) * score_fraction
-    return (6.0 * counts["matmul"] + 3 * attention + attention * redo["attention"]
+    backward = 2.0 if context == 1 else 2.5  # dV, dP, dQ, dK (+ QK^T again in the chunk kernel)
+    return (6.0 * counts["matmul"] + (1 + backward) * attention + attention * redo["attention"]
             + 2.0 * model.num_layers * counts["layer_matmul"] * redo["projections"])
 
 
 def flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, *,
                      remat: str | None = None, causal: bool = True, layers: int | None = None,
-                     elementwise: bool = False) -> float:
+                     elementwise: bool = False, score_fraction: float | None = None) -> float:
     """Hardware FLOPs (matmuls, with the remat recompute) one device runs per optimizer step.
 
     Args:
@@ -50,11 +71,14 @@ def flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, global_ba
       layers: count this many layers instead of `model.num_layers`. XLA's `cost_analysis` counts
         the body of the scan over layers once: pass 1 to compare with it.
       elementwise: add the elementwise work XLA also counts (`ELEMENTWISE_OPS`).
+      score_fraction: overrides the part of the square counted (`causal`).
     """
     m = model if layers is None else dataclasses.replace(model, num_layers=layers)
     remat = model.remat if remat is None else remat
     fraction = 0.5 if causal else computed_score_fraction(seq_len)
-    total = hardware_flops_per_token(m, seq_len, remat, score_fraction=fraction) * global_batch * seq_len
+    fraction = fraction if score_fraction is None else score_fraction
+    total = hardware_flops_per_token(m, seq_len, remat, score_fraction=fraction,
+                                     context=layout.context) * global_batch * seq_len
     total /= layout.num_devices
     if elementwise:
         tp, sp = layout.tensor, layout.sequence_parallel
@@ -73,10 +97,17 @@ def compiled_flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, 
 
     The compiler counts the body of a loop once: the scan over layers (one layer) and the
     gradient-accumulation scan (one micro-batch of global_batch / micro_batches sequences); it
-    counts the part of the score square the attention computes, and elementwise work.
+    counts the part of the score square the attention computes, and elementwise work. Under context
+    parallelism it counts every chunk pair of a hop (a `lax.switch` counts its largest branch) and
+    the hops outside a loop body: the ring's forward and backward each run one hop in a scan and the
+    last one after it (2 of C hops counted), all-gather scans over all C (1 of C counted).
     """
+    fraction = None
+    if layout.context > 1:
+        counted = 2 if getattr(model, "context_parallel", "ring") == "ring" else 1
+        fraction = counted / layout.context
     return flops_per_device(model, layout, seq_len, global_batch // layout.micro_batches, causal=False,
-                            layers=1, elementwise=True)
+                            layers=1, elementwise=True, score_fraction=fraction)
 
 
 def bubble_fraction(stages: int, microbatches: int, interleave: int = 1) -> float:
@@ -160,7 +191,8 @@ def collectives(model: ModelConfig, layout: Layout, hw: Hardware, seq_len: int, 
     add("data", "all-reduce", "fp32 gradients", grads, m, True)
     row = tokens * model.d_model * c
     # Recomputing the projections re-runs the two row-parallel matmuls and their all-reduces.
-    per_layer = 4 + (2 if recomputes(remat)["projections"] else 0)
+    redo = recomputes(remat, layout.context, getattr(model, "context_parallel", "ring"))
+    per_layer = 4 + (2 if redo["projections"] else 0)
     calls = m * (per_layer * layers + 2)  # + the embedding lookup and the gradient into the logits
     if layout.sequence_parallel:
         for kind in ("all-gather", "reduce-scatter"):
@@ -170,7 +202,7 @@ def collectives(model: ModelConfig, layout: Layout, hw: Hardware, seq_len: int, 
     # context parallelism (`model.context_parallel`): each device holds S/C of every sequence.
     cp, hops = getattr(model, "context_parallel", "ring"), layout.context - 1
     kv_chunk = 2 * micro_batch * seq_len / layout.context * model.num_kv_heads * model.resolved_head_dim / tp * c
-    fwd = 1 if remat == "none" else 2  # the backward re-runs the forward's K/V exchange unless saved
+    fwd = 2 if recomputes(remat, layout.context, cp)["attention"] else 1  # the backward re-runs the exchange
     if cp == "ring":  # K/V chunks hop C-1 times per layer forward; dK/dV (fp32) travel back with them
         add("context", "send/recv", "K/V chunks, C-1 ring hops per layer (forward, recompute)", kv_chunk,
             m * layers * hops * fwd, True)

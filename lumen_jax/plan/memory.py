@@ -21,6 +21,7 @@ from jax.ad_checkpoint import print_saved_residuals
 from lumen_jax import metrics
 from lumen_jax.config import ModelConfig
 from lumen_jax.model import apply, param_shapes_and_names
+from lumen_jax.parallel import rules as rules_lib
 from lumen_jax.parallel.rules import Rules
 from lumen_jax.plan.hardware import Layout, compute_bytes
 
@@ -116,23 +117,45 @@ class Residuals:
         return counts
 
 
+def _probe_mesh(context: int):
+    """An abstract mesh (no devices) with `context` devices on the context axis, for tracing only."""
+    axes = ("data", "fsdp", "context", "tensor")
+    return jax.sharding.AbstractMesh((1, 1, context, 1), axes, axis_types=(jax.sharding.AxisType.Auto,) * 4)
+
+
 @functools.lru_cache(maxsize=64)
-def layer_residuals(remat: str, seq_len: int = _PROBE_MIN_SEQ, attention: str = "xla") -> Residuals:
+def layer_residuals(remat: str, seq_len: int = _PROBE_MIN_SEQ, attention: str = "xla", context: int = 1,
+                    context_parallel: str = "ring") -> Residuals:
     """The residuals of the model's layer under `remat` at sequence length `seq_len`, with the
-    model's `attention` implementation (xla or flash).
+    model's `attention` implementation (xla or flash), on `context` devices of context parallelism.
 
     Read off `jax.ad_checkpoint.print_saved_residuals` of a two-layer bf16 probe of the real model
     (traced, nothing allocated) whose widths are all distinct, so each residual's elements per token
-    name its width class; a residual whose last axis is longer than every width holds attention
-    scores. The planner therefore follows the model code: change a layer, the attention or a remat
-    policy and the counts change with it.
+    name its width class; a residual larger per token than every width holds attention scores. The
+    planner therefore follows the model code: change a layer, the attention or a remat policy and
+    the counts change with it. With `context` > 1 and xla attention the probe runs under an abstract
+    mesh with that context axis, through the trainer's ring or all-gather attention
+    (`lumen_jax.parallel.context`: a custom VJP that saves the local q, k, v, o and log-sum-exp; a
+    remat policy may save the chunk kernels' dots on top). With flash attention inside context
+    parallelism the chunk kernel is the flash kernel, whose residuals are the same as without it.
     """
-    model, seq = dataclasses.replace(PROBE, remat=remat, attention=attention), max(seq_len, _PROBE_MIN_SEQ)
+    if context > 1 and attention == "flash":
+        return layer_residuals(remat, seq_len, attention)
+    # Under context parallelism one saved score block per token is seq/context elements: longer
+    # than every width from 48 * context tokens on (the ring's counts do not depend on seq_len).
+    seq = 64 * context if context > 1 else max(seq_len, _PROBE_MIN_SEQ)
+    model = dataclasses.replace(PROBE, remat=remat, attention=attention)
     graphdef, shapes, _ = param_shapes_and_names(model)
+    weight_shapes = {shape[1:] for _, shape, names in _param_leaves(model) if names[0] == "layers"}
     tokens = jnp.zeros((1, seq), jnp.int32)
     positions = jnp.arange(seq, dtype=jnp.int32)[None]
     text = io.StringIO()
-    with contextlib.redirect_stdout(text):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(contextlib.redirect_stdout(text))
+        if context > 1:
+            mesh = _probe_mesh(context)
+            stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
+            stack.enter_context(rules_lib.activate(mesh, Rules(context_parallel=context_parallel)))
         print_saved_residuals(lambda p: apply(graphdef, p, tokens, positions, jnp.ones_like(tokens)).sum(),
                               shapes)
     rows, hoisted, host, weights, block = (collections.Counter(), collections.Counter(), collections.Counter(),
@@ -144,25 +167,30 @@ def layer_residuals(remat: str, seq_len: int = _PROBE_MIN_SEQ, attention: str = 
         if not match:
             continue
         dtype, on_host, dims, source = match.groups()
-        shape = [int(d) for d in dims.split(",") if d]
+        shape = tuple(int(d) for d in dims.split(",") if d)
         if dtype not in _DTYPES or len(shape) < 3:
             continue
         saved = host if on_host else rows
         in_scan = "output of scan" in source and shape[0] == model.num_layers
-        if in_scan and shape[1] != 1:  # a weight, [L, ...], cast to the compute dtype for its matmul
+        if in_scan and shape[1:] in weight_shapes:  # a weight, [L, ...], cast to the compute dtype for its matmul
             weights += math.prod(shape[1:]) / layer_matmul if dtype == "bf16" else 0.0
             continue
-        if shape[1 if in_scan else 0] != 1:  # not an activation of the batch (of one sequence)
+        # An activation of the batch (of one sequence): [L, 1, ...] from the layer scan; under context
+        # parallelism a residual of the per-device attention is [L, context x ..., ...] (stacked over
+        # the devices, and over the hops of the ring's loop).
+        stacked = in_scan and context > 1 and shape[1] > 1 and shape[1] % context == 0
+        if shape[1 if in_scan else 0] != 1 and not stacked:
             continue
-        size = math.prod(shape[2 if in_scan else 1:])
+        size = math.prod(shape[1 if in_scan else 0:])
         if in_scan and size / seq in _PROBE_WIDTHS:  # N: softmax statistics (flash: log-sum-exp)
             saved[_PROBE_WIDTHS[size / seq], _DTYPES[dtype]] += 1
         elif size / seq > max(_PROBE_WIDTHS):  # attention scores (or their mask), in any axis order
             (saved if in_scan else hoisted)["S", _DTYPES[dtype]] += size / square
             block = max(block, size / square)
-        elif in_scan and shape[-1] == model.head_dim:
+        elif in_scan and (shape[-1] == model.head_dim or stacked):
             # a per-block piece of a per-head tensor (queries, or the keys/values up to the block's
-            # diagonal): counted by its elements as K/V-wide rows (both split by tensor parallelism)
+            # diagonal), or a context-parallel chunk kernel's partial output in any axis order:
+            # counted by its elements as K/V-wide rows (both split by tensor parallelism)
             saved["KV", _DTYPES[dtype]] += size / seq / _KV_WIDTH
     as_rows = lambda c: tuple((k, d, n) for (k, d), n in sorted(c.items()))  # noqa: E731
     return Residuals(rows=as_rows(rows), weight_copies=weights, hoisted=as_rows(hoisted), score_block=block,
@@ -189,6 +217,15 @@ BACKWARD_ROWS: dict[str, tuple[float, float]] = {
     "save_attention_out": (6.06, 0.0),
 }
 BACKWARD_ROWS["offload_dots"] = BACKWARD_ROWS["dots_with_no_batch_dims_saveable"]  # same on the device
+# The same under context parallelism (mesh.context > 1, xla chunk kernel), fitted to 14 compiled
+# CPU steps (docs/PLANNING.md, section 2). XLA:CPU keeps the score blocks of all the chunk pairs
+# of the unrolled ring hops live together, so the rows still span the whole sequence; with
+# recompute the layer's recomputed tensors dominate and no score rows show.
+CONTEXT_BACKWARD_ROWS: dict[str, tuple[float, float]] = {
+    "none": (1.64, 0.0), "full": (0.0, 0.34), "dots_saveable": (2.93, 0.62),
+    "dots_with_no_batch_dims_saveable": (0.0, 0.55), "save_attention_out": (1.64, 0.0),
+}
+CONTEXT_BACKWARD_ROWS["offload_dots"] = CONTEXT_BACKWARD_ROWS["dots_with_no_batch_dims_saveable"]
 LOGIT_ROWS = 1.74  # fp32 logits (and their gradient) per token, V/t wide, alive with the layer backward
 TP_PARTIAL_SUMS = 3  # row-parallel matmul outputs: full-width partial sums before the all-reduce
 GRAD_ACCUMULATION_COPIES = 2  # micro-batches > 1: the gradient sum carried through the loop + this micro-batch's
@@ -233,10 +270,14 @@ def _as_gathered(rows: collections.Counter, remat: str) -> collections.Counter:
     return collections.Counter({("G" if k == "D" and d == "c" else k, d): n for (k, d), n in rows.items()})
 
 
+def _residuals(model: ModelConfig, layout: Layout, remat: str, seq_len: int, attention: str) -> Residuals:
+    return layer_residuals(remat, seq_len, attention, layout.context, getattr(model, "context_parallel", "ring"))
+
+
 def saved_bytes_per_token(model: ModelConfig, layout: Layout, seq_len: int, remat: str,
                           attention: str = "xla") -> float:
     """Bytes one layer saves per local token under `remat` with `attention` (xla or flash)."""
-    rows = _as_gathered(layer_residuals(remat, seq_len, attention).counts(), remat)
+    rows = _as_gathered(_residuals(model, layout, remat, seq_len, attention).counts(), remat)
     return _bytes(rows, _widths(model, layout, seq_len), compute_bytes(model))
 
 
@@ -246,17 +287,14 @@ def computed_score_fraction(seq_len: int) -> float:
     return layer_residuals("none", seq_len).counts()[("S", "f")] or 1.0
 
 
-def recomputes(remat: str) -> dict[str, bool]:
+def recomputes(remat: str, context: int = 1, context_parallel: str = "ring") -> dict[str, bool]:
     """Which forward work the backward pass re-runs: `projections` unless the policy saves a
-    projection (an F- or KV-wide row), `attention` (QK^T, PV) unless it saves scores."""
-    kinds = {k for k, _ in layer_residuals(remat).counts(host=True)}
-    return {"projections": not kinds & {"F", "KV"}, "attention": "S" not in kinds}
-
-
-def score_keys(seq_len: int, layout: Layout, context_parallel: str = "ring") -> float:
-    """Keys one query's score row spans at a time: the whole sequence, or under ring context
-    parallelism the chunk of K/V in hand (S / context)."""
-    return seq_len / layout.context if layout.context > 1 and context_parallel == "ring" else seq_len
+    projection (an F- or KV-wide row), `attention` (QK^T, PV) unless it saves scores (under context
+    parallelism: unless it keeps the ring's residuals, whose log-sum-exp is the N-wide row, or the
+    chunk kernels' scores)."""
+    kinds = {k for k, _ in layer_residuals(remat, context=context, context_parallel=context_parallel).counts(host=True)}
+    attention = "S" not in kinds and (context == 1 or "N" not in kinds)
+    return {"projections": not kinds & {"F", "KV"}, "attention": attention}
 
 
 def working_bytes_per_token(model: ModelConfig, layout: Layout, seq_len: int, remat: str,
@@ -265,15 +303,18 @@ def working_bytes_per_token(model: ModelConfig, layout: Layout, seq_len: int, re
     `scores` (score rows, xla attention only), `recompute` (the unsaved tensors of the layer),
     `partial_sums` (tensor parallelism), `kv` (context parallelism), `logits`."""
     c, w = compute_bytes(model), _widths(model, layout, seq_len)
-    scores, share = BACKWARD_ROWS[remat]
-    every = _as_gathered(layer_residuals("none", seq_len, attention).counts(), "none")
-    unsaved = every - _as_gathered(layer_residuals(remat, seq_len, attention).counts(host=True), remat)
+    cp = layout.context > 1
+    scores, share = (CONTEXT_BACKWARD_ROWS if cp else BACKWARD_ROWS)[remat]
+    every = _as_gathered(_residuals(model, layout, "none", seq_len, attention).counts(), "none")
+    unsaved = every - _as_gathered(_residuals(model, layout, remat, seq_len, attention).counts(host=True), remat)
     unsaved = collections.Counter({key: n for key, n in unsaved.items() if key[0] != "S" and n > 0})
-    cp = getattr(model, "context_parallel", "ring")
-    row = model.num_heads * score_keys(seq_len, layout, cp) / layout.tensor * F32
-    # context parallelism: ring attention holds two K/V chunks (the one in use, the one arriving),
-    # all-gather the whole K and V
-    kv = (2 * w["KV"] * c * (2 if cp == "ring" else layout.context)) if layout.context > 1 else 0.0
+    strategy = getattr(model, "context_parallel", "ring")
+    row = model.num_heads * seq_len / layout.tensor * F32  # one query's fp32 scores, every local head
+    # Context parallelism: the ring holds the K/V chunk in use and the one arriving (and in the
+    # backward their fp32 dK/dV accumulators); all-gather holds the whole K and V and the fp32 dK/dV
+    # of the whole sequence, C times the local K/V.
+    held = 2 if strategy == "ring" else layout.context
+    kv = 2 * w["KV"] * (c + F32) * held if cp else 0.0
     return {"scores": scores * row if attention == "xla" else 0.0,
             "recompute": share * _bytes(unsaved, w, c),
             "partial_sums": TP_PARTIAL_SUMS * w["G"] * c if layout.tensor > 1 else 0.0,
@@ -299,7 +340,7 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     counts = metrics.param_counts(model)
     # A layer casts its fp32 weights to the compute dtype and may keep the casts for the backward:
     # counted as gathered (split only by tensor parallelism). In fp32 the cast is the weight itself.
-    residuals = layer_residuals(remat, seq_len, attention)
+    residuals = _residuals(model, layout, remat, seq_len, attention)
     copies = (residuals.weight_copies * counts["layer_matmul"] * c / layout.tensor
               if model.compute_dtype != "float32" else 0.0)
     per_layer = tokens * saved_bytes_per_token(model, layout, seq_len, remat, attention) + copies

@@ -7,7 +7,8 @@ from typing import Any
 
 from lumen_jax import metrics
 from lumen_jax.config import ATTENTION_IMPLS, Config, ModelConfig
-from lumen_jax.plan.cost import Collective, bubble_fraction, collectives, hardware_flops_per_token
+from lumen_jax.plan.cost import (Collective, bubble_fraction, collectives, context_score_fraction,
+                                 hardware_flops_per_token)
 from lumen_jax.plan.hardware import Hardware, Layout
 from lumen_jax.plan.memory import Activations, activation_bytes, fp8_bytes, state_bytes
 
@@ -126,7 +127,10 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     micro_batch = cfg.data.global_batch_size // (layout.data * layout.fsdp * layout.micro_batches)
     tokens = cfg.data.global_batch_size * seq
     peak = hw.peak(model.compute_dtype)
-    hw_per_token = hardware_flops_per_token(model, seq, remat)
+    # Under context parallelism the step waits for the busiest device's share of the score square.
+    fraction = (context_score_fraction(layout.context, getattr(model, "context_balance", "zigzag"), attention)
+                if layout.context > 1 else 0.5)
+    hw_per_token = hardware_flops_per_token(model, seq, remat, score_fraction=fraction, context=layout.context)
     comms = tuple(collectives(model, layout, hw, seq, micro_batch, remat))
     compute_s = hw_per_token * tokens / layout.num_devices / (peak * efficiency)
     busy = (max(compute_s, sum(c.seconds for c in comms if c.overlapped))
