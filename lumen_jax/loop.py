@@ -146,7 +146,10 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     flops = metrics_lib.flops_per_token(cfg.model, cfg.data.seq_len)
     hw_flops = metrics_lib.hardware_flops_per_token(cfg.model, cfg.data.seq_len)
-    peak, peak_source = metrics_lib.peak_flops_per_device(jax.devices(), cfg.model.compute_dtype)
+    # With fp8 matmuls MFU is against the fp8 peak (`mfu`), and against the bf16 one (`mfu_bf16`).
+    fp8 = cfg.model.fp8.recipe != "none"
+    peak, peak_source = metrics_lib.peak_flops_per_device(jax.devices(), "fp8" if fp8 else cfg.model.compute_dtype)
+    bf16_peak = metrics_lib.peak_flops_per_device(jax.devices(), "bfloat16")[0] if fp8 else None
 
     t0 = time.perf_counter()
     data_state = data.get_state()  # position after `start` batches: what a checkpoint records
@@ -211,7 +214,8 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
                     perf = metrics_lib.StepMetrics.compute(
                         step_time_s=(now - t_last) / steps_since, tokens_per_step=tokens_per_step,
                         num_devices=jax.device_count(), flops_per_token=flops,
-                        hw_flops_per_token=hw_flops, peak_flops_per_device=peak)
+                        hw_flops_per_token=hw_flops, peak_flops_per_device=peak,
+                        bf16_peak_flops_per_device=bf16_peak)
                     last = {**values, **perf.as_dict(), "skipped_total": skipped_total,
                             "checkpoint_stall_s": stall}
                     writer.write(step, last)

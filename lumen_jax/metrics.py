@@ -183,6 +183,8 @@ def peak_flops_per_device(devices: Sequence[Any], dtype: str) -> tuple[float | N
     if peak is not None:
         return peak, f"datasheet: {kind} {dtype} {peak / 1e12:.1f} TFLOP/s"
     if platform == "cpu":
+        if _DTYPE_ALIASES.get(dtype.lower()) == "fp8":  # no fp8 units: XLA:CPU upcasts fp8 matmuls
+            dtype = "float32"
         host = measure_cpu_matmul_peak(dtype)
         share = max(1, len(jax.local_devices(backend="cpu")))
         return host / share, (f"measured: cpu {dtype} matmul {host / 1e9:.1f} GFLOP/s per host, "
@@ -205,11 +207,13 @@ class StepMetrics:
     tflops_per_device: float  # achieved model TFLOP/s per device
     mfu: float | None
     hfu: float | None
+    mfu_bf16: float | None = None  # with fp8 matmuls: MFU against the bf16 peak (`mfu` uses the fp8 one)
 
     @classmethod
     def compute(cls, step_time_s: float, tokens_per_step: int, num_devices: int,
                 flops_per_token: float, hw_flops_per_token: float,
-                peak_flops_per_device: float | None) -> "StepMetrics":
+                peak_flops_per_device: float | None,
+                bf16_peak_flops_per_device: float | None = None) -> "StepMetrics":
         """Derives the metrics from a measured step time.
 
         Args:
@@ -219,6 +223,8 @@ class StepMetrics:
             flops_per_token: model FLOPs per token (`flops_per_token`).
             hw_flops_per_token: hardware FLOPs per token (`hardware_flops_per_token`).
             peak_flops_per_device: peak FLOP/s of one device, or None.
+            bf16_peak_flops_per_device: with fp8 matmuls (`peak_flops_per_device` is then the fp8
+                peak), the bf16 peak for `mfu_bf16`; None otherwise.
         """
         if step_time_s <= 0 or num_devices <= 0:
             raise ValueError(f"{step_time_s=} and {num_devices=} must be positive")
@@ -229,7 +235,9 @@ class StepMetrics:
                    tokens_per_sec_per_device=per_device,
                    tflops_per_device=per_device * flops_per_token / 1e12,
                    mfu=per_device * flops_per_token / peak if peak else None,
-                   hfu=per_device * hw_flops_per_token / peak if peak else None)
+                   hfu=per_device * hw_flops_per_token / peak if peak else None,
+                   mfu_bf16=(per_device * flops_per_token / bf16_peak_flops_per_device
+                             if bf16_peak_flops_per_device else None))
 
     def as_dict(self) -> dict[str, float]:
         """The non-None fields, for a writer."""

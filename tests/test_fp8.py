@@ -192,3 +192,170 @@ def test_hlo_check_finds_fp8_dots():
     untyped = ("%p = f8e4m3fn[4,4]{1,0} parameter(0)\n%q = f8e5m2[4,4]{1,0} parameter(1)\n"
                "%d = f32[4,4]{1,0} dot(%p, %q), lhs_contracting_dims={1}, rhs_contracting_dims={0}")
     assert len(fp8.fp8_gemms(cublas)) == 1 and fp8.fp8_gemms(upcast) == [] and len(fp8.fp8_gemms(untyped)) == 1
+
+
+# --------------------------------------------------------------------------------------------------
+# The model: per-layer flags, the train step, checkpoints
+# --------------------------------------------------------------------------------------------------
+
+from lumen_jax import step as step_lib  # noqa: E402
+from lumen_jax.build import build  # noqa: E402
+from lumen_jax.checkpoint import Checkpointer  # noqa: E402
+from lumen_jax.config import (CheckpointConfig, Config, DataConfig, Fp8Config, MeshConfig,  # noqa: E402
+                              ModelConfig, OptimConfig, TrainConfig)
+from lumen_jax.parallel.mesh import make_mesh  # noqa: E402
+
+
+def _trainer(fp8_cfg: Fp8Config, num_layers: int = 3, compute_dtype: str = "bfloat16", steps: int = 300,
+             seq_len: int = 64, batch: int = 8, **axes):
+    shape = {"data": 1, "fsdp": 1, "context": 1, "tensor": 1, **axes}
+    cfg = Config(model=ModelConfig(num_layers=num_layers, compute_dtype=compute_dtype, fp8=fp8_cfg),
+                 mesh=MeshConfig(**shape), data=DataConfig(seq_len=seq_len, global_batch_size=batch),
+                 optim=OptimConfig(lr=3e-3, warmup_steps=10), train=TrainConfig(steps=steps))
+    devices = jax.devices()[:int(np.prod(list(shape.values())))]
+    return build(cfg, make_mesh(shape, devices))
+
+
+def test_layer_mask_and_flags():
+    assert fp8.layer_mask(Fp8Config(recipe="delayed"), 4) == (False, True, True, False)
+    assert fp8.layer_mask(Fp8Config(recipe="current", keep_bf16=("last",)), 3) == (True, True, False)
+    assert fp8.layer_mask(Fp8Config(recipe="current", keep_bf16=()), 2) == (True, True)
+    assert fp8.layer_mask(Fp8Config(), 3) == (False,) * 3
+    # Two layers, first and last kept: nothing runs fp8, and the model has no fp8 variables at all.
+    assert fp8.make_meta(Fp8Config(recipe="delayed"), 2, "mlp", ("up",)) is None
+    assert fp8.make_meta(Fp8Config(recipe="delayed", layers=("mlp",)), 4, "attention", ("q",)) is None
+    tr = _trainer(Fp8Config(recipe="delayed", amax_history=4, layers=("mlp",)), num_layers=4)
+    hist = tr.step_cfg.fp8_fresh["blocks"]
+    assert set(hist) == {"mlp"} and set(hist["mlp"]["fp8"]["history"]) == {"gate", "up", "down"}
+    assert hist["mlp"]["fp8"]["history"]["up"]["g"].shape == (4, 4)  # [layers, amax_history]
+    np.testing.assert_array_equal(tr.step_cfg.fp8_flags["blocks"]["mlp"]["fp8"]["enabled"], [0, 1, 1, 0])
+    assert "fp8" not in tr.param_names["blocks"]["mlp"]  # not a parameter: no optimizer state
+
+
+def test_einsum_flag_picks_fp8_or_the_plain_matmul():
+    meta = fp8.Fp8Meta(Fp8Config(recipe="current", keep_bf16=("first",)), 2, ("q",))
+    x, w, _ = _operands(3)
+    w3 = w.reshape(64, 4, 24)
+    plain = jnp.einsum("btd,dnh->btnh", x, w3)
+    meta.enabled[...] = jnp.float32(0.0)
+    np.testing.assert_array_equal(fp8.einsum("btd,dnh->btnh", x, w3, meta, "q"), plain)
+    meta.enabled[...] = jnp.float32(1.0)
+    np.testing.assert_array_equal(fp8.einsum("btd,dnh->btnh", x, w3, meta, "q"),
+                                  fp8.dot(x, w, "current").reshape(plain.shape))
+    with pytest.raises(ValueError, match="trailing axes"):
+        fp8.einsum("btd,ndh->btnh", x, w3.transpose(1, 0, 2), meta, "q")
+
+
+@pytest.fixture(scope="module")
+def text_batches():
+    """300 batches [8, 64] of the builtin corpus (real text: a loss curve worth comparing)."""
+    from lumen_jax.data import TrainData
+    data = TrainData(DataConfig(seq_len=64, global_batch_size=8, builtin_max_bytes=400_000), seed=0)
+    batches = [next(data) for _ in range(300)]
+    return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+
+
+def _train(fp8_cfg: Fp8Config, batches: dict) -> tuple[np.ndarray, step_lib.TrainState]:
+    """300 steps of a 2-layer model in one jitted scan on one device; the per-step losses and the final state."""
+    tr = _trainer(fp8_cfg, num_layers=2)
+    sc = tr.step_cfg
+    run = jax.jit(lambda state, bs: jax.lax.scan(lambda s, b: step_lib.train_step(s, b, sc), state, bs))
+    state, metrics = run(tr.init(), batches)
+    return np.asarray(metrics["loss"]), state
+
+
+@pytest.mark.heavy
+def test_300_steps_with_each_recipe_end_within_2_percent_of_bf16(text_batches):
+    ref, _ = _train(Fp8Config(), text_batches)
+    final = lambda losses: float(losses[-20:].mean())  # noqa: E731  the last 20 steps: less noise
+    assert final(ref) < 0.6 * ref[0]  # it learned
+    for recipe in ("current", "delayed", "blockwise"):
+        losses, state = _train(Fp8Config(recipe=recipe, amax_history=16, keep_bf16=()), text_batches)
+        assert np.all(np.isfinite(losses)), recipe
+        assert abs(final(losses) - final(ref)) <= 0.02 * final(ref), (recipe, final(losses), final(ref))
+        if recipe == "delayed":
+            x = np.asarray(state.fp8_state["blocks"]["attn"]["fp8"]["history"]["q"]["x"])
+            assert x.shape == (2, 16) and np.all(x > 0)  # every layer ran fp8 and recorded 16 steps
+
+
+def _history_leaves(state):
+    return jax.tree_util.tree_leaves_with_path(state.fp8_state)
+
+
+def test_delayed_state_is_replicated_and_survives_a_checkpoint_and_a_reshard(tmp_path):
+    from helpers_data import packed_batch
+    fp8_cfg = Fp8Config(recipe="delayed", amax_history=8)  # 3 layers: the middle one runs fp8
+    tr = _trainer(fp8_cfg, compute_dtype="float32", batch=16, seq_len=128, steps=10, fsdp=4, tensor=2)
+    batch = packed_batch(16, 128, 512, seed=0)
+    state = tr.init()
+    for _ in range(3):
+        state, _ = tr.step(state, tr.shard_batch(batch))
+    leaves = _history_leaves(state)
+    assert len(leaves) == 7 * 3  # 7 projections x (x, w, g)
+    for path, leaf in leaves:
+        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+        assert len(shards) == 8 and all(np.array_equal(s, shards[0]) for s in shards[1:]), path
+        full = shards[0]
+        assert np.all(full[[0, 2]] == 0) and np.all(full[1, :3] > 0) and np.all(full[1, 3:] == 0), path
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig())
+    ckpt.save(3, state, {"data": {}})
+    ckpt.wait()
+    ckpt.close()
+    expected = jax.device_get(state)
+    for axes in (dict(data=2, fsdp=2, tensor=2), dict()):
+        other = _trainer(fp8_cfg, compute_dtype="float32", batch=16, seq_len=128, steps=10, **axes)
+        restored = Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig()).restore_latest(other.abstract_state())
+        assert restored.step == 3
+        for (path, got), want in zip(_history_leaves(restored.state), jax.tree.leaves(expected.fp8_state)):
+            np.testing.assert_array_equal(np.asarray(got), want, err_msg=str(path))
+            assert got.sharding.is_fully_replicated
+        after, metrics = other.step(restored.state, other.shard_batch(batch))
+        assert int(metrics["skipped"]) == 0
+        for (path, new), old in zip(_history_leaves(after), jax.tree.leaves(expected.fp8_state)):
+            np.testing.assert_array_equal(np.asarray(new)[:, 1:], old[:, :-1], err_msg=str(path))  # one step on
+
+
+def test_micro_batches_combine_histories_by_max():
+    from helpers_data import packed_batch
+    fp8_cfg = Fp8Config(recipe="delayed", amax_history=4, keep_bf16=())
+    one = _trainer(fp8_cfg, num_layers=2, compute_dtype="float32", batch=8, steps=10)
+    batch = packed_batch(8, 64, 512, seed=1)
+    sc1 = one.step_cfg
+    sc2 = step_lib.StepConfig(**{**sc1.__dict__, "micro_batches": 2})
+    halves = [{k: v[m::2] for k, v in batch.items()} for m in range(2)]  # the step's row split
+    fresh, params = sc1.fp8_fresh, one.init().params
+    _, _, whole = jax.jit(lambda b: step_lib.loss_grads_and_fp8(params, fresh, b, 1.0, sc2))(batch)
+    tokens = batch["loss_mask"].sum()  # each micro-batch's loss is divided by the whole batch's tokens
+    micro = jax.jit(lambda h: jax.grad(step_lib._micro_loss, argnums=1, has_aux=True)(params, fresh, h, tokens,
+                                                                                     1.0, sc1)[0])
+    parts = [micro(h) for h in halves]
+    for w, a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(parts[0]), jax.tree.leaves(parts[1])):
+        np.testing.assert_allclose(np.asarray(w), np.maximum(a, b), rtol=1e-6)
+        assert np.all(np.asarray(w)[:, 0] > 0) and np.all(np.asarray(w)[:, 1:] == 0)
+
+
+def test_mfu_against_the_fp8_and_the_bf16_peak():
+    from lumen_jax import metrics
+    h100 = metrics.device_peak_flops("NVIDIA H100 80GB HBM3", "fp8")
+    assert h100 == 1979e12 and metrics.device_peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
+    m = metrics.StepMetrics.compute(1.0, 1000, 1, 1e12, 1e12, h100, 989e12)
+    assert m.mfu == pytest.approx(1e15 / h100) and m.mfu_bf16 == pytest.approx(1e15 / 989e12)
+    assert "mfu_bf16" in m.as_dict() and "mfu_bf16" not in metrics.StepMetrics.compute(1.0, 1, 1, 1, 1, 1.0).as_dict()
+    peak, source = metrics.peak_flops_per_device(jax.devices("cpu")[:1], "fp8")  # CPU: measured, upcast
+    assert peak > 0 and "float32" in source
+
+
+def test_benchmark_script_imports_and_its_hlo_check_runs_on_cpu():
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "fp8_gpu.py")
+    spec = importlib.util.spec_from_file_location("fp8_gpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.parse_args([]).recipes == "none,delayed,current"
+    tr = _trainer(Fp8Config(recipe="delayed", amax_history=4), num_layers=3, compute_dtype="float32",
+                  batch=2, seq_len=32, steps=10)
+    from helpers_data import packed_batch
+    compiled, pre = bench.hlo_fp8_gemms(tr, tr.init(), tr.shard_batch(packed_batch(2, 32, 512, seed=0)))
+    assert compiled == 0  # XLA:CPU upcasts fp8 operands before its dots
+    assert pre == 7 * 3  # the middle layer's 7 projections: forward, dgrad and wgrad each
