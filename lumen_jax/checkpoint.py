@@ -135,8 +135,7 @@ class Checkpointer:
         """
         for step in reversed(self.steps()):
             try:
-                out = self._manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+                out = self._restore(step, abstract_state)
                 meta = dict(out["meta"])
                 if _checksum_list(out["state"]) != meta.get("checksums"):
                     raise ValueError("array checksums differ from those recorded at save time")
@@ -144,6 +143,24 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: report and fall back
                 self._quarantine(step, e)
         return None
+
+    def _restore(self, step: int, abstract_state: Any) -> Any:
+        def args(target: Any) -> ocp.args.Composite:
+            return ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+
+        try:
+            return self._manager.restore(step, args=args(abstract_state))
+        except ValueError:
+            # Written before a state field that holds no arrays existed (TrainState.fp8_state without
+            # fp8): restore the other fields and keep that field's empty value; anything else re-raises.
+            if not dataclasses.is_dataclass(abstract_state):
+                raise
+            fields = {f.name: getattr(abstract_state, f.name) for f in dataclasses.fields(abstract_state)}
+            empty = {k: v for k, v in fields.items() if not jax.tree.leaves(v)}
+            if not empty:
+                raise
+            out = self._manager.restore(step, args=args({k: v for k, v in fields.items() if k not in empty}))
+            return {"meta": out["meta"], "state": dataclasses.replace(abstract_state, **out["state"], **empty)}
 
     def _quarantine(self, step: int, error: Exception) -> None:
         src = os.path.join(self.directory, str(step))

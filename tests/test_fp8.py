@@ -359,3 +359,28 @@ def test_benchmark_script_imports_and_its_hlo_check_runs_on_cpu():
     compiled, pre = bench.hlo_fp8_gemms(tr, tr.init(), tr.shard_batch(packed_batch(2, 32, 512, seed=0)))
     assert compiled == 0  # XLA:CPU upcasts fp8 operands before its dots
     assert pre == 7 * 3  # the middle layer's 7 projections: forward, dgrad and wgrad each
+
+
+def test_a_checkpoint_from_before_fp8_state_still_restores(tmp_path):
+    from typing import Any
+
+    from flax import struct
+
+    class OldTrainState(struct.PyTreeNode):  # TrainState before fp8_state
+        step: Any
+        params: Any
+        opt_state: Any
+        loss_scale: Any
+        good_steps: Any
+
+    tr = _trainer(Fp8Config(), compute_dtype="float32", batch=8, seq_len=32, steps=10, fsdp=8)
+    state = tr.init()
+    old = OldTrainState(state.step, state.params, state.opt_state, state.loss_scale, state.good_steps)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig())
+    ckpt.save(1, old, {"data": {}})
+    ckpt.wait()
+    ckpt.close()
+    restored = Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig()).restore_latest(tr.abstract_state())
+    assert restored is not None and restored.step == 1 and restored.state.fp8_state == {}
+    for got, want in zip(jax.tree.leaves(restored.state), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
