@@ -125,7 +125,7 @@ def train_step(state: TrainState, batch: Batch, sc: StepConfig,
     loss, grads, fp8_state = loss_grads_and_fp8(state.params, state.fp8_state, batch, state.loss_scale, sc,
                                                 constrain_grads)
     grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
     updates, opt_state = sc.tx.update(grads, state.opt_state, state.params)

@@ -127,6 +127,10 @@ class Block(nnx.Module):
     def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array | None,
                  inv_freq: jax.Array) -> jax.Array:
         residual = ("batch", "act_seq", "act_embed")
-        x_btd = constrain(x_btd + self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt, inv_freq),
-                          residual)
-        return constrain(x_btd + self.mlp(self.mlp_norm(x_btd)), residual)
+        # Under sequence parallelism the normed input is gathered along the sequence over `tensor`
+        # here, once, before the column-parallel projections (Megatron's g); left to itself the
+        # partitioner gathered it per projection, and with context parallelism over `context` too.
+        gathered = ("batch", "seq", "act_embed")
+        h_btd = constrain(self.attn_norm(x_btd), gathered)
+        x_btd = constrain(x_btd + self.attn(h_btd, positions_bt, segment_ids_bt, inv_freq), residual)
+        return constrain(x_btd + self.mlp(constrain(self.mlp_norm(x_btd), gathered)), residual)

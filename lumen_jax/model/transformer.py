@@ -61,7 +61,7 @@ class Transformer(nnx.Module):
         if cfg.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
         x_btd, _ = jax.lax.scan(body, x_btd, layer_state)
-        x_btd = self.final_norm(x_btd)
+        x_btd = constrain(self.final_norm(x_btd), ("batch", "seq", "act_embed"))  # SP: gather, as in Block
         w_dv = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
         logits = jnp.einsum("btd,dv->btv", x_btd, w_dv.astype(dt), preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", "seq", "act_vocab"))
