@@ -6,8 +6,9 @@
 For every sequence length L and context size C it builds the train step as `lumen_jax.train` does
 on a mesh of C devices (`context=C`, batch 1, so the only split is the sequence), compiles it and
 reads XLA's per-device memory (arguments + outputs + temporaries - aliases), then times `--steps`
-steps when that memory is below `--max-run-gib` (a 32k sequence on one device needs the whole
-[T, T] score matrix: it is compiled and sized, not run). C=1 is the plain model without context
+steps when the C devices together need less than `--max-run-gib` (on the CPU the emulated devices
+share the host's memory; a 32k sequence on one device needs whole [T, T] score matrices: it is
+compiled and sized, not run). C=1 is the plain model without context
 parallelism. The model is the tiny one (d_model 64, 4 heads, 2 kv heads, 2 layers, fp32).
 
 On the CPU the C emulated devices share the host's cores, so step time measures total work (it
@@ -41,8 +42,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attention", default="xla", help="model.attention (flash on GPU)")
     p.add_argument("--dtype", default="float32", help="model.compute_dtype")
     p.add_argument("--steps", type=int, default=2, help="timed steps (after one warm-up step)")
-    p.add_argument("--max-run-gib", type=float, default=6.0,
-                   help="run (time) only configurations whose per-device memory is below this")
+    p.add_argument("--max-run-gib", type=float, default=12.0,
+                   help="run (time) only configurations whose devices need less than this in all")
     p.add_argument("--platform", default="cpu", help="cpu (8 emulated devices) or gpu")
     return p.parse_args(argv)
 
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             total = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
                      - mem.alias_size_in_bytes)
             step_ms = tokens_s = float("nan")
-            if total < a.max_run_gib * 2**30:
+            if total * c < a.max_run_gib * 2**30:
                 state, _ = jax.block_until_ready(compiled(state, batch))
                 times = []
                 for _ in range(a.steps):
