@@ -224,6 +224,12 @@ def _device_slice(x, device, length: int):
     return None if x is None else lax.dynamic_slice_in_dim(x, device * length, length, axis=1)
 
 
+# _UNROLL: the ring's hops are unrolled (C-1 copies of the hop, C is small) rather than a loop.
+# With the ppermutes inside a nested while loop, XLA:CPU ran a device's hop permute concurrently
+# with an FSDP all-gather outside the loop; with 8 emulated devices the blocked collectives used
+# up the runtime's threads and the step aborted ("Expected 8 threads to join the rendezvous") in 2
+# of 2 warm-cache runs of test_parallel's context=4,fsdp=2 case; unrolled, 0 of 7. Unrolled hops
+# also give a GPU scheduler the whole ring to overlap transfers with compute.
 def _forward(q, k, v, q_seg, kv_seg, spec: _Spec):
     c, p = spec.layout.size, spec.layout.chunks_per_device
     i = lax.axis_index(AXIS)
@@ -248,7 +254,7 @@ def _forward(q, k, v, q_seg, kv_seg, spec: _Spec):
             incoming = _shift(kv, c)  # issued before this hop's compute: the transfer can overlap it
             return (attend(acc, kv=kv, kv_device=(i - s) % c), incoming), None
 
-        (acc, kv), _ = lax.scan(hop, (acc, (k, v, kv_seg)), jnp.arange(c - 1))
+        (acc, kv), _ = lax.scan(hop, (acc, (k, v, kv_seg)), jnp.arange(c - 1), unroll=True)  # see _UNROLL
         acc = attend(acc, kv=kv, kv_device=(i - (c - 1)) % c)  # the last hop sends nothing on
     o = _join([o for o, _ in acc], 1)
     lse = _join([lse for _, lse in acc], 2)
@@ -290,7 +296,7 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, spec: _Spec):
             return (dq, incoming, dkv), None
 
         dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-        carry, _ = lax.scan(hop, (dq, (k, v, kv_seg), dkv), jnp.arange(c - 1))
+        carry, _ = lax.scan(hop, (dq, (k, v, kv_seg), dkv), jnp.arange(c - 1), unroll=True)  # see _UNROLL
         (dq, _, (dk, dv)), _ = hop(carry, c - 1, last=True)
     return _join(dq, 1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
