@@ -17,6 +17,8 @@ from jax.ad_checkpoint import checkpoint_name
 from lumen_jax.config import ModelConfig
 from lumen_jax.ops import fp8 as fp8_ops
 from lumen_jax.ops.attention import attention
+from lumen_jax.ops.projection import project
+from lumen_jax.ops.swiglu import swiglu
 from lumen_jax.parallel.rules import constrain
 
 
@@ -28,7 +30,7 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: 
 def _project(spec: str, x: jax.Array, w: nnx.Param, meta: fp8_ops.Fp8Meta | None, name: str) -> jax.Array:
     """`einsum(spec, x, w)` in x's dtype; with fp8 operands when this layer type runs fp8 (`meta`)."""
     if meta is None:
-        return jnp.einsum(spec, x, w[...].astype(x.dtype))
+        return project(spec, x, w[...].astype(x.dtype))
     return fp8_ops.einsum(spec, x, w[...], meta, name)
 
 
@@ -111,7 +113,7 @@ class MLP(nnx.Module):
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         gate = _project("btd,df->btf", x_btd, self.w_gate, self.fp8, "gate")
         up = _project("btd,df->btf", x_btd, self.w_up, self.fp8, "up")
-        h = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+        h = constrain(swiglu(gate, up), ("batch", "seq", "act_mlp"))
         return _project("btf,fd->btd", h, self.w_down, self.fp8, "down")
 
 

@@ -13,6 +13,7 @@ from flax import nnx
 
 from lumen_jax.config import ModelConfig
 from lumen_jax.model.layers import Block, RMSNorm, _param, rope_frequencies
+from lumen_jax.ops.projection import project, remat_policy
 from lumen_jax.parallel.rules import constrain
 
 _REMAT_POLICIES = {
@@ -59,11 +60,11 @@ class Transformer(nnx.Module):
             return nnx.merge(graphdef, state)(x_btd, positions_bt, segment_ids_bt, inv_freq), None
 
         if cfg.remat != "none":
-            body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+            body = jax.checkpoint(body, policy=remat_policy(_REMAT_POLICIES[cfg.remat]), prevent_cse=False)
         x_btd, _ = jax.lax.scan(body, x_btd, layer_state)
         x_btd = constrain(self.final_norm(x_btd), ("batch", "seq", "act_embed"))  # SP: gather, as in Block
         w_dv = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-        logits = jnp.einsum("btd,dv->btv", x_btd, w_dv.astype(dt), preferred_element_type=jnp.float32)
+        logits = project("btd,dv->btv", x_btd, w_dv.astype(dt), jnp.float32)
         return constrain(logits, ("batch", "seq", "act_vocab"))
 
 

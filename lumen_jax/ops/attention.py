@@ -3,7 +3,9 @@
 `attention(q, k, v, ...)` is the only entry point the model calls. Implementations:
 
 - `xla`: the pure-jnp reference below (fp32 softmax, GQA without repeating K/V, causal and
-  document masking). It is also the numerical reference for the kernels.
+  document masking). It is also the numerical reference for the kernels. In the trainer's step on
+  one CPU device (`ops.target.one_cpu_device`) it runs in a heads-first layout that XLA:CPU runs
+  faster (`_heads_first_attention`); same values.
 - `flash`: FlashAttention-2 Pallas kernels (`lumen_jax.kernels.flash_attention`): no [T, S] score
   matrix in memory, causal blocks above the diagonal skipped, the same masks and GQA. Compiled
   through Triton on GPU; Pallas's interpreter on CPU (correct, slow: for tests). On a multi-device
@@ -23,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from lumen_jax.kernels import flash_attention as flash_lib
+from lumen_jax.ops.target import one_cpu_device
 from lumen_jax.parallel import context as context_lib
 from lumen_jax.parallel import rules as rules_lib
 
@@ -48,6 +51,8 @@ def xla_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
     if n % kh:
         raise ValueError(f"num_heads={n} must be a multiple of num_kv_heads={kh}")
     scale = h ** -0.5 if scale is None else scale
+    if one_cpu_device():
+        return _heads_first_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, causal, scale)
     q_btkgh = q_btnh.reshape(b, t, kh, n // kh, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh,
                         preferred_element_type=jnp.float32) * scale
@@ -60,6 +65,35 @@ def xla_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh, preferred_element_type=jnp.float32)
     return out.reshape(b, t, n, h).astype(q_btnh.dtype)
+
+
+def _heads_first_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
+                           segment_ids_bt: jax.Array | None, causal: bool, scale: float) -> jax.Array:
+    """`xla_attention` in a heads-first layout: what it runs in the trainer's step on one CPU device.
+
+    Keys/values [B, K, S, H] and queries [B, K, G*T, H] (the G query heads of one K/V head stacked
+    along the rows): both matmuls and the softmax work on contiguous [G*T, S] blocks, so XLA:CPU
+    needs no strided copies of the scores, forward or backward (`xla_attention`'s einsums give
+    [B, K, G, T, S] scores that it transposed). The softmax's gradient is its closed form
+    `p * (dp - sum(p * dp))` (`jax.softmax_custom_jvp`), which saves only the probabilities for
+    the backward pass; differentiated through exp, sum and divide it saved the unnormalised
+    exponentials, 1/sum^2 and the probabilities. Same values; gradients to float32 rounding.
+    """
+    b, t, n, h = q_btnh.shape
+    s, kh = k_bskh.shape[1], k_bskh.shape[2]
+    g = n // kh
+    q_bkrh = q_btnh.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, h)
+    k_bksh, v_bksh = k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)
+    batch = ((0, 1), (0, 1))  # (batch, kv head)
+    scores = jax.lax.dot_general(q_bkrh, k_bksh, (((3,), (3,)), batch),
+                                 preferred_element_type=jnp.float32) * scale
+    mask = _block_mask(t, s, causal, segment_ids_bt, segment_ids_bt)  # [B|1, 1, 1, T, S]
+    mask = jnp.broadcast_to(mask, (mask.shape[0], 1, g, t, s)).reshape(mask.shape[0], 1, g * t, s)
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    with jax.softmax_custom_jvp(True):
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
+    out = jax.lax.dot_general(probs, v_bksh, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
+    return out.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype)
 
 
 _IMPLS = ("xla", "flash")
