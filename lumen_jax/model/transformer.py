@@ -13,6 +13,7 @@ from flax import nnx
 
 from lumen_jax.config import ModelConfig
 from lumen_jax.model.layers import Block, RMSNorm, _param, rope_frequencies
+from lumen_jax.ops import fp8 as fp8_ops
 from lumen_jax.ops.projection import project, remat_policy
 from lumen_jax.parallel.rules import constrain
 
@@ -56,12 +57,23 @@ class Transformer(nnx.Module):
         inv_freq = rope_frequencies(cfg)
         graphdef, layer_state = nnx.split(self.blocks)
 
-        def body(x_btd: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
-            return nnx.merge(graphdef, state)(x_btd, positions_bt, segment_ids_bt, inv_freq), None
+        def make_body(fp8_on: bool | None):
+            # One function per setting: scan caches a traced body by function, and the fp8 setting
+            # (`layers_enabled`) is read while tracing.
+            def body(x_btd: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
+                with fp8_ops.layers_enabled(fp8_on):
+                    return nnx.merge(graphdef, state)(x_btd, positions_bt, segment_ids_bt, inv_freq), None
 
-        if cfg.remat != "none":
-            body = jax.checkpoint(body, policy=remat_policy(_REMAT_POLICIES[cfg.remat]), prevent_cse=False)
-        x_btd, _ = jax.lax.scan(body, x_btd, layer_state)
+            if cfg.remat != "none":
+                return jax.checkpoint(body, policy=remat_policy(_REMAT_POLICIES[cfg.remat]), prevent_cse=False)
+            return body
+
+        runs = fp8_ops.layer_runs(cfg.fp8, cfg.num_layers)
+        if len(runs) == 1:
+            x_btd, _ = jax.lax.scan(make_body(None), x_btd, layer_state)
+        else:  # fp8 in some layers only (first/last kept in bf16): one scan per run of equal setting
+            for start, stop, on in runs:
+                x_btd, _ = jax.lax.scan(make_body(on), x_btd, jax.tree.map(lambda v: v[start:stop], layer_state))
         x_btd = constrain(self.final_norm(x_btd), ("batch", "seq", "act_embed"))  # SP: gather, as in Block
         w_dv = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
         logits = project("btd,dv->btv", x_btd, w_dv.astype(dt), jnp.float32)

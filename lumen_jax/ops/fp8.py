@@ -29,9 +29,11 @@ numerics only.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import re
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -259,11 +261,40 @@ def layer_mask(cfg: Fp8Config, num_layers: int) -> tuple[bool, ...]:
     return tuple(i not in kept for i in range(num_layers))
 
 
+def layer_runs(cfg: Fp8Config, num_layers: int) -> list[tuple[int, int, bool]]:
+    """The layers as runs [start, stop) of equal `layer_mask` value: (0, 1, False), (1, L-1, True),
+    (L-1, L, False) with the first and last layers kept in bf16. The model scans each run with its
+    setting fixed (`layers_enabled`), so no layer needs a per-layer `lax.cond`."""
+    mask = layer_mask(cfg, num_layers)
+    runs: list[tuple[int, int, bool]] = []
+    for i, on in enumerate(mask):
+        if runs and runs[-1][2] == on:
+            runs[-1] = (runs[-1][0], i + 1, on)
+        else:
+            runs.append((i, i + 1, on))
+    return runs
+
+
+_STATIC_ENABLED: contextvars.ContextVar[bool | None] = contextvars.ContextVar("lumen_fp8_enabled", default=None)
+
+
+@contextlib.contextmanager
+def layers_enabled(on: bool | None) -> Iterator[None]:
+    """While tracing a run of layers that all do (or all don't) run fp8: `einsum` needs no cond.
+    None: unknown (each layer reads its `enabled` flag)."""
+    token = _STATIC_ENABLED.set(on)
+    try:
+        yield
+    finally:
+        _STATIC_ENABLED.reset(token)
+
+
 class Fp8Meta(nnx.Module):
     """fp8 settings and state of one layer type's projections, created inside the scanned layer.
 
     `enabled` exists only when some layers run fp8 and others do not: it is stacked along the
-    scan axis like the parameters and picks, per layer, the fp8 or the plain matmul (`lax.cond`).
+    scan axis like the parameters. The model scans each run of equal setting separately
+    (`layer_runs`, `layers_enabled`); only a layer traced on its own reads the flag (`lax.cond`).
     """
 
     def __init__(self, cfg: Fp8Config, num_layers: int, projections: tuple[str, ...]):
@@ -315,12 +346,14 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, meta: Fp8Meta, name: str) -> j
     def fp8_path(x2, w2, hist):
         return dot(x2, w2, meta.recipe, hist)
 
-    if meta.enabled is None:
+    static = _STATIC_ENABLED.get()
+    plain = lambda x2, w2, hist: jnp.einsum("...k,kn->...n", x2, w2.astype(x2.dtype))  # noqa: E731
+    if meta.enabled is None or static is True:
         y = fp8_path(x2, w2, hist)
-    else:  # this layer may be one kept in bf16: the plain matmul, exactly as without fp8
-        y = jax.lax.cond(meta.enabled[...] > 0, fp8_path,
-                         lambda x2, w2, hist: jnp.einsum("...k,kn->...n", x2, w2.astype(x2.dtype)),
-                         x2, w2, hist)
+    elif static is False:  # a layer kept in bf16: the plain matmul, exactly as without fp8
+        y = plain(x2, w2, hist)
+    else:  # traced outside a run of `layers_enabled` (a single layer applied on its own)
+        y = jax.lax.cond(meta.enabled[...] > 0, fp8_path, plain, x2, w2, hist)
     return y.reshape(*batch, *out_dims)
 
 
@@ -418,5 +451,6 @@ _DEF = re.compile(r"(%?[\w.\-]+) = (\w+)\[")
 
 __all__ = ["E4M3", "E5M2", "TILE", "Fp8Meta", "Fp8History", "Fp8Enabled", "amax", "combine_histories",
            "compute_scale", "delayed_scale", "dequantize", "dequantize_blocks", "dot", "einsum",
-           "enabled_values", "fake_quantize_blocks", "fp8_gemms", "fp8_max", "layer_mask", "make_meta",
+           "enabled_values", "fake_quantize_blocks", "fp8_gemms", "fp8_max", "layer_mask", "layer_runs",
+           "layers_enabled", "make_meta",
            "merge_state", "quantize", "quantize_blocks", "split_state", "update_history"]
