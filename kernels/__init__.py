@@ -7,5 +7,7 @@ kernels only through the dispatch in `lumen_jax/ops/`.
 - `flash_attention`: FlashAttention-2 forward and backward (dQ, dK/dV) in Pallas, lowered through
   Triton on GPU and run by Pallas's interpreter on CPU; GQA, causal and document (segment id)
   masking, any sequence length, and the log-sum-exp for merging partial results
-  (`model.attention: flash`; `auto` picks it on GPU).
+  (`model.attention: flash`; `auto` picks it on GPU). Its shared building blocks (tile sizes,
+  the static configuration, tile masks and loop bounds, the `pallas_call` wrapper) are in
+  `flash_tiles`.
 """

@@ -38,246 +38,24 @@ H head dim.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu  # CompilerParams only; safe to import on CPU
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-# Finite, so a fully masked row gives exp2(MASK - MASK) = 1 instead of NaN (its output is the mean of
-# V, as softmax over equal scores in the reference), and far below any real score.
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-MIN_BLOCK = 16  # Triton's tl.dot needs every tile dimension >= 16
-FORWARD_IMPLS = ("triton", "mosaic")
-
-
-def default_interpret() -> bool:
-    """Pallas's interpreter on CPU (the only mode there), compiled kernels on GPU."""
-    return jax.default_backend() == "cpu"
-
-
-# --------------------------------------------------------------------------------------------------
-# Block sizes
-# --------------------------------------------------------------------------------------------------
-
-def _is_pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tile sizes (powers of two >= 16) and Triton launch parameters.
-
-    Forward: programs own `block_q` query rows and stream `block_kv` keys. dK/dV: programs own
-    `block_kv_dkv` keys and stream `block_q_dkv` query rows. dQ: programs own `block_q_dq` rows and
-    stream `block_kv_dq` keys. Tiles larger than the (padded) sequence shrink to fit it.
-    """
-
-    block_q: int = 128
-    block_kv: int = 64
-    block_q_dkv: int = 32
-    block_kv_dkv: int = 128
-    block_q_dq: int = 128
-    block_kv_dq: int = 32
-    num_warps: int = 8
-    num_stages: int = 3
-    num_warps_bwd: int = 8
-    num_stages_bwd: int = 2
-    forward: str = "triton"  # triton | mosaic (Hopper only; see the module docstring)
-
-    def __post_init__(self):
-        for f in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"):
-            v = getattr(self, f)
-            if not (_is_pow2(v) and v >= MIN_BLOCK):
-                raise ValueError(f"BlockSizes.{f}={v} must be a power of two >= {MIN_BLOCK}")
-        if self.forward not in FORWARD_IMPLS:
-            raise ValueError(f"BlockSizes.forward={self.forward!r} is not one of {FORWARD_IMPLS}")
-
-    @classmethod
-    def default(cls, head_dim: int, device: jax.Device | None = None) -> BlockSizes:
-        """Starting points per GPU generation (from the Triton fused-attention tutorial's settings
-        for A100/H100; `benchmarks/attention_gpu.py --sweep` measures alternatives).
-
-        On CPU (interpreter) the largest tiles are the fastest to interpret.
-        """
-        device = device or jax.devices()[0]
-        if device.platform == "cpu":
-            return cls(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128,
-                       block_q_dq=128, block_kv_dq=128)
-        cc = getattr(device, "compute_capability", "0.0")
-        major = int(str(cc).split(".")[0]) if str(cc)[:1].isdigit() else 0
-        if head_dim > 128:  # 256: shared memory limits the tiles
-            return cls(block_q=64, block_kv=32, block_q_dkv=32, block_kv_dkv=64, block_q_dq=64,
-                       block_kv_dq=32, num_warps=8, num_stages=2, num_warps_bwd=8, num_stages_bwd=1)
-        if major >= 9:  # Hopper (H100/H200) and later
-            return cls(block_q=128, block_kv=64 if head_dim > 64 else 128,
-                       num_warps=8 if head_dim > 64 else 4, num_stages=3,
-                       num_warps_bwd=8 if head_dim > 64 else 4, num_stages_bwd=2)
-        # Ampere (A100) and anything else
-        return cls(block_q=128, block_kv=64 if head_dim > 64 else 128,
-                   num_warps=8 if head_dim > 64 else 4, num_stages=2,
-                   num_warps_bwd=4, num_stages_bwd=2)
-
-    def with_overrides(self, block_q: int = 0, block_kv: int = 0) -> BlockSizes:
-        """Config overrides (0 keeps the default): `block_q` is the row tile a program owns in the
-        forward and dQ kernels, `block_kv` the key tile streamed by the forward and owned by dK/dV."""
-        changes = {}
-        if block_q:
-            changes.update(block_q=block_q, block_q_dq=block_q)
-        if block_kv:
-            changes.update(block_kv=block_kv, block_kv_dkv=block_kv)
-        return dataclasses.replace(self, **changes)
-
-
-def _fit(block: int, length: int) -> int:
-    """The tile shrunk to the sequence (rounded up to a power of two, at least MIN_BLOCK)."""
-    return min(block, max(MIN_BLOCK, pl.next_power_of_2(length)))
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-    """Everything the kernels specialise on (hashable: a nondiff argument of the custom_vjp)."""
-
-    scale: float
-    causal: bool
-    blocks: BlockSizes  # already fitted to the sequence lengths
-    q_len: int
-    kv_len: int
-    q_pad: int  # padded lengths: multiples of every q-side (kv-side) tile
-    kv_pad: int
-    interpret: bool
-    poison: bool
-
-
-def _static(q_len, kv_len, *, scale, causal, blocks, interpret, poison) -> _Static:
-    fq = functools.partial(_fit, length=q_len)
-    fk = functools.partial(_fit, length=kv_len)
-    b = dataclasses.replace(blocks, block_q=fq(blocks.block_q), block_kv=fk(blocks.block_kv),
-                            block_q_dkv=fq(blocks.block_q_dkv), block_kv_dkv=fk(blocks.block_kv_dkv),
-                            block_q_dq=fq(blocks.block_q_dq), block_kv_dq=fk(blocks.block_kv_dq))
-    q_pad = _round_up(q_len, max(b.block_q, b.block_q_dkv, b.block_q_dq))  # powers of two: max = lcm
-    kv_pad = _round_up(kv_len, max(b.block_kv, b.block_kv_dkv, b.block_kv_dq))
-    return _Static(scale=scale, causal=causal, blocks=b, q_len=q_len, kv_len=kv_len, q_pad=q_pad,
-                   kv_pad=kv_pad, interpret=interpret, poison=poison)
-
-
-# --------------------------------------------------------------------------------------------------
-# Pieces shared by the kernels
-# --------------------------------------------------------------------------------------------------
-
-def _dot_nt(a, b):
-    """a [M, C] . b [N, C]^T -> [M, N] float32."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _dot_nn(a, b):
-    """a [M, C] . b [C, N] -> [M, N] float32."""
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _dot_tn(a, b):
-    """a [C, M]^T . b [C, N] -> [M, N] float32."""
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _mask(row0, col0, shape, *, causal: bool, kv_len: int | None, q_seg, kv_seg):
-    """Which (row, col) of a [rows, cols] tile starting at (row0, col0) may attend."""
-    rows = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
-    cols = col0 + lax.broadcasted_iota(jnp.int32, shape, 1)
-    mask = jnp.ones(shape, jnp.bool_)
-    if kv_len is not None:
-        mask = mask & (cols < kv_len)
-    if causal:
-        mask = mask & (rows >= cols)
-    if q_seg is not None:
-        mask = mask & (q_seg[:, None] == kv_seg[None, :])
-    return mask
-
-
-def _tail(st: _Static) -> int | None:
-    """The key length to mask beyond, when the keys were padded."""
-    return st.kv_len if st.kv_pad != st.kv_len else None
-
-
-def _kv_loop_bounds(row0, *, st: _Static, block_rows: int, block_cols: int, has_seg: bool):
-    """For a row tile starting at row0: (n_plain, n_total) K/V blocks; blocks [0, n_plain) need no
-    mask at all, blocks [n_plain, n_total) need one, blocks >= n_total are fully masked (skipped)."""
-    n_kv = st.kv_pad // block_cols
-    n_real = st.kv_len // block_cols  # blocks with no padded key
-    if st.causal:
-        n_total = lax.min(lax.div(row0 + block_rows + block_cols - 1, block_cols), n_kv)
-        n_plain = lax.min(lax.div(row0, block_cols), n_real)  # every key < row0 <= every row
-    else:
-        n_total, n_plain = n_kv, n_real
-    if has_seg:
-        n_plain = 0
-    return n_plain, n_total
-
-
-def _q_loop_bounds(col0, *, st: _Static, block_rows: int, block_cols: int, has_seg: bool):
-    """For a key tile starting at col0: (first, plain) query blocks; blocks < first see none of
-    these keys (skipped), [first, plain) need a mask, blocks >= plain need none."""
-    n_q = st.q_pad // block_rows
-    if not st.causal:
-        return 0, 0
-    first = lax.div(col0, block_rows)
-    if has_seg:
-        return first, first
-    # From `plain` on, a query block's first row is beyond the tile's last key.
-    return first, lax.min(lax.div(col0 + block_cols + block_rows - 1, block_rows), n_q)
-
-
-def _compiler_params(num_warps: int, num_stages: int):
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
-def _pallas(kernel, *, args, grid, in_specs, out_specs, out_shape, st: _Static, name: str,
-            num_warps: int, num_stages: int):
-    """pallas_call; with `st.poison` every output starts NaN-filled (an aliased input buffer), so a
-    tile the kernel never writes shows up as NaN, in the interpreter and on GPU alike."""
-    n_in = len(args)
-    if st.poison:
-        fills = [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape]
-        args = [*args, *fills]
-        in_specs = [*in_specs, *out_specs]
-        aliases = {n_in + i: i for i in range(len(out_shape))}
-        inner = kernel
-
-        def kernel(*refs):  # drop the aliased input refs: the kernel writes only its outputs
-            inner(*refs[:n_in], *refs[n_in + len(out_shape):])
-    else:
-        aliases = {}
-    return pl.pallas_call(
-        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        input_output_aliases=aliases, interpret=st.interpret, name=name,
-        compiler_params=None if st.interpret else _compiler_params(num_warps, num_stages),
-    )(*args)
-
-
-def _pad_axis(x, axis: int, size: int, value=0):
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths, constant_values=value)
+# BlockSizes and default_interpret are part of this module's public API (ops/attention.py uses them).
+from lumen_jax.kernels.flash_tiles import (
+    LN2, LOG2E, MASK_VALUE, MIN_BLOCK, BlockSizes, Static, default_interpret, dot_nn, dot_nt, dot_tn, is_pow2,
+    kv_loop_bounds, kv_tail, make_static, pad_axis, q_loop_bounds, run_pallas, tile_mask)
 
 
 # --------------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------------
 
-def _fwd_kernel(*refs, st: _Static, has_seg: bool):
+def _fwd_kernel(*refs, st: Static, has_seg: bool):
     if has_seg:
         q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref = refs
     else:
@@ -294,19 +72,19 @@ def _fwd_kernel(*refs, st: _Static, has_seg: bool):
         col0 = pl.multiple_of(j * bk, bk)
         k = k_ref[pl.ds(col0, bk), :]
         v = v_ref[pl.ds(col0, bk), :]
-        s = _dot_nt(q, k) * qk_scale  # [bq, bk]
+        s = dot_nt(q, k) * qk_scale  # [bq, bk]
         if masked:
             kv_seg = kvseg_ref[pl.ds(col0, bk)] if has_seg else None
-            s = jnp.where(_mask(row0, col0, s.shape, causal=st.causal, kv_len=_tail(st),
+            s = jnp.where(tile_mask(row0, col0, s.shape, causal=st.causal, kv_len=kv_tail(st),
                                 q_seg=q_seg, kv_seg=kv_seg), s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp2(m - m_new)  # rescales what was accumulated under the old max
         p = jnp.exp2(s - m_new[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot_nn(p.astype(v.dtype), v)
+        acc = acc * alpha[:, None] + dot_nn(p.astype(v.dtype), v)
         return acc, m_new, l
 
-    n_plain, n_total = _kv_loop_bounds(row0, st=st, block_rows=bq, block_cols=bk, has_seg=has_seg)
+    n_plain, n_total = kv_loop_bounds(row0, st=st, block_rows=bq, block_cols=bk, has_seg=has_seg)
     carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
     carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False), carry)
@@ -315,7 +93,7 @@ def _fwd_kernel(*refs, st: _Static, has_seg: bool):
     lse_ref[...] = m * LN2 + jnp.log(l)
 
 
-def _forward_triton(q, k, v, q_seg, kv_seg, st: _Static):
+def _forward_triton(q, k, v, q_seg, kv_seg, st: Static):
     """Padded inputs -> (o [B, Tp, N, H], lse [B, N, Tp] f32)."""
     b, tp, n, h = q.shape
     kh = k.shape[2]
@@ -337,14 +115,14 @@ def _forward_triton(q, k, v, q_seg, kv_seg, st: _Static):
                  pl.BlockSpec((None, None, bq), lambda i, bi, ni: (bi, ni, i))]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, n, tp), jnp.float32)]
-    o, lse = _pallas(functools.partial(_fwd_kernel, st=st, has_seg=has_seg), args=args, grid=grid,
+    o, lse = run_pallas(functools.partial(_fwd_kernel, st=st, has_seg=has_seg), args=args, grid=grid,
                      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, st=st,
                      name="flash_fwd", num_warps=st.blocks.num_warps,
                      num_stages=st.blocks.num_stages)
     return o, lse
 
 
-def _forward_mosaic(q, k, v, q_seg, st: _Static):
+def _forward_mosaic(q, k, v, q_seg, st: Static):
     """JAX's Mosaic GPU (Hopper) forward on unpadded inputs -> (o, lse [B, N, T] natural log).
 
     Its kernel has no softmax scale (it uses 1): q is scaled beforehand, in q's dtype.
@@ -373,16 +151,16 @@ def _forward_mosaic(q, k, v, q_seg, st: _Static):
     return o, lse2 * LN2  # its log-sum-exp is in base 2
 
 
-def _forward(q, k, v, q_seg, kv_seg, st: _Static):
+def _forward(q, k, v, q_seg, kv_seg, st: Static):
     """Unpadded inputs -> (o [B, T, N, H], lse [B, N, T] float32)."""
     if st.blocks.forward == "mosaic":
         if st.interpret:
             raise ValueError("BlockSizes(forward='mosaic') needs a Hopper GPU (the interpreter runs "
                              "only the Triton kernels); use forward='triton'")
         return _forward_mosaic(q, k, v, q_seg, st)
-    qp, kp, vp = _pad_axis(q, 1, st.q_pad), _pad_axis(k, 1, st.kv_pad), _pad_axis(v, 1, st.kv_pad)
+    qp, kp, vp = pad_axis(q, 1, st.q_pad), pad_axis(k, 1, st.kv_pad), pad_axis(v, 1, st.kv_pad)
     if q_seg is not None:
-        q_seg, kv_seg = _pad_axis(q_seg, 1, st.q_pad), _pad_axis(kv_seg, 1, st.kv_pad)
+        q_seg, kv_seg = pad_axis(q_seg, 1, st.q_pad), pad_axis(kv_seg, 1, st.kv_pad)
     o, lse = _forward_triton(qp, kp, vp, q_seg, kv_seg, st)
     return o[:, :st.q_len], lse[:, :, :st.q_len]
 
@@ -391,7 +169,7 @@ def _forward(q, k, v, q_seg, kv_seg, st: _Static):
 # Backward
 # --------------------------------------------------------------------------------------------------
 
-def _dkv_kernel(*refs, st: _Static, has_seg: bool, groups: int):
+def _dkv_kernel(*refs, st: Static, has_seg: bool, groups: int):
     if has_seg:
         (q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref) = refs
     else:
@@ -412,21 +190,21 @@ def _dkv_kernel(*refs, st: _Static, has_seg: bool, groups: int):
         do = do_ref[pl.ds(row0, bq), g, :]
         lse2 = lse_ref[g, pl.ds(row0, bq)] * LOG2E  # +inf on padded rows: p = 0 there
         delta = d_ref[g, pl.ds(row0, bq)]
-        s = _dot_nt(q, k) * qk_scale  # [bq, bk]
+        s = dot_nt(q, k) * qk_scale  # [bq, bk]
         if masked:
             q_seg = qseg_ref[pl.ds(row0, bq)] if has_seg else None
             # Padded keys need no mask here: their dK/dV rows are sliced off, and they do not
             # enter the real keys' gradients.
-            s = jnp.where(_mask(row0, col0, s.shape, causal=st.causal, kv_len=None,
+            s = jnp.where(tile_mask(row0, col0, s.shape, causal=st.causal, kv_len=None,
                                 q_seg=q_seg, kv_seg=kv_seg), s, MASK_VALUE)
         p = jnp.exp2(s - lse2[:, None])
-        dv = dv + _dot_tn(p.astype(do.dtype), do)
-        dp = _dot_nt(do, v)
+        dv = dv + dot_tn(p.astype(do.dtype), do)
+        dp = dot_nt(do, v)
         ds = p * (dp - delta[:, None])
-        dk = dk + _dot_tn(ds.astype(q.dtype), q)
+        dk = dk + dot_tn(ds.astype(q.dtype), q)
         return dk, dv
 
-    first, plain = _q_loop_bounds(col0, st=st, block_rows=bq, block_cols=bk, has_seg=has_seg)
+    first, plain = q_loop_bounds(col0, st=st, block_rows=bq, block_cols=bk, has_seg=has_seg)
 
     def head(g, carry):
         carry = lax.fori_loop(first, plain, functools.partial(step, g=g, masked=True), carry)
@@ -438,7 +216,7 @@ def _dkv_kernel(*refs, st: _Static, has_seg: bool, groups: int):
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(*refs, st: _Static, has_seg: bool):
+def _dq_kernel(*refs, st: Static, has_seg: bool):
     if has_seg:
         q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, qseg_ref, kvseg_ref, dq_ref = refs
     else:
@@ -457,36 +235,36 @@ def _dq_kernel(*refs, st: _Static, has_seg: bool):
         col0 = pl.multiple_of(j * bk, bk)
         k = k_ref[pl.ds(col0, bk), :]
         v = v_ref[pl.ds(col0, bk), :]
-        s = _dot_nt(q, k) * qk_scale
+        s = dot_nt(q, k) * qk_scale
         if masked:
             kv_seg = kvseg_ref[pl.ds(col0, bk)] if has_seg else None
-            s = jnp.where(_mask(row0, col0, s.shape, causal=st.causal, kv_len=_tail(st),
+            s = jnp.where(tile_mask(row0, col0, s.shape, causal=st.causal, kv_len=kv_tail(st),
                                 q_seg=q_seg, kv_seg=kv_seg), s, MASK_VALUE)
         p = jnp.exp2(s - lse2[:, None])
-        ds = p * (_dot_nt(do, v) - delta[:, None])
-        return dq + _dot_nn(ds.astype(k.dtype), k)
+        ds = p * (dot_nt(do, v) - delta[:, None])
+        return dq + dot_nn(ds.astype(k.dtype), k)
 
-    n_plain, n_total = _kv_loop_bounds(row0, st=st, block_rows=bq, block_cols=bk, has_seg=has_seg)
+    n_plain, n_total = kv_loop_bounds(row0, st=st, block_rows=bq, block_cols=bk, has_seg=has_seg)
     dq = jnp.zeros(q.shape, jnp.float32)
     dq = lax.fori_loop(0, n_plain, functools.partial(step, masked=False), dq)
     dq = lax.fori_loop(n_plain, n_total, functools.partial(step, masked=True), dq)
     dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
 
 
-def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, st: _Static):
+def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, st: Static):
     """(dq, dk, dv) from unpadded residuals and cotangents."""
     b, t, n, h = q.shape
     kh = k.shape[2]
     g = n // kh
     # D_i = sum_h dO_ih O_ih - dLSE_i: with it, dS = P * (dP - D) covers both cotangents.
     delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), o.astype(jnp.float32)) - dlse
-    qp, dop = _pad_axis(q, 1, st.q_pad), _pad_axis(do, 1, st.q_pad)
-    kp, vp = _pad_axis(k, 1, st.kv_pad), _pad_axis(v, 1, st.kv_pad)
-    lse = _pad_axis(lse, 2, st.q_pad, value=jnp.inf)  # padded rows: P = exp(s - inf) = 0
-    delta = _pad_axis(delta, 2, st.q_pad)
+    qp, dop = pad_axis(q, 1, st.q_pad), pad_axis(do, 1, st.q_pad)
+    kp, vp = pad_axis(k, 1, st.kv_pad), pad_axis(v, 1, st.kv_pad)
+    lse = pad_axis(lse, 2, st.q_pad, value=jnp.inf)  # padded rows: P = exp(s - inf) = 0
+    delta = pad_axis(delta, 2, st.q_pad)
     has_seg = q_seg is not None
     if has_seg:
-        q_seg, kv_seg = _pad_axis(q_seg, 1, st.q_pad), _pad_axis(kv_seg, 1, st.kv_pad)
+        q_seg, kv_seg = pad_axis(q_seg, 1, st.q_pad), pad_axis(kv_seg, 1, st.kv_pad)
     bl = st.blocks
     tp, sp = st.q_pad, st.kv_pad
 
@@ -506,7 +284,7 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, st: _Static):
                      pl.BlockSpec((None, bk), lambda j, bi, ki: (bi, j))]
         args += [q_seg, kv_seg]
     kv_spec = pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0))
-    dk, dv = _pallas(
+    dk, dv = run_pallas(
         functools.partial(_dkv_kernel, st=st, has_seg=has_seg, groups=g), args=args,
         grid=(sp // bk, b, kh), in_specs=in_specs, out_specs=[kv_spec, kv_spec],
         out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)],
@@ -523,7 +301,7 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, st: _Static):
         in_specs += [pl.BlockSpec((None, bq), lambda i, bi, ni: (bi, i)),
                      pl.BlockSpec((None, sp), lambda i, bi, ni: (bi, 0))]
         args += [q_seg, kv_seg]
-    (dq,) = _pallas(
+    (dq,) = run_pallas(
         functools.partial(_dq_kernel, st=st, has_seg=has_seg), args=args, grid=(tp // bq, b, n),
         in_specs=in_specs, out_specs=[q_spec], out_shape=[jax.ShapeDtypeStruct(qp.shape, q.dtype)],
         st=st, name="flash_bwd_dq", num_warps=bl.num_warps_bwd, num_stages=bl.num_stages_bwd)
@@ -535,7 +313,7 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, st: _Static):
 # --------------------------------------------------------------------------------------------------
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, q_seg, kv_seg, st: _Static):
+def _flash(q, k, v, q_seg, kv_seg, st: Static):
     return _forward(q, k, v, q_seg, kv_seg, st)
 
 
@@ -561,7 +339,7 @@ def check_supported(q_shape, k_shape, *, interpret: bool) -> str | None:
         return f"q {tuple(q_shape)} and k/v {tuple(k_shape)} must be [B, T, N, H] and [B, S, K, H]"
     if n % k_shape[2]:
         return f"num_heads={n} must be a multiple of num_kv_heads={k_shape[2]}"
-    if not interpret and not (_is_pow2(h) and h >= MIN_BLOCK):
+    if not interpret and not (is_pow2(h) and h >= MIN_BLOCK):
         return (f"head_dim={h} must be a power of two >= {MIN_BLOCK} for the compiled kernel "
                 "(64, 128 and 256 have tuned block sizes)")
     return None
@@ -610,7 +388,7 @@ def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
         segment_ids_bt = segment_ids_bt.astype(jnp.int32)
         kv_segment_ids_bs = kv_segment_ids_bs.astype(jnp.int32)
     blocks = block_sizes or BlockSizes.default(h)
-    st = _static(t, s, scale=float(h ** -0.5 if scale is None else scale), causal=bool(causal),
+    st = make_static(t, s, scale=float(h ** -0.5 if scale is None else scale), causal=bool(causal),
                  blocks=blocks, interpret=bool(interpret), poison=bool(poison_outputs))
     out, lse = _flash(q_btnh, k_bskh, v_bskh, segment_ids_bt, kv_segment_ids_bs, st)
     return (out, lse) if return_lse else out
@@ -628,7 +406,7 @@ def flash_attention_bwd(q_btnh, k_bskh, v_bskh, o_btnh, lse_bnt, do_btnh, dlse_b
     if segment_ids_bt is not None:
         segment_ids_bt = segment_ids_bt.astype(jnp.int32)
         kv_segment_ids_bs = (segment_ids_bt if kv_segment_ids_bs is None else kv_segment_ids_bs).astype(jnp.int32)
-    st = _static(t, s, scale=float(h ** -0.5 if scale is None else scale), causal=bool(causal),
+    st = make_static(t, s, scale=float(h ** -0.5 if scale is None else scale), causal=bool(causal),
                  blocks=block_sizes or BlockSizes.default(h), interpret=bool(interpret), poison=False)
     dlse_bnt = jnp.zeros_like(lse_bnt) if dlse_bnt is None else dlse_bnt
     return _backward(q_btnh, k_bskh, v_bskh, segment_ids_bt, kv_segment_ids_bs, o_btnh, lse_bnt,

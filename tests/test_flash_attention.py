@@ -25,6 +25,7 @@ from helpers_data import packed_batch
 from lumen_jax.build import build
 from lumen_jax.config import ModelConfig
 from lumen_jax.kernels import flash_attention as fa
+from lumen_jax.kernels import flash_tiles
 from lumen_jax.kernels.flash_attention import BlockSizes, flash_attention, mha_reference
 from lumen_jax.ops import attention as ops
 from lumen_jax.parallel.mesh import make_mesh
@@ -191,7 +192,8 @@ def test_reference_is_the_xla_path():
 
 def test_poisoned_outputs_catch_an_unwritten_tile():
     """The poisoning itself: a kernel that skips a tile leaves NaN there."""
-    st = fa._static(32, 32, scale=1.0, causal=False, blocks=SMALL, interpret=INTERPRET, poison=True)
+    st = flash_tiles.make_static(32, 32, scale=1.0, causal=False, blocks=SMALL, interpret=INTERPRET,
+                                 poison=True)
     x = jnp.ones((32, 16), jnp.float32)
 
     def kernel(x_ref, o_ref, *, skip: int):
@@ -200,7 +202,7 @@ def test_poisoned_outputs_catch_an_unwritten_tile():
             o_ref[...] = x_ref[...]
 
     spec = pl.BlockSpec((16, 16), lambda i: (i, 0))
-    out = lambda skip: fa._pallas(functools.partial(kernel, skip=skip), args=[x], grid=(2,),
+    out = lambda skip: flash_tiles.run_pallas(functools.partial(kernel, skip=skip), args=[x], grid=(2,),
                                   in_specs=[spec], out_specs=[spec],
                                   out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)], st=st,
                                   name="poison_check", num_warps=4, num_stages=1)[0]
@@ -211,25 +213,26 @@ def test_poisoned_outputs_catch_an_unwritten_tile():
 def test_causal_skips_blocks_above_the_diagonal():
     """Causal visits about half the tiles (forward/dQ loop over keys, dK/dV loop over queries)."""
     length, bq, bk = 4096, 128, 64
-    full = fa._static(length, length, scale=1.0, causal=False, blocks=BlockSizes(block_q=bq, block_kv=bk),
-                      interpret=True, poison=False)
+    full = flash_tiles.make_static(length, length, scale=1.0, causal=False,
+                                   blocks=BlockSizes(block_q=bq, block_kv=bk), interpret=True, poison=False)
     causal = dataclasses.replace(full, causal=True)
     n_q, n_kv = length // bq, length // bk
 
     def kv_tiles(st):
-        return sum(int(fa._kv_loop_bounds(i * bq, st=st, block_rows=bq, block_cols=bk, has_seg=False)[1])
+        return sum(int(flash_tiles.kv_loop_bounds(i * bq, st=st, block_rows=bq, block_cols=bk,
+                                                  has_seg=False)[1])
                    for i in range(n_q))
 
     def q_tiles(st):
-        return sum(n_q - int(fa._q_loop_bounds(j * bk, st=st, block_rows=bq, block_cols=bk,
-                                                has_seg=False)[0]) for j in range(n_kv))
+        return sum(n_q - int(flash_tiles.q_loop_bounds(j * bk, st=st, block_rows=bq, block_cols=bk,
+                                                       has_seg=False)[0]) for j in range(n_kv))
 
     assert kv_tiles(full) == q_tiles(full) == n_q * n_kv
     for tiles in (kv_tiles(causal), q_tiles(causal)):
         assert 0.5 <= tiles / (n_q * n_kv) <= 0.5 + 1 / min(n_q, n_kv), tiles
     # Only the tiles crossing the diagonal build a mask: one or two per row of tiles here.
     masked = sum(int(n_total) - int(n_plain) for n_plain, n_total in (
-        fa._kv_loop_bounds(i * bq, st=causal, block_rows=bq, block_cols=bk, has_seg=False)
+        flash_tiles.kv_loop_bounds(i * bq, st=causal, block_rows=bq, block_cols=bk, has_seg=False)
         for i in range(n_q)))
     assert masked == n_q * (bq // bk)
 

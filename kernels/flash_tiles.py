@@ -1,0 +1,241 @@
+"""The building blocks of the FlashAttention kernels (`flash_attention.py`): tile sizes, the static
+configuration a kernel specialises on, tile masks and loop bounds, and the `pallas_call` wrapper.
+
+Shared by the forward and both backward kernels; nothing here is a kernel itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu  # CompilerParams only; safe to import on CPU
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# Finite, so a fully masked row gives exp2(MASK - MASK) = 1 instead of NaN (its output is the mean of
+# V, as softmax over equal scores in the reference), and far below any real score.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+MIN_BLOCK = 16  # Triton's tl.dot needs every tile dimension >= 16
+FORWARD_IMPLS = ("triton", "mosaic")
+
+
+def default_interpret() -> bool:
+    """Pallas's interpreter on CPU (the only mode there), compiled kernels on GPU."""
+    return jax.default_backend() == "cpu"
+
+
+# --------------------------------------------------------------------------------------------------
+# Block sizes
+# --------------------------------------------------------------------------------------------------
+
+def is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes (powers of two >= 16) and Triton launch parameters.
+
+    Forward: programs own `block_q` query rows and stream `block_kv` keys. dK/dV: programs own
+    `block_kv_dkv` keys and stream `block_q_dkv` query rows. dQ: programs own `block_q_dq` rows and
+    stream `block_kv_dq` keys. Tiles larger than the (padded) sequence shrink to fit it.
+    """
+
+    block_q: int = 128
+    block_kv: int = 64
+    block_q_dkv: int = 32
+    block_kv_dkv: int = 128
+    block_q_dq: int = 128
+    block_kv_dq: int = 32
+    num_warps: int = 8
+    num_stages: int = 3
+    num_warps_bwd: int = 8
+    num_stages_bwd: int = 2
+    forward: str = "triton"  # triton | mosaic (Hopper only; see the module docstring)
+
+    def __post_init__(self):
+        for f in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"):
+            v = getattr(self, f)
+            if not (is_pow2(v) and v >= MIN_BLOCK):
+                raise ValueError(f"BlockSizes.{f}={v} must be a power of two >= {MIN_BLOCK}")
+        if self.forward not in FORWARD_IMPLS:
+            raise ValueError(f"BlockSizes.forward={self.forward!r} is not one of {FORWARD_IMPLS}")
+
+    @classmethod
+    def default(cls, head_dim: int, device: jax.Device | None = None) -> BlockSizes:
+        """Starting points per GPU generation (from the Triton fused-attention tutorial's settings
+        for A100/H100; `benchmarks/attention_gpu.py --sweep` measures alternatives).
+
+        On CPU (interpreter) the largest tiles are the fastest to interpret.
+        """
+        device = device or jax.devices()[0]
+        if device.platform == "cpu":
+            return cls(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128,
+                       block_q_dq=128, block_kv_dq=128)
+        cc = getattr(device, "compute_capability", "0.0")
+        major = int(str(cc).split(".")[0]) if str(cc)[:1].isdigit() else 0
+        if head_dim > 128:  # 256: shared memory limits the tiles
+            return cls(block_q=64, block_kv=32, block_q_dkv=32, block_kv_dkv=64, block_q_dq=64,
+                       block_kv_dq=32, num_warps=8, num_stages=2, num_warps_bwd=8, num_stages_bwd=1)
+        if major >= 9:  # Hopper (H100/H200) and later
+            return cls(block_q=128, block_kv=64 if head_dim > 64 else 128,
+                       num_warps=8 if head_dim > 64 else 4, num_stages=3,
+                       num_warps_bwd=8 if head_dim > 64 else 4, num_stages_bwd=2)
+        # Ampere (A100) and anything else
+        return cls(block_q=128, block_kv=64 if head_dim > 64 else 128,
+                   num_warps=8 if head_dim > 64 else 4, num_stages=2,
+                   num_warps_bwd=4, num_stages_bwd=2)
+
+    def with_overrides(self, block_q: int = 0, block_kv: int = 0) -> BlockSizes:
+        """Config overrides (0 keeps the default): `block_q` is the row tile a program owns in the
+        forward and dQ kernels, `block_kv` the key tile streamed by the forward and owned by dK/dV."""
+        changes = {}
+        if block_q:
+            changes.update(block_q=block_q, block_q_dq=block_q)
+        if block_kv:
+            changes.update(block_kv=block_kv, block_kv_dkv=block_kv)
+        return dataclasses.replace(self, **changes)
+
+
+def fit(block: int, length: int) -> int:
+    """The tile shrunk to the sequence (rounded up to a power of two, at least MIN_BLOCK)."""
+    return min(block, max(MIN_BLOCK, pl.next_power_of_2(length)))
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """Everything the kernels specialise on (hashable: a nondiff argument of the custom_vjp)."""
+
+    scale: float
+    causal: bool
+    blocks: BlockSizes  # already fitted to the sequence lengths
+    q_len: int
+    kv_len: int
+    q_pad: int  # padded lengths: multiples of every q-side (kv-side) tile
+    kv_pad: int
+    interpret: bool
+    poison: bool
+
+
+def make_static(q_len, kv_len, *, scale, causal, blocks, interpret, poison) -> Static:
+    fq = functools.partial(fit, length=q_len)
+    fk = functools.partial(fit, length=kv_len)
+    b = dataclasses.replace(blocks, block_q=fq(blocks.block_q), block_kv=fk(blocks.block_kv),
+                            block_q_dkv=fq(blocks.block_q_dkv), block_kv_dkv=fk(blocks.block_kv_dkv),
+                            block_q_dq=fq(blocks.block_q_dq), block_kv_dq=fk(blocks.block_kv_dq))
+    q_pad = round_up(q_len, max(b.block_q, b.block_q_dkv, b.block_q_dq))  # powers of two: max = lcm
+    kv_pad = round_up(kv_len, max(b.block_kv, b.block_kv_dkv, b.block_kv_dq))
+    return Static(scale=scale, causal=causal, blocks=b, q_len=q_len, kv_len=kv_len, q_pad=q_pad,
+                   kv_pad=kv_pad, interpret=interpret, poison=poison)
+
+
+# --------------------------------------------------------------------------------------------------
+# Pieces shared by the kernels
+# --------------------------------------------------------------------------------------------------
+
+def dot_nt(a, b):
+    """a [M, C] . b [N, C]^T -> [M, N] float32."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def dot_nn(a, b):
+    """a [M, C] . b [C, N] -> [M, N] float32."""
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def dot_tn(a, b):
+    """a [C, M]^T . b [C, N] -> [M, N] float32."""
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def tile_mask(row0, col0, shape, *, causal: bool, kv_len: int | None, q_seg, kv_seg):
+    """Which (row, col) of a [rows, cols] tile starting at (row0, col0) may attend."""
+    rows = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
+    cols = col0 + lax.broadcasted_iota(jnp.int32, shape, 1)
+    mask = jnp.ones(shape, jnp.bool_)
+    if kv_len is not None:
+        mask = mask & (cols < kv_len)
+    if causal:
+        mask = mask & (rows >= cols)
+    if q_seg is not None:
+        mask = mask & (q_seg[:, None] == kv_seg[None, :])
+    return mask
+
+
+def kv_tail(st: Static) -> int | None:
+    """The key length to mask beyond, when the keys were padded."""
+    return st.kv_len if st.kv_pad != st.kv_len else None
+
+
+def kv_loop_bounds(row0, *, st: Static, block_rows: int, block_cols: int, has_seg: bool):
+    """For a row tile starting at row0: (n_plain, n_total) K/V blocks; blocks [0, n_plain) need no
+    mask at all, blocks [n_plain, n_total) need one, blocks >= n_total are fully masked (skipped)."""
+    n_kv = st.kv_pad // block_cols
+    n_real = st.kv_len // block_cols  # blocks with no padded key
+    if st.causal:
+        n_total = lax.min(lax.div(row0 + block_rows + block_cols - 1, block_cols), n_kv)
+        n_plain = lax.min(lax.div(row0, block_cols), n_real)  # every key < row0 <= every row
+    else:
+        n_total, n_plain = n_kv, n_real
+    if has_seg:
+        n_plain = 0
+    return n_plain, n_total
+
+
+def q_loop_bounds(col0, *, st: Static, block_rows: int, block_cols: int, has_seg: bool):
+    """For a key tile starting at col0: (first, plain) query blocks; blocks < first see none of
+    these keys (skipped), [first, plain) need a mask, blocks >= plain need none."""
+    n_q = st.q_pad // block_rows
+    if not st.causal:
+        return 0, 0
+    first = lax.div(col0, block_rows)
+    if has_seg:
+        return first, first
+    # From `plain` on, a query block's first row is beyond the tile's last key.
+    return first, lax.min(lax.div(col0 + block_cols + block_rows - 1, block_rows), n_q)
+
+
+def compiler_params(num_warps: int, num_stages: int):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def run_pallas(kernel, *, args, grid, in_specs, out_specs, out_shape, st: Static, name: str,
+            num_warps: int, num_stages: int):
+    """pallas_call; with `st.poison` every output starts NaN-filled (an aliased input buffer), so a
+    tile the kernel never writes shows up as NaN, in the interpreter and on GPU alike."""
+    n_in = len(args)
+    if st.poison:
+        fills = [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape]
+        args = [*args, *fills]
+        in_specs = [*in_specs, *out_specs]
+        aliases = {n_in + i: i for i in range(len(out_shape))}
+        inner = kernel
+
+        def kernel(*refs):  # drop the aliased input refs: the kernel writes only its outputs
+            inner(*refs[:n_in], *refs[n_in + len(out_shape):])
+    else:
+        aliases = {}
+    return pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        input_output_aliases=aliases, interpret=st.interpret, name=name,
+        compiler_params=None if st.interpret else compiler_params(num_warps, num_stages),
+    )(*args)
+
+
+def pad_axis(x, axis: int, size: int, value=0):
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
