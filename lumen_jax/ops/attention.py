@@ -56,12 +56,8 @@ def xla_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
     q_btkgh = q_btnh.reshape(b, t, kh, n // kh, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh,
                         preferred_element_type=jnp.float32) * scale
-    mask_bts = jnp.ones((1, t, s), dtype=bool)
-    if causal:
-        mask_bts = mask_bts & (jnp.arange(t)[:, None] >= jnp.arange(s)[None, :])[None]
-    if segment_ids_bt is not None:
-        mask_bts = mask_bts & (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])
-    scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(_block_mask(t, s, causal, segment_ids_bt, segment_ids_bt), scores,
+                       jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh, preferred_element_type=jnp.float32)
     return out.reshape(b, t, n, h).astype(q_btnh.dtype)
@@ -119,11 +115,7 @@ def _active_mesh() -> tuple[jax.sharding.Mesh, rules_lib.Rules] | None:
 
 def _flash_unsupported(q_btnh: jax.Array, k_bskh: jax.Array) -> str | None:
     """Why the flash kernel cannot take this call on this backend (None: it can)."""
-    problem = flash_lib.check_supported(q_btnh.shape, k_bskh.shape,
-                                        interpret=flash_lib.default_interpret())
-    if problem:
-        return problem
-    return None
+    return flash_lib.check_supported(q_btnh.shape, k_bskh.shape, interpret=flash_lib.default_interpret())
 
 
 def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
@@ -156,6 +148,7 @@ def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
 
 
 def _block_mask(t: int, s: int, causal: bool, q_seg, kv_seg) -> jax.Array:
+    """Causal (top-left aligned) and document mask of [T] queries against [S] keys."""
     mask = jnp.ones((1, t, s), dtype=bool)
     if causal:
         mask = mask & (jnp.arange(t)[:, None] >= jnp.arange(s)[None, :])[None]
@@ -229,11 +222,10 @@ def context_parallel_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax
     """
     mesh, rules = rules_lib.active()
     name = resolve(impl)
-    if name == "flash" and flash_lib.check_supported(q_btnh.shape, k_bskh.shape,
-                                                     interpret=flash_lib.default_interpret()):
+    problem = name == "flash" and _flash_unsupported(q_btnh, k_bskh)
+    if problem:
         if impl != "auto":
-            raise ValueError("model.attention=flash: " + flash_lib.check_supported(
-                q_btnh.shape, k_bskh.shape, interpret=flash_lib.default_interpret()))
+            raise ValueError(f"model.attention=flash: {problem}")
         name = "xla"
     kernel = block_kernel(name, q_btnh.shape[-1], scale=scale, block_q=block_q, block_kv=block_kv)
     return context_lib.context_attention(

@@ -224,7 +224,7 @@ def _device_slice(x, device, length: int):
     return None if x is None else lax.dynamic_slice_in_dim(x, device * length, length, axis=1)
 
 
-# _UNROLL: the ring's hops are unrolled (C-1 copies of the hop, C is small) rather than a loop.
+# _UNROLL: the ring's hops are unrolled (C copies of the hop, C is small) rather than a loop.
 # With the ppermutes inside a nested while loop, XLA:CPU ran a device's hop permute concurrently
 # with an FSDP all-gather outside the loop; with 8 emulated devices the blocked collectives used
 # up the runtime's threads and the step aborted ("Expected 8 threads to join the rendezvous") in 2
@@ -249,13 +249,13 @@ def _forward(q, k, v, q_seg, kv_seg, spec: _Spec):
 
         acc, _ = lax.scan(step, acc, jnp.arange(c))
     else:
-        def hop(carry, s):
-            acc, kv = carry
-            incoming = _shift(kv, c)  # issued before this hop's compute: the transfer can overlap it
-            return (attend(acc, kv=kv, kv_device=(i - s) % c), incoming), None
-
-        (acc, kv), _ = lax.scan(hop, (acc, (k, v, kv_seg)), jnp.arange(c - 1), unroll=True)  # see _UNROLL
-        acc = attend(acc, kv=kv, kv_device=(i - (c - 1)) % c)  # the last hop sends nothing on
+        kv = (k, v, kv_seg)
+        for s in range(c):  # unrolled: see _UNROLL
+            # The next hop's transfer is issued before this hop's compute, so it can overlap it;
+            # the last hop sends nothing on.
+            incoming = _shift(kv, c) if s < c - 1 else None
+            acc = attend(acc, kv=kv, kv_device=(i - s) % c)
+            kv = incoming
     o = _join([o for o, _ in acc], 1)
     lse = _join([lse for _, lse in acc], 2)
     return o.astype(q.dtype), lse
@@ -287,17 +287,14 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, spec: _Spec):
         dk = lax.psum_scatter(dk_all, AXIS, scatter_dimension=1, tiled=True)
         dv = lax.psum_scatter(dv_all, AXIS, scatter_dimension=1, tiled=True)
     else:
-        def hop(carry, s, last: bool = False):
-            dq, kv, dkv = carry
-            incoming = kv if last else _shift(kv, c)  # next hop's K/V, issued before the compute
-            dq, dk, dv = grads(dq, kv=kv, kv_device=(i - s) % c)
+        kv = (k, v, kv_seg)
+        dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+        for s in range(c):  # unrolled: see _UNROLL
+            incoming = _shift(kv, c) if s < c - 1 else None  # next hop's K/V, issued before the compute
+            dq, dk_s, dv_s = grads(dq, kv=kv, kv_device=(i - s) % c)
             # The accumulators travel with their K/V: after C shifts they are back at their owner.
-            dkv = _shift((dkv[0] + dk, dkv[1] + dv), c)
-            return (dq, incoming, dkv), None
-
-        dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-        carry, _ = lax.scan(hop, (dq, (k, v, kv_seg), dkv), jnp.arange(c - 1), unroll=True)  # see _UNROLL
-        (dq, _, (dk, dv)), _ = hop(carry, c - 1, last=True)
+            dk, dv = _shift((dk + dk_s, dv + dv_s), c)
+            kv = incoming
     return _join(dq, 1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
