@@ -66,17 +66,15 @@ def build(cfg: Config, mesh: Mesh) -> Trainer:
     rules = Rules(zero_stage=cfg.optim.zero_stage, sequence_parallel=cfg.mesh.sequence_parallel,
                   context_parallel=cfg.model.context_parallel, context_balance=cfg.model.context_balance)
     graphdef, shapes, names = param_shapes_and_names(cfg.model)
-    # fp8 variables (ops/fp8.py) are not parameters: amax histories go to TrainState.fp8_state, the
-    # per-layer enable flags are constants of the step.
-    names, fp8_names, flag_names = fp8_lib.split_state(names)
-    _, fp8_shapes, _ = fp8_lib.split_state(shapes)
+    # fp8 variables (ops/fp8.py) are not parameters: the amax histories go to TrainState.fp8_state.
+    names, fp8_names = fp8_lib.split_state(names)
+    _, fp8_shapes = fp8_lib.split_state(shapes)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     fp16 = cfg.model.compute_dtype == "float16"
     sc = step_lib.StepConfig(graphdef=graphdef, tx=tx, lr_schedule=schedule(cfg.optim, cfg.train.steps),
                              micro_batches=cfg.train.micro_batches, z_loss=cfg.optim.z_loss,
                              dynamic_loss_scale=fp16,
                              loss_scale_growth_interval=cfg.optim.loss_scale_growth_interval,
-                             fp8_flags=fp8_lib.enabled_values(flag_names, cfg.model.fp8, cfg.model.num_layers) or None,
                              fp8_fresh=jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), fp8_shapes) or None)
     named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
@@ -86,7 +84,7 @@ def build(cfg: Config, mesh: Mesh) -> Trainer:
     replicated = named(P())
 
     def make_state() -> step_lib.TrainState:
-        params, fp8_state, _ = fp8_lib.split_state(init_params(cfg.model, cfg.train.seed))
+        params, fp8_state = fp8_lib.split_state(init_params(cfg.model, cfg.train.seed))
         return step_lib.init_state(params, tx, cfg.optim.loss_scale_init if fp16 else 1.0, fp8_state)
 
     abstract = jax.eval_shape(make_state)

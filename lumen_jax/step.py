@@ -46,9 +46,7 @@ class StepConfig:
     z_loss: float = 0.0
     dynamic_loss_scale: bool = False  # float16
     loss_scale_growth_interval: int = 2000
-    # fp8 (ops/fp8.py): per-layer enable flags (constants from the config) and fresh amax histories;
-    # numpy trees, or None without fp8.
-    fp8_flags: Any = dataclasses.field(default=None, compare=False)
+    # fp8 (ops/fp8.py): fresh amax histories (a numpy tree), or None without fp8.
     fp8_fresh: Any = dataclasses.field(default=None, compare=False)
 
 
@@ -65,7 +63,7 @@ def _micro_loss(params: dict, fp8_state: dict, mb: Batch, total_tokens: jax.Arra
 
     Its gradient with respect to `fp8_state` is the updated amax histories (ops/fp8.py).
     """
-    variables = fp8_ops.merge_state(params, fp8_state, sc.fp8_flags)
+    variables = fp8_ops.merge_state(params, fp8_state)
     logits_btv = apply(sc.graphdef, variables, mb["inputs"], mb["positions"], mb["segment_ids"])
     mask = mb["loss_mask"].astype(jnp.float32)
     ce_sum = (optax.softmax_cross_entropy_with_integer_labels(logits_btv, mb["targets"]) * mask).sum()

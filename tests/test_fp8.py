@@ -216,7 +216,7 @@ def _trainer(fp8_cfg: Fp8Config, num_layers: int = 3, compute_dtype: str = "bflo
     return build(cfg, make_mesh(shape, devices))
 
 
-def test_layer_mask_and_flags():
+def test_layer_mask_and_runs():
     assert fp8.layer_mask(Fp8Config(recipe="delayed"), 4) == (False, True, True, False)
     assert fp8.layer_mask(Fp8Config(recipe="current", keep_bf16=("last",)), 3) == (True, True, False)
     assert fp8.layer_mask(Fp8Config(recipe="current", keep_bf16=()), 2) == (True, True)
@@ -228,20 +228,22 @@ def test_layer_mask_and_flags():
     hist = tr.step_cfg.fp8_fresh["blocks"]
     assert set(hist) == {"mlp"} and set(hist["mlp"]["fp8"]["history"]) == {"gate", "up", "down"}
     assert hist["mlp"]["fp8"]["history"]["up"]["g"].shape == (4, 4)  # [layers, amax_history]
-    np.testing.assert_array_equal(tr.step_cfg.fp8_flags["blocks"]["mlp"]["fp8"]["enabled"], [0, 1, 1, 0])
+    assert fp8.layer_runs(tr.cfg.model.fp8, 4) == [(0, 1, False), (1, 3, True), (3, 4, False)]
+    assert fp8.layer_runs(Fp8Config(recipe="current", keep_bf16=()), 3) == [(0, 3, True)]
     assert "fp8" not in tr.param_names["blocks"]["mlp"]  # not a parameter: no optimizer state
 
 
-def test_einsum_flag_picks_fp8_or_the_plain_matmul():
-    meta = fp8.Fp8Meta(Fp8Config(recipe="current", keep_bf16=("first",)), 2, ("q",))
+def test_einsum_run_setting_picks_fp8_or_the_plain_matmul():
+    meta = fp8.Fp8Meta(Fp8Config(recipe="current", keep_bf16=("first",)), ("q",))
     x, w, _ = _operands(3)
     w3 = w.reshape(64, 4, 24)
     plain = jnp.einsum("btd,dnh->btnh", x, w3)
-    meta.enabled[...] = jnp.float32(0.0)
-    np.testing.assert_array_equal(fp8.einsum("btd,dnh->btnh", x, w3, meta, "q"), plain)
-    meta.enabled[...] = jnp.float32(1.0)
-    np.testing.assert_array_equal(fp8.einsum("btd,dnh->btnh", x, w3, meta, "q"),
-                                  fp8.dot(x, w, "current").reshape(plain.shape))
+    with fp8.layers_enabled(False):
+        np.testing.assert_array_equal(fp8.einsum("btd,dnh->btnh", x, w3, meta, "q"), plain)
+    for on in (True, None):
+        with fp8.layers_enabled(on):
+            np.testing.assert_array_equal(fp8.einsum("btd,dnh->btnh", x, w3, meta, "q"),
+                                          fp8.dot(x, w, "current").reshape(plain.shape))
     with pytest.raises(ValueError, match="trailing axes"):
         fp8.einsum("btd,ndh->btnh", x, w3.transpose(1, 0, 2), meta, "q")
 

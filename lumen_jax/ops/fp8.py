@@ -248,10 +248,6 @@ class Fp8History(nnx.Variable):
     """An amax history [H] of one operand of one projection (delayed recipe): train state, not a parameter."""
 
 
-class Fp8Enabled(nnx.Variable):
-    """1.0 where this layer's matmuls run in fp8, 0.0 where kept in bf16: a constant set from the config."""
-
-
 def layer_mask(cfg: Fp8Config, num_layers: int) -> tuple[bool, ...]:
     """Per layer, whether its chosen matmuls run in fp8 (`keep_bf16` holds first and/or last)."""
     if cfg.recipe == "none":
@@ -280,8 +276,8 @@ _STATIC_ENABLED: contextvars.ContextVar[bool | None] = contextvars.ContextVar("l
 
 @contextlib.contextmanager
 def layers_enabled(on: bool | None) -> Iterator[None]:
-    """While tracing a run of layers that all do (or all don't) run fp8: `einsum` needs no cond.
-    None: unknown (each layer reads its `enabled` flag)."""
+    """While tracing a run of layers that all do (on) or all don't (off) run fp8 (None: the layer
+    type's setting, i.e. fp8 wherever the layer has an `Fp8Meta`)."""
     token = _STATIC_ENABLED.set(on)
     try:
         yield
@@ -292,16 +288,12 @@ def layers_enabled(on: bool | None) -> Iterator[None]:
 class Fp8Meta(nnx.Module):
     """fp8 settings and state of one layer type's projections, created inside the scanned layer.
 
-    `enabled` exists only when some layers run fp8 and others do not: it is stacked along the
-    scan axis like the parameters. The model scans each run of equal setting separately
-    (`layer_runs`, `layers_enabled`); only a layer traced on its own reads the flag (`lax.cond`).
+    Which layers actually run fp8 is not state: the model scans each run of layers with an equal
+    setting separately (`layer_runs`) and says which while tracing it (`layers_enabled`).
     """
 
-    def __init__(self, cfg: Fp8Config, num_layers: int, projections: tuple[str, ...]):
+    def __init__(self, cfg: Fp8Config, projections: tuple[str, ...]):
         self.recipe = cfg.recipe
-        mask = layer_mask(cfg, num_layers)
-        mixed = 0 < sum(mask) < num_layers
-        self.enabled = Fp8Enabled(jnp.ones((), jnp.float32), sharding_names=()) if mixed else None
         if cfg.recipe == "delayed":
             self.history = nnx.Dict({p: nnx.Dict({k: Fp8History(jnp.zeros((cfg.amax_history,), jnp.float32),
                                                                 sharding_names=(None,))
@@ -315,7 +307,7 @@ def make_meta(cfg: Fp8Config, num_layers: int, layer_type: str,
     """The `Fp8Meta` of a layer type, or None when none of its matmuls run in fp8."""
     if layer_type not in cfg.layers or not any(layer_mask(cfg, num_layers)):
         return None
-    return Fp8Meta(cfg, num_layers, projections)
+    return Fp8Meta(cfg, projections)
 
 
 def _split_spec(spec: str, x_ndim: int, w_ndim: int) -> int:
@@ -343,17 +335,10 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, meta: Fp8Meta, name: str) -> j
     history = meta.history[name] if meta.history is not None else None
     hist = None if history is None else {key: history[key][...] for key in HISTORY_KEYS}
 
-    def fp8_path(x2, w2, hist):
-        return dot(x2, w2, meta.recipe, hist)
-
-    static = _STATIC_ENABLED.get()
-    plain = lambda x2, w2, hist: jnp.einsum("...k,kn->...n", x2, w2.astype(x2.dtype))  # noqa: E731
-    if meta.enabled is None or static is True:
-        y = fp8_path(x2, w2, hist)
-    elif static is False:  # a layer kept in bf16: the plain matmul, exactly as without fp8
-        y = plain(x2, w2, hist)
-    else:  # traced outside a run of `layers_enabled` (a single layer applied on its own)
-        y = jax.lax.cond(meta.enabled[...] > 0, fp8_path, plain, x2, w2, hist)
+    if _STATIC_ENABLED.get() is False:  # a layer kept in bf16: the plain matmul, exactly as without fp8
+        y = jnp.einsum("...k,kn->...n", x2, w2.astype(x2.dtype))
+    else:
+        y = dot(x2, w2, meta.recipe, hist)
     return y.reshape(*batch, *out_dims)
 
 
@@ -362,31 +347,27 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, meta: Fp8Meta, name: str) -> j
 # --------------------------------------------------------------------------------------------------
 
 
-def split_state(tree: dict) -> tuple[dict, dict, dict]:
-    """Splits the model's variable dict into (params, fp8 histories, fp8 enable flags).
+def split_state(tree: dict) -> tuple[dict, dict]:
+    """Splits the model's variable dict into (params, fp8 amax histories).
 
-    fp8 variables live under keys named `fp8` (`...attn.fp8.history.q.x`, `...attn.fp8.enabled`);
-    leaves may be arrays, shapes or logical names.
+    fp8 variables live under keys named `fp8` (`...attn.fp8.history.q.x`); leaves may be arrays,
+    shapes or logical names.
     """
-    params, hist, consts = {}, {}, {}
+    params, hist = {}, {}
     for key, value in tree.items():
         if key == "fp8" and isinstance(value, dict):
             hist[key] = {k: v for k, v in value.items() if k == "history"}
-            consts[key] = {k: v for k, v in value.items() if k == "enabled"}
         elif isinstance(value, dict):
-            p, h, c = split_state(value)
-            params[key] = p
+            params[key], h = split_state(value)
             if h:
                 hist[key] = h
-            if c:
-                consts[key] = c
         else:
             params[key] = value
-    return params, _prune(hist), _prune(consts)
+    return params, _prune(hist)
 
 
 def _prune(tree: dict) -> dict:
-    """Drops empty dicts (a meta without history or flag)."""
+    """Drops empty dicts (a meta without history)."""
     out = {}
     for k, v in tree.items():
         v = _prune(v) if isinstance(v, dict) else v
@@ -396,7 +377,7 @@ def _prune(tree: dict) -> dict:
 
 
 def merge_state(*trees: dict | None) -> dict:
-    """Deep union of nested dicts (params, histories, flags) back into the model's variable dict."""
+    """Deep union of nested dicts (params, histories) back into the model's variable dict."""
     trees = [t for t in trees if t]
     if len(trees) == 1:
         return trees[0]  # fp8 off: the very same dict
@@ -405,12 +386,6 @@ def merge_state(*trees: dict | None) -> dict:
         for k, v in t.items():
             out[k] = merge_state(out[k], v) if isinstance(v, dict) and k in out else v
     return out
-
-
-def enabled_values(consts: dict, cfg: Fp8Config, num_layers: int) -> dict:
-    """The flags of `consts` (any leaves) set to the per-layer mask of `cfg`: float32 [L] each."""
-    mask = np.asarray(layer_mask(cfg, num_layers), np.float32)
-    return jax.tree.map(lambda _: mask, consts, is_leaf=lambda x: not isinstance(x, dict))
 
 
 def combine_histories(a: dict, b: dict) -> dict:
@@ -449,8 +424,8 @@ def fp8_gemms(hlo_text: str) -> list[str]:
 _DEF = re.compile(r"(%?[\w.\-]+) = (\w+)\[")
 
 
-__all__ = ["E4M3", "E5M2", "TILE", "Fp8Meta", "Fp8History", "Fp8Enabled", "amax", "combine_histories",
+__all__ = ["E4M3", "E5M2", "TILE", "Fp8Meta", "Fp8History", "amax", "combine_histories",
            "compute_scale", "delayed_scale", "dequantize", "dequantize_blocks", "dot", "einsum",
-           "enabled_values", "fake_quantize_blocks", "fp8_gemms", "fp8_max", "layer_mask", "layer_runs",
+           "fake_quantize_blocks", "fp8_gemms", "fp8_max", "layer_mask", "layer_runs",
            "layers_enabled", "make_meta",
            "merge_state", "quantize", "quantize_blocks", "split_state", "update_history"]
