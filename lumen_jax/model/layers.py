@@ -24,7 +24,7 @@ from lumen_jax.parallel.rules import constrain
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float) -> nnx.Param:
     value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
-    return nnx.Param(value, sharding_names=names)
+    return nnx.Param(value, out_sharding=names)
 
 
 def _project(spec: str, x: jax.Array, w: nnx.Param, meta: fp8_ops.Fp8Meta | None, name: str) -> jax.Array:
@@ -36,7 +36,7 @@ def _project(spec: str, x: jax.Array, w: nnx.Param, meta: fp8_ops.Fp8Meta | None
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), sharding_names=("norm",))
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=("norm",))
         self.eps = eps
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:

@@ -296,7 +296,7 @@ class Fp8Meta(nnx.Module):
         self.recipe = cfg.recipe
         if cfg.recipe == "delayed":
             self.history = nnx.Dict({p: nnx.Dict({k: Fp8History(jnp.zeros((cfg.amax_history,), jnp.float32),
-                                                                sharding_names=(None,))
+                                                                out_sharding=(None,))
                                                   for k in HISTORY_KEYS}) for p in projections})
         else:
             self.history = None
