@@ -29,7 +29,7 @@ from lumen_jax.kernels import flash_tiles
 from lumen_jax.kernels.flash_attention import BlockSizes, flash_attention, mha_reference
 from lumen_jax.ops import attention as ops
 from lumen_jax.parallel.mesh import make_mesh
-from test_parallel import BASE, batches, with_mesh
+from helpers_run import BASE, batches, with_mesh
 
 INTERPRET = fa.default_interpret()
 RTOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}  # by dtype, as tests/test_model.py

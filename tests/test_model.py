@@ -21,7 +21,7 @@ from lumen_jax.model.layers import apply_rope, rope_frequencies
 from lumen_jax.ops.attention import xla_attention
 from lumen_jax.optim import make_optimizer, schedule
 from lumen_jax.parallel.mesh import make_mesh
-from test_parallel import BASE, assert_same_run, run, with_mesh
+from helpers_run import BASE, assert_same_run, run, with_mesh
 
 FP32_RTOL = 1e-5
 BF16_RTOL = 1e-2
