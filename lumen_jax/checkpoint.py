@@ -8,9 +8,9 @@ A checkpoint at step N is `<run_dir>/checkpoints/N/` holding two Orbax items:
 Orbax writes each step into a temporary folder and renames it when every file is written, and it
 deletes old steps only after the new one is committed: a crash or SIGKILL mid-save leaves the last
 committed step intact. On restore the arrays are read straight into the target shardings (so a
-checkpoint from one mesh lands on another), then their checksums are recomputed and compared; a
-step that fails to read or whose checksums differ is reported in one line, moved aside to
-`checkpoints/corrupt-N`, and the previous step is tried.
+checkpoint from one mesh lands on another), then their checksums (checksums.py) are recomputed
+and compared; a step that fails to read or whose checksums differ is reported in one line, moved
+aside to `checkpoints/corrupt-N`, and the previous step is tried.
 
 With several processes each writes its own shards (Orbax) and process 0 the JSON; a checkpoint
 restores in any process count, because arrays are read into the target shardings and the data
@@ -27,11 +27,11 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from lumen_jax.checksums import checksum_list
 from lumen_jax.config import CheckpointConfig
 
 
@@ -44,36 +44,6 @@ class Restored:
     step: int
     state: Any
     meta: dict
-
-
-def _words(x: jax.Array) -> jax.Array:
-    """The array's bits as uint32 words (the checksum must see bits, not values: -0.0 != 0.0)."""
-    x = jnp.ravel(x)
-    if x.dtype.itemsize == 4:
-        return jax.lax.bitcast_convert_type(x, jnp.uint32)
-    if x.dtype.itemsize == 2:
-        return jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
-    if x.dtype.itemsize == 1:
-        return jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
-    raise TypeError(f"no checksum for dtype {x.dtype}")
-
-
-@jax.jit
-def checksums(tree: Any) -> Any:
-    """Per array, two uint32 sums of its bits (plain and position-weighted), exact on any mesh.
-
-    Integer sums wrap around and are associative, so the result does not depend on how the array
-    is sharded or in which order devices add up their parts.
-    """
-    def one(x: jax.Array) -> jax.Array:
-        w = _words(x)
-        weight = (jnp.arange(w.shape[0], dtype=jnp.uint32) % jnp.uint32(65521)) + jnp.uint32(1)
-        return jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * weight, dtype=jnp.uint32)])
-    return jax.tree.map(one, tree)
-
-
-def _checksum_list(tree: Any) -> list[list[int]]:
-    return [[int(v) for v in np.asarray(c)] for c in jax.tree.leaves(jax.device_get(checksums(tree)))]
 
 
 class Checkpointer:
@@ -107,7 +77,7 @@ class Checkpointer:
         waiting for it); the files are written in the background.
         """
         t0 = time.perf_counter()
-        meta = {**meta, "checksums": _checksum_list(state)}
+        meta = {**meta, "checksums": checksum_list(state)}
         try:
             self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                              meta=ocp.args.JsonSave(meta)), force=True)
@@ -137,7 +107,7 @@ class Checkpointer:
             try:
                 out = self._restore(step, abstract_state)
                 meta = dict(out["meta"])
-                if _checksum_list(out["state"]) != meta.get("checksums"):
+                if checksum_list(out["state"]) != meta.get("checksums"):
                     raise ValueError("array checksums differ from those recorded at save time")
                 return Restored(step=step, state=out["state"], meta=meta)
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: report and fall back
