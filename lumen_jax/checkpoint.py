@@ -12,6 +12,10 @@ checkpoint from one mesh lands on another), then their checksums (checksums.py) 
 and compared; a step that fails to read or whose checksums differ is reported in one line, moved
 aside to `checkpoints/corrupt-N`, and the previous step is tried.
 
+`Checkpointer.maybe_save`, called after every step, decides whether a save is due: every
+`every_steps` steps, every `every_minutes` minutes (process 0's clock), at the last step when
+either is set, and always on preemption.
+
 With several processes each writes its own shards (Orbax) and process 0 the JSON; a checkpoint
 restores in any process count, because arrays are read into the target shardings and the data
 state holds every process's streams (loop.py).
@@ -24,7 +28,7 @@ import os
 import shutil
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -47,7 +51,8 @@ class Restored:
 
 
 class Checkpointer:
-    """Saves every `every_steps` steps and/or `every_minutes` minutes; restores the latest good step."""
+    """Saves every `every_steps` steps and/or `every_minutes` minutes, at the last step and on
+    preemption (`maybe_save` decides); restores the latest good step."""
 
     def __init__(self, directory: str, cfg: CheckpointConfig):
         self.directory = os.path.abspath(directory)
@@ -61,14 +66,42 @@ class Checkpointer:
             enable_async_checkpointing=self.cfg.async_save, create=True, cleanup_tmp_directories=True)
         return ocp.CheckpointManager(self.directory, options=options)
 
-    def due(self, step: int) -> bool:
-        """Whether the schedule asks for a checkpoint after `step`."""
+    @property
+    def enabled(self) -> bool:
+        """Whether checkpoints are scheduled at all (`every_steps` or `every_minutes` set)."""
+        return self.cfg.every_steps > 0 or self.cfg.every_minutes > 0
+
+    def _due(self, step: int) -> bool:
+        """Whether the schedule asks for a checkpoint after `step` (a collective with several
+        processes and `every_minutes`: call it on every process at the same steps)."""
         by_steps = self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
         by_time = (self.cfg.every_minutes > 0
                    and time.monotonic() - self._last_save_time >= 60 * self.cfg.every_minutes)
         if self.cfg.every_minutes > 0 and jax.process_count() > 1:  # all save at the same step: process 0's clock
             by_time = bool(multihost_utils.broadcast_one_to_all(np.int32(by_time)))
         return by_steps or by_time
+
+    def maybe_save(self, step: int, state: Any, meta: Callable[[], dict], *, last: bool,
+                   force: bool = False) -> float | None:
+        """Saves after `step` if one is due; returns the seconds the caller stalled, or None if no save.
+
+        A save is due when `force` is set (preemption: always saved), at the last step when
+        checkpointing is enabled, and when `every_steps` or `every_minutes` ask for one. Call it
+        after every step on every process: the time-based decision is process 0's, broadcast.
+
+        Args:
+          step: the step just taken.
+          state: the state after `step`.
+          meta: called only when saving (it may gather from all processes): the JSON to store.
+          last: `step` is the run's final step.
+          force: save whatever the schedule says (preemption), even with checkpointing off;
+            only the last step with checkpointing off is never saved (the run ends there anyway).
+        """
+        if last and not self.enabled:
+            return None
+        if not (force or last or self._due(step)):
+            return None
+        return self.save(step, state, meta())
 
     def save(self, step: int, state: Any, meta: dict) -> float:
         """Starts writing `state` (+ JSON `meta`) as step `step`; returns the seconds the caller stalled.

@@ -7,6 +7,10 @@ only for the device-to-host copy; Orbax writes in the background.
 With several processes every process runs this loop in step: a checkpoint records every process's
 data position (process 0 writes them all), and SIGTERM goes through JAX's preemption service, which
 picks one step at which all processes save and stop.
+
+After each step the loop hands over to small pieces that own their decision: `NonFiniteGuard`
+(skipped steps, Diverged), `Checkpointer.maybe_save` (whether a save is due: schedule, last step,
+preemption) and the after-step hooks (only `fault_hooks`, for tests, when its variable is set).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import json
 import os
 import signal
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 from jax.experimental import multihost_utils
@@ -86,19 +90,60 @@ class Events:
                                     **({"attempt": attempt} if attempt else {}), **fields}) + "\n")
 
 
-def _inject_kill(run_dir: str, step: int) -> None:
-    """Fault injection for tests: SIGKILL this process once after each step in
-    LUMEN_FAULT_SIGKILL_AFTER_STEPS (comma-separated), after the step (and its checkpoint, if one
-    was due) was issued: the async write may still be in flight. LUMEN_FAULT_PROCESS=i limits it to
-    process i of a multi-process run."""
+class NonFiniteGuard:
+    """Counts the steps whose update was skipped (non-finite loss or gradient norm) and raises
+    Diverged after `max_in_a_row` of them in a row.
+
+    Each step's metrics are checked one step late (`after_step`), when they are ready: the host
+    never waits for the device for the guard.
+    """
+
+    def __init__(self, max_in_a_row: int, checkpoint_dir: str):
+        self.max_in_a_row = max_in_a_row
+        self.checkpoint_dir = checkpoint_dir
+        self.in_a_row = 0
+        self.skipped_total = 0  # skipped steps among those checked so far
+        self._pending: tuple[int, Any] | None = None
+
+    def after_step(self, step: int, step_metrics: Any) -> None:
+        """Checks the previous step's metrics, then keeps `step`'s (with its `skipped` flag)."""
+        if self._pending is not None:
+            done_step, done_metrics = self._pending
+            if int(done_metrics["skipped"]):
+                self.in_a_row, self.skipped_total = self.in_a_row + 1, self.skipped_total + 1
+                if self.in_a_row >= self.max_in_a_row:
+                    raise Diverged(
+                        f"{self.in_a_row} steps in a row (up to step {done_step}) had a non-finite "
+                        f"loss or gradient norm (train.max_nonfinite_steps={self.max_in_a_row}); "
+                        f"updates were skipped and the last checkpoint in {self.checkpoint_dir} is intact; "
+                        "lower optim.lr or check the data, then rerun to resume")
+            else:
+                self.in_a_row = 0
+        self._pending = (step, step_metrics)
+
+
+def fault_hooks(run_dir: str) -> list[Callable[[int], None]]:
+    """Fault injection for tests, installed only when LUMEN_FAULT_SIGKILL_AFTER_STEPS is set.
+
+    Returns the hooks the loop calls after each step (none without the variable): SIGKILL this
+    process once after each step in LUMEN_FAULT_SIGKILL_AFTER_STEPS (comma-separated), after the
+    step (and its checkpoint, if one was due) was issued: the async write may still be in flight.
+    A marker file in `run_dir` makes each kill happen once across restarts. LUMEN_FAULT_PROCESS=i
+    limits it to process i of a multi-process run.
+    """
     steps = os.environ.get("LUMEN_FAULT_SIGKILL_AFTER_STEPS", "")
     only = os.environ.get("LUMEN_FAULT_PROCESS", "")
-    marker = os.path.join(run_dir, f".fault-killed-{step}")
-    if only and int(only) != jax.process_index():
-        return
-    if str(step) in steps.split(",") and not os.path.exists(marker):
-        open(marker, "w").close()
-        os.kill(os.getpid(), signal.SIGKILL)
+    if not steps or (only and int(only) != jax.process_index()):
+        return []
+    kill_after = {s.strip() for s in steps.split(",")}
+
+    def kill(step: int) -> None:
+        marker = os.path.join(run_dir, f".fault-killed-{step}")
+        if str(step) in kill_after and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return [kill]
 
 
 def _all_data_states(state: dict) -> dict | None:
@@ -146,10 +191,7 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     flops = metrics_lib.flops_per_token(cfg.model, cfg.data.seq_len)
     hw_flops = metrics_lib.hardware_flops_per_token(cfg.model, cfg.data.seq_len)
-    # With fp8 matmuls MFU is against the fp8 peak (`mfu`), and against the bf16 one (`mfu_bf16`).
-    fp8 = cfg.model.fp8.recipe != "none"
-    peak, peak_source = metrics_lib.peak_flops_per_device(jax.devices(), "fp8" if fp8 else cfg.model.compute_dtype)
-    bf16_peak = metrics_lib.peak_flops_per_device(jax.devices(), "bfloat16")[0] if fp8 else None
+    peaks = metrics_lib.model_peaks(cfg.model, jax.devices())
 
     t0 = time.perf_counter()
     data_state = data.get_state()  # position after `start` batches: what a checkpoint records
@@ -159,20 +201,17 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
         print(f"lumen_jax: {jax.device_count()} {jax.devices()[0].platform} devices, mesh "
               + " ".join(f"{k}={v}" for k, v in trainer.mesh.shape.items())
               + f", {metrics_lib.param_counts(cfg.model)['total'] / 1e6:.2f}M params, "
-              f"compiled in {time.perf_counter() - t0:.1f}s, peak {peak_source}, run dir {run_dir}"
+              f"compiled in {time.perf_counter() - t0:.1f}s, peak {peaks.source}, run dir {run_dir}"
               + (f", resumed from step {start}" if start else ""), flush=True)
 
-    def save(step: int) -> float:
-        meta = {"data": _all_data_states(data_state), "config": to_dict(cfg)}
-        stall = ckpt.save(step, state, meta)
-        events.write("checkpoint", step=step)
-        return stall
+    def meta() -> dict:  # only when saving: gathers every process's data position
+        return {"data": _all_data_states(data_state), "config": to_dict(cfg)}
 
     stop = _StopSignal()
+    guard = NonFiniteGuard(cfg.train.max_nonfinite_steps, ckpt.directory)
+    after_step = fault_hooks(run_dir)
     last: dict = {}
     stall = 0.0
-    nonfinite_run = skipped_total = 0
-    previous: tuple[int, Any] | None = None
     log_every = cfg.log.every_steps
     try:
         with metrics_lib.MetricsWriter(run_dir, jsonl=cfg.log.jsonl, tensorboard=cfg.log.tensorboard,
@@ -187,19 +226,7 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
                 if step < cfg.train.steps:  # host work overlaps the running step
                     batch = trainer.shard_batch(next(data))
 
-                # Guards on the previous step's metrics (ready by now; no pipeline stall).
-                for done_step, done_metrics in [previous] if previous else []:
-                    if int(done_metrics["skipped"]):
-                        nonfinite_run, skipped_total = nonfinite_run + 1, skipped_total + 1
-                        if nonfinite_run >= cfg.train.max_nonfinite_steps:
-                            raise Diverged(
-                                f"{nonfinite_run} steps in a row (up to step {done_step}) had a non-finite "
-                                f"loss or gradient norm (train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}); "
-                                f"updates were skipped and the last checkpoint in {ckpt.directory} is intact; "
-                                "lower optim.lr or check the data, then rerun to resume")
-                    else:
-                        nonfinite_run = 0
-                previous = (step, step_metrics)
+                guard.after_step(step, step_metrics)  # checks the previous step's (ready by now)
 
                 if cfg.train.sdc_check_every and step % cfg.train.sdc_check_every == 0:
                     bad = find_divergent_replicas(trainer.mesh, state.params)
@@ -214,9 +241,9 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
                     perf = metrics_lib.StepMetrics.compute(
                         step_time_s=(now - t_last) / steps_since, tokens_per_step=tokens_per_step,
                         num_devices=jax.device_count(), flops_per_token=flops,
-                        hw_flops_per_token=hw_flops, peak_flops_per_device=peak,
-                        bf16_peak_flops_per_device=bf16_peak)
-                    last = {**values, **perf.as_dict(), "skipped_total": skipped_total,
+                        hw_flops_per_token=hw_flops, peak_flops_per_device=peaks.per_device,
+                        bf16_peak_flops_per_device=peaks.bf16_per_device)
+                    last = {**values, **perf.as_dict(), "skipped_total": guard.skipped_total,
                             "checkpoint_stall_s": stall}
                     writer.write(step, last)
                     progress.update(step, last)
@@ -224,15 +251,16 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
                     t_last, steps_since, stall = time.perf_counter(), 0, 0.0
 
                 stopping = stop.requested(step)
-                if stopping or ckpt.due(step) or step == cfg.train.steps:
-                    if step == cfg.train.steps and not (cfg.checkpoint.every_steps or cfg.checkpoint.every_minutes):
-                        break  # checkpointing off: nothing to write at the end
-                    stall += save(step)
+                saved = ckpt.maybe_save(step, state, meta, last=step == cfg.train.steps, force=stopping)
+                if saved is not None:
+                    stall += saved
+                    events.write("checkpoint", step=step)
                     if stopping:
                         ckpt.wait()
                         raise Preempted(f"stopped by signal {signal.Signals(stop.received).name} after step "
                                         f"{step}; checkpoint written to {ckpt.directory}; rerun to resume")
-                _inject_kill(run_dir, step)
+                for hook in after_step:
+                    hook(step)
         ckpt.wait()
     finally:
         stop.restore()

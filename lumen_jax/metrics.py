@@ -192,6 +192,29 @@ def peak_flops_per_device(devices: Sequence[Any], dtype: str) -> tuple[float | N
     return None, f"unknown peak for {kind!r} {dtype}; MFU/HFU not reported"
 
 
+@dataclasses.dataclass(frozen=True)
+class Peaks:
+    """The peak FLOP/s of one device that a run's MFU and HFU are measured against."""
+
+    per_device: float | None  # the matmuls' dtype: fp8 with fp8 matmuls, else the compute dtype
+    source: str  # where `per_device` came from (`peak_flops_per_device`)
+    bf16_per_device: float | None  # with fp8 matmuls, the bf16 peak (for `mfu_bf16`); else None
+
+
+def model_peaks(cfg: ModelConfig, devices: Sequence[Any]) -> Peaks:
+    """The peaks for a model: with fp8 matmuls MFU is against the fp8 peak (`mfu`) and against the
+    bf16 one (`mfu_bf16`), otherwise against the compute dtype's peak.
+
+    Args:
+        cfg: the model (its `fp8.recipe` and `compute_dtype`).
+        devices: the run's devices (`jax.devices()`), as in `peak_flops_per_device`.
+    """
+    fp8 = cfg.fp8.recipe != "none"
+    peak, source = peak_flops_per_device(devices, "fp8" if fp8 else cfg.compute_dtype)
+    bf16_peak = peak_flops_per_device(devices, "bfloat16")[0] if fp8 else None
+    return Peaks(per_device=peak, source=source, bf16_per_device=bf16_peak)
+
+
 # --------------------------------------------------------------------------------------------------
 # Step metrics
 # --------------------------------------------------------------------------------------------------

@@ -113,6 +113,74 @@ def test_missing_file_falls_back_and_half_written_save_is_ignored(saved, tmp_pat
     assert ckpt.restore_latest(_trainer(fsdp=8).abstract_state()).step == 1
 
 
+class _RecordingManager:
+    """Stands in for Orbax's manager: records the steps saved, writes nothing."""
+
+    def __init__(self):
+        self.saved = []
+
+    def save(self, step, args, force):
+        self.saved.append(step)
+
+    def close(self):
+        pass
+
+
+def _decisions(cfg: CheckpointConfig, steps: int, tmp_path, force_at=(), time_passes=None) -> list[int]:
+    """The steps `maybe_save` saves at; `time_passes` {step: fraction of every_minutes} before it."""
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), cfg)
+    ckpt._manager.close()
+    ckpt._manager = manager = _RecordingManager()
+    metas = []
+    for step in range(1, steps + 1):
+        ckpt._last_save_time -= 60 * cfg.every_minutes * (time_passes or {}).get(step, 0.0)
+        stall = ckpt.maybe_save(step, {"w": np.arange(3.0)}, lambda: metas.append(step) or {},
+                                last=step == steps, force=step in force_at)
+        assert (stall is None) == (step not in manager.saved[-1:])
+    assert metas == manager.saved  # meta is built only for a save
+    return manager.saved
+
+
+def test_maybe_save_decides_when_a_save_is_due(tmp_path):
+    every3 = CheckpointConfig(every_steps=3)
+    assert _decisions(every3, 7, tmp_path) == [3, 6, 7]  # the schedule, and the last step
+    assert _decisions(every3, 7, tmp_path, force_at=(4,)) == [3, 4, 6, 7]  # preemption
+    off = CheckpointConfig()
+    assert _decisions(off, 5, tmp_path) == []  # off: not even the last step
+    assert _decisions(off, 5, tmp_path, force_at=(2,)) == [2]  # preemption saves anyway
+    assert _decisions(off, 5, tmp_path, force_at=(5,)) == []  # ... but not at the end of a run without
+    minutes = CheckpointConfig(every_minutes=1.0)
+    assert _decisions(minutes, 6, tmp_path, time_passes={2: 1.0, 4: 1.0}) == [2, 4, 6]
+    assert _decisions(minutes, 6, tmp_path, time_passes={2: 0.5, 4: 0.5}) == [4, 6]
+    # Any save restarts the clock: after the forced one at 3, only half the time passes by 4.
+    assert _decisions(minutes, 6, tmp_path, time_passes={2: 0.5, 4: 0.5}, force_at=(3,)) == [3, 6]
+
+
+def test_nonfinite_guard_counts_one_step_late_and_raises_in_a_row():
+    from lumen_jax.loop import Diverged, NonFiniteGuard
+    guard = NonFiniteGuard(3, "/ckpts")
+    for step, skipped in enumerate([0, 1, 1, 0, 1, 1], start=1):
+        guard.after_step(step, {"skipped": np.int32(skipped)})
+    assert (guard.skipped_total, guard.in_a_row) == (3, 1)  # step 6 is checked with step 7's metrics
+    guard.after_step(7, {"skipped": np.int32(1)})
+    assert (guard.skipped_total, guard.in_a_row) == (4, 2)
+    with pytest.raises(Diverged, match=r"3 steps in a row \(up to step 7\).*max_nonfinite_steps=3.*/ckpts"):
+        guard.after_step(8, {"skipped": np.int32(0)})
+
+
+def test_fault_hooks_only_with_the_variable(tmp_path, monkeypatch):
+    from lumen_jax.loop import fault_hooks
+    monkeypatch.delenv("LUMEN_FAULT_SIGKILL_AFTER_STEPS", raising=False)
+    monkeypatch.delenv("LUMEN_FAULT_PROCESS", raising=False)
+    assert fault_hooks(str(tmp_path)) == []
+    monkeypatch.setenv("LUMEN_FAULT_SIGKILL_AFTER_STEPS", "5,8")
+    [kill] = fault_hooks(str(tmp_path))
+    kill(4)  # not a listed step: nothing happens
+    assert not os.listdir(tmp_path)
+    monkeypatch.setenv("LUMEN_FAULT_PROCESS", str(jax.process_index() + 1))  # another process's
+    assert fault_hooks(str(tmp_path)) == []
+
+
 def test_nan_gradient_skips_the_update():
     trainer = _trainer(fsdp=8)
     state = trainer.init()
