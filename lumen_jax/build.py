@@ -69,7 +69,7 @@ def build(cfg: Config, mesh: Mesh) -> Trainer:
     # fp8 variables (ops/fp8.py) are not parameters: the amax histories go to TrainState.fp8_state.
     names, fp8_names = fp8_lib.split_state(names)
     _, fp8_shapes = fp8_lib.split_state(shapes)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_optimizer(cfg.optim, cfg.train.steps, names)
     fp16 = cfg.model.compute_dtype == "float16"
     sc = step_lib.StepConfig(graphdef=graphdef, tx=tx, lr_schedule=schedule(cfg.optim, cfg.train.steps),
                              micro_batches=cfg.train.micro_batches, z_loss=cfg.optim.z_loss,

@@ -1,4 +1,5 @@
-"""The optax chain: global-norm clipping, AdamW (decoupled decay on matrices), warmup + decay."""
+"""The optax chain: global-norm clipping, AdamW (decoupled decay on matrices, not on parameters
+with the logical axis `norm`), warmup + decay."""
 
 from __future__ import annotations
 
@@ -23,16 +24,30 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
 
 
-def _decay_mask(params: dict) -> dict:
-    # Weight decay on weight matrices only: norms' scales are excluded (their path says "norm").
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: not any("norm" in str(getattr(k, "key", "")) for k in path), params)
+def decay_mask(param_names: dict) -> dict:
+    """Which parameters get weight decay: the weight matrices, not the norms' scales.
+
+    Args:
+        param_names: {path: logical axis names} of the parameters (`model.param_shapes_and_names`);
+            a parameter with the logical axis `norm` is a norm's scale.
+
+    Returns:
+        {path: bool}, the parameters' tree structure.
+    """
+    return jax.tree.map(lambda names: "norm" not in names, param_names,
+                        is_leaf=lambda x: isinstance(x, tuple))
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """AdamW with the schedule above, after global-norm clipping when `grad_clip > 0`."""
+def make_optimizer(cfg: OptimConfig, total_steps: int, param_names: dict) -> optax.GradientTransformation:
+    """AdamW with the schedule above, after global-norm clipping when `grad_clip > 0`.
+
+    Args:
+        cfg: the optimizer's settings.
+        total_steps: the run's length (the default decay horizon).
+        param_names: {path: logical axis names} of the parameters, for `decay_mask`.
+    """
     adamw = optax.adamw(schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                        weight_decay=cfg.weight_decay, mask=_decay_mask)
+                        weight_decay=cfg.weight_decay, mask=decay_mask(param_names))
     if cfg.grad_clip > 0:
         return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
     return adamw

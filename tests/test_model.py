@@ -343,11 +343,11 @@ def test_bfloat16_trains():
 # --------------------------------------------------------------------------------------------------
 
 def test_z_loss_gradients():
-    graphdef, _, _ = param_shapes_and_names(TINY)
+    graphdef, _, names = param_shapes_and_names(TINY)
     params = init_params(TINY, seed=0)
     batch = {k: jnp.asarray(v) for k, v in packed_batch(4, 16, TINY.vocab_size, seed=5).items()}
     opt = OptimConfig()
-    tx = make_optimizer(opt, 10)
+    tx = make_optimizer(opt, 10, names)
 
     def step_grads(z: float):
         sc = step_lib.StepConfig(graphdef=graphdef, tx=tx, lr_schedule=schedule(opt, 10), z_loss=z)
