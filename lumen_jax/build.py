@@ -17,6 +17,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from lumen_jax.config import Config
+from lumen_jax.data import BATCH_KEYS
 from lumen_jax.model import init_params, param_shapes_and_names
 from lumen_jax.ops import fp8 as fp8_lib
 from lumen_jax.optim import make_optimizer, schedule
@@ -24,7 +25,6 @@ from lumen_jax.parallel import context as context_lib
 from lumen_jax.parallel.rules import Rules, activate
 from lumen_jax import step as step_lib
 
-BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 BATCH_AXES = ("batch", "seq")
 
 

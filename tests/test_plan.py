@@ -17,8 +17,9 @@ from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lumen_jax import metrics, plan
-from lumen_jax.build import BATCH_KEYS, build
+from lumen_jax.build import build
 from lumen_jax.config import ModelConfig, load_config
+from lumen_jax.data import BATCH_KEYS
 from lumen_jax.parallel.mesh import make_mesh
 from lumen_jax.plan.cli import main
 
