@@ -12,7 +12,7 @@ rows and fills the chip: forward and forward+backward time, TFLOP/s and the comp
 - `flash`: lumen_jax.kernels.flash_attention (Pallas, Triton lowering), the default block sizes;
 - `flash-mosaic`: the same with the forward through JAX's Mosaic GPU (Hopper) kernel;
 - `cudnn`: jax.nn.dot_product_attention(implementation="cudnn");
-- `xla`: lumen_jax.ops.attention.xla_attention (materialises the L x L scores; OOM is reported).
+- `xla`: lumen_jax.ops.reference.reference, what `model.attention=xla` runs (materialises the L x L scores; OOM is reported).
 
 FLOPs: forward 4*B*N*L^2*H, forward+backward 3.5x that (the backward's 5 matmuls against the
 forward's 2; recomputation not counted), causal counted as half. A wall-clock budget
@@ -36,22 +36,24 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from lumen_jax.kernels import flash_attention as fa  # noqa: E402
-from lumen_jax.ops.attention import xla_attention  # noqa: E402
+from lumen_jax.ops.reference import reference  # noqa: E402
+
+INTERPRET = jax.default_backend() == "cpu"  # the kernels run in Pallas's interpreter there
 
 IMPLS = ("flash", "flash-mosaic", "cudnn", "xla")
 
 
 def attention_fn(impl: str, causal: bool, blocks: fa.BlockSizes | None):
     if impl == "flash":
-        return functools.partial(fa.flash_attention, causal=causal, block_sizes=blocks)
+        return functools.partial(fa.flash_attention, causal=causal, block_sizes=blocks, interpret=INTERPRET)
     if impl == "flash-mosaic":
         mosaic = dataclasses.replace(blocks or fa.BlockSizes.default(128), forward="mosaic",
                                      block_q=64, block_kv=128)
-        return functools.partial(fa.flash_attention, causal=causal, block_sizes=mosaic)
+        return functools.partial(fa.flash_attention, causal=causal, block_sizes=mosaic, interpret=INTERPRET)
     if impl == "cudnn":
         return functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation="cudnn")
     if impl == "xla":
-        return functools.partial(xla_attention, causal=causal)
+        return lambda q, k, v: reference(q, k, v, causal=causal)[0]
     raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
 
 

@@ -1,4 +1,4 @@
-"""FlashAttention-2 in Pallas: forward, backward (dQ and dK/dV kernels), `custom_vjp`, reference.
+"""FlashAttention-2 in Pallas: forward, backward (dQ and dK/dV kernels), `custom_vjp`.
 
 `flash_attention(q, k, v, ...)` computes `softmax(q k^T * scale, masked) v` without ever holding
 the [T, S] score matrix: each program owns a tile of rows, streams the other side's blocks through
@@ -11,7 +11,7 @@ scores from Q, K and that log-sum-exp:
   Q/dO blocks of every query head of its group (GQA without repeating K/V anywhere);
 - the dQ kernel: one program per (Q block, batch, head) streams the K/V blocks.
 
-Semantics are those of `lumen_jax.ops.attention.xla_attention` (same argument names and masks):
+Semantics are those of `lumen_jax.ops.reference.reference` (same argument names and masks):
 causal masking is top-left aligned (query t sees keys s <= t), segment ids mask attention across
 packed documents, query head n uses kv head n // (N // K). Scores, softmax and every accumulator
 are float32 whatever the input dtype; the probabilities are cast to V's dtype for the P.V matmul
@@ -27,7 +27,7 @@ skips the K/V blocks above the diagonal, and only the blocks crossing the diagon
 tail, or any block when segment ids are given) pay for building a mask.
 
 On GPU the kernels lower through Pallas's Triton backend (`interpret=False`); on CPU they run in
-Pallas's interpreter (`interpret=True`, see `default_interpret`). `BlockSizes(forward="mosaic")`
+Pallas's interpreter (`interpret=True`): the caller says which (the trainer: `lumen_jax.ops.choice`). `BlockSizes(forward="mosaic")`
 runs the forward through JAX's Mosaic GPU (Hopper wgmma/TMA) attention kernel instead, keeping our
 Triton backward; it supports fewer cases (no segment ids, bf16/fp16, head dim a multiple of 64) and
 is opt-in until the benchmark (`benchmarks/attention_gpu.py`) shows it faster.
@@ -45,9 +45,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-# BlockSizes and default_interpret are part of this module's public API (ops/attention.py uses them).
+# BlockSizes is part of this module's public API (ops/choice.py uses it).
 from lumen_jax.kernels.flash_tiles import (
-    LN2, LOG2E, MASK_VALUE, MIN_BLOCK, BlockSizes, Static, default_interpret, dot_nn, dot_nt, dot_tn, is_pow2,
+    LN2, LOG2E, MASK_VALUE, MIN_BLOCK, BlockSizes, Static, dot_nn, dot_nt, dot_tn, is_pow2,
     kv_loop_bounds, kv_tail, make_static, pad_axis, q_loop_bounds, run_pallas, tile_mask)
 
 
@@ -349,7 +349,7 @@ def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
                     segment_ids_bt: jax.Array | None = None,
                     kv_segment_ids_bs: jax.Array | None = None,
                     causal: bool = True, scale: float | None = None,
-                    block_sizes: BlockSizes | None = None, interpret: bool | None = None,
+                    block_sizes: BlockSizes | None = None, interpret: bool = False,
                     return_lse: bool = False, poison_outputs: bool = False):
     """FlashAttention with grouped-query heads; differentiable (custom_vjp with Pallas kernels).
 
@@ -362,7 +362,7 @@ def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
       causal: mask keys after the query (top-left aligned: query t sees keys s <= t).
       scale: softmax scale; default 1/sqrt(H).
       block_sizes: tiles and launch parameters; default `BlockSizes.default(H)` for the device.
-      interpret: run in Pallas's interpreter; default `default_interpret()` (True on CPU).
+      interpret: run in Pallas's interpreter (required on CPU, its only mode there); False: compiled.
       return_lse: also return the log-sum-exp of each row's (scaled, masked) scores.
       poison_outputs: testing aid: NaN-fill every output buffer before the kernels run, so a tile
         that is never written fails a comparison.
@@ -370,7 +370,6 @@ def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
     Returns:
       out [B, T, N, H] in q's dtype, and with `return_lse` also lse [B, N, T] float32 (natural log).
     """
-    interpret = default_interpret() if interpret is None else interpret
     problem = check_supported(q_btnh.shape, k_bskh.shape, interpret=interpret)
     if problem is None and v_bskh.shape != k_bskh.shape:
         problem = f"v {tuple(v_bskh.shape)} must have k's shape {tuple(k_bskh.shape)}"
@@ -397,11 +396,10 @@ def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
 def flash_attention_bwd(q_btnh, k_bskh, v_bskh, o_btnh, lse_bnt, do_btnh, dlse_bnt=None, *,
                         segment_ids_bt=None, kv_segment_ids_bs=None, causal: bool = True,
                         scale: float | None = None, block_sizes: BlockSizes | None = None,
-                        interpret: bool | None = None):
+                        interpret: bool = False):
     """The backward kernels alone: (dq, dk, dv) of this (Q, K/V) pair given an output `o_btnh` and
     log-sum-exp `lse_bnt` that may come from a larger attention (context parallelism merges several
     K/V chunks: with the merged o and lse, FlashAttention-2's backward gives each chunk's share)."""
-    interpret = default_interpret() if interpret is None else interpret
     t, s, h = q_btnh.shape[1], k_bskh.shape[1], q_btnh.shape[3]
     if segment_ids_bt is not None:
         segment_ids_bt = segment_ids_bt.astype(jnp.int32)
@@ -411,36 +409,3 @@ def flash_attention_bwd(q_btnh, k_bskh, v_bskh, o_btnh, lse_bnt, do_btnh, dlse_b
     dlse_bnt = jnp.zeros_like(lse_bnt) if dlse_bnt is None else dlse_bnt
     return _backward(q_btnh, k_bskh, v_bskh, segment_ids_bt, kv_segment_ids_bs, o_btnh, lse_bnt,
                      do_btnh, dlse_bnt, st)
-
-
-# --------------------------------------------------------------------------------------------------
-# Reference
-# --------------------------------------------------------------------------------------------------
-
-def mha_reference(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
-                  segment_ids_bt: jax.Array | None = None,
-                  kv_segment_ids_bs: jax.Array | None = None, causal: bool = True,
-                  scale: float | None = None) -> tuple[jax.Array, jax.Array]:
-    """Pure-jnp attention with the kernel's semantics: (out [B, T, N, H], lse [B, N, T] float32).
-
-    Materialises the [B, N, T, S] scores in float32 (tests only). Its output equals
-    `lumen_jax.ops.attention.xla_attention` (tests/test_flash_attention.py checks).
-    """
-    b, t, n, h = q_btnh.shape
-    s, kh = k_bskh.shape[1], k_bskh.shape[2]
-    scale = h ** -0.5 if scale is None else scale
-    q = q_btnh.astype(jnp.float32).reshape(b, t, kh, n // kh, h)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, k_bskh.astype(jnp.float32),
-                        precision=lax.Precision.HIGHEST) * scale
-    mask = jnp.ones((1, t, s), bool)
-    if causal:
-        mask = mask & (jnp.arange(t)[:, None] >= jnp.arange(s)[None, :])[None]
-    if segment_ids_bt is not None:
-        kv_seg = segment_ids_bt if kv_segment_ids_bs is None else kv_segment_ids_bs
-        mask = mask & (segment_ids_bt[:, :, None] == kv_seg[:, None, :])
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    lse = jax.nn.logsumexp(scores, axis=-1)  # [B, K, G, T]
-    probs = jnp.exp(scores - lse[..., None])
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh.astype(jnp.float32),
-                     precision=lax.Precision.HIGHEST)
-    return out.reshape(b, t, n, h).astype(q_btnh.dtype), lse.reshape(b, n, t)

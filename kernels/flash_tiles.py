@@ -26,11 +26,6 @@ MIN_BLOCK = 16  # Triton's tl.dot needs every tile dimension >= 16
 FORWARD_IMPLS = ("triton", "mosaic")
 
 
-def default_interpret() -> bool:
-    """Pallas's interpreter on CPU (the only mode there), compiled kernels on GPU."""
-    return jax.default_backend() == "cpu"
-
-
 # --------------------------------------------------------------------------------------------------
 # Block sizes
 # --------------------------------------------------------------------------------------------------

@@ -16,10 +16,12 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from lumen_jax import checkpoint
 from lumen_jax.config import Config
 from lumen_jax.data import BATCH_KEYS
-from lumen_jax.model import init_params, param_shapes_and_names
-from lumen_jax.ops import fp8 as fp8_lib
+from lumen_jax.model import abstract_model, init as init_model
+from lumen_jax.ops import projection
+from lumen_jax.ops.choice import Ops, choose
 from lumen_jax.optim import make_optimizer, schedule
 from lumen_jax.parallel import context as context_lib
 from lumen_jax.parallel.rules import Rules, activate
@@ -35,6 +37,8 @@ class Trainer:
     rules: Rules
     step_cfg: step_lib.StepConfig
     param_names: dict  # {path: logical axis names}
+    ops: Ops  # how the model's ops run (lumen_jax.ops.choice); `ops.note` goes into the start-up line
+    older_layouts: tuple  # checkpoint.OlderLayout: how earlier versions wrote this state (restore_latest)
     state_shardings: step_lib.TrainState
     batch_sharding: NamedSharding
     init: Any  # () -> TrainState
@@ -65,17 +69,17 @@ class Trainer:
 def build(cfg: Config, mesh: Mesh) -> Trainer:
     rules = Rules(zero_stage=cfg.optim.zero_stage, sequence_parallel=cfg.mesh.sequence_parallel,
                   context_parallel=cfg.model.context_parallel, context_balance=cfg.model.context_balance)
-    graphdef, shapes, names = param_shapes_and_names(cfg.model)
-    # fp8 variables (ops/fp8.py) are not parameters: the amax histories go to TrainState.fp8_state.
-    names, fp8_names = fp8_lib.split_state(names)
-    _, fp8_shapes = fp8_lib.split_state(shapes)
+    ops = choose(cfg.model, list(mesh.devices.flat))  # raises ConfigError before anything compiles
+    model = abstract_model(cfg.model, ops)
+    names = model.param_names
     tx = make_optimizer(cfg.optim, cfg.train.steps, names)
     fp16 = cfg.model.compute_dtype == "float16"
-    sc = step_lib.StepConfig(graphdef=graphdef, tx=tx, lr_schedule=schedule(cfg.optim, cfg.train.steps),
+    sc = step_lib.StepConfig(graphdef=model.graphdef, tx=tx, lr_schedule=schedule(cfg.optim, cfg.train.steps),
                              micro_batches=cfg.train.micro_batches, z_loss=cfg.optim.z_loss,
                              dynamic_loss_scale=fp16,
                              loss_scale_growth_interval=cfg.optim.loss_scale_growth_interval,
-                             fp8_fresh=jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), fp8_shapes) or None)
+                             fresh_state=jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), model.state),
+                             state_combine=model.state_combine)
     named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     param_sh = jax.tree.map(named, rules.tree_specs(names, "params"), is_leaf=is_spec)
@@ -84,8 +88,8 @@ def build(cfg: Config, mesh: Mesh) -> Trainer:
     replicated = named(P())
 
     def make_state() -> step_lib.TrainState:
-        params, fp8_state = fp8_lib.split_state(init_params(cfg.model, cfg.train.seed))
-        return step_lib.init_state(params, tx, cfg.optim.loss_scale_init if fp16 else 1.0, fp8_state)
+        params, model_state = init_model(cfg.model, cfg.train.seed, ops)
+        return step_lib.init_state(params, tx, cfg.optim.loss_scale_init if fp16 else 1.0, model_state)
 
     abstract = jax.eval_shape(make_state)
     opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, abstract.opt_state, opt_param_sh,
@@ -93,8 +97,8 @@ def build(cfg: Config, mesh: Mesh) -> Trainer:
                                    is_leaf=lambda x: isinstance(x, NamedSharding))
     state_sh = step_lib.TrainState(step=replicated, params=param_sh, opt_state=opt_sh,
                                    loss_scale=replicated, good_steps=replicated,
-                                   fp8_state=jax.tree.map(named, rules.tree_specs(fp8_names, "params"),
-                                                          is_leaf=is_spec))
+                                   model_state=jax.tree.map(named, rules.tree_specs(model.state_names, "params"),
+                                                            is_leaf=is_spec))
     batch_sh = named(rules.spec(BATCH_AXES))
     batch_shardings = {k: batch_sh for k in BATCH_KEYS}
     constrain_grads = functools.partial(jax.lax.with_sharding_constraint, shardings=grad_sh)
@@ -112,5 +116,6 @@ def build(cfg: Config, mesh: Mesh) -> Trainer:
                    donate_argnums=0)
     grads = jax.jit(traced(lambda p, b: step_lib.loss_and_grads(p, b, 1.0, sc, constrain_grads)),
                     in_shardings=(param_sh, batch_shardings), out_shardings=(replicated, grad_sh))
-    return Trainer(cfg=cfg, mesh=mesh, rules=rules, step_cfg=sc, param_names=names,
+    older = (checkpoint.renamed_field("model_state", *projection.legacy_state_layout()),)
+    return Trainer(cfg=cfg, mesh=mesh, rules=rules, step_cfg=sc, param_names=names, ops=ops, older_layouts=older,
                    state_shardings=state_sh, batch_sharding=batch_sh, init=init, step=step, grads=grads)

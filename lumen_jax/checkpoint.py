@@ -28,7 +28,7 @@ import os
 import shutil
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -48,6 +48,45 @@ class Restored:
     step: int
     state: Any
     meta: dict
+
+
+def _fields(state: Any) -> dict[str, Any]:
+    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+
+
+@dataclasses.dataclass(frozen=True)
+class OlderLayout:
+    """How an earlier version wrote the state: `target(abstract_state)` is the restore target in that
+    layout (None: not applicable), `convert(abstract_state, restored)` the current state from it."""
+
+    target: Callable[[Any], Any]
+    convert: Callable[[Any, Any], Any]
+
+
+def renamed_field(new: str, old: str, to_old: Callable[[Any], Any], from_old: Callable[[Any], Any]) -> OlderLayout:
+    """The layout in which the state's field `new` was stored as `old`, its tree as `to_old` gives it."""
+    def target(abstract: Any) -> dict:
+        fields = _fields(abstract)
+        return {**{k: v for k, v in fields.items() if k != new}, old: to_old(fields[new])}
+
+    def convert(abstract: Any, restored: dict) -> Any:
+        fields = {k: v for k, v in restored.items() if k != old}
+        return dataclasses.replace(abstract, **fields, **{new: from_old(restored[old])})
+
+    return OlderLayout(target, convert)
+
+
+def _without_empty(abstract: Any) -> dict | None:
+    fields = _fields(abstract)
+    kept = {k: v for k, v in fields.items() if jax.tree.leaves(v)}
+    return kept if len(kept) < len(fields) else None
+
+
+# Written before a state field that holds no arrays existed (e.g. a model without model state, by a
+# version that had no such field): restore the other fields and keep that field's empty value.
+WITHOUT_EMPTY_FIELDS = OlderLayout(
+    _without_empty, lambda abstract, restored: dataclasses.replace(
+        abstract, **restored, **{k: v for k, v in _fields(abstract).items() if not jax.tree.leaves(v)}))
 
 
 class Checkpointer:
@@ -129,16 +168,18 @@ class Checkpointer:
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def restore_latest(self, abstract_state: Any) -> Restored | None:
+    def restore_latest(self, abstract_state: Any, older: Sequence[OlderLayout] = ()) -> Restored | None:
         """The newest step that reads back intact into `abstract_state`'s shardings, or None.
 
         Args:
-          abstract_state: a pytree of `jax.ShapeDtypeStruct` with `sharding` set: the target layout
-            (any mesh, any device count).
+          abstract_state: a dataclass pytree (the TrainState) of `jax.ShapeDtypeStruct` with
+            `sharding` set: the target layout (any mesh, any device count).
+          older: layouts in which earlier versions wrote the state, tried in order when a step does
+            not read in the current one (after them, the layout without the fields that hold no arrays).
         """
         for step in reversed(self.steps()):
             try:
-                out = self._restore(step, abstract_state)
+                out = self._restore(step, abstract_state, (*older, WITHOUT_EMPTY_FIELDS))
                 meta = dict(out["meta"])
                 if checksum_list(out["state"]) != meta.get("checksums"):
                     raise ValueError("array checksums differ from those recorded at save time")
@@ -147,23 +188,23 @@ class Checkpointer:
                 self._quarantine(step, e)
         return None
 
-    def _restore(self, step: int, abstract_state: Any) -> Any:
+    def _restore(self, step: int, abstract_state: Any, older: Sequence[OlderLayout]) -> Any:
         def args(target: Any) -> ocp.args.Composite:
             return ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
 
         try:
             return self._manager.restore(step, args=args(abstract_state))
-        except ValueError:
-            # Written before a state field that holds no arrays existed (TrainState.fp8_state without
-            # fp8): restore the other fields and keep that field's empty value; anything else re-raises.
-            if not dataclasses.is_dataclass(abstract_state):
-                raise
-            fields = {f.name: getattr(abstract_state, f.name) for f in dataclasses.fields(abstract_state)}
-            empty = {k: v for k, v in fields.items() if not jax.tree.leaves(v)}
-            if not empty:
-                raise
-            out = self._manager.restore(step, args=args({k: v for k, v in fields.items() if k not in empty}))
-            return {"meta": out["meta"], "state": dataclasses.replace(abstract_state, **out["state"], **empty)}
+        except ValueError as current:  # a structure mismatch: maybe a layout an earlier version wrote
+            for layout in older:
+                target = layout.target(abstract_state)
+                if target is None:
+                    continue
+                try:
+                    out = self._manager.restore(step, args=args(target))
+                except ValueError:
+                    continue
+                return {"meta": out["meta"], "state": layout.convert(abstract_state, out["state"])}
+            raise current
 
     def _quarantine(self, step: int, error: Exception) -> None:
         src = os.path.join(self.directory, str(step))

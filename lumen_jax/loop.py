@@ -180,7 +180,7 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
     is_main = jax.process_index() == 0
     events = Events(run_dir, is_main)
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoint)
-    restored = ckpt.restore_latest(trainer.abstract_state())
+    restored = ckpt.restore_latest(trainer.abstract_state(), trainer.older_layouts)
     if restored is not None:
         state, start = restored.state, restored.step
         data.set_state(_own_data_state(restored.meta["data"]))
@@ -201,7 +201,8 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
         print(f"lumen_jax: {jax.device_count()} {jax.devices()[0].platform} devices, mesh "
               + " ".join(f"{k}={v}" for k, v in trainer.mesh.shape.items())
               + f", {metrics_lib.param_counts(cfg.model)['total'] / 1e6:.2f}M params, "
-              f"compiled in {time.perf_counter() - t0:.1f}s, peak {peaks.source}, run dir {run_dir}"
+              + (f"{trainer.ops.note}, " if trainer.ops.note else "")
+              + f"compiled in {time.perf_counter() - t0:.1f}s, peak {peaks.source}, run dir {run_dir}"
               + (f", resumed from step {start}" if start else ""), flush=True)
 
     def meta() -> dict:  # only when saving: gathers every process's data position

@@ -5,6 +5,10 @@ and, inside one jitted function: splits it into `micro_batches` (a scan that acc
 gradients, so the result equals one big batch: every micro-batch's loss is divided by the token
 count of the whole batch), unscales gradients (float16 dynamic loss scaling), computes the global
 norm, applies the optax update, and skips the update when the loss or gradients are not finite.
+
+Model state that is not a parameter (`lumen_jax.ops.state`) travels in `TrainState.model_state`:
+the step differentiates the loss with respect to it too and takes that "gradient" as its next value,
+micro-batches combine their next values with the state's own rule, and a skipped step keeps it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import optax
 from flax import nnx, struct
 
 from lumen_jax.model import apply
-from lumen_jax.ops import fp8 as fp8_ops
+from lumen_jax.ops import state as state_lib
 
 Batch = dict[str, jax.Array]
 
@@ -31,8 +35,8 @@ class TrainState(struct.PyTreeNode):
     opt_state: Any
     loss_scale: jax.Array  # float32 scalar
     good_steps: jax.Array  # int32 scalar: finite steps since the last loss-scale change
-    # model.fp8.recipe=delayed: amax histories [L, H] per projection operand, replicated ({} otherwise).
-    fp8_state: dict = struct.field(default_factory=dict)
+    # Non-parameter model state (ops/state.py), e.g. amax histories [L, H]; {} when the ops keep none.
+    model_state: dict = struct.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,25 +50,26 @@ class StepConfig:
     z_loss: float = 0.0
     dynamic_loss_scale: bool = False  # float16
     loss_scale_growth_interval: int = 2000
-    # fp8 (ops/fp8.py): fresh amax histories (a numpy tree), or None without fp8.
-    fp8_fresh: Any = dataclasses.field(default=None, compare=False)
+    # The model state at step 0 (a numpy tree; {} when the ops keep none) and, per leaf, how
+    # micro-batches combine its next values (`ops.state.ModelState.combine`).
+    fresh_state: dict = dataclasses.field(default_factory=dict, compare=False)
+    state_combine: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 def init_state(params: dict, tx: optax.GradientTransformation, loss_scale: float,
-               fp8_state: dict | None = None) -> TrainState:
+               model_state: dict | None = None) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       loss_scale=jnp.asarray(loss_scale, jnp.float32),
-                      good_steps=jnp.zeros((), jnp.int32), fp8_state=fp8_state or {})
+                      good_steps=jnp.zeros((), jnp.int32), model_state=model_state or {})
 
 
-def _micro_loss(params: dict, fp8_state: dict, mb: Batch, total_tokens: jax.Array, scale: jax.Array,
+def _micro_loss(params: dict, model_state: dict, mb: Batch, total_tokens: jax.Array, scale: jax.Array,
                 sc: StepConfig) -> tuple[jax.Array, jax.Array]:
     """(scaled objective / total_tokens, summed cross-entropy) of one micro-batch.
 
-    Its gradient with respect to `fp8_state` is the updated amax histories (ops/fp8.py).
+    Its gradient with respect to `model_state` is the state's next value (ops/state.py).
     """
-    variables = fp8_ops.merge_state(params, fp8_state)
-    logits_btv = apply(sc.graphdef, variables, mb["inputs"], mb["positions"], mb["segment_ids"])
+    logits_btv = apply(sc.graphdef, params, mb["inputs"], mb["positions"], mb["segment_ids"], model_state)
     mask = mb["loss_mask"].astype(jnp.float32)
     ce_sum = (optax.softmax_cross_entropy_with_integer_labels(logits_btv, mb["targets"]) * mask).sum()
     objective = ce_sum
@@ -76,52 +81,52 @@ def _micro_loss(params: dict, fp8_state: dict, mb: Batch, total_tokens: jax.Arra
 
 def loss_and_grads(params: dict, batch: Batch, scale: jax.Array, sc: StepConfig,
                    constrain_grads: Callable[[Any], Any] = lambda g: g,
-                   fp8_state: dict | None = None) -> tuple[jax.Array, dict]:
+                   model_state: dict | None = None) -> tuple[jax.Array, dict]:
     """Mean token cross-entropy of the batch and the gradients of the (scaled) objective.
 
-    `fp8_state`: the delayed-scaling histories to use (None: fresh ones, as at step 0); their
-    updates are dropped here (`train_step` keeps them).
+    `model_state`: the model state to use (None: the fresh one, as at step 0); its next value is
+    dropped here (`train_step` keeps it).
     """
-    fp8_state = (sc.fp8_fresh or {}) if fp8_state is None else fp8_state
-    loss, grads, _ = loss_grads_and_fp8(params, fp8_state, batch, scale, sc, constrain_grads)
+    model_state = sc.fresh_state if model_state is None else model_state
+    loss, grads, _ = loss_grads_and_state(params, model_state, batch, scale, sc, constrain_grads)
     return loss, grads
 
 
-def loss_grads_and_fp8(params: dict, fp8_state: dict, batch: Batch, scale: jax.Array, sc: StepConfig,
-                       constrain_grads: Callable[[Any], Any] = lambda g: g) -> tuple[jax.Array, dict, dict]:
-    """(mean token cross-entropy, gradients of the scaled objective, updated fp8 histories).
+def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: jax.Array, sc: StepConfig,
+                         constrain_grads: Callable[[Any], Any] = lambda g: g) -> tuple[jax.Array, dict, dict]:
+    """(mean token cross-entropy, gradients of the scaled objective, the model state's next value).
 
     Micro-batch m takes rows m, m+M, m+2M, ... so each device's contiguous slice of the batch
-    stays on that device (no resharding before the scan). Gradients add up over micro-batches;
-    the fp8 histories, each one step newer, combine by max (not sum).
+    stays on that device (no resharding before the scan). Gradients add up over micro-batches; the
+    model state's next values combine by each variable's rule (`sc.state_combine`).
     """
     total_tokens = jnp.maximum(batch["loss_mask"].astype(jnp.float32).sum(), 1.0)
     grad_fn = jax.grad(_micro_loss, argnums=(0, 1), has_aux=True)
     m = sc.micro_batches
     if m == 1:
-        (grads, fp8_new), ce_sum = grad_fn(params, fp8_state, batch, total_tokens, scale, sc)
-        return ce_sum / total_tokens, constrain_grads(grads), fp8_new
+        (grads, state_new), ce_sum = grad_fn(params, model_state, batch, total_tokens, scale, sc)
+        return ce_sum / total_tokens, constrain_grads(grads), state_new
 
     def split(x: jax.Array) -> jax.Array:  # [B, ...] -> [M, B/M, ...]
         return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
 
     def accumulate(carry: tuple[dict, jax.Array, dict], mb: Batch) -> tuple[tuple[dict, jax.Array, dict], None]:
-        grads, ce, fp8_acc = carry
-        (g, f), c = grad_fn(params, fp8_state, mb, total_tokens, scale, sc)
+        grads, ce, state_acc = carry
+        (g, new), c = grad_fn(params, model_state, mb, total_tokens, scale, sc)
         return (constrain_grads(jax.tree.map(jnp.add, grads, g)), ce + c,
-                fp8_ops.combine_histories(fp8_acc, f)), None
+                state_lib.combine(sc.state_combine, state_acc, new)), None
 
     zeros = constrain_grads(jax.tree.map(jnp.zeros_like, params))
-    carry = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, fp8_state))
-    (grads, ce_sum, fp8_new), _ = jax.lax.scan(accumulate, carry, jax.tree.map(split, batch))
-    return ce_sum / total_tokens, grads, fp8_new
+    carry = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, model_state))
+    (grads, ce_sum, state_new), _ = jax.lax.scan(accumulate, carry, jax.tree.map(split, batch))
+    return ce_sum / total_tokens, grads, state_new
 
 
 def train_step(state: TrainState, batch: Batch, sc: StepConfig,
                constrain_grads: Callable[[Any], Any] = lambda g: g) -> tuple[TrainState, dict]:
     """One optimizer step on a global batch; returns the new state and scalar metrics."""
-    loss, grads, fp8_state = loss_grads_and_fp8(state.params, state.fp8_state, batch, state.loss_scale, sc,
-                                                constrain_grads)
+    loss, grads, model_state = loss_grads_and_state(state.params, state.model_state, batch, state.loss_scale,
+                                                    sc, constrain_grads)
     grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -140,7 +145,7 @@ def train_step(state: TrainState, batch: Batch, sc: StepConfig,
     new_state = TrainState(step=state.step + 1, params=keep(params, state.params),
                            opt_state=keep(opt_state, state.opt_state),
                            loss_scale=loss_scale, good_steps=good_steps,
-                           fp8_state=keep(fp8_state, state.fp8_state))
+                           model_state=keep(model_state, state.model_state))
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": sc.lr_schedule(state.step),
                "loss_scale": state.loss_scale, "skipped": (~finite).astype(jnp.int32),
                "tokens": batch["loss_mask"].astype(jnp.float32).sum()}

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from lumen_jax.kernels import flash_attention as flash_lib
 from lumen_jax.ops import attention as attention_ops
+from lumen_jax.ops.choice import Ops
+from lumen_jax.ops.reference import reference as reference_attention
 from lumen_jax.parallel import context as context_lib
 from lumen_jax.parallel.mesh import make_mesh
 from lumen_jax.parallel.rules import Rules, activate
@@ -39,7 +40,7 @@ def inputs(seed: int = 0, segments: bool = False):
 
 def reference(q, k, v, seg, ct_o, ct_lse, causal):
     def loss(q, k, v):
-        o, lse = flash_lib.mha_reference(q, k, v, segment_ids_bt=seg, causal=causal)
+        o, lse = reference_attention(q, k, v, segment_ids_bt=seg, causal=causal)
         return jnp.sum(o * ct_o) + jnp.sum(lse * ct_lse), (o, lse)
     grads, (o, lse) = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
     return o, lse, grads
@@ -49,11 +50,11 @@ def reference(q, k, v, seg, ct_o, ct_lse, causal):
 def _compiled(c: int, strategy: str, causal: bool, has_seg: bool, balance: str, impl: str):
     mesh = make_mesh({"data": 8 // c, "fsdp": 1, "context": c, "tensor": 1})
     rules = Rules(context_parallel=strategy, context_balance=balance)
+    kernel = attention_ops.block_kernel(Ops(attention=impl, interpret=True), H)  # CPU: the interpreter
 
     def loss(q, k, v, seg, ct_o, ct_lse):
         with activate(mesh, rules):
-            o, lse = attention_ops.context_parallel_attention(q, k, v, segment_ids_bt=seg, causal=causal,
-                                                              impl=impl)
+            o, lse = context_lib.context_attention(q, k, v, segment_ids_bt=seg, causal=causal, kernel=kernel)
         return jnp.sum(o * ct_o) + jnp.sum(lse * ct_lse), (o, lse)
 
     fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -137,7 +138,8 @@ def _compiled_hlo(strategy: str, seq_len: int, c: int) -> str:
 
     def loss(q, k, v):
         with activate(mesh, rules):
-            o, _ = attention_ops.context_parallel_attention(q, k, v, causal=True)
+            o, _ = context_lib.context_attention(q, k, v, segment_ids_bt=None, causal=True,
+                                                 kernel=attention_ops.block_kernel(Ops(), 16))
         return jnp.sum(o)
 
     def arg(heads, names):
@@ -166,7 +168,7 @@ def test_executed_blocks_per_device(balance):
     c = 4
     mesh = make_mesh({"data": 2, "fsdp": 1, "context": c, "tensor": 1})
     rules = Rules(context_parallel="ring", context_balance=balance)
-    xla = attention_ops.block_kernel("xla", H)
+    xla = attention_ops.block_kernel(Ops(), H)
     seen = []
 
     def fwd(q, k, v, q_seg, kv_seg, causal):
@@ -177,10 +179,11 @@ def test_executed_blocks_per_device(balance):
     kernel = context_lib.BlockKernel(fwd, xla.bwd)
     q, k, v, *_ = inputs()
     sharded = lambda x, names: jax.device_put(x, NamedSharding(mesh, rules.spec(names)))  # noqa: E731
-    out = jax.jit(lambda q, k, v: context_lib.context_attention(
-        q, k, v, segment_ids_bt=None, causal=True, kernel=kernel, mesh=mesh,
-        q_spec=rules.spec(("batch", "seq", "act_heads", None)), kv_spec=rules.spec(("batch", "seq", "act_kv_heads", None)),
-        seg_spec=rules.spec(("batch", "seq")), strategy="ring", balance=balance))(
+    def run(q, k, v):
+        with activate(mesh, rules):
+            return context_lib.context_attention(q, k, v, segment_ids_bt=None, causal=True, kernel=kernel)
+
+    out = jax.jit(run)(
         sharded(q, ("batch", "seq", "act_heads", None)), sharded(k, ("batch", "seq", "act_kv_heads", None)),
         sharded(v, ("batch", "seq", "act_kv_heads", None)))
     jax.block_until_ready(out)

@@ -1,8 +1,8 @@
-"""The CPU formulations of the ops (`lumen_jax.ops.target.one_cpu_device`): token-axis weight
-gradients, heads-first attention with the closed-form softmax gradient, SwiGLU with the sigmoid
-recomputed. They run only in the trainer's step on one CPU device; these tests check that they
-compute what the plain formulations compute, that remat policies still see the projections as dots,
-and that nothing else runs them."""
+"""The CPU formulations of the ops (`lumen_jax.ops.cpu`, chosen by `ops.choice.choose` as `Ops.cpu`):
+token-axis weight gradients, heads-first attention with the closed-form softmax gradient, SwiGLU
+with the sigmoid recomputed. They run only in the trainer's step on one CPU device; these tests
+check that they compute what the plain formulations compute, that remat policies still see the
+projections as dots, and that nothing else runs them."""
 
 import dataclasses
 
@@ -13,7 +13,10 @@ import pytest
 
 from conftest import assert_tree_close
 from lumen_jax.config import REMAT_POLICIES, ModelConfig
+from lumen_jax.build import build
+from lumen_jax.config import Config, MeshConfig
 from lumen_jax.model import apply, init_params, param_shapes_and_names
+from lumen_jax.ops.choice import Ops, choose
 from lumen_jax.parallel.mesh import make_mesh
 from lumen_jax.parallel.rules import Rules, activate
 
@@ -37,8 +40,13 @@ def batch(seed: int = 0, segments: bool = False) -> tuple[jax.Array, ...]:
     return tokens[:, :-1], tokens[:, 1:], positions, seg
 
 
-def loss_fn(cfg: ModelConfig):
-    graphdef, _, _ = param_shapes_and_names(cfg)
+def ops_for(cfg: ModelConfig, devices: int | None) -> Ops:
+    """The trainer's choice on `devices` CPU devices (None: the model outside the trainer)."""
+    return Ops.plain(cfg) if devices is None else choose(cfg, jax.devices()[:devices])
+
+
+def loss_fn(cfg: ModelConfig, devices: int | None = None):
+    graphdef, _, _ = param_shapes_and_names(cfg, ops_for(cfg, devices))
 
     def loss(params, inputs, targets, positions, seg):
         logits = apply(graphdef, params, inputs, positions, seg)
@@ -61,9 +69,8 @@ def traced(fn, mesh):
 def test_one_cpu_device_formulations_match_the_plain_ones(segments):
     params = init_params(SHAPE, seed=0)
     args = batch(segments=segments)
-    grad = jax.value_and_grad(loss_fn(SHAPE))
-    plain_loss, plain_grads = jax.jit(grad)(params, *args)
-    cpu_loss, cpu_grads = jax.jit(traced(grad, mesh_of(1)))(params, *args)
+    plain_loss, plain_grads = jax.jit(jax.value_and_grad(loss_fn(SHAPE)))(params, *args)
+    cpu_loss, cpu_grads = jax.jit(traced(jax.value_and_grad(loss_fn(SHAPE, 1)), mesh_of(1)))(params, *args)
     assert float(cpu_loss) == pytest.approx(float(plain_loss), rel=FP32_RTOL)
     assert_tree_close(cpu_grads, plain_grads, FP32_RTOL, "gradients")
 
@@ -72,9 +79,16 @@ def test_one_cpu_device_formulations_match_the_plain_ones(segments):
 def test_only_the_one_cpu_device_step_uses_them(devices, expected):
     """Outside the trainer (lumen_jax.plan's probe) and on 8 devices the jaxpr is the plain one."""
     params = init_params(SHAPE, seed=0)
-    grad = jax.grad(loss_fn(SHAPE))
+    grad = jax.grad(loss_fn(SHAPE, devices))
     jaxpr = str(jax.make_jaxpr(traced(grad, None if devices is None else mesh_of(devices)))(params, *batch()))
     assert ("custom_vjp_call" in jaxpr) == expected
+    assert ops_for(SHAPE, devices).cpu == expected
+
+
+def test_the_trainer_chooses_them_on_one_cpu_device_only():
+    for n, expected in ((1, True), (8, False)):
+        cfg = Config(model=SHAPE, mesh=MeshConfig(data=1, fsdp=n, context=1, tensor=1))
+        assert build(cfg, mesh_of(n)).ops.cpu == expected
 
 
 @pytest.mark.parametrize("remat", [r for r in REMAT_POLICIES if r not in ("none", "offload_dots")])
@@ -84,7 +98,6 @@ def test_remat_policies_see_the_projections_as_dots(remat):
     opaque custom_vjp_call and recompute every projection)."""
     cfg = dataclasses.replace(SHAPE, remat=remat)
     params = init_params(cfg, seed=0)
-    grad = jax.grad(loss_fn(cfg))
-    flops = {name: jax.jit(traced(grad, mesh)).lower(params, *batch()).compile().cost_analysis()["flops"]
-             for name, mesh in (("plain", None), ("cpu", mesh_of(1)))}
+    flops = {name: jax.jit(traced(jax.grad(loss_fn(cfg, n)), mesh)).lower(params, *batch()).compile()
+             .cost_analysis()["flops"] for name, n, mesh in (("plain", None, None), ("cpu", 1, mesh_of(1)))}
     assert flops["cpu"] == pytest.approx(flops["plain"], rel=0.01), flops

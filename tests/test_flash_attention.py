@@ -26,12 +26,15 @@ from lumen_jax.build import build
 from lumen_jax.config import ModelConfig
 from lumen_jax.kernels import flash_attention as fa
 from lumen_jax.kernels import flash_tiles
-from lumen_jax.kernels.flash_attention import BlockSizes, flash_attention, mha_reference
+from lumen_jax.config import ConfigError
+from lumen_jax.kernels.flash_attention import BlockSizes, flash_attention
 from lumen_jax.ops import attention as ops
+from lumen_jax.ops.choice import Ops, choose
+from lumen_jax.ops.reference import reference
 from lumen_jax.parallel.mesh import make_mesh
 from helpers_run import BASE, batches, with_mesh
 
-INTERPRET = fa.default_interpret()
+INTERPRET = jax.default_backend() == "cpu"  # Pallas's interpreter is the only mode on CPU
 RTOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}  # by dtype, as tests/test_model.py
 # Several tiles per sequence, unequal query/key tiles, so tiling, causal skipping and the masked
 # tails are all exercised at test sizes.
@@ -101,8 +104,8 @@ def check_against_reference(case: Case, blocks: BlockSizes = SMALL, seed: int = 
                                         return_lse=True, poison_outputs=True), q, k, v, w_o, w_lse)
     up = [x.astype(jnp.float32) for x in (q, k, v)]
     ref = outputs_and_grads(
-        lambda q, k, v: mha_reference(q, k, v, segment_ids_bt=seg, causal=case.causal,
-                                      scale=case.scale), *up, w_o, w_lse)
+        lambda q, k, v: reference(q, k, v, segment_ids_bt=seg, causal=case.causal,
+                                  scale=case.scale), *up, w_o, w_lse)
     for name, g, r, like in zip(("out", "lse", "dq", "dk", "dv"), got, ref, (q, None, q, k, v)):
         assert g.shape == r.shape, (name, g.shape, r.shape)
         if like is not None:
@@ -169,25 +172,11 @@ def test_lse_merges_partial_results():
         weight = lambda l: jnp.exp(l - lse).transpose(0, 2, 1)[..., None]  # [B, T, N, 1]
         return sum(o * weight(l) for o, l in parts), lse
 
-    full = lambda q, k, v: mha_reference(q, k, v, causal=False)
+    full = lambda q, k, v: reference(q, k, v, causal=False)
     w_lse = jnp.ones((1, 4, 32), jnp.float32)
     got = outputs_and_grads(merged, q, k, v, w_o, w_lse)
     ref = outputs_and_grads(full, q, k, v, w_o, w_lse)
     assert_tree_close(got, ref, RTOL["float32"], what="merged ")
-
-
-def test_reference_is_the_xla_path():
-    """mha_reference (which also gives the log-sum-exp) equals the trainer's xla_attention."""
-    case = Case(2, 37, 4, 2, 16, causal=True, segments=True)
-    q, k, v, seg, w_o, _ = inputs(case)
-    def out_and_grads(fn):
-        loss = lambda q, k, v: jnp.sum(fn(q, k, v) * w_o)
-        return jax.jit(lambda q, k, v: (fn(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))(q, k, v)
-
-    with jax.default_matmul_precision("highest"):  # GPUs default to TF32 for float32 matmuls
-        ref = out_and_grads(lambda q, k, v: mha_reference(q, k, v, segment_ids_bt=seg, causal=True)[0])
-        xla = out_and_grads(lambda q, k, v: ops.xla_attention(q, k, v, segment_ids_bt=seg, causal=True))
-    assert_tree_close(xla, ref, RTOL["float32"], what="out, grads")
 
 
 def test_poisoned_outputs_catch_an_unwritten_tile():
@@ -263,15 +252,16 @@ def test_no_length_squared_buffer_at_4096():
 
     length = 4096
     square = length * length
-    flash_big, flash_temp = compiled(ops.flash_attention, length)
-    _, flash_temp_half = compiled(ops.flash_attention, length // 2)
+    flash = functools.partial(ops.flash_attention, ops=Ops(attention="flash", interpret=INTERPRET))
+    flash_big, flash_temp = compiled(flash, length)
+    _, flash_temp_half = compiled(flash, length // 2)
     assert flash_big < square, flash_big
     assert flash_temp < square * 4, flash_temp
     assert flash_temp / flash_temp_half < 2.5, (flash_temp, flash_temp_half)
     # The detector detects: the reference, which holds the scores, fails all three.
-    reference = lambda *a, **kw: mha_reference(*a, **kw)[0]
-    ref_big, ref_temp = compiled(reference, length)
-    _, ref_temp_half = compiled(reference, length // 2)
+    ref = lambda *a, **kw: reference(*a, **kw)[0]
+    ref_big, ref_temp = compiled(ref, length)
+    _, ref_temp_half = compiled(ref, length // 2)
     assert ref_big >= square and ref_temp >= square * 4 and ref_temp / ref_temp_half > 3.5
 
 
@@ -289,12 +279,30 @@ def test_errors_name_the_constraint():
                         segment_ids_bt=jnp.zeros((1, 16), jnp.int32))
 
 
-def test_dispatch_resolves():
-    assert ops.resolve("auto") == ("flash" if jax.default_backend() == "gpu" else "xla")
-    assert ops.resolve("flash") == "flash"
-    with pytest.raises(ValueError, match="is not one of"):
-        ops.resolve("flashy")
-    # mesh.context > 1 goes to context parallelism (tests/test_context_parallel.py runs flash there).
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:  # what `choose` and `BlockSizes.default` read of a device
+    platform: str
+    compute_capability: str = "9.0"
+
+
+def test_the_implementation_is_chosen_once_from_the_config_and_the_backend():
+    cpu, gpu = jax.devices("cpu")[:1], [FakeDevice("gpu")]
+    auto, flash = ModelConfig(attention="auto"), ModelConfig(attention="flash")
+    assert choose(auto, cpu).attention == "xla" and "flash runs on GPU" in choose(auto, cpu).note
+    on_gpu = choose(auto, gpu)
+    assert on_gpu.attention == "flash" and not on_gpu.interpret and on_gpu.note == "attention=auto: flash"
+    assert on_gpu.flash_blocks == BlockSizes.default(16, gpu[0])
+    assert choose(flash, cpu).interpret and choose(flash, cpu).note == ""
+    # head_dim 48 is not a power of two: auto falls back and says so; an explicit flash is a config error.
+    odd = dict(d_model=192, num_heads=4)
+    fallback = choose(ModelConfig(attention="auto", **odd), gpu)
+    assert fallback.attention == "xla" and "head_dim=48 must be a power of two" in fallback.note
+    with pytest.raises(ConfigError, match=r"^model.attention=flash: head_dim=48 must be a power of two"):
+        choose(ModelConfig(attention="flash", **odd), gpu)
+    assert choose(ModelConfig(attention="flash", **odd), cpu).attention == "flash"  # the interpreter takes it
+    # The CPU formulations: one CPU device only.
+    assert choose(auto, cpu).cpu and not choose(auto, jax.devices("cpu")[:2]).cpu and not on_gpu.cpu
+    assert Ops.plain(auto) == Ops()  # outside the trainer: the reference, plain formulations
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from lumen_jax.config import Config, DataConfig, ModelConfig, OptimConfig, Train
 from lumen_jax.metrics import param_counts
 from lumen_jax.model import apply, init_params, param_shapes_and_names
 from lumen_jax.model.layers import apply_rope, rope_frequencies
-from lumen_jax.ops.attention import xla_attention
+from lumen_jax.ops.reference import reference
 from lumen_jax.optim import make_optimizer, schedule
 from lumen_jax.parallel.mesh import make_mesh
 from helpers_run import BASE, assert_same_run, run, with_mesh
@@ -43,8 +43,9 @@ def batch_for(cfg: Config, seed: int = 0) -> dict:
 # Attention
 # --------------------------------------------------------------------------------------------------
 
-def naive_attention(q, k, v, segment_ids, causal):
-    """float64 numpy attention that repeats each K/V head for its group of query heads."""
+def naive_attention(q, k, v, segment_ids, causal, return_lse=False):
+    """float64 numpy attention that repeats each K/V head for its group of query heads
+    (with `return_lse`, also each row's log-sum-exp of the scaled scores, [B, N, T])."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     b, t, n, h = q.shape
     k = np.repeat(k, n // k.shape[2], axis=2)  # head i uses kv head i // (n // K)
@@ -56,9 +57,11 @@ def naive_attention(q, k, v, segment_ids, causal):
     if segment_ids is not None:
         mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
     scores = np.where(mask[:, None], scores, -np.inf)
-    probs = np.exp(scores - scores.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    return np.einsum("bnts,bsnh->btnh", probs, v)
+    top = scores.max(-1, keepdims=True)
+    probs = np.exp(scores - top)
+    total = probs.sum(-1, keepdims=True)
+    out = np.einsum("bnts,bsnh->btnh", probs / total, v)
+    return (out, (top + np.log(total))[..., 0]) if return_lse else out
 
 
 def attention_inputs(num_kv_heads: int, seed: int = 0, b: int = 2, t: int = 16, n: int = 4, h: int = 8):
@@ -73,13 +76,15 @@ def attention_inputs(num_kv_heads: int, seed: int = 0, b: int = 2, t: int = 16, 
 @pytest.mark.parametrize("ratio", [1, 2, 4])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("segments", [False, True])
-def test_xla_attention_matches_naive_fp32(ratio, causal, segments):
+def test_reference_attention_matches_naive_fp32(ratio, causal, segments):
     n = 4
     q, k, v, seg = attention_inputs(n // ratio, seed=ratio)
     seg = seg if segments else None
-    got = jax.jit(xla_attention, static_argnames="causal")(q, k, v, segment_ids_bt=seg, causal=causal)
-    assert got.dtype == jnp.float32 and got.shape == q.shape
-    assert_tree_close(got, naive_attention(q, k, v, seg, causal), FP32_RTOL)
+    got, lse = jax.jit(reference, static_argnames="causal")(q, k, v, segment_ids_bt=seg, causal=causal)
+    assert got.dtype == jnp.float32 and got.shape == q.shape and lse.shape == (2, n, 16)
+    want, want_lse = naive_attention(q, k, v, seg, causal, return_lse=True)
+    assert_tree_close(got, want, FP32_RTOL)
+    assert_tree_close(lse, want_lse, FP32_RTOL)
 
 
 def test_segments_actually_mask():
@@ -93,11 +98,11 @@ def test_segments_actually_mask():
 
 @pytest.mark.parametrize("ratio", [1, 4])
 @pytest.mark.parametrize("segments", [False, True])
-def test_xla_attention_bf16(ratio, segments):
+def test_reference_attention_bf16(ratio, segments):
     q, k, v, seg = attention_inputs(4 // ratio, seed=10 + ratio)
     seg = seg if segments else None
     qb, kb, vb = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
-    got = jax.jit(xla_attention)(qb, kb, vb, segment_ids_bt=seg)
+    got = jax.jit(lambda *a, **kw: reference(*a, **kw)[0])(qb, kb, vb, segment_ids_bt=seg)
     assert got.dtype == jnp.bfloat16
     # Reference in float64 from the same (bf16-rounded) inputs: only the kernel's rounding is measured.
     ref = naive_attention(*(np.asarray(x, np.float32) for x in (qb, kb, vb)), seg, True)

@@ -1,7 +1,9 @@
 """Llama building blocks in Flax NNX: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP.
 
 Single-device math only. Every parameter carries logical axis names (`out_sharding` metadata);
-activations are pinned with `constrain(x, logical names)`. Shape letters: B batch, T sequence,
+activations are pinned with `constrain(x, logical names)`. How each op runs (attention kernel,
+projection form) is the `Ops` the layers are called with, chosen once by `ops.choice`; a layer's
+projections may keep model state (`ops.projection.projection_state`). Shape letters: B batch, T sequence,
 D d_model, N query heads, K kv heads, H head dim, F ffn dim, V vocab.
 """
 
@@ -15,9 +17,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from lumen_jax.config import ModelConfig
-from lumen_jax.ops import fp8 as fp8_ops
 from lumen_jax.ops.attention import attention
-from lumen_jax.ops.projection import project
+from lumen_jax.ops.choice import Ops
+from lumen_jax.ops.projection import project, projection_state
 from lumen_jax.ops.swiglu import swiglu
 from lumen_jax.parallel.rules import constrain
 
@@ -27,11 +29,11 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: 
     return nnx.Param(value, out_sharding=names)
 
 
-def _project(spec: str, x: jax.Array, w: nnx.Param, meta: fp8_ops.Fp8Meta | None, name: str) -> jax.Array:
-    """`einsum(spec, x, w)` in x's dtype; with fp8 operands when this layer type runs fp8 (`meta`)."""
-    if meta is None:
-        return project(spec, x, w[...].astype(x.dtype))
-    return fp8_ops.einsum(spec, x, w[...], meta, name)
+def _projector(ops: Ops, layer_type: str, state: nnx.Dict | None):
+    """`project` for the projections of one layer: `(spec, x, weight, name) -> einsum(spec, x, w)`."""
+    def proj(spec: str, x: jax.Array, w: nnx.Param, name: str) -> jax.Array:
+        return project(spec, x, w[...], ops, layer_type, None if state is None else state[name])
+    return proj
 
 
 class RMSNorm(nnx.Module):
@@ -73,7 +75,7 @@ def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) 
 class Attention(nnx.Module):
     """Grouped-query self-attention; Q/K/V column-split and the output row-split over heads."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, ops: Ops, *, rngs: nnx.Rngs):
         d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
         self.wq = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), cfg.init_std)
         self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg.init_std)
@@ -81,58 +83,57 @@ class Attention(nnx.Module):
         # Output projection scaled down by depth (GPT-2 / Megatron residual init).
         self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"),
                          cfg.init_std / math.sqrt(2 * cfg.num_layers))
-        self.impl = cfg.attention
-        self.flash_blocks = (cfg.flash_block_q, cfg.flash_block_kv)
-        self.fp8 = fp8_ops.make_meta(cfg.fp8, cfg.num_layers, "attention", ("q", "k", "v", "o"))
+        self.projections = projection_state(ops, "attention", ("q", "k", "v", "o"))
 
     def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array | None,
-                 inv_freq: jax.Array) -> jax.Array:
-        q = _project("btd,dnh->btnh", x_btd, self.wq, self.fp8, "q")
-        k = _project("btd,dkh->btkh", x_btd, self.wk, self.fp8, "k")
-        v = _project("btd,dkh->btkh", x_btd, self.wv, self.fp8, "v")
+                 inv_freq: jax.Array, ops: Ops) -> jax.Array:
+        proj = _projector(ops, "attention", self.projections)
+        q = proj("btd,dnh->btnh", x_btd, self.wq, "q")
+        k = proj("btd,dkh->btkh", x_btd, self.wk, "k")
+        v = proj("btd,dkh->btkh", x_btd, self.wv, "v")
         q = constrain(apply_rope(q, positions_bt, inv_freq), ("batch", "seq", "act_heads", None))
         k = constrain(apply_rope(k, positions_bt, inv_freq), ("batch", "seq", "act_kv_heads", None))
         v = constrain(v, ("batch", "seq", "act_kv_heads", None))
-        o = attention(q, k, v, segment_ids_bt=segment_ids_bt, causal=True, impl=self.impl,
-                      block_q=self.flash_blocks[0], block_kv=self.flash_blocks[1])
+        o = attention(q, k, v, segment_ids_bt=segment_ids_bt, causal=True, ops=ops)
         # Named so that remat=save_attention_out keeps it and recomputes only the projections/MLP.
         o = checkpoint_name(constrain(o, ("batch", "seq", "act_heads", None)), "attention_out")
-        return _project("btnh,nhd->btd", o, self.wo, self.fp8, "o")
+        return proj("btnh,nhd->btd", o, self.wo, "o")
 
 
 class MLP(nnx.Module):
     """SwiGLU: down(silu(x @ gate) * (x @ up)); gate/up column-split, down row-split over `mlp`."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, ops: Ops, *, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.ffn_dim
         self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), cfg.init_std)
         self.w_up = _param(rngs, (d, f), ("embed", "mlp"), cfg.init_std)
         self.w_down = _param(rngs, (f, d), ("mlp", "embed"), cfg.init_std / math.sqrt(2 * cfg.num_layers))
-        self.fp8 = fp8_ops.make_meta(cfg.fp8, cfg.num_layers, "mlp", ("gate", "up", "down"))
+        self.projections = projection_state(ops, "mlp", ("gate", "up", "down"))
 
-    def __call__(self, x_btd: jax.Array) -> jax.Array:
-        gate = _project("btd,df->btf", x_btd, self.w_gate, self.fp8, "gate")
-        up = _project("btd,df->btf", x_btd, self.w_up, self.fp8, "up")
-        h = constrain(swiglu(gate, up), ("batch", "seq", "act_mlp"))
-        return _project("btf,fd->btd", h, self.w_down, self.fp8, "down")
+    def __call__(self, x_btd: jax.Array, ops: Ops) -> jax.Array:
+        proj = _projector(ops, "mlp", self.projections)
+        gate = proj("btd,df->btf", x_btd, self.w_gate, "gate")
+        up = proj("btd,df->btf", x_btd, self.w_up, "up")
+        h = constrain(swiglu(gate, up, ops), ("batch", "seq", "act_mlp"))
+        return proj("btf,fd->btd", h, self.w_down, "down")
 
 
 class Block(nnx.Module):
     """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, ops: Ops, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = Attention(cfg, ops, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, ops, rngs=rngs)
 
     def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array | None,
-                 inv_freq: jax.Array) -> jax.Array:
+                 inv_freq: jax.Array, ops: Ops) -> jax.Array:
         residual = ("batch", "act_seq", "act_embed")
         # Under sequence parallelism the normed input is gathered along the sequence over `tensor`
         # here, once, before the column-parallel projections (Megatron's g); left to itself the
         # partitioner gathered it per projection, and with context parallelism over `context` too.
         gathered = ("batch", "seq", "act_embed")
         h_btd = constrain(self.attn_norm(x_btd), gathered)
-        x_btd = constrain(x_btd + self.attn(h_btd, positions_bt, segment_ids_bt, inv_freq), residual)
-        return constrain(x_btd + self.mlp(constrain(self.mlp_norm(x_btd), gathered)), residual)
+        x_btd = constrain(x_btd + self.attn(h_btd, positions_bt, segment_ids_bt, inv_freq, ops), residual)
+        return constrain(x_btd + self.mlp(constrain(self.mlp_norm(x_btd), gathered), ops), residual)

@@ -7,14 +7,17 @@ scanned body with a `jax.checkpoint_policies` policy chosen by `model.remat`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from lumen_jax.config import ModelConfig
 from lumen_jax.model.layers import Block, RMSNorm, _param, rope_frequencies
-from lumen_jax.ops import fp8 as fp8_ops
+from lumen_jax.ops.choice import Ops
 from lumen_jax.ops.projection import project, remat_policy
+from lumen_jax.ops.state import ModelState, combine_rules
 from lumen_jax.parallel.rules import constrain
 
 _REMAT_POLICIES = {
@@ -29,17 +32,19 @@ _REMAT_POLICIES = {
 class Transformer(nnx.Module):
     """Decoder-only language model.
 
-    `__call__(tokens_bt, positions_bt, segment_ids_bt)` returns logits [B, T, V] in float32.
+    `__call__(tokens_bt, positions_bt, segment_ids_bt)` returns logits [B, T, V] in float32. `ops`
+    (default `Ops.plain(cfg)`) says how its ops run (`lumen_jax.ops.choice`).
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, ops: Ops | None = None, *, rngs: nnx.Rngs):
         self.cfg = cfg
+        self.ops = ops = Ops.plain(cfg) if ops is None else ops
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 1.0)
 
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs=rngs)
+            return Block(cfg, ops, rngs=rngs)
 
         self.blocks = make_blocks(rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -57,48 +62,74 @@ class Transformer(nnx.Module):
         inv_freq = rope_frequencies(cfg)
         graphdef, layer_state = nnx.split(self.blocks)
 
-        def make_body(fp8_on: bool | None):
-            # One function per setting: scan caches a traced body by function, and the fp8 setting
-            # (`layers_enabled`) is read while tracing.
+        def make_body(ops: Ops):
             def body(x_btd: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
-                with fp8_ops.layers_enabled(fp8_on):
-                    return nnx.merge(graphdef, state)(x_btd, positions_bt, segment_ids_bt, inv_freq), None
+                return nnx.merge(graphdef, state)(x_btd, positions_bt, segment_ids_bt, inv_freq, ops), None
 
             if cfg.remat != "none":
                 return jax.checkpoint(body, policy=remat_policy(_REMAT_POLICIES[cfg.remat]), prevent_cse=False)
             return body
 
-        runs = fp8_ops.layer_runs(cfg.fp8, cfg.num_layers)
+        runs = self.ops.layer_runs(cfg.num_layers)
         if len(runs) == 1:
-            x_btd, _ = jax.lax.scan(make_body(None), x_btd, layer_state)
-        else:  # fp8 in some layers only (first/last kept in bf16): one scan per run of equal setting
-            for start, stop, on in runs:
-                x_btd, _ = jax.lax.scan(make_body(on), x_btd, jax.tree.map(lambda v: v[start:stop], layer_state))
+            x_btd, _ = jax.lax.scan(make_body(self.ops), x_btd, layer_state)
+        else:  # ops that differ by layer (e.g. the first/last layers kept in bf16): one scan per run
+            for start, stop, ops in runs:
+                x_btd, _ = jax.lax.scan(make_body(ops), x_btd, jax.tree.map(lambda v: v[start:stop], layer_state))
         x_btd = constrain(self.final_norm(x_btd), ("batch", "seq", "act_embed"))  # SP: gather, as in Block
         w_dv = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-        logits = project("btd,dv->btv", x_btd, w_dv.astype(dt), jnp.float32)
+        logits = project("btd,dv->btv", x_btd, w_dv.astype(dt), self.ops, out_dtype=jnp.float32)
         return constrain(logits, ("batch", "seq", "act_vocab"))
 
 
-def param_shapes_and_names(cfg: ModelConfig) -> tuple[nnx.GraphDef, dict, dict]:
-    """Trace the model without allocating: (graphdef, {path: ShapeDtypeStruct}, {path: logical names})."""
+@dataclasses.dataclass(frozen=True)
+class AbstractModel:
+    """The model traced without allocating: its graph and, split by NNX type, the shapes and logical
+    axis names of its parameters (`nnx.Param`) and of its other state (`ops.state.ModelState`)."""
+
+    graphdef: nnx.GraphDef
+    params: dict  # {path: ShapeDtypeStruct}
+    param_names: dict  # {path: logical axis names}
+    state: dict  # non-parameter model state, {} when the ops keep none
+    state_names: dict
+    state_combine: dict  # {path: how micro-batches combine the state's next values}
+
+
+def abstract_model(cfg: ModelConfig, ops: Ops | None = None) -> AbstractModel:
+    """Trace `Transformer(cfg, ops)` without allocating (see `AbstractModel`)."""
     with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
+        abstract = nnx.eval_shape(lambda: Transformer(cfg, ops, rngs=nnx.Rngs(0)))
+    graphdef, params, state = nnx.split(abstract, nnx.Param, ModelState)
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), state, is_leaf=is_var)
-    names = jax.tree.map(lambda v: tuple(v.get_metadata()["out_sharding"]), state, is_leaf=is_var)
-    return graphdef, shapes.to_pure_dict(), names.to_pure_dict()
+    shapes = lambda s: nnx.to_pure_dict(jax.tree.map(  # noqa: E731
+        lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), s, is_leaf=is_var))
+    names = lambda s: nnx.to_pure_dict(jax.tree.map(  # noqa: E731
+        lambda v: tuple(v.get_metadata()["out_sharding"]), s, is_leaf=is_var))
+    return AbstractModel(graphdef=graphdef, params=shapes(params), param_names=names(params),
+                         state=shapes(state), state_names=names(state), state_combine=combine_rules(state))
 
 
-def init_params(cfg: ModelConfig, seed: int) -> dict:
-    """Fresh float32 parameters as a plain nested dict (jit this with `out_shardings`)."""
+def param_shapes_and_names(cfg: ModelConfig, ops: Ops | None = None) -> tuple[nnx.GraphDef, dict, dict]:
+    """(graphdef, {path: ShapeDtypeStruct}, {path: logical names}) of the parameters."""
+    a = abstract_model(cfg, ops)
+    return a.graphdef, a.params, a.param_names
+
+
+def init(cfg: ModelConfig, seed: int, ops: Ops | None = None) -> tuple[dict, dict]:
+    """Fresh (float32 parameters, model state) as plain nested dicts (jit this with `out_shardings`)."""
     with nnx.use_eager_sharding(False):
-        model = Transformer(cfg, rngs=nnx.Rngs(params=seed))
-    return nnx.state(model).to_pure_dict()
+        model = Transformer(cfg, ops, rngs=nnx.Rngs(params=seed))
+    _, params, state = nnx.split(model, nnx.Param, ModelState)
+    return nnx.to_pure_dict(params), nnx.to_pure_dict(state)
+
+
+def init_params(cfg: ModelConfig, seed: int, ops: Ops | None = None) -> dict:
+    """Fresh float32 parameters as a plain nested dict (`init` without the model state)."""
+    return init(cfg, seed, ops)[0]
 
 
 def apply(graphdef: nnx.GraphDef, params: dict, tokens_bt: jax.Array, positions_bt: jax.Array,
-          segment_ids_bt: jax.Array | None = None) -> jax.Array:
-    """Logits [B, T, V] float32 of the model `graphdef` with parameters `params` (a plain dict)."""
-    return nnx.merge(graphdef, params)(tokens_bt, positions_bt, segment_ids_bt)
+          segment_ids_bt: jax.Array | None = None, state: dict | None = None) -> jax.Array:
+    """Logits [B, T, V] float32 of the model `graphdef` with parameters `params` and model state
+    `state` (plain dicts; `state` None: the model keeps none)."""
+    return nnx.merge(graphdef, params, state or {})(tokens_bt, positions_bt, segment_ids_bt)

@@ -1,7 +1,8 @@
 """fp8 matmuls: E4M3 operands forward, E5M2 gradients backward, fp32 accumulation, three scaling recipes.
 
-The model calls `einsum(spec, x, w, meta)` for a projection whose layer type runs in fp8 (`meta` is
-that layer's `Fp8Meta`); everything else keeps its plain `jnp.einsum`. Each operand is multiplied by
+`ops.projection.project` calls `einsum(spec, x, w, recipe, history)` for a projection whose layer
+type runs in fp8 (`ops.choice.Ops` says which, from `model.fp8`); everything else keeps its plain
+einsum. Each operand is multiplied by
 a scale, clipped to the format's largest finite value (never inf) and cast to fp8; the product is
 accumulated in fp32 and divided by the scales; the output has the activation's dtype. Weights are
 quantized from the fp32 master copy, and their gradient is returned in fp32.
@@ -29,11 +30,9 @@ numerics only.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import re
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 from lumen_jax.config import Fp8Config
+from lumen_jax.ops.state import ModelState
 
 E4M3 = jnp.float8_e4m3fn  # activations and weights: 3 mantissa bits, max 448
 E5M2 = jnp.float8_e5m2  # gradients: 2 mantissa bits, max 57344, wider range
@@ -240,12 +240,15 @@ def dot(x: jax.Array, w: jax.Array, recipe: str, history: dict | None = None) ->
 
 
 # --------------------------------------------------------------------------------------------------
-# Per-layer state and the einsum the model calls
+# Per-layer state and the einsum `ops.projection.project` calls
 # --------------------------------------------------------------------------------------------------
 
 
-class Fp8History(nnx.Variable):
-    """An amax history [H] of one operand of one projection (delayed recipe): train state, not a parameter."""
+class Fp8History(ModelState):
+    """An amax history [H] of one operand of one projection (delayed recipe): model state, not a
+    parameter. Micro-batches' next histories differ only in their newest slot: keep the max."""
+
+    combine = staticmethod(jnp.maximum)
 
 
 def layer_mask(cfg: Fp8Config, num_layers: int) -> tuple[bool, ...]:
@@ -260,7 +263,7 @@ def layer_mask(cfg: Fp8Config, num_layers: int) -> tuple[bool, ...]:
 def layer_runs(cfg: Fp8Config, num_layers: int) -> list[tuple[int, int, bool]]:
     """The layers as runs [start, stop) of equal `layer_mask` value: (0, 1, False), (1, L-1, True),
     (L-1, L, False) with the first and last layers kept in bf16. The model scans each run with its
-    setting fixed (`layers_enabled`), so no layer needs a per-layer `lax.cond`."""
+    setting fixed (`ops.choice.Ops.layer_runs`), so no layer needs a per-layer `lax.cond`."""
     mask = layer_mask(cfg, num_layers)
     runs: list[tuple[int, int, bool]] = []
     for i, on in enumerate(mask):
@@ -271,43 +274,15 @@ def layer_runs(cfg: Fp8Config, num_layers: int) -> list[tuple[int, int, bool]]:
     return runs
 
 
-_STATIC_ENABLED: contextvars.ContextVar[bool | None] = contextvars.ContextVar("lumen_fp8_enabled", default=None)
+def runs_fp8(cfg: Fp8Config, num_layers: int, layer_type: str) -> bool:
+    """Whether any layer runs the projections of `layer_type` (attention | mlp) in fp8."""
+    return layer_type in cfg.layers and any(layer_mask(cfg, num_layers))
 
 
-@contextlib.contextmanager
-def layers_enabled(on: bool | None) -> Iterator[None]:
-    """While tracing a run of layers that all do (on) or all don't (off) run fp8 (None: the layer
-    type's setting, i.e. fp8 wherever the layer has an `Fp8Meta`)."""
-    token = _STATIC_ENABLED.set(on)
-    try:
-        yield
-    finally:
-        _STATIC_ENABLED.reset(token)
-
-
-class Fp8Meta(nnx.Module):
-    """fp8 settings and state of one layer type's projections, created inside the scanned layer.
-
-    Which layers actually run fp8 is not state: the model scans each run of layers with an equal
-    setting separately (`layer_runs`) and says which while tracing it (`layers_enabled`).
-    """
-
-    def __init__(self, cfg: Fp8Config, projections: tuple[str, ...]):
-        self.recipe = cfg.recipe
-        if cfg.recipe == "delayed":
-            self.history = nnx.Dict({p: nnx.Dict({k: Fp8History(jnp.zeros((cfg.amax_history,), jnp.float32),
-                                                                out_sharding=(None,))
-                                                  for k in HISTORY_KEYS}) for p in projections})
-        else:
-            self.history = None
-
-
-def make_meta(cfg: Fp8Config, num_layers: int, layer_type: str,
-              projections: tuple[str, ...]) -> Fp8Meta | None:
-    """The `Fp8Meta` of a layer type, or None when none of its matmuls run in fp8."""
-    if layer_type not in cfg.layers or not any(layer_mask(cfg, num_layers)):
-        return None
-    return Fp8Meta(cfg, projections)
+def histories(cfg: Fp8Config, projections: tuple[str, ...]) -> nnx.Dict:
+    """The delayed recipe's state of one layer: {projection: {x, w, g: Fp8History [H]}}."""
+    return nnx.Dict({p: nnx.Dict({k: Fp8History(jnp.zeros((cfg.amax_history,), jnp.float32), out_sharding=(None,))
+                                  for k in HISTORY_KEYS}) for p in projections})
 
 
 def _split_spec(spec: str, x_ndim: int, w_ndim: int) -> int:
@@ -322,75 +297,44 @@ def _split_spec(spec: str, x_ndim: int, w_ndim: int) -> int:
     return c
 
 
-def einsum(spec: str, x: jax.Array, w: jax.Array, meta: Fp8Meta, name: str) -> jax.Array:
-    """`jnp.einsum(spec, x, w)` with fp8 operands (the projection `name` of `meta`'s layer).
+def einsum(spec: str, x: jax.Array, w: jax.Array, recipe: str, history: dict | None = None) -> jax.Array:
+    """`jnp.einsum(spec, x, w)` with fp8 operands (recipe current | delayed | blockwise), or in the
+    compute dtype with recipe `none` (a layer kept in bf16 among fp8 layers).
 
     The contracted axes (x's trailing, w's leading) and w's output axes are merged so the GEMM is
     x [*B, K] . w [K, N]; the merges keep the sharded axis major (heads before head_dim).
+    `history`: delayed only, this projection's {x, w, g} `Fp8History` variables.
     """
     c = _split_spec(spec, x.ndim, w.ndim)
     batch, out_dims = x.shape[:x.ndim - c], w.shape[c:]
     k = int(np.prod(w.shape[:c]))
     x2, w2 = x.reshape(*batch, k), w.reshape(k, int(np.prod(out_dims)))
-    history = meta.history[name] if meta.history is not None else None
-    hist = None if history is None else {key: history[key][...] for key in HISTORY_KEYS}
-
-    if _STATIC_ENABLED.get() is False:  # a layer kept in bf16: the plain matmul, exactly as without fp8
+    if recipe == "none":  # a layer kept in bf16: the plain matmul, exactly as without fp8
         y = jnp.einsum("...k,kn->...n", x2, w2.astype(x2.dtype))
     else:
-        y = dot(x2, w2, meta.recipe, hist)
+        hist = None if history is None else {key: history[key][...] for key in HISTORY_KEYS}
+        y = dot(x2, w2, recipe, hist)
     return y.reshape(*batch, *out_dims)
 
 
 # --------------------------------------------------------------------------------------------------
-# Model state <-> train state
+# Checkpoints written before model state was generic
 # --------------------------------------------------------------------------------------------------
 
-
-def split_state(tree: dict) -> tuple[dict, dict]:
-    """Splits the model's variable dict into (params, fp8 amax histories).
-
-    fp8 variables live under keys named `fp8` (`...attn.fp8.history.q.x`); leaves may be arrays,
-    shapes or logical names.
-    """
-    params, hist = {}, {}
-    for key, value in tree.items():
-        if key == "fp8" and isinstance(value, dict):
-            hist[key] = {k: v for k, v in value.items() if k == "history"}
-        elif isinstance(value, dict):
-            params[key], h = split_state(value)
-            if h:
-                hist[key] = h
-        else:
-            params[key] = value
-    return params, _prune(hist)
+LEGACY_FIELD = "fp8_state"  # the TrainState field that held the histories before `model_state`
 
 
-def _prune(tree: dict) -> dict:
-    """Drops empty dicts (a meta without history)."""
-    out = {}
-    for k, v in tree.items():
-        v = _prune(v) if isinstance(v, dict) else v
-        if not (isinstance(v, dict) and not v):
-            out[k] = v
-    return out
+def to_legacy(tree: dict, key: str) -> dict:
+    """A model-state tree in the layout those checkpoints used: `...attn.{key}.q.x` was
+    `...attn.fp8.history.q.x` (leaves may be arrays or shapes)."""
+    return {("fp8" if k == key else k): ({"history": v} if k == key else to_legacy(v, key))
+            for k, v in tree.items()} if isinstance(tree, dict) else tree
 
 
-def merge_state(*trees: dict | None) -> dict:
-    """Deep union of nested dicts (params, histories) back into the model's variable dict."""
-    trees = [t for t in trees if t]
-    if len(trees) == 1:
-        return trees[0]  # fp8 off: the very same dict
-    out: dict = {}
-    for t in trees:
-        for k, v in t.items():
-            out[k] = merge_state(out[k], v) if isinstance(v, dict) and k in out else v
-    return out
-
-
-def combine_histories(a: dict, b: dict) -> dict:
-    """Two micro-batches' updated histories: the shifted part is equal, the newest slot takes the max."""
-    return jax.tree.map(jnp.maximum, a, b)
+def from_legacy(tree: dict, key: str) -> dict:
+    """Inverse of `to_legacy`."""
+    return {(key if k == "fp8" else k): (v["history"] if k == "fp8" else from_legacy(v, key))
+            for k, v in tree.items()} if isinstance(tree, dict) else tree
 
 
 # --------------------------------------------------------------------------------------------------
@@ -424,8 +368,7 @@ def fp8_gemms(hlo_text: str) -> list[str]:
 _DEF = re.compile(r"(%?[\w.\-]+) = (\w+)\[")
 
 
-__all__ = ["E4M3", "E5M2", "TILE", "Fp8Meta", "Fp8History", "amax", "combine_histories",
-           "compute_scale", "delayed_scale", "dequantize", "dequantize_blocks", "dot", "einsum",
-           "fake_quantize_blocks", "fp8_gemms", "fp8_max", "layer_mask", "layer_runs",
-           "layers_enabled", "make_meta",
-           "merge_state", "quantize", "quantize_blocks", "split_state", "update_history"]
+__all__ = ["E4M3", "E5M2", "LEGACY_FIELD", "TILE", "Fp8History", "amax", "compute_scale", "delayed_scale",
+           "dequantize", "dequantize_blocks", "dot", "einsum", "fake_quantize_blocks", "fp8_gemms", "fp8_max",
+           "from_legacy", "histories", "layer_mask", "layer_runs", "quantize", "quantize_blocks", "runs_fp8",
+           "to_legacy", "update_history"]

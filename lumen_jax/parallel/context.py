@@ -1,7 +1,7 @@
 """Context parallelism: attention over sequences split along the `context` mesh axis.
 
 Every sequence of length L is cut into chunks and each of the C devices of the `context` axis holds
-L/C of its tokens (queries, keys and values alike). Two strategies (`model.context_parallel`):
+L/C of its tokens (queries, keys and values alike). Two strategies (`mesh.context_parallel`):
 
 - `ring` (Liu et al. 2023, Ring Attention): each device keeps its queries; the K/V chunks (with
   their segment ids) travel around the ring with `ppermute`, C-1 hops. Each hop's partial output
@@ -13,7 +13,7 @@ L/C of its tokens (queries, keys and values alike). Two strategies (`model.conte
 - `allgather` (as Llama 3 did for its long-context stage): all-gather K/V (small next to Q under
   GQA), attend to all of them locally, and reduce-scatter dK/dV in the backward.
 
-Causal load balance (`model.context_balance`): with plain contiguous chunks device C-1 does C
+Causal load balance (`mesh.context_balance`): with plain contiguous chunks device C-1 does C
 times the causal work of device 0. `zigzag` cuts the sequence into 2C chunks and gives device i
 chunks i and 2C-1-i, so every device does the same work. The tokens are permuted once on the host
 (`permute_tokens`, called by `Trainer.shard_batch`); positions travel with the tokens, so RoPE
@@ -22,8 +22,10 @@ inside attention uses the layout's global chunk ids: a (query chunk, key chunk) 
 when the keys are all later, computed unmasked when they are all earlier, and with the causal mask
 on the diagonal.
 
-The per-pair attention is a `BlockKernel` supplied by `lumen_jax.ops.attention` (the Pallas flash
-kernel on GPU, the jnp reference on CPU): forward -> (o, lse), backward from the merged (o, lse).
+The per-pair attention is a `BlockKernel` supplied by `lumen_jax.ops.attention.block_kernel` (the
+Pallas flash kernel or the jnp reference, as `ops.choice` chose): forward -> (o, lse), backward from
+the merged (o, lse). `context_attention` is the entry point; it runs the schedule per device through
+`parallel.shard.per_device`.
 Shape letters: B batch, T local sequence, N query heads, K kv heads, H head dim, C context size.
 """
 
@@ -37,6 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from lumen_jax.parallel import rules as rules_lib
+from lumen_jax.parallel import shard
 
 AXIS = "context"
 SKIP, FULL, DIAGONAL = 0, 1, 2  # how one query chunk attends to one key chunk
@@ -318,31 +323,38 @@ def _local_bwd(spec, residuals, cotangents):
 _local.defvjp(_local_fwd, _local_bwd)
 
 
+Q_AXES = ("batch", "seq", "act_heads", None)
+KV_AXES = ("batch", "seq", "act_kv_heads", None)
+SEQ_AXES = ("batch", "seq")
+LSE_AXES = ("batch", "act_heads", "seq")
+
+
+def splits_sequence() -> bool:
+    """Whether the active mesh (`rules.activate`) splits sequences over `context`."""
+    return shard.mesh_axis_size(AXIS) > 1
+
+
 def context_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
-                      segment_ids_bt: jax.Array | None, causal: bool, kernel: BlockKernel,
-                      mesh: jax.sharding.Mesh, q_spec, kv_spec, seg_spec, strategy: str = "ring",
-                      balance: str = "zigzag") -> tuple[jax.Array, jax.Array]:
-    """Attention over sequences sharded along `context`, tokens in `Layout(C, balance)`'s order.
+                      segment_ids_bt: jax.Array | None, causal: bool,
+                      kernel: BlockKernel) -> tuple[jax.Array, jax.Array]:
+    """Attention over sequences sharded along the active mesh's `context` axis.
+
+    Runs under `rules.activate` with `context` > 1 (`splits_sequence`); the strategy and the load
+    balance are the rules' (`mesh.context_parallel`, `mesh.context_balance`), and the tokens are in
+    that layout's order (`permute_tokens`, done by `Trainer.shard_batch`).
 
     Args:
-      q_btnh, k_bskh, v_bskh: global arrays whose sequence axis is sharded over `context` in the
-        layout's token order (`permute_tokens`); GQA as in `xla_attention`.
+      q_btnh, k_bskh, v_bskh: global arrays, sequence axis sharded over `context`; GQA as in
+        `ops.reference.reference`.
       segment_ids_bt: [B, T] document ids (same order), or None.
       causal: causal masking by original token position.
-      kernel: the local attention of one chunk pair.
-      mesh, q_spec, kv_spec, seg_spec: the mesh and the PartitionSpecs of q, k/v and segment ids
-        (their sequence axis must be `context`).
-      strategy: ring | allgather. balance: zigzag | contiguous.
+      kernel: the local attention of one chunk pair (`ops.attention.block_kernel`).
 
     Returns:
       (out [B, T, N, H] in q's dtype, lse [B, N, T] float32), in the same token order.
     """
-    spec = _Spec(Layout(mesh.shape[AXIS], balance), strategy, bool(causal), kernel)
-    lse_spec = jax.sharding.PartitionSpec(q_spec[0], q_spec[2], q_spec[1])
-    if segment_ids_bt is None:
-        fn = lambda q, k, v: _local(q, k, v, None, None, spec)  # noqa: E731
-        return jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=(q_spec, lse_spec),
-                             check_vma=False)(q_btnh, k_bskh, v_bskh)
+    mesh, rules = rules_lib.active()
+    spec = _Spec(Layout(mesh.shape[AXIS], rules.context_balance), rules.context_parallel, bool(causal), kernel)
     fn = lambda q, k, v, seg: _local(q, k, v, seg, seg, spec)  # noqa: E731
-    return jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
-                         out_specs=(q_spec, lse_spec), check_vma=False)(q_btnh, k_bskh, v_bskh, segment_ids_bt)
+    return shard.per_device(fn, in_axes=(Q_AXES, KV_AXES, KV_AXES, SEQ_AXES),
+                            out_axes=(Q_AXES, LSE_AXES))(q_btnh, k_bskh, v_bskh, segment_ids_bt)

@@ -1,0 +1,96 @@
+"""The one place that decides how each op runs: `choose(model, devices)` -> `Ops`, when the step is built.
+
+`lumen_jax.build` calls `choose` once, from the config and the devices of the mesh; the model
+receives the `Ops` (a static part of its graph) and hands it to every op it calls, so no op asks at
+trace time where it runs. What is decided:
+
+- `attention`: `xla` (the reference, `ops.attention.reference`) or `flash` (the Pallas kernels).
+  `model.attention=auto` is flash on GPU when the kernel takes the shapes, else xla, and `note`
+  says why (the trainer's start-up line prints it); an explicit `flash` the kernel cannot take is
+  a `ConfigError` before anything compiles. On CPU the kernels run in Pallas's interpreter
+  (`interpret`); the tiles come from the device (`flash_blocks`).
+- `cpu`: the trainer's step on a mesh of one CPU device runs the formulations of `ops/cpu.py`,
+  which XLA:CPU runs faster (docs/PERFORMANCE.md, CPU section). Everything else (partitioned
+  programs, GPUs, the model traced outside the trainer, e.g. the planner's probe) keeps the plain
+  formulations.
+- `fp8`: which layer types' projections run fp8 matmuls (`model.fp8`); `layer_runs` splits the
+  layer stack into runs of equal setting (the first and last layers can stay in bf16).
+
+`Ops.plain(model)` is the choice without a backend: plain formulations, `model.attention` taken as
+written (`auto` as xla), compiled kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from lumen_jax.config import ConfigError, Fp8Config, ModelConfig
+from lumen_jax.kernels import flash_attention as flash_lib
+from lumen_jax.ops import fp8 as fp8_lib
+
+LAYER_TYPES = ("attention", "mlp")  # the layer types whose projections `model.fp8.layers` can pick
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """How the ops of one traced program run (hashable: part of the model's static graph)."""
+
+    attention: str = "xla"  # xla | flash
+    flash_blocks: flash_lib.BlockSizes | None = None  # flash: tiles; None: the kernel's default
+    interpret: bool = False  # flash: Pallas's interpreter (the only mode on CPU)
+    cpu: bool = False  # the ops/cpu.py formulations (the trainer's step on one CPU device)
+    fp8: Fp8Config = Fp8Config()  # model.fp8
+    fp8_types: tuple[str, ...] = ()  # layer types with fp8 projections in some layer
+    fp8_on: bool = True  # False inside a run of layers kept in the compute dtype (`layer_runs`)
+    note: str = dataclasses.field(default="", compare=False)  # how `auto` was resolved, for the start-up line
+
+    @classmethod
+    def plain(cls, model: ModelConfig, **changes: Any) -> Ops:
+        """The choice without a backend (see the module docstring), with `changes` applied."""
+        types = tuple(t for t in LAYER_TYPES if fp8_lib.runs_fp8(model.fp8, model.num_layers, t))
+        attention = "flash" if model.attention == "flash" else "xla"
+        return cls(**{"attention": attention, "fp8": model.fp8, "fp8_types": types, **changes})
+
+    def projection(self, layer_type: str | None) -> str:
+        """How a projection of `layer_type` (attention | mlp | None: the logits) runs:
+        `fp8` (recipe `fp8.recipe`), `fp8_kept` (an fp8 layer type in a layer kept in the compute
+        dtype), `token_grad` (ops/cpu.py) or `einsum`."""
+        if layer_type in self.fp8_types:
+            return "fp8" if self.fp8_on else "fp8_kept"
+        return "token_grad" if self.cpu else "einsum"
+
+    def layer_runs(self, num_layers: int) -> list[tuple[int, int, Ops]]:
+        """The layer stack as runs [start, stop) with the `Ops` of each run: one run, unless some
+        layers keep the compute dtype among fp8 layers (`fp8.layer_runs`)."""
+        runs = fp8_lib.layer_runs(self.fp8, num_layers) if self.fp8_types else []
+        if len(runs) <= 1:
+            return [(0, num_layers, self)]
+        return [(start, stop, dataclasses.replace(self, fp8_on=on)) for start, stop, on in runs]
+
+
+def choose(model: ModelConfig, devices: Sequence[Any]) -> Ops:
+    """The `Ops` of the trainer's step on a mesh over `devices` (see the module docstring).
+
+    Raises:
+      ConfigError: `model.attention=flash` on shapes the kernel cannot take on this backend.
+    """
+    platform = devices[0].platform
+    interpret = platform == "cpu"
+    h = model.resolved_head_dim
+    problem = flash_lib.check_supported((1, 1, model.num_heads, h), (1, 1, model.num_kv_heads, h),
+                                        interpret=interpret)
+    attention, note = model.attention, ""
+    if attention == "auto":
+        attention = "flash" if platform == "gpu" and problem is None else "xla"
+        note = (f"attention=auto: {attention}" + ("" if attention == "flash" else
+                f" (the flash kernel: {problem})" if platform == "gpu" else f" (flash runs on GPU; this is {platform})"))
+    elif attention == "flash" and problem:
+        raise ConfigError(f"model.attention=flash: {problem}; choose a model shape the kernel takes, "
+                          "or model.attention=xla (or auto: flash where it can)")
+    blocks = None
+    if attention == "flash":
+        blocks = flash_lib.BlockSizes.default(h, devices[0]).with_overrides(model.flash_block_q,
+                                                                          model.flash_block_kv)
+    return Ops.plain(model, attention=attention, flash_blocks=blocks, interpret=interpret,
+                     cpu=platform == "cpu" and len(devices) == 1, note=note)

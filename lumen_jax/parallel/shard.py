@@ -1,0 +1,62 @@
+"""Per-device code over the trainer's mesh, by logical axis names: the one wrapper of `shard_map`
+that ops use (flash attention's kernel per shard, context parallelism's ring; next, pipeline stages
+and expert dispatch).
+
+A Pallas call, or a schedule of collectives written per device, has no SPMD partitioning rule:
+without `shard_map` XLA would gather its operands onto every device. `per_device(fn, in_axes,
+out_axes)` runs `fn` on each device's shards of the mesh that `rules.activate` made active, its
+arguments and results split along the mesh axes their logical names map to (`rules.Rules.spec`).
+Outside `activate`, or on a mesh of one device, it is `fn` itself, so single-device code runs it
+untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+
+from lumen_jax.parallel import rules as rules_lib
+
+Names = tuple[str | None, ...]  # the logical axis names of one array, e.g. ("batch", "seq", "act_heads", None)
+
+
+def _is_names(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
+
+
+def per_device(fn: Callable[..., Any], in_axes: Sequence[Names], out_axes: Any) -> Callable[..., Any]:
+    """`fn` run per device over the active mesh (see the module docstring).
+
+    Args:
+      fn: a function of local shards; it may call collectives over the mesh's axis names.
+      in_axes: the logical names of each positional argument. An argument passed as None stays None
+        (e.g. absent segment ids).
+      out_axes: the logical names of the result, or a tuple of them for several results.
+
+    Returns:
+      A function of global arrays with `fn`'s signature.
+    """
+    def run(*args: Any) -> Any:
+        active = rules_lib.active()
+        if active is None or active[0].size == 1:
+            return fn(*args)
+        mesh, rules = active
+        present = [i for i, a in enumerate(args) if a is not None]
+
+        def local(*shards: Any) -> Any:
+            full: list[Any] = [None] * len(args)
+            for i, x in zip(present, shards):
+                full[i] = x
+            return fn(*full)
+
+        out_specs = jax.tree.map(rules.spec, out_axes, is_leaf=_is_names)
+        return jax.shard_map(local, mesh=mesh, in_specs=tuple(rules.spec(in_axes[i]) for i in present),
+                             out_specs=out_specs, check_vma=False)(*(args[i] for i in present))
+    return run
+
+
+def mesh_axis_size(axis: str) -> int:
+    """The size of mesh axis `axis` in the active mesh (1 outside `rules.activate`)."""
+    active = rules_lib.active()
+    return 1 if active is None else active[0].shape.get(axis, 1)
