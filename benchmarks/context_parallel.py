@@ -49,9 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def config(a: argparse.Namespace, seq_len: int, c: int) -> Config:
-    model = dataclasses.replace(MODEL, attention=a.attention, compute_dtype=a.dtype,
-                                context_parallel=a.strategy, context_balance=a.balance)
-    return Config(model=model, mesh=MeshConfig(data=1, fsdp=1, context=c, tensor=1),
+    model = dataclasses.replace(MODEL, attention=a.attention, compute_dtype=a.dtype)
+    return Config(model=model, mesh=MeshConfig(data=1, fsdp=1, context=c, tensor=1, context_parallel=a.strategy,
+                                               context_balance=a.balance),
                   data=DataConfig(seq_len=seq_len, global_batch_size=1),
                   train=TrainConfig(steps=a.steps + 1),
                   runtime=RuntimeConfig(cpu_devices=8 if a.platform == "cpu" else 0,

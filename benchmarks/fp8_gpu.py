@@ -56,7 +56,8 @@ def run_recipe(args: argparse.Namespace, recipe: str):
 
     from lumen_jax import metrics
     from lumen_jax.build import build
-    from lumen_jax.config import load_config, validate
+    from lumen_jax.config import validate
+    from lumen_jax.config_files import load_config
     from lumen_jax.parallel.mesh import make_mesh
 
     keep = "[" + args.keep_bf16 + "]"

@@ -67,8 +67,8 @@ class Trainer:
 
 
 def build(cfg: Config, mesh: Mesh) -> Trainer:
-    rules = Rules(zero_stage=cfg.optim.zero_stage, sequence_parallel=cfg.mesh.sequence_parallel,
-                  context_parallel=cfg.model.context_parallel, context_balance=cfg.model.context_balance)
+    rules = Rules(zero_stage=cfg.mesh.zero_stage, sequence_parallel=cfg.mesh.sequence_parallel,
+                  context_parallel=cfg.mesh.context_parallel, context_balance=cfg.mesh.context_balance)
     ops = choose(cfg.model, list(mesh.devices.flat))  # raises ConfigError before anything compiles
     model = abstract_model(cfg.model, ops)
     names = model.param_names

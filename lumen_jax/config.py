@@ -1,11 +1,12 @@
-"""Typed, frozen configuration: one dataclass per component, YAML/gin loading, overrides, validation.
+"""Typed, frozen configuration: one dataclass per component, strict conversion, validation.
 
-No JAX import here: a config can be loaded and checked on any machine before a backend starts.
+No JAX import here: a config can be checked on any machine before a backend starts.
 
 A run is described by `Config` (model, mesh, optim, data, train, checkpoint, log, runtime,
-distributed). Files in `configs/` are YAML mappings of the same shape (a file may name a `base:` it
-extends); gin files bind the same dataclasses (`model.d_model = 64`). Command-line overrides are
-dotted (`optim.lr=3e-4`).
+distributed). Every parallelism setting lives in `mesh`. Files in `configs/` are YAML mappings of
+the same shape; gin files bind the same dataclasses; command-line overrides are dotted
+(`optim.lr=3e-4`). Reading them is `lumen_jax.config_files.load_config` (that module imports this
+one, never the other way round).
 Every problem is a `ConfigError` whose message names the key, the value and the fix.
 """
 
@@ -73,10 +74,6 @@ class ModelConfig:
     attention: str = "xla"  # xla | flash | auto (auto: flash on GPU, xla on CPU)
     flash_block_q: int = 0  # flash kernel's query tile (forward, dQ); 0: tuned default
     flash_block_kv: int = 0  # flash kernel's key tile (forward, dK/dV); 0: tuned default
-    # mesh.context > 1: ring (K/V hop around the context ring) | allgather (gather K/V, Llama 3)
-    context_parallel: str = "ring"
-    # zigzag: context device i holds chunks i and 2C-1-i (equal causal work) | contiguous: chunk i
-    context_balance: str = "zigzag"
     remat: str = "none"  # one of REMAT_POLICIES
     compute_dtype: str = "bfloat16"  # bfloat16 | float32 | float16; params stay float32
     fp8: Fp8Config = dataclasses.field(default_factory=Fp8Config)
@@ -88,14 +85,21 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh, axes outermost to innermost. One axis may be -1: it takes the remaining devices."""
+    """The parallelism plan: the device mesh (axes outermost to innermost; one axis may be -1: it
+    takes the remaining devices) and how each axis is used."""
 
     data: int = 1
     fsdp: int = -1
     context: int = 1
     tensor: int = 1
     sequence_parallel: bool = False  # Megatron SP: norms/residual sharded along sequence over `tensor`
+    zero_stage: int = 3  # over fsdp: 1 optimizer state sharded; 2: + gradients; 3: + parameters (FSDP)
+    # context > 1: ring (K/V hop around the context ring) | allgather (gather K/V, Llama 3)
+    context_parallel: str = "ring"
+    # zigzag: context device i holds chunks i and 2C-1-i (equal causal work) | contiguous: chunk i
+    context_balance: str = "zigzag"
 
+    # The mesh axes, the one list of their names (the planner adds `pipeline` outside them).
     AXES: typing.ClassVar[tuple[str, ...]] = ("data", "fsdp", "context", "tensor")
 
     def shape(self, num_devices: int) -> dict[str, int]:
@@ -130,7 +134,7 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with warmup + cosine decay, global-norm clipping, ZeRO stage, optional z-loss."""
+    """AdamW with warmup + cosine decay, global-norm clipping, optional z-loss (ZeRO: `mesh.zero_stage`)."""
 
     lr: float = 3e-4
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
@@ -142,7 +146,6 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # 0 disables clipping
-    zero_stage: int = 3  # 1: optimizer state sharded; 2: + gradients; 3: + parameters (FSDP)
     z_loss: float = 0.0  # coefficient of log(Z)^2 (PaLM)
     loss_scale_init: float = 2.0 ** 15  # float16 only: dynamic loss scaling
     loss_scale_growth_interval: int = 2000
@@ -260,8 +263,6 @@ PLATFORMS = ("", "cpu", "gpu", "cuda", "rocm", "tpu")
 # Enum-like fields: the allowed values, checked on load and in `validate`.
 CHOICES: dict[str, tuple[Any, ...]] = {
     "model.attention": ATTENTION_IMPLS,
-    "model.context_parallel": CONTEXT_PARALLEL,
-    "model.context_balance": CONTEXT_BALANCE,
     "model.remat": REMAT_POLICIES,
     "model.compute_dtype": COMPUTE_DTYPES,
     "model.rope_scaling": ROPE_SCALINGS,
@@ -269,7 +270,9 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "model.fp8.layers": FP8_LAYERS,  # list fields: every item
     "model.fp8.keep_bf16": FP8_KEEP_BF16,
     "optim.schedule": SCHEDULES,
-    "optim.zero_stage": ZERO_STAGES,
+    "mesh.zero_stage": ZERO_STAGES,
+    "mesh.context_parallel": CONTEXT_PARALLEL,
+    "mesh.context_balance": CONTEXT_BALANCE,
     "data.source": DATA_SOURCES,
     "runtime.platform": PLATFORMS,
     "runtime.malloc": ("reuse", "default"),
@@ -293,8 +296,15 @@ NESTED: dict[str, type] = {"model.fp8": Fp8Config}
 
 _TYPES = {section: _field_types(cls) for section, cls in {**SECTIONS, **NESTED}.items()}
 
+# Keys that moved to another section: the old spelling is an error naming the new one.
+MOVED: dict[str, str] = {
+    "optim.zero_stage": "mesh.zero_stage",
+    "model.context_parallel": "mesh.context_parallel",
+    "model.context_balance": "mesh.context_balance",
+}
 
-def _show(value: Any) -> str:
+
+def show(value: Any) -> str:
     """A value as the user would write it back in a message (`'abc'`, `64`, `[1, 2]`)."""
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -318,18 +328,25 @@ def _suggest_key(section: Any, key: Any) -> str | None:
     return next((f"{s}.{k}" for s, fields in _TYPES.items() if k in fields), None)
 
 
-def _unknown_section(section: Any) -> ConfigError:
+def unknown_section(section: Any) -> ConfigError:
+    """The error for a section that does not exist, with a did-you-mean."""
     close = _close(section, SECTIONS)
     hint = f"; did you mean {close}?" if close else ""
     return ConfigError(f"unknown config section {section!r}{hint}"
                        f" (sections: {', '.join(SECTIONS)})")
 
 
-def _check_key(section: Any, key: Any, shown: str | None = None, where: str = "") -> Any:
-    """The type of `section.key`, or a ConfigError (showing `section.key=shown`) with a did-you-mean."""
+def check_key(section: Any, key: Any, shown: str | None = None, where: str = "") -> Any:
+    """The type of `section.key`, or a ConfigError (showing `section.key=shown`) with a did-you-mean.
+
+    A key listed in `MOVED` gives the one-line error `optim.zero_stage moved to mesh.zero_stage`
+    whichever format names it (YAML, gin, a dotted override): old keys are not aliases.
+    """
     if section in _TYPES and key in _TYPES[section]:
         return _TYPES[section][key]
     dotted = f"{section}.{key}"
+    if dotted in MOVED:
+        raise ConfigError(f"{dotted} moved to {MOVED[dotted]}")
     close = _suggest_key(section, key)
     hint = f"; did you mean {close}?" if close else ""
     if not close and section in _TYPES:
@@ -341,7 +358,7 @@ def _check_key(section: Any, key: Any, shown: str | None = None, where: str = ""
 def _convert(key: str, value: Any, typ: Any) -> Any:
     """Checks `value` against the field type: ints widen to floats, lists become tuples, nothing else."""
     def wrong(what: str) -> ConfigError:
-        return ConfigError(f"{key}={_show(value)} must be {what}; got {type(value).__name__}")
+        return ConfigError(f"{key}={show(value)} must be {what}; got {type(value).__name__}")
 
     if typ is bool:
         if not isinstance(value, bool):
@@ -368,19 +385,19 @@ def _convert(key: str, value: Any, typ: Any) -> Any:
         if not isinstance(value, Mapping):
             raise wrong(f"a mapping of keys ({', '.join(_TYPES[key])}), e.g. {key}: "
                         f"{{{next(iter(_TYPES[key]))}: ...}}")
-        return typ(**{k: _convert(f"{key}.{k}", v, _check_key(key, k, _show(v))) for k, v in value.items()})
+        return typ(**{k: _convert(f"{key}.{k}", v, check_key(key, k, show(v))) for k, v in value.items()})
     else:  # a field type this function was not taught: our bug, not the user's
         raise TypeError(f"config field {key} has unsupported type {typ!r}")
     allowed = CHOICES.get(key)
     if allowed is not None and isinstance(value, tuple):  # a list field: every item must be allowed
         bad = [v for v in value if v not in allowed]
         if bad:
-            raise ConfigError(f"{key}={_show(value)} has {', '.join(_show(v) for v in bad)}, not among the "
+            raise ConfigError(f"{key}={show(value)} has {', '.join(show(v) for v in bad)}, not among the "
                               f"allowed values; choose the items of {key} from "
-                              f"{', '.join(_show(a) for a in allowed)}")
+                              f"{', '.join(show(a) for a in allowed)}")
     elif allowed is not None and value not in allowed:
-        raise ConfigError(f"{key}={_show(value)} is not one of the allowed values; "
-                          f"choose {key} from {', '.join(_show(a) for a in allowed)}")
+        raise ConfigError(f"{key}={show(value)} is not one of the allowed values; "
+                          f"choose {key} from {', '.join(show(a) for a in allowed)}")
     return value
 
 
@@ -397,18 +414,18 @@ def from_dict(d: Mapping[str, Any]) -> Config:
     for section, body in d.items():
         if section == "name":
             if not isinstance(body, str):
-                raise ConfigError(f"name={_show(body)} must be a str; got {type(body).__name__}")
+                raise ConfigError(f"name={show(body)} must be a str; got {type(body).__name__}")
             kwargs["name"] = body
             continue
         if section not in SECTIONS:
-            raise _unknown_section(section)
+            raise unknown_section(section)
         if body is None:  # `model:` with nothing under it
             body = {}
         if not isinstance(body, Mapping):
-            raise ConfigError(f"config section {section}={_show(body)} must be a mapping of keys "
+            raise ConfigError(f"config section {section}={show(body)} must be a mapping of keys "
                               f"(e.g. {section}: {{{next(iter(_TYPES[section]))}: ...}}); "
                               f"got {type(body).__name__}")
-        fields = {k: _convert(f"{section}.{k}", v, _check_key(section, k, _show(v))) for k, v in body.items()}
+        fields = {k: _convert(f"{section}.{k}", v, check_key(section, k, show(v))) for k, v in body.items()}
         kwargs[section] = SECTIONS[section](**fields)
     return Config(**kwargs)
 
@@ -423,22 +440,6 @@ def to_dict(cfg: Config) -> dict[str, Any]:
         return x
 
     return plain(dataclasses.asdict(cfg))
-
-
-def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
-    """Loads a `.yaml`/`.yml` or `.gin` config file (None: all defaults) and applies dotted overrides.
-
-    Args:
-      path: config file. A YAML file may say `base: other.yaml` (relative to its own folder) to
-        deep-merge over another file; a gin file binds `model.d_model = 64` and may `include`.
-      overrides: `section.key=value` strings applied after the file, e.g. `optim.lr=3e-4`.
-
-    Returns:
-      The Config, named after the file's stem ("default" when path is None). Not yet checked
-      against a device count: call `validate` for that. The formats live in config_files.py.
-    """
-    from lumen_jax.config_files import read_config
-    return read_config(path, overrides)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -496,8 +497,8 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
     for key, op, bound in _BOUNDS:
         value = functools.reduce(getattr, key.split("."), cfg)  # model.fp8.amax_history: two levels
         if not _COMPARE[op](value, bound):
-            raise ConfigError(f"{key}={_show(value)} must be {op} {_show(bound)}; "
-                              f"set {key} to a value {op} {_show(bound)}")
+            raise ConfigError(f"{key}={show(value)} must be {op} {show(bound)}; "
+                              f"set {key} to a value {op} {show(bound)}")
     if num_devices < 1:
         raise ConfigError(f"num_devices={num_devices} must be >= 1; no devices were found")
 
@@ -537,9 +538,9 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         (not mesh.sequence_parallel or d.seq_len % (cp * tp) == 0,
          f"mesh.sequence_parallel=true needs data.seq_len={d.seq_len} divisible by mesh.context*mesh.tensor="
          f"{cp * tp}; use a multiple of {cp * tp} or set mesh.sequence_parallel=false"),
-        (cp == 1 or m.context_balance != "zigzag" or d.seq_len % (2 * cp) == 0,
-         f"model.context_balance=zigzag cuts data.seq_len={d.seq_len} into 2*mesh.context={2 * cp} chunks; "
-         f"use a multiple of {2 * cp} or model.context_balance=contiguous"),
+        (cp == 1 or mesh.context_balance != "zigzag" or d.seq_len % (2 * cp) == 0,
+         f"mesh.context_balance=zigzag cuts data.seq_len={d.seq_len} into 2*mesh.context={2 * cp} chunks; "
+         f"use a multiple of {2 * cp} or mesh.context_balance=contiguous"),
         (d.source != "files" or bool(d.paths),
          "data.source='files' but data.paths=[] is empty; set data.paths=[glob, ...] "
          "or data.source=builtin"),

@@ -1,7 +1,8 @@
 """Reading config files: YAML (with `base:`), gin, and dotted command-line overrides.
 
-`lumen_jax.config.load_config` is the entry point; this module holds the file formats so that
-config.py stays the schema, the conversion and the validation. No JAX import here either.
+`load_config` is the entry point. This module holds the file formats and imports the schema, the
+conversion and the validation from lumen_jax/config.py (which does not import this module). No JAX
+import here either.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from lumen_jax.config import (NESTED, SECTIONS, Config, ConfigError, _check_key, _show, _unknown_section,
-                              from_dict)
+from lumen_jax.config import NESTED, SECTIONS, Config, ConfigError, check_key, from_dict, show, unknown_section
 
 
 class _Loader(yaml.SafeLoader):
@@ -62,16 +62,16 @@ def _read_yaml(path: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
         raise ConfigError(f"config file {path} must be a mapping of sections ({', '.join(SECTIONS)}); "
                           f"got {type(data).__name__}")
     if "name" in data:
-        raise ConfigError(f"config file {path} sets name={_show(data['name'])}; remove it: the name is "
+        raise ConfigError(f"config file {path} sets name={show(data['name'])}; remove it: the name is "
                           "the file's stem")
     base = data.pop("base", None)
     if base is None:
         return data
     if not isinstance(base, str) or os.path.splitext(base)[1].lower() not in (".yaml", ".yml"):
-        raise ConfigError(f"{path}: base={_show(base)} must name a .yaml file relative to {path}")
+        raise ConfigError(f"{path}: base={show(base)} must name a .yaml file relative to {path}")
     base_path = os.path.join(os.path.dirname(path), base)
     if not os.path.isfile(base_path):
-        raise ConfigError(f"{path}: base={_show(base)} does not exist (looked for {base_path}); "
+        raise ConfigError(f"{path}: base={show(base)} does not exist (looked for {base_path}); "
                           "fix the path, relative to the file that names it")
     return _deep_merge(_read_yaml(base_path, (*chain, real)), data)
 
@@ -110,10 +110,10 @@ def _read_gin(path: str) -> dict[str, Any]:
         m = re.match(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'", msg)
         if m:
             name = m.group(1).removeprefix(f"{_GIN_MODULE}.")
-            _check_key(name if name in NESTED else name.rsplit(".", 1)[-1], m.group(2), where=f"{path}: ")
+            check_key(name if name in NESTED else name.rsplit(".", 1)[-1], m.group(2), where=f"{path}: ")
         m = re.match(r"No configurable matching '([\w.]+)'", msg)
         if m:
-            raise ConfigError(f"{path}: {_unknown_section(m.group(1))}") from None
+            raise ConfigError(f"{path}: {unknown_section(m.group(1))}") from None
         raise ConfigError(f"config file {path} is not valid gin: {msg}") from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e}") from None
@@ -127,12 +127,12 @@ def _parse_override(text: str) -> tuple[str, str, Any]:
     dotted, eq, raw = text.partition("=")
     section, dot, key = dotted.strip().rpartition(".")
     if section.count(".") == 1 and section.split(".")[0] in SECTIONS:  # model.fp8.recipe=delayed
-        _check_key(*section.split("."))  # model.fp9.recipe: did you mean model.fp8?
+        check_key(*section.split("."))  # model.fp9.recipe: did you mean model.fp8?
     if not eq or not dot or not section or not key or (section.count(".") > 1) or (
             "." in section and section not in NESTED):
         raise ConfigError(f"override {text!r} must look like section.key=value (e.g. optim.lr=3e-4)")
     raw = raw.strip()
-    typ = _check_key(section, key, raw)
+    typ = check_key(section, key, raw)
     try:
         value = yaml.load(raw, Loader=_Loader)
     except yaml.YAMLError:
@@ -144,8 +144,18 @@ def _parse_override(text: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
-def read_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
-    """`lumen_jax.config.load_config`'s implementation (see its docstring)."""
+def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
+    """Loads a `.yaml`/`.yml` or `.gin` config file (None: all defaults) and applies dotted overrides.
+
+    Args:
+      path: config file. A YAML file may say `base: other.yaml` (relative to its own folder) to
+        deep-merge over another file; a gin file binds `model.d_model = 64` and may `include`.
+      overrides: `section.key=value` strings applied after the file, e.g. `optim.lr=3e-4`.
+
+    Returns:
+      The Config, named after the file's stem ("default" when path is None). Not yet checked
+      against a device count: call `lumen_jax.config.validate` for that.
+    """
     raw: dict[str, Any] = {}
     name = "default"
     if path is not None:

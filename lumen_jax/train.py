@@ -24,7 +24,8 @@ import sys
 import traceback
 from typing import Sequence
 
-from lumen_jax.config import Config, ConfigError, load_config, to_dict, validate
+from lumen_jax.config import Config, ConfigError, to_dict, validate
+from lumen_jax.config_files import load_config
 
 EXIT_OK, EXIT_BUG, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_CORRUPTION, EXIT_PREEMPTED = 0, 1, 2, 3, 4, 75
 

@@ -24,9 +24,10 @@ BASE = Config(
 )
 
 
-def with_mesh(cfg: Config, zero_stage: int = 3, micro_batches: int = 1, **axes) -> Config:
-    return cfg.replace(mesh=MeshConfig(**{"data": 1, "fsdp": 1, "context": 1, "tensor": 1, **axes}),
-                       optim=dataclasses.replace(cfg.optim, zero_stage=zero_stage),
+def with_mesh(cfg: Config, micro_batches: int = 1, **mesh) -> Config:
+    """`cfg` on a mesh whose axes are 1 unless given; `mesh` may set any mesh field (zero_stage,
+    sequence_parallel, context_parallel, ...)."""
+    return cfg.replace(mesh=MeshConfig(**{"data": 1, "fsdp": 1, "context": 1, "tensor": 1, **mesh}),
                        train=dataclasses.replace(cfg.train, micro_batches=micro_batches))
 
 

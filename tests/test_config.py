@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from lumen_jax import config as C
-from lumen_jax.config import Config, ConfigError, from_dict, load_config, to_dict, validate
+from lumen_jax.config import Config, ConfigError, from_dict, to_dict, validate
+from lumen_jax.config_files import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -129,7 +130,8 @@ def test_gin_errors(tmp_path):
 
 
 def test_jax_not_imported():
-    code = "import sys, lumen_jax.config as c; c.load_config('configs/tiny.gin'); assert 'jax' not in sys.modules"
+    code = ("import sys, lumen_jax.config; assert 'lumen_jax.config_files' not in sys.modules; "
+            "import lumen_jax.config_files as c; c.load_config('configs/tiny.gin'); assert 'jax' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
@@ -244,8 +246,8 @@ def test_coercions():
 
 @pytest.mark.parametrize("key,value", [
     ("model.attention", "flashy"), ("model.remat", "some"), ("model.compute_dtype", "float64"),
-    ("model.rope_scaling", "yarn"), ("optim.schedule", "step"), ("optim.zero_stage", 4),
-    ("data.source", "web"),
+    ("model.rope_scaling", "yarn"), ("optim.schedule", "step"), ("mesh.zero_stage", 4),
+    ("mesh.context_parallel", "tree"), ("mesh.context_balance", "striped"), ("data.source", "web"),
 ])
 def test_enum_errors(key, value):
     section, name = key.split(".")
@@ -329,9 +331,9 @@ def test_batch_and_sequence():
     msg = error(validate, cfg, 8)
     assert "mesh.sequence_parallel=true" in msg and "data.seq_len=10" in msg and "mesh.context*mesh.tensor=4" in msg
     msg = error(validate, with_(TINY, data=dict(seq_len=36), mesh=dict(context=4, fsdp=2)), 8)
-    assert msg.startswith("model.context_balance=zigzag cuts data.seq_len=36 into 2*mesh.context=8 chunks")
-    assert validate(with_(TINY, data=dict(seq_len=36), mesh=dict(context=4, fsdp=2),
-                          model=dict(context_balance="contiguous")), 8)["context"] == 4
+    assert msg.startswith("mesh.context_balance=zigzag cuts data.seq_len=36 into 2*mesh.context=8 chunks")
+    assert validate(with_(TINY, data=dict(seq_len=36), mesh=dict(context=4, fsdp=2, context_balance="contiguous")),
+                    8)["context"] == 4
     validate(with_(cfg, data=dict(seq_len=16)), 8)
 
 
@@ -425,6 +427,33 @@ def test_fp8_errors(tmp_path):
     assert msg.startswith("model.fp8.recipe='fp8' is not one of the allowed values")
     msg = error(load_config, write(tmp_path, "b.gin", "model.fp8.recpie = 'delayed'\n"))
     assert msg.endswith("unknown config key model.fp8.recpie; did you mean model.fp8.recipe?")
+
+
+# --------------------------------------------------------------------------------------------------
+# Keys that moved: every parallelism setting is in `mesh`
+# --------------------------------------------------------------------------------------------------
+
+MOVED = [("optim", "zero_stage", 1, "mesh"), ("model", "context_parallel", "allgather", "mesh"),
+         ("model", "context_balance", "contiguous", "mesh")]
+
+
+@pytest.mark.parametrize("section,key,value,new", MOVED)
+def test_moved_keys_are_errors_not_aliases(tmp_path, section, key, value, new):
+    expect = f"{section}.{key} moved to {new}.{key}"
+    assert error(from_dict, {section: {key: value}}) == expect
+    assert error(load_config, None, [f"{section}.{key}={value}"]) == expect
+    assert error(load_config, write(tmp_path, "a.yaml", f"{section}:\n  {key}: {value}\n")) == expect
+    gin_value = value if isinstance(value, int) else repr(value)
+    assert error(load_config, write(tmp_path, "a.gin", f"{section}.{key} = {gin_value}\n")) == expect
+    cfg = load_config(None, [f"{new}.{key}={value}"])
+    assert getattr(cfg.mesh, key) == value and C.MOVED[f"{section}.{key}"] == f"{new}.{key}"
+
+
+def test_moved_key_through_the_cli_exits_2(capsys):
+    from lumen_jax import train as train_cli
+    rc = train_cli.main(["--config", cfg_path("tiny.yaml"), "optim.zero_stage=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == ["error: optim.zero_stage moved to mesh.zero_stage"]
 
 
 def test_fp8_error_through_the_cli_exits_2(capsys):

@@ -21,7 +21,8 @@ import pytest
 from helpers_data import packed_batch
 from lumen_jax import metrics
 from lumen_jax.build import build
-from lumen_jax.config import Config, MeshConfig, load_config
+from lumen_jax.config import Config, MeshConfig
+from lumen_jax.config_files import load_config
 from lumen_jax.parallel.mesh import make_mesh
 
 REL_TOL = 0.05

@@ -19,7 +19,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lumen_jax import distributed as D
-from lumen_jax.config import ConfigError, DistributedConfig, load_config, validate
+from lumen_jax.config import ConfigError, DistributedConfig, validate
+from lumen_jax.config_files import load_config
 from lumen_jax.parallel.mesh import hybrid_device_grid, make_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

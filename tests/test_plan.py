@@ -18,7 +18,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lumen_jax import metrics, plan
 from lumen_jax.build import build
-from lumen_jax.config import ModelConfig, load_config
+from lumen_jax.config import Fp8Config, MeshConfig, ModelConfig
+from lumen_jax.config_files import load_config
 from lumen_jax.data import BATCH_KEYS
 from lumen_jax.parallel.mesh import make_mesh
 from lumen_jax.plan.cli import main
@@ -39,19 +40,19 @@ XLA_CASES = {
     "fsdp=4,tensor=2,sp full": ["mesh.fsdp=4", "mesh.tensor=2", "mesh.sequence_parallel=true", "model.remat=full"],
     "fsdp=4,tensor=2,sp dots_saveable":
         ["mesh.fsdp=4", "mesh.tensor=2", "mesh.sequence_parallel=true", "model.remat=dots_saveable"],
-    "fsdp=8 zero_stage=1 none": ["mesh.fsdp=8", "optim.zero_stage=1", "model.remat=none"],
+    "fsdp=8 zero_stage=1 none": ["mesh.fsdp=8", "mesh.zero_stage=1", "model.remat=none"],
     "fsdp=8 micro_batches=2 none": ["mesh.fsdp=8", "train.micro_batches=2", "model.remat=none"],
     # context parallelism: the ring and the all-gather attention under shard_map (zigzag chunks)
     "fsdp=4,context=2 ring none": ["mesh.fsdp=4", "mesh.context=2", "model.remat=none"],
     "fsdp=4,context=2 allgather full":
-        ["mesh.fsdp=4", "mesh.context=2", "model.context_parallel=allgather", "model.remat=full"],
+        ["mesh.fsdp=4", "mesh.context=2", "mesh.context_parallel=allgather", "model.remat=full"],
 }
 
 
 def compiled_step(cfg):
     """The train step compiled for abstract (sharded) state and batch: nothing is allocated."""
     layout = plan.layout_from_config(cfg, jax.device_count())
-    trainer = build(cfg, make_mesh({a: layout.size(a) for a in ("data", "fsdp", "context", "tensor")}))
+    trainer = build(cfg, make_mesh({a: layout.size(a) for a in MeshConfig.AXES}))
     state = jax.eval_shape(trainer.init)
     shape = (cfg.data.global_batch_size, cfg.data.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, np.float32 if k == "loss_mask" else np.int32,
@@ -87,10 +88,10 @@ def test_bytes_and_flops_match_the_compiled_step(name):
 @pytest.mark.parametrize("axes", [dict(fsdp=8), dict(data=2, fsdp=2, tensor=2), dict(data=8)])
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_state_bytes_are_the_shards_the_trainer_creates(axes, zero_stage):
-    cfg = load_config("configs/tiny.yaml", [f"optim.zero_stage={zero_stage}", "mesh.fsdp=1",
+    cfg = load_config("configs/tiny.yaml", [f"mesh.zero_stage={zero_stage}", "mesh.fsdp=1",
                                             *(f"mesh.{k}={v}" for k, v in axes.items())])
     layout = plan.layout_from_config(cfg, 8)
-    trainer = build(cfg, make_mesh({a: layout.size(a) for a in ("data", "fsdp", "context", "tensor")}))
+    trainer = build(cfg, make_mesh({a: layout.size(a) for a in MeshConfig.AXES}))
     state = jax.eval_shape(trainer.init)
 
     def shard_bytes(tree) -> int:
@@ -163,12 +164,12 @@ def test_context_parallel_residuals_and_work():
 def test_sixteen_bytes_per_parameter_and_fourteen_gpus_for_70b():
     cfg = load_config("configs/llama3_70b.yaml")
     n = metrics.param_counts(cfg.model)["total"]
-    one = plan.state_bytes(cfg.model, plan.Layout())
+    one = plan.state_bytes(cfg.model, plan.Layout())  # one device
     assert one == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}  # our 4 + 4 + 8 split
     assert sum(one.values()) == plan.TEXTBOOK_BYTES_PER_PARAM * n  # the textbook's 2 + 2 + 12
     assert sum(one.values()) == pytest.approx(1.1e12, rel=0.05)  # "about 1.1 TB of state"
     assert sum(one.values()) / 80e9 == pytest.approx(14, rel=0.02)  # "fourteen 80 GB GPUs"
-    sharded = plan.state_bytes(cfg.model, plan.Layout(fsdp=16))
+    sharded = plan.state_bytes(cfg.model, plan.Layout(MeshConfig(fsdp=16)))
     assert sum(sharded.values()) == pytest.approx(sum(one.values()) / 16, rel=1e-3)  # norms replicated
 
 
@@ -193,7 +194,7 @@ def test_llama3_405b_on_16k_h100():
     """TP 8, CP 1, PP 16, DP 128 at 8k context (Llama 3 paper, table 4): 16M tokens per step."""
     cfg = load_config("configs/llama3_405b.yaml", ["mesh.fsdp=128", "mesh.tensor=8", "mesh.context=1"])
     layout = plan.layout_from_config(cfg, 16384, pipeline=16, pipeline_microbatches=16)
-    assert (layout.pipeline, layout.fsdp, layout.tensor, layout.context) == (16, 128, 8, 1)
+    assert (layout.pipeline, layout.mesh.fsdp, layout.mesh.tensor, layout.mesh.context) == (16, 128, 8, 1)
     assert layout.num_devices == 16384
     p = plan.predict(cfg, layout, H100)
     assert p.tokens_per_step == 2048 * 8192
@@ -246,7 +247,7 @@ def test_our_layer_against_korthikanti():
     # intermediates of silu(gate) * up 6 x 2F, and a log-sum-exp per head: above Korthikanti's 34sbh.
     assert per_token("none", s, "flash") == 16 * h + 4 * h + 10 * h + 12 * f + 4 * a
     # Tensor + sequence parallelism split everything t ways but the norm outputs a matmul gathers.
-    tp = plan.Layout(tensor=8, sequence_parallel=True)
+    tp = plan.Layout(MeshConfig(fsdp=1, tensor=8, sequence_parallel=True))
     assert plan.saved_bytes_per_token(LLAMA_7B, tp, s, "none", "flash") == pytest.approx(
         (per_token("none", s, "flash") - 4 * h) / 8 + 4 * h)
 
@@ -270,10 +271,10 @@ def test_ring_factors_and_links():
     assert c.seconds == pytest.approx(c.wire_bytes / 50e9)
     assert dataclasses.replace(c, kind="all-gather").wire_bytes == pytest.approx(7 / 8 * 2e9)
     assert dataclasses.replace(c, kind="reduce-scatter").wire_bytes == pytest.approx(7 / 8 * 2e9)
-    node = plan.Layout(data=2, fsdp=2, tensor=2)
+    node = plan.Layout(MeshConfig(data=2, fsdp=2, tensor=2))
     assert {a: plan.link_of(a, node, H100)[0] for a in ("data", "fsdp", "tensor")} == {
         "data": "nvlink", "fsdp": "nvlink", "tensor": "nvlink"}
-    big = plan.Layout(fsdp=64, tensor=8)
+    big = plan.Layout(MeshConfig(fsdp=64, tensor=8))
     assert plan.link_of("tensor", big, H100) == ("nvlink", 900e9)
     assert plan.link_of("fsdp", big, H100) == ("ib", 50e9)
 
@@ -351,12 +352,9 @@ def test_the_issue_commands(capsys):
 def test_fp8_scaling_state_and_ring_hops():
     cfg = load_config("configs/llama3_70b.yaml")
     layout = plan.layout_from_config(cfg, 1024)
-    assert plan.fp8_bytes(cfg.model, layout) == 0.0  # no model.fp8, or recipe none
-    fp8 = plan.memory.FP8_MATMULS
-    delayed = dataclasses.make_dataclass("Fp8", [("recipe", str, "delayed"), ("amax_history", int, 1024),
-                                                 ("layers", tuple, tuple(fp8)), ("keep_bf16", tuple, ())])()
-    model = dataclasses.replace(cfg.model)
-    object.__setattr__(model, "fp8", delayed)
+    assert plan.fp8_bytes(cfg.model, layout) == 0.0  # recipe none
+    delayed = Fp8Config(recipe="delayed", amax_history=1024, layers=("attention", "mlp"), keep_bf16=())
+    model = dataclasses.replace(cfg.model, fp8=delayed)
     # (amax_history + 1) fp32 per operand x 3 operands x 7 matmuls x 80 layers
     assert plan.fp8_bytes(model, layout) == 1025 * 4 * 3 * 7 * 80
     ring = load_config("configs/llama3_70b.yaml", ["mesh.context=4"])

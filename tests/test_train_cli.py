@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from lumen_jax.config import ConfigError, load_config, validate
+from lumen_jax.config import ConfigError, validate
+from lumen_jax.config_files import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 120

@@ -10,7 +10,8 @@ by one. Per-device figures are for the worst device (the pipeline stage holding 
 the logits, plus its share of the layers). The model behind each number, its calibration against
 XLA, and a worked 7B/70B example are in docs/PLANNING.md.
 
-- `hardware`: `Hardware` (memory, peak, links), `DEVICES`, `Layout` (mesh, pipeline, ZeRO, micro-batches).
+- `hardware`: `Hardware` (memory, peak, links), `DEVICES`, `Layout` (the config's resolved `mesh`
+  section, plus pipeline stages and micro-batches).
 - `memory`: `state_bytes` (exact, from the parameter shapes and the sharding rules), `activation_bytes`.
 - `cost`: `flops_per_device`, `bubble_fraction`, `collectives` per mesh axis.
 - `predict`: `predict` -> `Plan` (bytes, FLOPs, step time, MFU, verdict), `search`.

@@ -9,7 +9,8 @@ import sys
 from typing import Sequence
 
 from lumen_jax import metrics
-from lumen_jax.config import Config, ConfigError, MeshConfig, load_config, validate
+from lumen_jax.config import Config, ConfigError, validate
+from lumen_jax.config_files import load_config
 from lumen_jax.plan.hardware import DEVICES, Hardware, layout_from_config
 from lumen_jax.plan.predict import Plan, predict, search
 
@@ -27,7 +28,7 @@ def format_plan(plan: Plan, cfg: Config) -> str:
     n_params = metrics.param_counts(cfg.model)["total"]
     lines = [
         f"{cfg.name}: {n_params / 1e9:.2f}B parameters, {lay.num_devices} devices ({lay.describe()}), "
-        f"zero_stage={lay.zero_stage}, remat={plan.remat}, attention={plan.attention}, "
+        f"zero_stage={lay.mesh.zero_stage}, remat={plan.remat}, attention={plan.attention}, "
         f"{plan.micro_batch} x {cfg.data.seq_len} tokens per device per micro-batch, "
         f"{lay.micro_batches} micro-batches per step",
         "",
@@ -38,7 +39,7 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         f"  activations     {_gb(b['activations'])}   saved {a.saved / 1e9:.2f} + working {a.working / 1e9:.2f}"
         f" (largest part: {a.phase}) + gradient accumulation {a.buffers / 1e9:.2f} + batch {a.inputs / 1e9:.2f}"
         + (f" (+ {a.host / 1e9:.2f} GB on host)" if a.host else ""),
-        f"  fp8 scaling     {_gb(b['fp8'])}   fp8 recipe: {getattr(getattr(cfg.model, 'fp8', None), 'recipe', 'none')}",
+        f"  fp8 scaling     {_gb(b['fp8'])}   fp8 recipe: {cfg.model.fp8.recipe}",
         f"  total           {_gb(b['total'])}   of {plan.usable_memory_bytes / 1e9:.1f} GB usable "
         f"({plan.device_memory_bytes / 1e9:.0f} GB device)",
         "",
@@ -128,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kwargs = {"attention": args.attention, "efficiency": args.efficiency,
                   "memory_fraction": args.memory_fraction}
         if args.search:  # the search picks the mesh: check everything else on one device
-            one = MeshConfig(data=1, fsdp=1, context=1, tensor=1)
+            one = dataclasses.replace(cfg.mesh, data=1, fsdp=1, context=1, tensor=1)
             validate(cfg.replace(mesh=one, train=dataclasses.replace(cfg.train, micro_batches=1)), 1)
             if args.pipeline < 1 or args.devices % args.pipeline:
                 raise ConfigError(f"--pipeline {args.pipeline} must be >= 1 and divide "

@@ -37,7 +37,7 @@ def context_score_fraction(context: int, balance: str = "zigzag", attention: str
 
 
 def hardware_flops_per_token(model: ModelConfig, seq_len: int, remat: str, *,
-                             score_fraction: float = 0.5, context: int = 1) -> float:
+                             score_fraction: float = 0.5, context: int = 1, context_parallel: str = "ring") -> float:
     """Model FLOPs per token plus the forward work the backward pass re-runs under `remat`.
 
     Model FLOPs are `metrics.flops_per_token`'s: 6 x the matmul parameters + 3 x the attention
@@ -49,7 +49,7 @@ def hardware_flops_per_token(model: ModelConfig, seq_len: int, remat: str, *,
     attention forward) whatever the policy. (This can differ from `metrics.hardware_flops_per_token`,
     which assumes what each policy saves.)
     """
-    redo = recomputes(remat, context, getattr(model, "context_parallel", "ring"))
+    redo = recomputes(remat, context, context_parallel)
     counts = metrics.param_counts(model)
     attention = metrics.attention_forward_flops_per_token(model, seq_len, causal=False) * score_fraction
     backward = 2.0 if context == 1 else 2.5  # dV, dP, dQ, dK (+ QK^T again in the chunk kernel)
@@ -77,12 +77,12 @@ def flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, global_ba
     remat = model.remat if remat is None else remat
     fraction = 0.5 if causal else computed_score_fraction(seq_len)
     fraction = fraction if score_fraction is None else score_fraction
-    total = hardware_flops_per_token(m, seq_len, remat, score_fraction=fraction,
-                                     context=layout.context) * global_batch * seq_len
+    total = hardware_flops_per_token(m, seq_len, remat, score_fraction=fraction, context=layout.mesh.context,
+                                     context_parallel=layout.mesh.context_parallel) * global_batch * seq_len
     total /= layout.num_devices
     if elementwise:
-        tp, sp = layout.tensor, layout.sequence_parallel
-        local_tokens = global_batch * seq_len / (layout.data * layout.fsdp * layout.context)
+        tp, sp = layout.mesh.tensor, layout.mesh.sequence_parallel
+        local_tokens = global_batch * seq_len / (layout.mesh.data * layout.mesh.fsdp * layout.mesh.context)
         layers = m.num_layers / layout.pipeline
         per_token = (layers * (ELEMENTWISE_OPS["score"] * m.num_heads * seq_len * fraction / tp
                                + ELEMENTWISE_OPS["embed"] * m.d_model / (tp if sp else 1))
@@ -103,9 +103,9 @@ def compiled_flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, 
     last one after it (2 of C hops counted), all-gather scans over all C (1 of C counted).
     """
     fraction = None
-    if layout.context > 1:
-        counted = 2 if getattr(model, "context_parallel", "ring") == "ring" else 1
-        fraction = counted / layout.context
+    if layout.mesh.context > 1:
+        counted = 2 if layout.mesh.context_parallel == "ring" else 1
+        fraction = counted / layout.mesh.context
     return flops_per_device(model, layout, seq_len, global_batch // layout.micro_batches, causal=False,
                             layers=1, elementwise=True, score_fraction=fraction)
 
@@ -161,15 +161,15 @@ def collectives(model: ModelConfig, layout: Layout, hw: Hardware, seq_len: int, 
     data: all-reduce of the (ZeRO-sharded) gradients per micro-batch. tensor: Megatron's two
     all-reduces of [tokens, D] per layer forward and two backward (+2 when `full` recomputes the
     layer; sequence parallelism turns each into an all-gather + reduce-scatter of the same bytes),
-    plus the vocab-parallel embedding and logits. context, `model.context_parallel: ring`: K/V
+    plus the vocab-parallel embedding and logits. context, `mesh.context_parallel: ring`: K/V
     chunks hop C-1 times around the axis per layer forward (again when the backward recomputes the
     forward), and in the backward K/V travel with the fp32 dK/dV accumulators, overlapping the
     chunk computations; `allgather`: K/V all-gathered per layer (re-gathered in the backward unless
     saved) and dK/dV reduce-scattered, exposed. pipeline: activations sent forward and gradients
     back per micro-batch.
     """
-    m, c, tp = layout.micro_batches, compute_bytes(model), layout.tensor
-    tokens = micro_batch * seq_len / layout.context
+    m, c, tp = layout.micro_batches, compute_bytes(model), layout.mesh.tensor
+    tokens = micro_batch * seq_len / layout.mesh.context
     layers = -(-model.num_layers // layout.pipeline)
     out: list[Collective] = []
 
@@ -178,38 +178,39 @@ def collectives(model: ModelConfig, layout: Layout, hw: Hardware, seq_len: int, 
             link, bw = link_of(axis, layout, hw)
             out.append(Collective(axis, layout.size(axis), link, kind, what, payload, calls, overlapped, bw))
 
-    weights = state_bytes(model, dataclasses.replace(layout, data=1, fsdp=1))["params"]  # fp32, /tp, /pp
+    unsharded = dataclasses.replace(layout, mesh=dataclasses.replace(layout.mesh, data=1, fsdp=1))
+    weights = state_bytes(model, unsharded)["params"]  # fp32, /tp, /pp
     grads = state_bytes(model, layout)["grads"]
-    if layout.zero_stage >= 3:
+    if layout.mesh.zero_stage >= 3:
         add("fsdp", "all-gather", "fp32 weights, forward", weights, m, True)
         add("fsdp", "all-gather", "fp32 weights, backward", weights, m, True)
         add("fsdp", "reduce-scatter", "fp32 gradients", weights, m, True)
     else:
-        kind = "reduce-scatter" if layout.zero_stage == 2 else "all-reduce"
+        kind = "reduce-scatter" if layout.mesh.zero_stage == 2 else "all-reduce"
         add("fsdp", kind, "fp32 gradients", weights, m, True)
         add("fsdp", "all-gather", "updated fp32 weights", weights, 1, True)
     add("data", "all-reduce", "fp32 gradients", grads, m, True)
     row = tokens * model.d_model * c
     # Recomputing the projections re-runs the two row-parallel matmuls and their all-reduces.
-    redo = recomputes(remat, layout.context, getattr(model, "context_parallel", "ring"))
+    redo = recomputes(remat, layout.mesh.context, layout.mesh.context_parallel)
     per_layer = 4 + (2 if redo["projections"] else 0)
     calls = m * (per_layer * layers + 2)  # + the embedding lookup and the gradient into the logits
-    if layout.sequence_parallel:
+    if layout.mesh.sequence_parallel:
         for kind in ("all-gather", "reduce-scatter"):
             add("tensor", kind, f"activations, {per_layer}/layer (sequence parallel)", row, calls, False)
     else:
         add("tensor", "all-reduce", f"activations, {per_layer}/layer", row, calls, False)
-    # context parallelism (`model.context_parallel`): each device holds S/C of every sequence.
-    cp, hops = getattr(model, "context_parallel", "ring"), layout.context - 1
-    kv_chunk = 2 * micro_batch * seq_len / layout.context * model.num_kv_heads * model.resolved_head_dim / tp * c
-    fwd = 2 if recomputes(remat, layout.context, cp)["attention"] else 1  # the backward re-runs the exchange
+    # context parallelism (`mesh.context_parallel`): each device holds S/C of every sequence.
+    cp, hops = layout.mesh.context_parallel, layout.mesh.context - 1
+    kv_chunk = 2 * micro_batch * seq_len / layout.mesh.context * model.num_kv_heads * model.resolved_head_dim / tp * c
+    fwd = 2 if recomputes(remat, layout.mesh.context, cp)["attention"] else 1  # the backward re-runs the exchange
     if cp == "ring":  # K/V chunks hop C-1 times per layer forward; dK/dV (fp32) travel back with them
         add("context", "send/recv", "K/V chunks, C-1 ring hops per layer (forward, recompute)", kv_chunk,
             m * layers * hops * fwd, True)
         add("context", "send/recv", "K/V and fp32 dK/dV chunks, C-1 ring hops per layer (backward)",
             kv_chunk * (1 + F32_BYTES / c), m * layers * hops, True)
     else:  # all-gather K, V over the context axis; reduce-scatter dK/dV
-        kv = kv_chunk * layout.context
+        kv = kv_chunk * layout.mesh.context
         add("context", "all-gather", "K/V per layer (again in the backward unless saved)", kv, m * layers * fwd, False)
         add("context", "reduce-scatter", "dK/dV per layer", kv, m * layers, False)
     add("pipeline", "send/recv", "stage activations and gradients", row, 2 * m, False)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from lumen_jax import metrics
-from lumen_jax.config import Config, ConfigError, ModelConfig, validate
+from lumen_jax.config import Config, ConfigError, MeshConfig, ModelConfig, validate
 
-AXES = ("pipeline", "data", "fsdp", "context", "tensor")  # outermost -> innermost (innermost: in a node)
+# Outermost -> innermost (innermost: in a node): the planner's pipeline stages around the mesh axes.
+AXES = ("pipeline", *MeshConfig.AXES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,27 +39,27 @@ DEVICES = {
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Mesh axis sizes, ZeRO stage and micro-batching of one candidate run."""
+    """One candidate run: the config's `mesh` section, resolved (every axis a size, no -1), plus what
+    the planner derives: pipeline stages (planned only) and micro-batches per step."""
 
-    data: int = 1
-    fsdp: int = 1
-    context: int = 1
-    tensor: int = 1
+    mesh: MeshConfig = MeshConfig(fsdp=1)  # the parallelism plan: axis sizes, ZeRO, SP, context strategy
     pipeline: int = 1
-    sequence_parallel: bool = False
-    zero_stage: int = 3
     micro_batches: int = 1  # sequential micro-batches per step (accumulation; the pipeline's m)
+
+    def __post_init__(self) -> None:
+        if any(self.size(a) < 1 for a in AXES):
+            raise ValueError(f"a Layout needs resolved axis sizes (>= 1); got {self.describe()}")
 
     @property
     def num_devices(self) -> int:
-        return self.pipeline * self.data * self.fsdp * self.context * self.tensor
+        return math.prod(self.size(a) for a in AXES)
 
     def size(self, axis: str) -> int:
-        return getattr(self, axis)
+        return self.pipeline if axis == "pipeline" else getattr(self.mesh, axis)
 
     def describe(self) -> str:
         parts = [f"{a}={self.size(a)}" for a in AXES if self.size(a) > 1 or a in ("data", "fsdp")]
-        return " ".join(parts + (["sp"] if self.sequence_parallel else []))
+        return " ".join(parts + (["sp"] if self.mesh.sequence_parallel else []))
 
 
 def layout_from_config(cfg: Config, num_devices: int, pipeline: int = 1,
@@ -68,8 +70,7 @@ def layout_from_config(cfg: Config, num_devices: int, pipeline: int = 1,
     m = pipeline_microbatches or cfg.train.micro_batches
     cfg = cfg.replace(train=dataclasses.replace(cfg.train, micro_batches=m))
     shape = validate(cfg, num_devices // pipeline)
-    return Layout(pipeline=pipeline, sequence_parallel=cfg.mesh.sequence_parallel,
-                  zero_stage=cfg.optim.zero_stage, micro_batches=m, **shape)
+    return Layout(dataclasses.replace(cfg.mesh, **shape), pipeline=pipeline, micro_batches=m)
 
 
 def compute_bytes(model: ModelConfig) -> int:

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import print_saved_residuals
 
 from lumen_jax import metrics
-from lumen_jax.config import ModelConfig
+from lumen_jax.config import MeshConfig, ModelConfig
 from lumen_jax.model import apply, param_shapes_and_names
+from lumen_jax.ops.choice import Ops
 from lumen_jax.parallel import rules as rules_lib
 from lumen_jax.parallel.rules import Rules
 from lumen_jax.plan.hardware import Layout, compute_bytes
@@ -49,8 +50,8 @@ def _shape_key(model: ModelConfig) -> ModelConfig:
 def state_bytes(model: ModelConfig, layout: Layout) -> dict[str, int]:
     """Per-device bytes of `params`, `grads` and `optimizer` (Adam mu + nu), exactly as sharded.
 
-    Each leaf's `PartitionSpec` comes from `Rules(zero_stage, sequence_parallel).tree_specs` (the table
-    the trainer uses); a dim split over mesh axes of total size g holds ceil(dim / g) per device.
+    Each leaf's `PartitionSpec` comes from `Rules(zero_stage, sequence_parallel).tree_specs` of the
+    layout's mesh section (the table the trainer uses); a dim split over mesh axes of total size g holds ceil(dim / g) per device.
     With a pipeline, the stacked `layers` axis is split over stages (ceil(L / p) per stage) and the
     worst stage also holds the embedding (first stage) or the final norm and logits (last stage).
     """
@@ -59,7 +60,7 @@ def state_bytes(model: ModelConfig, layout: Layout) -> dict[str, int]:
 
 @functools.lru_cache(maxsize=4096)
 def _state_bytes(model: ModelConfig, layout: Layout) -> tuple[tuple[str, int], ...]:
-    rules = Rules(zero_stage=layout.zero_stage, sequence_parallel=layout.sequence_parallel)
+    rules = Rules(zero_stage=layout.mesh.zero_stage, sequence_parallel=layout.mesh.sequence_parallel)
     leaves = _param_leaves(model)
     out = {}
     for kind, nbytes in STATE_BYTES.items():
@@ -119,8 +120,9 @@ class Residuals:
 
 def _probe_mesh(context: int):
     """An abstract mesh (no devices) with `context` devices on the context axis, for tracing only."""
-    axes = ("data", "fsdp", "context", "tensor")
-    return jax.sharding.AbstractMesh((1, 1, context, 1), axes, axis_types=(jax.sharding.AxisType.Auto,) * 4)
+    axes = MeshConfig.AXES
+    return jax.sharding.AbstractMesh(tuple(context if a == "context" else 1 for a in axes), axes,
+                                     axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
 
 
 @functools.lru_cache(maxsize=64)
@@ -145,7 +147,9 @@ def layer_residuals(remat: str, seq_len: int = _PROBE_MIN_SEQ, attention: str = 
     # than every width from 48 * context tokens on (the ring's counts do not depend on seq_len).
     seq = 64 * context if context > 1 else max(seq_len, _PROBE_MIN_SEQ)
     model = dataclasses.replace(PROBE, remat=remat, attention=attention)
-    graphdef, shapes, _ = param_shapes_and_names(model)
+    # Traced, never run: Pallas's interpreter takes the probe's head_dim of 6, which the compiled
+    # kernel refuses; its custom VJP saves the same residuals.
+    graphdef, shapes, _ = param_shapes_and_names(model, Ops.plain(model, interpret=True))
     weight_shapes = {shape[1:] for _, shape, names in _param_leaves(model) if names[0] == "layers"}
     tokens = jnp.zeros((1, seq), jnp.int32)
     positions = jnp.arange(seq, dtype=jnp.int32)[None]
@@ -250,7 +254,7 @@ class Activations:
 
 def _widths(model: ModelConfig, layout: Layout, seq_len: int) -> dict[str, float]:
     """Elements per token of each width class on one device."""
-    tp, sp = layout.tensor, layout.sequence_parallel
+    tp, sp = layout.mesh.tensor, layout.mesh.sequence_parallel
     h = model.resolved_head_dim
     return {"D": model.d_model / (tp if sp else 1), "G": model.d_model, "Q": model.num_heads * h / tp,
             "KV": model.num_kv_heads * h / tp, "F": model.ffn_dim / tp,
@@ -271,7 +275,7 @@ def _as_gathered(rows: collections.Counter, remat: str) -> collections.Counter:
 
 
 def _residuals(model: ModelConfig, layout: Layout, remat: str, seq_len: int, attention: str) -> Residuals:
-    return layer_residuals(remat, seq_len, attention, layout.context, getattr(model, "context_parallel", "ring"))
+    return layer_residuals(remat, seq_len, attention, layout.mesh.context, layout.mesh.context_parallel)
 
 
 def saved_bytes_per_token(model: ModelConfig, layout: Layout, seq_len: int, remat: str,
@@ -303,21 +307,20 @@ def working_bytes_per_token(model: ModelConfig, layout: Layout, seq_len: int, re
     `scores` (score rows, xla attention only), `recompute` (the unsaved tensors of the layer),
     `partial_sums` (tensor parallelism), `kv` (context parallelism), `logits`."""
     c, w = compute_bytes(model), _widths(model, layout, seq_len)
-    cp = layout.context > 1
+    cp = layout.mesh.context > 1
     scores, share = (CONTEXT_BACKWARD_ROWS if cp else BACKWARD_ROWS)[remat]
     every = _as_gathered(_residuals(model, layout, "none", seq_len, attention).counts(), "none")
     unsaved = every - _as_gathered(_residuals(model, layout, remat, seq_len, attention).counts(host=True), remat)
     unsaved = collections.Counter({key: n for key, n in unsaved.items() if key[0] != "S" and n > 0})
-    strategy = getattr(model, "context_parallel", "ring")
-    row = model.num_heads * seq_len / layout.tensor * F32  # one query's fp32 scores, every local head
+    row = model.num_heads * seq_len / layout.mesh.tensor * F32  # one query's fp32 scores, every local head
     # Context parallelism: the ring holds the K/V chunk in use and the one arriving (and in the
     # backward their fp32 dK/dV accumulators); all-gather holds the whole K and V and the fp32 dK/dV
     # of the whole sequence, C times the local K/V.
-    held = 2 if strategy == "ring" else layout.context
+    held = 2 if layout.mesh.context_parallel == "ring" else layout.mesh.context
     kv = 2 * w["KV"] * (c + F32) * held if cp else 0.0
     return {"scores": scores * row if attention == "xla" else 0.0,
             "recompute": share * _bytes(unsaved, w, c),
-            "partial_sums": TP_PARTIAL_SUMS * w["G"] * c if layout.tensor > 1 else 0.0,
+            "partial_sums": TP_PARTIAL_SUMS * w["G"] * c if layout.mesh.tensor > 1 else 0.0,
             "kv": kv, "logits": LOGIT_ROWS * w["V"] * F32}
 
 
@@ -333,7 +336,7 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     """
     remat = model.remat if remat is None else remat
     c = compute_bytes(model)
-    tokens = micro_batch * seq_len / layout.context
+    tokens = micro_batch * seq_len / layout.mesh.context
     layers = -(-model.num_layers // layout.pipeline)
     in_flight = min(layout.pipeline, layout.micro_batches)
     parts = working_bytes_per_token(model, layout, seq_len, remat, attention)
@@ -341,7 +344,7 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     # A layer casts its fp32 weights to the compute dtype and may keep the casts for the backward:
     # counted as gathered (split only by tensor parallelism). In fp32 the cast is the weight itself.
     residuals = _residuals(model, layout, remat, seq_len, attention)
-    copies = (residuals.weight_copies * counts["layer_matmul"] * c / layout.tensor
+    copies = (residuals.weight_copies * counts["layer_matmul"] * c / layout.mesh.tensor
               if model.compute_dtype != "float32" else 0.0)
     per_layer = tokens * saved_bytes_per_token(model, layout, seq_len, remat, attention) + copies
     grads = state_bytes(model, layout)["grads"]
@@ -359,7 +362,7 @@ FP8_BLOCK = 128  # blockwise: one scale per 128 x 128 weight tile and per 1 x 12
 
 
 def fp8_bytes(model: ModelConfig, layout: Layout, tokens: float = 0.0) -> float:
-    """Per-device bytes of fp8 scaling state (`model.fp8`; 0 when absent or `recipe: none`).
+    """Per-device bytes of fp8 scaling state (`model.fp8`; 0 with `recipe: none`).
 
     delayed: every quantized operand keeps `amax_history` fp32 amaxes and one fp32 scale, i.e.
     (amax_history + 1) x 4 bytes x 3 operands per matmul x the fp8 matmuls of each layer (7 for
@@ -368,26 +371,26 @@ def fp8_bytes(model: ModelConfig, layout: Layout, tokens: float = 0.0) -> float:
     fp32 scale per 128 x 128 weight tile (split like the weights by tensor parallelism) and per
     128 elements of each quantized activation row (`tokens` local tokens, transient).
     """
-    fp8 = getattr(model, "fp8", None)
-    recipe = getattr(fp8, "recipe", "none")
-    if fp8 is None or recipe == "none":
+    fp8 = model.fp8
+    recipe = fp8.recipe
+    if recipe == "none":
         return 0.0
     layers = -(-model.num_layers // layout.pipeline)
-    kept = len(set(getattr(fp8, "keep_bf16", ())) & {"first", "last"}) if layout.pipeline == 1 else 1
+    kept = len(set(fp8.keep_bf16) & {"first", "last"}) if layout.pipeline == 1 else 1
     layers = max(layers - min(kept, layers), 0)
-    matmuls = sum(FP8_MATMULS.get(kind, 0) for kind in getattr(fp8, "layers", tuple(FP8_MATMULS)))
+    matmuls = sum(FP8_MATMULS[kind] for kind in fp8.layers)
     operands = layers * matmuls * FP8_OPERANDS_PER_MATMUL
     if recipe == "delayed":
-        return operands * (getattr(fp8, "amax_history", 1024) + 1) * F32
+        return operands * (fp8.amax_history + 1) * F32
     if recipe == "current":
         return operands * F32
     if recipe == "blockwise":
         h = model.resolved_head_dim
         widths = {"attention": 2 * (model.num_heads + model.num_kv_heads) * h, "mlp": 2 * model.ffn_dim + model.d_model}
         per_layer = metrics.param_counts(model)["layer_matmul"]
-        weight_tiles = per_layer / (FP8_BLOCK * FP8_BLOCK) / layout.tensor
-        act = sum(w for kind, w in widths.items() if kind in getattr(fp8, "layers", tuple(widths)))
-        return layers * (weight_tiles * F32) + tokens * act / layout.tensor / FP8_BLOCK * F32
+        weight_tiles = per_layer / (FP8_BLOCK * FP8_BLOCK) / layout.mesh.tensor
+        act = sum(w for kind, w in widths.items() if kind in fp8.layers)
+        return layers * (weight_tiles * F32) + tokens * act / layout.mesh.tensor / FP8_BLOCK * F32
     raise ValueError(f"model.fp8.recipe={recipe!r} is not one of none, current, delayed, blockwise")
 
 

@@ -72,13 +72,13 @@ class Plan:
         state = b["params"] + b["grads"] + b["optimizer"]
         if state >= b["activations"]:
             why = (f"parameters + gradients + optimizer state take {gb(state)}: shard them further "
-                   "(optim.zero_stage=3 with a larger mesh.fsdp, mesh.tensor, or --pipeline)")
+                   "(mesh.zero_stage=3 with a larger mesh.fsdp, mesh.tensor, or --pipeline)")
         else:
             a, lay = self.activations, self.layout
             fixes = [fix for fix, useful in (
                 ("model.remat=full", self.remat not in ("full", "save_attention_out")),
                 ("fewer sequences per micro-batch (raise train.micro_batches)", self.micro_batch > 1),
-                ("mesh.tensor with mesh.sequence_parallel=true", not lay.sequence_parallel),
+                ("mesh.tensor with mesh.sequence_parallel=true", not lay.mesh.sequence_parallel),
                 ("flash attention (--attention flash shows its effect)",
                  self.attention == "xla" and a.working > a.saved),
                 ("--pipeline", True)) if useful]
@@ -124,13 +124,14 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     model, seq = cfg.model, cfg.data.seq_len
     remat = model.remat if remat is None else remat
     attention = planned_attention(model) if attention is None else attention
-    micro_batch = cfg.data.global_batch_size // (layout.data * layout.fsdp * layout.micro_batches)
+    micro_batch = cfg.data.global_batch_size // (layout.mesh.data * layout.mesh.fsdp * layout.micro_batches)
     tokens = cfg.data.global_batch_size * seq
     peak = hw.peak(model.compute_dtype)
     # Under context parallelism the step waits for the busiest device's share of the score square.
-    fraction = (context_score_fraction(layout.context, getattr(model, "context_balance", "zigzag"), attention)
-                if layout.context > 1 else 0.5)
-    hw_per_token = hardware_flops_per_token(model, seq, remat, score_fraction=fraction, context=layout.context)
+    fraction = (context_score_fraction(layout.mesh.context, layout.mesh.context_balance, attention)
+                if layout.mesh.context > 1 else 0.5)
+    hw_per_token = hardware_flops_per_token(model, seq, remat, score_fraction=fraction, context=layout.mesh.context,
+                                            context_parallel=layout.mesh.context_parallel)
     comms = tuple(collectives(model, layout, hw, seq, micro_batch, remat))
     compute_s = hw_per_token * tokens / layout.num_devices / (peak * efficiency)
     busy = (max(compute_s, sum(c.seconds for c in comms if c.overlapped))
@@ -138,7 +139,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     bubble = bubble_fraction(layout.pipeline, layout.micro_batches) if layout.pipeline > 1 else 0.0
     return Plan(layout=layout, remat=remat, micro_batch=micro_batch, attention=attention,
                 state=state_bytes(model, layout),
-                fp8=fp8_bytes(model, layout, micro_batch * seq / layout.context),
+                fp8=fp8_bytes(model, layout, micro_batch * seq / layout.mesh.context),
                 activations=activation_bytes(model, layout, seq, micro_batch, remat, attention),
                 device_memory_bytes=hw.memory_bytes, usable_memory_bytes=hw.memory_bytes * memory_fraction,
                 flops_per_token=metrics.flops_per_token(model, seq), hardware_flops_per_token=hw_per_token,
@@ -180,9 +181,9 @@ def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, to
                     for mb in (2 ** i for i in range(12)):
                         if batch % (rest * mb):
                             break
-                        layout = Layout(data=rest // fsdp, fsdp=fsdp, context=cp, tensor=tp, pipeline=pipeline,
-                                        sequence_parallel=sp, zero_stage=cfg.optim.zero_stage,
-                                        micro_batches=batch // (rest * mb))
+                        mesh = dataclasses.replace(cfg.mesh, data=rest // fsdp, fsdp=fsdp, context=cp,
+                                                   tensor=tp, sequence_parallel=sp)
+                        layout = Layout(mesh, pipeline=pipeline, micro_batches=batch // (rest * mb))
                         for remat in SEARCH_REMATS:
                             plan = predict(cfg, layout, hw, remat=remat, **predict_kwargs)
                             if plan.fits:
