@@ -8,7 +8,7 @@ one CPU device, compiles the step ahead of time (`.lower().compile()`), warms it
 document per row (segment_ids 1, positions 0..T-1, loss_mask 1), the same batch every step, so no
 host data work is timed.
 
-Model FLOPs are `lumen_jax.metrics.flops_per_token`: 6 x matmul parameters + 3 x the causal half of
+Model FLOPs are `lumen_jax.flops.flops_per_token`: 6 x matmul parameters + 3 x the causal half of
 the attention forward; the embedding lookup, norms, softmax, loss and optimizer count nothing (see
 docs/FLOPS.md). The peak is `lumen_jax.metrics.measure_cpu_matmul_peak`: the best FLOP/s of a
 jitted n x n float32 matmul, n = --peak-n.
@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime.configure(cfg.runtime)  # runtime.malloc=reuse applies keep_freed_memory
 
     import jax
+    from lumen_jax import flops
     from lumen_jax import metrics as metrics_lib
     from lumen_jax import step as step_lib
     from lumen_jax.build import build
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     mesh_shape = validate(cfg, jax.device_count())
     trainer = build(cfg, make_mesh(mesh_shape))
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
-    flops_tok = metrics_lib.flops_per_token(cfg.model, cfg.data.seq_len)
+    flops_tok = flops.flops_per_token(cfg.model, cfg.data.seq_len)
 
     def peak() -> float:
         metrics_lib.measure_cpu_matmul_peak.cache_clear()
@@ -178,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
 
     m_, best_peak, best_s = cfg.model, max(peaks), min(walls)
     tps = tokens / best_s
-    one_formula = metrics_lib.flops_per_token(one.model, cfg.data.seq_len)
-    one_square = metrics_lib.flops_per_token(one.model, cfg.data.seq_len, causal=False)
+    one_formula = flops.flops_per_token(one.model, cfg.data.seq_len)
+    one_square = flops.flops_per_token(one.model, cfg.data.seq_len, causal=False)
     rows = [
         ("shape", f"d_model={m_.d_model} layers={m_.num_layers} heads={m_.num_heads} "
                   f"kv_heads={m_.num_kv_heads} ffn={m_.ffn_dim} vocab={m_.vocab_size} seq={cfg.data.seq_len} "
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                    "host cores, mesh " + " ".join(f"{k}={v}" for k, v in mesh_shape.items())),
         ("data", "synthetic: uniform random tokens, one document per row, same batch each step"),
         ("malloc", a.malloc),
-        ("parameters", f"{metrics_lib.param_counts(m_)['total'] / 1e6:.2f}M"),
+        ("parameters", f"{flops.param_counts(m_)['total'] / 1e6:.2f}M"),
         ("compile (init + lower + compile)", f"{compile_s:.1f} s"),
         ("loss (after warmup -> last step)", f"{loss_first:.4f} -> {loss_last:.4f}"),
         ("step time best / median / worst", f"{best_s * 1e3:.1f} / {statistics.median(walls) * 1e3:.1f} / "

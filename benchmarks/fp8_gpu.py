@@ -54,7 +54,7 @@ def run_recipe(args: argparse.Namespace, recipe: str):
     import jax
     import numpy as np
 
-    from lumen_jax import metrics
+    from lumen_jax import flops, metrics
     from lumen_jax.build import build
     from lumen_jax.config import validate
     from lumen_jax.config_files import load_config
@@ -95,8 +95,8 @@ def run_recipe(args: argparse.Namespace, recipe: str):
     devices = jax.devices()[:1]
     peak = metrics.peak_flops_per_device(devices, "fp8" if fp8 else cfg.model.compute_dtype)[0]
     bf16_peak = metrics.peak_flops_per_device(devices, "bfloat16")[0]
-    perf = metrics.StepMetrics.compute(step_s, b * t, 1, metrics.flops_per_token(cfg.model, t),
-                                       metrics.hardware_flops_per_token(cfg.model, t), peak,
+    perf = metrics.StepMetrics.compute(step_s, b * t, 1, flops.flops_per_token(cfg.model, t),
+                                       flops.hardware_flops_per_token(cfg.model, t), peak,
                                        bf16_peak if fp8 else None)
     return {"recipe": recipe, "step_ms": 1e3 * step_s, "tokens_per_s": perf.tokens_per_sec, "mfu": perf.mfu,
             "mfu_bf16": perf.mfu_bf16 if fp8 else perf.mfu, "gemms": gemms, "compile_s": compile_s,

@@ -1,8 +1,8 @@
-"""FLOPs, throughput, MFU/HFU, metric writers (JSONL, TensorBoard) and the console progress bar.
+"""Peak FLOP/s, throughput, MFU/HFU, metric writers (JSONL, TensorBoard) and the console progress bar.
 
-The FLOP formulas and the remat approximations are written out with a worked example in
-docs/FLOPS.md. Shape letters: V vocab, D d_model, L layers, N heads, K kv heads, H head_dim,
-F ffn_dim, S sequence length.
+The FLOP counts are `lumen_jax.flops` (pure, shared with the planner); `flops_per_token`,
+`hardware_flops_per_token` and `param_counts` are re-exported here for the loop. The formulas and
+the remat approximations are written out with a worked example in docs/FLOPS.md.
 """
 
 from __future__ import annotations
@@ -19,88 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lumen_jax.config import REMAT_POLICIES, ModelConfig
-
-# --------------------------------------------------------------------------------------------------
-# Parameters and FLOPs
-# --------------------------------------------------------------------------------------------------
-
-
-def param_counts(cfg: ModelConfig) -> dict[str, int]:
-    """Counts the decoder's parameters.
-
-    Args:
-        cfg: the model shape.
-
-    Returns:
-        `total` (every parameter, the tied logits matrix once), `embedding` (V*D), `layer_matmul`
-        (the linear weights of one layer), `matmul` (weights a token multiplies through: all layers'
-        linear weights plus the D*V logits matrix, counted even when tied to the embedding).
-    """
-    d, h, v = cfg.d_model, cfg.resolved_head_dim, cfg.vocab_size
-    attn = d * cfg.num_heads * h * 2 + d * cfg.num_kv_heads * h * 2  # wq, wo; wk, wv
-    mlp = 3 * d * cfg.ffn_dim  # w_gate, w_up, w_down
-    layer = attn + mlp + 2 * d  # + attn_norm, mlp_norm
-    embedding = v * d
-    lm_head = 0 if cfg.tie_embeddings else d * v
-    return {
-        "total": embedding + cfg.num_layers * layer + d + lm_head,  # + final_norm
-        "embedding": embedding,
-        "layer_matmul": attn + mlp,
-        "matmul": cfg.num_layers * (attn + mlp) + d * v,
-    }
-
-
-def attention_forward_flops_per_token(cfg: ModelConfig, seq_len: int, *,
-                                      causal: bool = True) -> float:
-    """Forward FLOPs per token of QK^T and AV over all layers: 2 * 2*S*N*H * L, halved if causal."""
-    full = 2 * 2 * seq_len * cfg.num_heads * cfg.resolved_head_dim * cfg.num_layers
-    return full / 2 if causal else float(full)
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
-    """Model FLOPs per trained token (forward + backward), the MFU numerator.
-
-    `6 * matmul_params + 3 * attention_forward` (PaLM appendix B, with the causal half). The
-    embedding lookup, norms, softmax and other elementwise work are not counted.
-
-    Args:
-        cfg: the model shape.
-        seq_len: tokens per sequence S (attention spans the whole sequence).
-        causal: count half of the S x S score matrix (the masked half is not useful work).
-    """
-    return 6.0 * param_counts(cfg)["matmul"] + 3 * attention_forward_flops_per_token(
-        cfg, seq_len, causal=causal)
-
-
-def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, remat: str | None = None, *,
-                             causal: bool = True) -> float:
-    """Model FLOPs plus the forward FLOPs recomputed under activation checkpointing (HFU numerator).
-
-    Extra forward work per token, by policy (see docs/FLOPS.md for the reasoning):
-
-    * `none`, `dots_saveable`, `offload_dots`: 0 (every matmul output is kept or offloaded).
-    * `dots_with_no_batch_dims_saveable`: the attention forward (QK^T and AV have batch dims).
-    * `save_attention_out`: the layers' linear projections, 2 * L * layer_matmul.
-    * `full`: the whole layer forward, 2 * L * layer_matmul + attention forward.
-
-    Args:
-        cfg: the model shape.
-        seq_len: tokens per sequence.
-        remat: one of `REMAT_POLICIES`; None takes `cfg.remat`.
-        causal: as in `flops_per_token`.
-    """
-    remat = cfg.remat if remat is None else remat
-    if remat not in REMAT_POLICIES:
-        raise ValueError(f"model.remat={remat!r} is not a known policy; "
-                         f"use one of {REMAT_POLICIES}")
-    projections = 2.0 * cfg.num_layers * param_counts(cfg)["layer_matmul"]
-    attention = attention_forward_flops_per_token(cfg, seq_len, causal=causal)
-    extra = {"full": projections + attention,
-             "save_attention_out": projections,
-             "dots_with_no_batch_dims_saveable": attention}.get(remat, 0.0)
-    return flops_per_token(cfg, seq_len, causal=causal) + extra
-
+from lumen_jax.config import ModelConfig
+from lumen_jax.flops import flops_per_token, hardware_flops_per_token, param_counts  # noqa: F401 (the loop's)
 
 # --------------------------------------------------------------------------------------------------
 # Peak FLOP/s

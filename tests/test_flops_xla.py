@@ -1,4 +1,4 @@
-"""The FLOP formulas of lumen_jax.metrics against XLA's own count of the compiled train step.
+"""The FLOP formulas of lumen_jax.flops against XLA's own count of the compiled train step.
 
 What XLA counts (jax 0.10.2, CPU `cost_analysis()['flops']`), found while writing these tests:
 
@@ -10,7 +10,7 @@ What XLA counts (jax 0.10.2, CPU `cost_analysis()['flops']`), found while writin
   vocabulary and the scores, norms, RoPE, SwiGLU: ~3.5% here) and the optimizer (clipping +
   AdamW: 34 FLOPs per parameter, ~0.7% at 1024 tokens per step).
 * Scores are computed for the whole S x S square (the mask is applied after), so the formula is
-  taken with causal=False.
+  taken with causal=False (score_fraction=1 for the hardware count).
 """
 
 import dataclasses
@@ -19,7 +19,7 @@ import jax
 import pytest
 
 from helpers_data import packed_batch
-from lumen_jax import metrics
+from lumen_jax import flops
 from lumen_jax.build import build
 from lumen_jax.config import Config, MeshConfig
 from lumen_jax.config_files import load_config
@@ -59,19 +59,19 @@ def xla_flops_for(remat: str) -> dict[str, float]:
 def test_model_flops_match_xla():
     cfg, xla = tiny_one_layer("none"), xla_flops_for("none")
     tokens = BATCH * SEQ
-    model = metrics.flops_per_token(cfg.model, SEQ, causal=False) * tokens
+    model = flops.flops_per_token(cfg.model, SEQ, causal=False) * tokens
     assert abs(xla["grads"] / model - 1) < REL_TOL, (xla["grads"], model)
     assert abs(xla["step"] / model - 1) < REL_TOL, (xla["step"], model)
     # The difference between the two is the optimizer: O(parameters), not O(tokens * parameters).
-    per_param = (xla["step"] - xla["grads"]) / metrics.param_counts(cfg.model)["total"]
+    per_param = (xla["step"] - xla["grads"]) / flops.param_counts(cfg.model)["total"]
     assert 5 < per_param < 100, per_param
 
 
 def test_hardware_flops_full_remat_match_xla():
     cfg, xla, xla_none = tiny_one_layer("full"), xla_flops_for("full"), xla_flops_for("none")
     tokens = BATCH * SEQ
-    hardware = metrics.hardware_flops_per_token(cfg.model, SEQ, causal=False) * tokens
-    model = metrics.flops_per_token(cfg.model, SEQ, causal=False) * tokens
+    hardware = flops.hardware_flops_per_token(cfg.model, SEQ, score_fraction=1.0) * tokens
+    model = flops.flops_per_token(cfg.model, SEQ, causal=False) * tokens
     assert abs(xla["step"] / hardware - 1) < REL_TOL, (xla["step"], hardware)
     # XLA's count does reflect the recomputation: most of the formula's extra forward shows up.
     # It is below the formula's extra (0.87x here) because XLA drops the w_down forward, whose
@@ -85,6 +85,6 @@ def test_hardware_flops_full_remat_match_xla():
 def test_save_attention_out_recomputes_less_than_full():
     full = xla_flops_for("full")
     cfg, xla = tiny_one_layer("save_attention_out"), xla_flops_for("save_attention_out")
-    hardware = metrics.hardware_flops_per_token(cfg.model, SEQ, causal=False) * BATCH * SEQ
+    hardware = flops.hardware_flops_per_token(cfg.model, SEQ, score_fraction=1.0) * BATCH * SEQ
     assert xla["step"] < full["step"], (xla["step"], full["step"])
     assert abs(xla["step"] / hardware - 1) < REL_TOL, (xla["step"], hardware)

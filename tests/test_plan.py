@@ -8,21 +8,22 @@ import io
 import json
 import math
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lumen_jax import metrics, plan
+from lumen_jax import flops, metrics, plan
 from lumen_jax.build import build
 from lumen_jax.config import Fp8Config, MeshConfig, ModelConfig
 from lumen_jax.config_files import load_config
-from lumen_jax.data import BATCH_KEYS
 from lumen_jax.parallel.mesh import make_mesh
 from lumen_jax.plan.cli import main
+from lumen_jax.plan.compiled import against_xla, compile_step
 
 BYTES_RTOL = 0.10  # the issue's bound for bytes per device against memory_analysis()
 FLOPS_RTOL = 0.05  # ... and for FLOPs against cost_analysis()
@@ -42,47 +43,40 @@ XLA_CASES = {
         ["mesh.fsdp=4", "mesh.tensor=2", "mesh.sequence_parallel=true", "model.remat=dots_saveable"],
     "fsdp=8 zero_stage=1 none": ["mesh.fsdp=8", "mesh.zero_stage=1", "model.remat=none"],
     "fsdp=8 micro_batches=2 none": ["mesh.fsdp=8", "train.micro_batches=2", "model.remat=none"],
-    # context parallelism: the ring and the all-gather attention under shard_map (zigzag chunks)
+    # context parallelism: the ring (C unrolled hops) and the all-gather attention (a scan over C)
+    # under shard_map, zigzag chunks, C = 2, 4, 8
     "fsdp=4,context=2 ring none": ["mesh.fsdp=4", "mesh.context=2", "model.remat=none"],
     "fsdp=4,context=2 allgather full":
         ["mesh.fsdp=4", "mesh.context=2", "mesh.context_parallel=allgather", "model.remat=full"],
+    "fsdp=2,context=4 ring full": ["mesh.fsdp=2", "mesh.context=4", "model.remat=full"],
+    "fsdp=2,context=4 allgather none":
+        ["mesh.fsdp=2", "mesh.context=4", "mesh.context_parallel=allgather", "model.remat=none"],
+    "context=8 ring none": ["mesh.fsdp=1", "mesh.context=8", "model.remat=none"],
+    "context=8 allgather full":
+        ["mesh.fsdp=1", "mesh.context=8", "mesh.context_parallel=allgather", "model.remat=full"],
 }
-
-
-def compiled_step(cfg):
-    """The train step compiled for abstract (sharded) state and batch: nothing is allocated."""
-    layout = plan.layout_from_config(cfg, jax.device_count())
-    trainer = build(cfg, make_mesh({a: layout.size(a) for a in MeshConfig.AXES}))
-    state = jax.eval_shape(trainer.init)
-    shape = (cfg.data.global_batch_size, cfg.data.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(shape, np.float32 if k == "loss_mask" else np.int32,
-                                     sharding=trainer.batch_sharding) for k in BATCH_KEYS}
-    return layout, trainer.step.lower(state, batch).compile()
 
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("name", list(XLA_CASES))
 def test_bytes_and_flops_match_the_compiled_step(name):
+    """The same check as `python -m lumen_jax.plan --against-xla` (`plan.compiled`)."""
     cfg = load_config("configs/tiny.yaml", XLA_CASES[name])
-    layout, compiled = compiled_step(cfg)
+    layout = plan.layout_from_config(cfg, jax.device_count())
     p = plan.predict(cfg, layout, H100)
-    ma = compiled.memory_analysis()
-    xla_bytes = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-                 - ma.alias_size_in_bytes)
-    predicted = p.bytes_per_device["total"]
-    assert predicted == pytest.approx(xla_bytes, rel=BYTES_RTOL), (
-        f"{name}: predicted {predicted:,.0f} B, XLA {xla_bytes:,} B ({predicted / xla_bytes - 1:+.1%})")
+    compiled = compile_step(cfg, layout)
+    check = against_xla(cfg, p, compiled)
+    assert check.bytes_predicted == pytest.approx(check.bytes_compiled, rel=BYTES_RTOL), (
+        f"{name}: predicted {check.bytes_predicted:,.0f} B, XLA {check.bytes_compiled:,.0f} B "
+        f"({check.bytes_predicted / check.bytes_compiled - 1:+.1%})")
     # The arguments are the state and the batch: exact, up to the optimizer's scalar step counts.
     args = p.state["params"] + p.state["optimizer"] + p.activations.inputs
-    assert 0 <= ma.argument_size_in_bytes - args <= 64
-
-    cost = compiled.cost_analysis()
-    xla_flops = (cost[0] if isinstance(cost, list) else cost)["flops"]
+    assert 0 <= compiled.memory_analysis().argument_size_in_bytes - args <= 64
     # cost_analysis counts a loop body once (one layer, one micro-batch), the whole score square the
     # xla attention computes (masked, not skipped) and elementwise work: count the same things.
-    flops = plan.compiled_flops_per_device(cfg.model, layout, cfg.data.seq_len, cfg.data.global_batch_size)
-    assert flops == pytest.approx(xla_flops, rel=FLOPS_RTOL), (
-        f"{name}: predicted {flops:,.0f} FLOPs, XLA {xla_flops:,.0f} ({flops / xla_flops - 1:+.1%})")
+    assert check.flops_predicted == pytest.approx(check.flops_compiled, rel=FLOPS_RTOL), (
+        f"{name}: predicted {check.flops_predicted:,.0f} FLOPs, XLA {check.flops_compiled:,.0f} "
+        f"({check.flops_predicted / check.flops_compiled - 1:+.1%})")
 
 
 @pytest.mark.parametrize("axes", [dict(fsdp=8), dict(data=2, fsdp=2, tensor=2), dict(data=8)])
@@ -163,7 +157,7 @@ def test_context_parallel_residuals_and_work():
 
 def test_sixteen_bytes_per_parameter_and_fourteen_gpus_for_70b():
     cfg = load_config("configs/llama3_70b.yaml")
-    n = metrics.param_counts(cfg.model)["total"]
+    n = flops.param_counts(cfg.model)["total"]
     one = plan.state_bytes(cfg.model, plan.Layout())  # one device
     assert one == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}  # our 4 + 4 + 8 split
     assert sum(one.values()) == plan.TEXTBOOK_BYTES_PER_PARAM * n  # the textbook's 2 + 2 + 12
@@ -180,8 +174,20 @@ def test_six_n_d_for_70b_on_15t_tokens():
     assert 6 * n * tokens / 1e15 / YEAR_S == pytest.approx(200, rel=0.01)  # one GPU at 1 PFLOP/s
     # Our per-token count is 6N plus attention (causal half): ~7% above 6N at 8k context.
     per_token = plan.predict(cfg, plan.layout_from_config(cfg, 512), H100).flops_per_token
-    six_n = 6 * metrics.param_counts(cfg.model)["total"]
+    six_n = 6 * flops.param_counts(cfg.model)["total"]
     assert 1.0 < per_token / six_n < 1.1
+
+
+def test_one_flop_count_for_the_trainer_and_the_planner():
+    """The planner's hardware FLOPs are `flops.hardware_flops_per_token`, with the recompute read off
+    the model; where the probe agrees with what the trainer's HFU assumes, the counts are equal."""
+    cfg = load_config("configs/llama3_8b.yaml")
+    layout = plan.layout_from_config(cfg, 64)
+    for remat in ("none", "full", "dots_with_no_batch_dims_saveable"):
+        assert plan.recomputes(remat) == flops.RECOMPUTES[remat]
+        assert plan.planned_flops_per_token(cfg.model, layout, 8192, remat) == \
+            flops.hardware_flops_per_token(cfg.model, 8192, remat) == metrics.hardware_flops_per_token(
+                cfg.model, 8192, remat)
 
 
 def test_pipeline_bubble():
@@ -202,7 +208,7 @@ def test_llama3_405b_on_16k_h100():
     assert p.fits, p.verdict()
     # Per device: 8 of the 126 layers split 8 ways by tensor and 128 by fsdp (norms replicated); the
     # worst stage is the last: the logits matrix (as large as the embedding) and the final norm.
-    n, d = metrics.param_counts(cfg.model), cfg.model.d_model
+    n, d = flops.param_counts(cfg.model), cfg.model.d_model
     assert p.state["params"] == 4 * (8 * (n["layer_matmul"] // 1024 + 2 * d) + n["embedding"] // 1024 + d)
     assert p.flops_per_step == pytest.approx(6 * n["total"] * p.tokens_per_step, rel=0.1)
     links = {(c.axis, c.link) for c in p.collectives}
@@ -284,7 +290,7 @@ def test_collectives_of_a_70b_step():
     layout = plan.layout_from_config(cfg, 1024)
     comms = {(c.axis, c.kind, c.what.split(",")[0]): c for c in plan.collectives(
         cfg.model, layout, H100, 8192, 1, "full")}
-    weights = 4 * metrics.param_counts(cfg.model)["total"] / 8  # fp32, one tensor shard
+    weights = 4 * flops.param_counts(cfg.model)["total"] / 8  # fp32, one tensor shard
     gather = comms[("fsdp", "all-gather", "fp32 weights")]
     assert gather.calls == 4 and gather.payload_bytes == pytest.approx(weights, rel=1e-3)
     assert gather.overlapped and gather.link == "ib"
@@ -331,11 +337,27 @@ def test_cli_table_and_search(capsys):
     (["--devices", "8", "model.d_modle=64"], "did you mean model.d_model"),
     (["--devices", "8", "--pipeline", "3"], "--pipeline 3"),
     (["--devices", "8", "--efficiency", "1.5"], "--efficiency"),
+    (["--devices", "8", "--against-xla", "--search"], "--against-xla"),
+    (["--devices", "8", "--against-xla", "optim.zero_stage=1"], "optim.zero_stage moved to mesh.zero_stage"),
 ])
 def test_cli_bad_input_exits_2(capsys, argv, message):
     assert main(["--config", "configs/tiny.yaml", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+@pytest.mark.heavy
+def test_cli_against_xla():
+    """A fresh process: 8 emulated CPU devices set before JAX starts, the step compiled, both sides
+    printed (JSON) and within the test's tolerances."""
+    argv = ["--config", "configs/tiny.yaml", "--devices", "8", "--against-xla", "mesh.fsdp=8", "--json"]
+    proc = subprocess.run([sys.executable, "-m", "lumen_jax.plan", *argv], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    check = json.loads(proc.stdout)["against_xla"]
+    assert set(check) == {"flops_predicted", "flops_compiled", "bytes_predicted", "bytes_compiled"}
+    assert check["bytes_predicted"] == pytest.approx(check["bytes_compiled"], rel=BYTES_RTOL)
+    assert check["flops_predicted"] == pytest.approx(check["flops_compiled"], rel=FLOPS_RTOL)
 
 
 def test_the_issue_commands(capsys):

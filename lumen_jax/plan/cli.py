@@ -1,4 +1,5 @@
-"""`python -m lumen_jax.plan`: parse, plan (or search), print a table or JSON. No math here."""
+"""`python -m lumen_jax.plan`: parse, plan (or search, or check against XLA), print a table or JSON.
+No math here."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import json
 import sys
 from typing import Sequence
 
-from lumen_jax import metrics
-from lumen_jax.config import Config, ConfigError, validate
+from lumen_jax import flops
+from lumen_jax.config import Config, ConfigError, RuntimeConfig, validate
 from lumen_jax.config_files import load_config
 from lumen_jax.plan.hardware import DEVICES, Hardware, layout_from_config
 from lumen_jax.plan.predict import Plan, predict, search
@@ -25,7 +26,7 @@ def _gb(x: float) -> str:
 def format_plan(plan: Plan, cfg: Config) -> str:
     """The human-readable report of one plan."""
     b, a, lay = plan.bytes_per_device, plan.activations, plan.layout
-    n_params = metrics.param_counts(cfg.model)["total"]
+    n_params = flops.param_counts(cfg.model)["total"]
     lines = [
         f"{cfg.name}: {n_params / 1e9:.2f}B parameters, {lay.num_devices} devices ({lay.describe()}), "
         f"zero_stage={lay.mesh.zero_stage}, remat={plan.remat}, attention={plan.attention}, "
@@ -72,6 +73,21 @@ def format_plan(plan: Plan, cfg: Config) -> str:
     return "\n".join(lines)
 
 
+def format_against_xla(check, devices: int) -> str:
+    """The predicted and the compiled per-device FLOPs and bytes side by side (`--against-xla`)."""
+    error = lambda p, c: f"{p / c - 1:+.1%}" if c else "n/a"  # noqa: E731
+    return "\n".join([
+        f"against XLA: the step compiled on {devices} emulated CPU devices, per device",
+        f"  {'':8s}{'predicted':>14s}{'compiled':>14s}{'error':>9s}",
+        f"  {'FLOPs':8s}{check.flops_predicted:14.3e}{check.flops_compiled:14.3e}"
+        f"{error(check.flops_predicted, check.flops_compiled):>9s}   as cost_analysis counts: a loop body once "
+        "(one layer, one micro-batch), elementwise work included",
+        f"  {'bytes':8s}{check.bytes_predicted / 1e6:11.2f} MB{check.bytes_compiled / 1e6:11.2f} MB"
+        f"{error(check.bytes_predicted, check.bytes_compiled):>9s}   memory_analysis: arguments + outputs + "
+        "temporaries - aliases",
+    ])
+
+
 def format_search(plans: Sequence[Plan]) -> str:
     """One line per candidate, best first: mesh, remat, sequences per micro-batch (b), micro-batches (m)."""
     head = (f"{'rank':>4s}  {'mesh':48s}{'remat':34s}{'b':>3s}{'m':>5s}{'GB':>8s}{'step s':>9s}"
@@ -103,6 +119,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--search", action="store_true", help="rank fitting meshes x remat x micro-batch sizes")
     p.add_argument("--top", type=int, default=5, help="candidates --search lists")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--against-xla", action="store_true",
+                   help="also compile the real train step on --devices emulated CPU devices and print XLA's "
+                        "per-device FLOPs and bytes next to the predicted ones (choose small shapes)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.tensor=8 model.remat=full")
     return p.parse_args(argv)
 
@@ -117,17 +136,40 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
     return dataclasses.replace(hw, **{k: v for k, v in changes.items() if v})
 
 
+def emulate_cpu_devices(n: int) -> None:
+    """`--against-xla`: `n` emulated CPU devices, set before the JAX backend starts (`runtime.configure`).
+    When a caller has started JAX already, its CPU devices must suffice."""
+    from lumen_jax import runtime
+
+    try:
+        runtime.configure(RuntimeConfig(cpu_devices=n, platform="cpu", compilation_cache_dir="", malloc="default"))
+    except RuntimeError:  # the backend runs with another device count; checked below
+        pass
+    import jax
+
+    if jax.default_backend() != "cpu" or jax.device_count() < n:
+        raise ConfigError(f"--against-xla --devices {n} needs {n} CPU devices, but JAX started with "
+                          f"{jax.device_count()} {jax.default_backend()} device(s); run it in a fresh process")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.against_xla:  # before anything starts JAX (the planner's probe traces the model)
+            if args.search or args.pipeline != 1:
+                raise ConfigError("--against-xla compiles one layout of the trainer, which has no pipeline "
+                                  "stages yet; drop --search and --pipeline")
+            emulate_cpu_devices(args.devices)
         cfg = load_config(args.config, args.overrides)
         hw = hardware_from_args(args)
         for name, value, low, high in (("--efficiency", args.efficiency, 0, 1),
                                        ("--memory-fraction", args.memory_fraction, 0, 1)):
             if not low < value <= high:
                 raise ConfigError(f"{name}={value} must be in ({low}, {high}]")
-        kwargs = {"attention": args.attention, "efficiency": args.efficiency,
-                  "memory_fraction": args.memory_fraction}
+        attention = args.attention
+        if args.against_xla and attention is None and cfg.model.attention == "auto":
+            attention = "xla"  # what the step compiled on CPU runs
+        kwargs = {"attention": attention, "efficiency": args.efficiency, "memory_fraction": args.memory_fraction}
         if args.search:  # the search picks the mesh: check everything else on one device
             one = dataclasses.replace(cfg.mesh, data=1, fsdp=1, context=1, tensor=1)
             validate(cfg.replace(mesh=one, train=dataclasses.replace(cfg.train, micro_batches=1)), 1)
@@ -139,7 +181,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             layout = layout_from_config(cfg, args.devices, args.pipeline, args.pipeline_microbatches or None)
             plan = predict(cfg, layout, hw, **kwargs)
-            text = json.dumps(plan.to_json(), indent=2) if args.json else format_plan(plan, cfg)
+            check = None
+            if args.against_xla:
+                from lumen_jax.plan.compiled import against_xla  # the trainer: imported only for this
+
+                check = against_xla(cfg, plan)
+            if args.json:
+                out = plan.to_json()
+                if check is not None:
+                    out["against_xla"] = check.to_json()
+                text = json.dumps(out, indent=2)
+            else:
+                text = format_plan(plan, cfg)
+                if check is not None:
+                    text += "\n\n" + format_against_xla(check, args.devices)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

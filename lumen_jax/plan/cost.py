@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from lumen_jax import metrics
+from lumen_jax import flops
 from lumen_jax.config import ModelConfig
 from lumen_jax.parallel import context as context_lib
 from lumen_jax.plan.hardware import AXES, Hardware, Layout, compute_bytes
@@ -15,8 +15,12 @@ from lumen_jax.plan.memory import STATE_BYTES, computed_score_fraction, recomput
 # Elementwise work XLA's cost_analysis counts besides the matmuls (ops per element, a non-negative
 # least-squares fit to XLA's CPU counts of our step): softmax and masking per computed score, norms,
 # residuals, RoPE and SwiGLU per d_model element of each layer, cross-entropy per logit, clipping +
-# AdamW per local parameter. Used only for the compiler comparison; MFU counts matmuls alone.
-ELEMENTWISE_OPS = {"score": 19, "embed": 58, "logit": 9, "param": 36}
+# AdamW per local parameter; under context parallelism, per element of a query chunk's output
+# (N*H/t per query token) for each chunk pair the compiler counts: the online-softmax merge of the
+# pair's output and log-sum-exp and, in the backward, the sums of its dq, dk, dv (fitted to the
+# compiled ring and all-gather steps at C = 2, 4, 8). Used only for the compiler comparison; MFU
+# counts matmuls alone.
+ELEMENTWISE_OPS = {"score": 19, "embed": 58, "logit": 9, "param": 36, "pair": 16}
 
 
 def context_score_fraction(context: int, balance: str = "zigzag", attention: str = "flash") -> float:
@@ -36,25 +40,15 @@ def context_score_fraction(context: int, balance: str = "zigzag", attention: str
     return max(work) * context / n_chunks ** 2
 
 
-def hardware_flops_per_token(model: ModelConfig, seq_len: int, remat: str, *,
-                             score_fraction: float = 0.5, context: int = 1, context_parallel: str = "ring") -> float:
-    """Model FLOPs per token plus the forward work the backward pass re-runs under `remat`.
-
-    Model FLOPs are `metrics.flops_per_token`'s: 6 x the matmul parameters + 3 x the attention
-    forward, of which `score_fraction` of the S x S square is counted (1/2: the causal MFU
-    convention). `memory.recomputes` reads the re-run work off the model's residuals: the layers'
-    projections (2 x L x layer_matmul) unless the policy saves them, the attention core (QK^T and
-    PV) unless it saves the scores; the logits matmul lies outside the checkpointed layers. Under
-    context parallelism (`context` > 1) the chunk kernel's backward recomputes QK^T (half the
-    attention forward) whatever the policy. (This can differ from `metrics.hardware_flops_per_token`,
-    which assumes what each policy saves.)
-    """
-    redo = recomputes(remat, context, context_parallel)
-    counts = metrics.param_counts(model)
-    attention = metrics.attention_forward_flops_per_token(model, seq_len, causal=False) * score_fraction
-    backward = 2.0 if context == 1 else 2.5  # dV, dP, dQ, dK (+ QK^T again in the chunk kernel)
-    return (6.0 * counts["matmul"] + (1 + backward) * attention + attention * redo["attention"]
-            + 2.0 * model.num_layers * counts["layer_matmul"] * redo["projections"])
+def planned_flops_per_token(model: ModelConfig, layout: Layout, seq_len: int, remat: str, *,
+                            score_fraction: float = 0.5) -> float:
+    """`flops.hardware_flops_per_token` of a run on `layout`, with what the backward pass re-runs
+    read off the model's residuals (`memory.recomputes`: the projections unless the policy saves
+    one, the attention core unless it saves scores or, under context parallelism, the ring's
+    residuals) instead of assumed per policy. `score_fraction` as there."""
+    mesh = layout.mesh
+    return flops.hardware_flops_per_token(model, seq_len, remat, score_fraction=score_fraction, context=mesh.context,
+                                          recomputes=recomputes(remat, mesh.context, mesh.context_parallel))
 
 
 def flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, *,
@@ -77,8 +71,7 @@ def flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, global_ba
     remat = model.remat if remat is None else remat
     fraction = 0.5 if causal else computed_score_fraction(seq_len)
     fraction = fraction if score_fraction is None else score_fraction
-    total = hardware_flops_per_token(m, seq_len, remat, score_fraction=fraction, context=layout.mesh.context,
-                                     context_parallel=layout.mesh.context_parallel) * global_batch * seq_len
+    total = planned_flops_per_token(m, layout, seq_len, remat, score_fraction=fraction) * global_batch * seq_len
     total /= layout.num_devices
     if elementwise:
         tp, sp = layout.mesh.tensor, layout.mesh.sequence_parallel
@@ -98,16 +91,25 @@ def compiled_flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, 
     The compiler counts the body of a loop once: the scan over layers (one layer) and the
     gradient-accumulation scan (one micro-batch of global_batch / micro_batches sequences); it
     counts the part of the score square the attention computes, and elementwise work. Under context
-    parallelism it counts every chunk pair of a hop (a `lax.switch` counts its largest branch) and
-    the hops outside a loop body: the ring's forward and backward each run one hop in a scan and the
-    last one after it (2 of C hops counted), all-gather scans over all C (1 of C counted).
+    parallelism (`lumen_jax.parallel.context`) it counts every chunk pair of a hop in full (a
+    `lax.switch` over skip/full/diagonal counts its largest branch) and every hop the program
+    unrolls: the ring's C hops are unrolled Python loops in the forward and in the backward (C of C
+    counted: the whole square), the all-gather attention is a `lax.scan` over the C devices' chunks
+    (its body once: 1 of C). Each counted pair adds `ELEMENTWISE_OPS["pair"]` ops per element of its
+    query chunk's output.
     """
-    fraction = None
-    if layout.mesh.context > 1:
-        counted = 2 if layout.mesh.context_parallel == "ring" else 1
-        fraction = counted / layout.mesh.context
-    return flops_per_device(model, layout, seq_len, global_batch // layout.micro_batches, causal=False,
-                            layers=1, elementwise=True, score_fraction=fraction)
+    micro_batch = global_batch // layout.micro_batches
+    mesh = layout.mesh
+    if mesh.context == 1:
+        return flops_per_device(model, layout, seq_len, micro_batch, causal=False, layers=1, elementwise=True)
+    hops = mesh.context if mesh.context_parallel == "ring" else 1
+    total = flops_per_device(model, layout, seq_len, micro_batch, causal=False, layers=1, elementwise=True,
+                             score_fraction=hops / mesh.context)
+    # Per local query token, each hop pairs it with the key chunks of one device.
+    pairs = hops * context_lib.Layout(mesh.context, mesh.context_balance).chunks_per_device
+    local_tokens = micro_batch * seq_len / (mesh.data * mesh.fsdp * mesh.context)
+    out_width = model.num_heads * model.resolved_head_dim / mesh.tensor
+    return total + ELEMENTWISE_OPS["pair"] * pairs * out_width * local_tokens
 
 
 def bubble_fraction(stages: int, microbatches: int, interleave: int = 1) -> float:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import print_saved_residuals
 
-from lumen_jax import metrics
+from lumen_jax import flops
 from lumen_jax.config import MeshConfig, ModelConfig
 from lumen_jax.model import apply, param_shapes_and_names
 from lumen_jax.ops.choice import Ops
@@ -165,7 +165,7 @@ def layer_residuals(remat: str, seq_len: int = _PROBE_MIN_SEQ, attention: str = 
     rows, hoisted, host, weights, block = (collections.Counter(), collections.Counter(), collections.Counter(),
                                            0.0, 0.0)
     square = model.num_heads * seq * seq
-    layer_matmul = metrics.param_counts(model)["layer_matmul"]
+    layer_matmul = flops.param_counts(model)["layer_matmul"]
     for line in text.getvalue().splitlines():
         match = _RESIDUAL.match(line)
         if not match:
@@ -313,10 +313,12 @@ def working_bytes_per_token(model: ModelConfig, layout: Layout, seq_len: int, re
     unsaved = every - _as_gathered(_residuals(model, layout, remat, seq_len, attention).counts(host=True), remat)
     unsaved = collections.Counter({key: n for key, n in unsaved.items() if key[0] != "S" and n > 0})
     row = model.num_heads * seq_len / layout.mesh.tensor * F32  # one query's fp32 scores, every local head
-    # Context parallelism: the ring holds the K/V chunk in use and the one arriving (and in the
-    # backward their fp32 dK/dV accumulators); all-gather holds the whole K and V and the fp32 dK/dV
-    # of the whole sequence, C times the local K/V.
-    held = 2 if layout.mesh.context_parallel == "ring" else layout.mesh.context
+    # Context parallelism: all-gather holds the whole K and V and the fp32 dK/dV of the whole
+    # sequence, C times the local K/V. So, on XLA:CPU, does the ring: its C hops are unrolled and
+    # the compiled step keeps every hop's K/V chunk and dK/dV accumulator live (measured: the
+    # working set grows by about 2 K/V-wide rows of (c + 4) bytes per token per extra hop; counting
+    # two chunks left C=8 10-18% low). A GPU schedule may free them earlier: then this overcounts.
+    held = layout.mesh.context
     kv = 2 * w["KV"] * (c + F32) * held if cp else 0.0
     return {"scores": scores * row if attention == "xla" else 0.0,
             "recompute": share * _bytes(unsaved, w, c),
@@ -340,7 +342,7 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     layers = -(-model.num_layers // layout.pipeline)
     in_flight = min(layout.pipeline, layout.micro_batches)
     parts = working_bytes_per_token(model, layout, seq_len, remat, attention)
-    counts = metrics.param_counts(model)
+    counts = flops.param_counts(model)
     # A layer casts its fp32 weights to the compute dtype and may keep the casts for the backward:
     # counted as gathered (split only by tensor parallelism). In fp32 the cast is the weight itself.
     residuals = _residuals(model, layout, remat, seq_len, attention)
@@ -387,7 +389,7 @@ def fp8_bytes(model: ModelConfig, layout: Layout, tokens: float = 0.0) -> float:
     if recipe == "blockwise":
         h = model.resolved_head_dim
         widths = {"attention": 2 * (model.num_heads + model.num_kv_heads) * h, "mlp": 2 * model.ffn_dim + model.d_model}
-        per_layer = metrics.param_counts(model)["layer_matmul"]
+        per_layer = flops.param_counts(model)["layer_matmul"]
         weight_tiles = per_layer / (FP8_BLOCK * FP8_BLOCK) / layout.mesh.tensor
         act = sum(w for kind, w in widths.items() if kind in fp8.layers)
         return layers * (weight_tiles * F32) + tokens * act / layout.mesh.tensor / FP8_BLOCK * F32

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lumen_jax import metrics
+from lumen_jax import flops
 from lumen_jax.config import ATTENTION_IMPLS, Config, ModelConfig
 from lumen_jax.plan.cost import (Collective, bubble_fraction, collectives, context_score_fraction,
-                                 hardware_flops_per_token)
+                                 planned_flops_per_token)
 from lumen_jax.plan.hardware import Hardware, Layout
 from lumen_jax.plan.memory import Activations, activation_bytes, fp8_bytes, state_bytes
 
@@ -130,8 +130,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     # Under context parallelism the step waits for the busiest device's share of the score square.
     fraction = (context_score_fraction(layout.mesh.context, layout.mesh.context_balance, attention)
                 if layout.mesh.context > 1 else 0.5)
-    hw_per_token = hardware_flops_per_token(model, seq, remat, score_fraction=fraction, context=layout.mesh.context,
-                                            context_parallel=layout.mesh.context_parallel)
+    hw_per_token = planned_flops_per_token(model, layout, seq, remat, score_fraction=fraction)
     comms = tuple(collectives(model, layout, hw, seq, micro_batch, remat))
     compute_s = hw_per_token * tokens / layout.num_devices / (peak * efficiency)
     busy = (max(compute_s, sum(c.seconds for c in comms if c.overlapped))
@@ -142,7 +141,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
                 fp8=fp8_bytes(model, layout, micro_batch * seq / layout.mesh.context),
                 activations=activation_bytes(model, layout, seq, micro_batch, remat, attention),
                 device_memory_bytes=hw.memory_bytes, usable_memory_bytes=hw.memory_bytes * memory_fraction,
-                flops_per_token=metrics.flops_per_token(model, seq), hardware_flops_per_token=hw_per_token,
+                flops_per_token=flops.flops_per_token(model, seq), hardware_flops_per_token=hw_per_token,
                 tokens_per_step=tokens, collectives=comms, bubble=bubble, compute_s=compute_s,
                 step_time_s=busy / (1 - bubble), peak_flops=peak)
 

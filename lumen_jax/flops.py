@@ -1,0 +1,107 @@
+"""FLOP counts of the decoder: parameters, model FLOPs (the MFU numerator), hardware FLOPs (HFU).
+
+Pure arithmetic on `ModelConfig`, no JAX: the trainer's metrics (`lumen_jax.metrics`) and the
+planner (`lumen_jax.plan`) both count with these functions. The formulas and the remat
+approximations are written out with a worked example in docs/FLOPS.md. Shape letters: V vocab,
+D d_model, L layers, N heads, K kv heads, H head_dim, F ffn_dim, S sequence length, C context size.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from lumen_jax.config import REMAT_POLICIES, ModelConfig
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+    """Counts the decoder's parameters.
+
+    Args:
+        cfg: the model shape.
+
+    Returns:
+        `total` (every parameter, the tied logits matrix once), `embedding` (V*D), `layer_matmul`
+        (the linear weights of one layer), `matmul` (weights a token multiplies through: all layers'
+        linear weights plus the D*V logits matrix, counted even when tied to the embedding).
+    """
+    d, h, v = cfg.d_model, cfg.resolved_head_dim, cfg.vocab_size
+    attn = d * cfg.num_heads * h * 2 + d * cfg.num_kv_heads * h * 2  # wq, wo; wk, wv
+    mlp = 3 * d * cfg.ffn_dim  # w_gate, w_up, w_down
+    layer = attn + mlp + 2 * d  # + attn_norm, mlp_norm
+    embedding = v * d
+    lm_head = 0 if cfg.tie_embeddings else d * v
+    return {
+        "total": embedding + cfg.num_layers * layer + d + lm_head,  # + final_norm
+        "embedding": embedding,
+        "layer_matmul": attn + mlp,
+        "matmul": cfg.num_layers * (attn + mlp) + d * v,
+    }
+
+
+def attention_forward_flops_per_token(cfg: ModelConfig, seq_len: int, *,
+                                      causal: bool = True) -> float:
+    """Forward FLOPs per token of QK^T and AV over all layers: 2 * 2*S*N*H * L, halved if causal."""
+    full = 2 * 2 * seq_len * cfg.num_heads * cfg.resolved_head_dim * cfg.num_layers
+    return full / 2 if causal else float(full)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
+    """Model FLOPs per trained token (forward + backward), the MFU numerator.
+
+    `6 * matmul_params + 3 * attention_forward` (PaLM appendix B, with the causal half). The
+    embedding lookup, norms, softmax and other elementwise work are not counted.
+
+    Args:
+        cfg: the model shape.
+        seq_len: tokens per sequence S (attention spans the whole sequence).
+        causal: count half of the S x S score matrix (the masked half is not useful work).
+    """
+    return 6.0 * param_counts(cfg)["matmul"] + 3 * attention_forward_flops_per_token(
+        cfg, seq_len, causal=causal)
+
+
+# What the backward pass runs again under each remat policy, assumed from what the policy saves
+# (docs/FLOPS.md): `projections` (the layers' linear maps), `attention` (QK^T and AV). The planner
+# reads the same two facts off the model's residuals instead (`plan.memory.recomputes`).
+RECOMPUTES: dict[str, dict[str, bool]] = {
+    "none": {"projections": False, "attention": False},
+    "dots_saveable": {"projections": False, "attention": False},  # every dot output is saved
+    "offload_dots": {"projections": False, "attention": False},  # ... or offloaded
+    "dots_with_no_batch_dims_saveable": {"projections": False, "attention": True},  # QK^T, AV have batch dims
+    "save_attention_out": {"projections": True, "attention": False},
+    "full": {"projections": True, "attention": True},
+}
+
+
+def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, remat: str | None = None, *,
+                             score_fraction: float = 0.5, context: int = 1,
+                             recomputes: Mapping[str, bool] | None = None) -> float:
+    """Model FLOPs plus the forward work the backward pass re-runs (the HFU numerator).
+
+    `6 * matmul_params + (1 + backward) * attention + the recomputed forward work`, where
+    `attention` is the attention forward over `score_fraction` of the S x S square and `backward`
+    is 2 forwards (dV, dP, dQ, dK), or 2.5 under context parallelism (`context` > 1: the chunk
+    kernel's backward recomputes QK^T from the saved log-sum-exp, whatever the policy). The
+    recompute is 2 * L * layer_matmul when the projections are re-run and the attention forward
+    when QK^T and AV are; the logits matmul lies outside the checkpointed layers.
+
+    Args:
+        cfg: the model shape.
+        seq_len: tokens per sequence.
+        remat: one of `REMAT_POLICIES`; None takes `cfg.remat`.
+        score_fraction: the part of the S x S square counted: 0.5 (the causal half, the MFU
+          convention of `flops_per_token`), 1 (the whole square), or the busiest device's share.
+        context: devices on the context axis.
+        recomputes: {projections, attention} -> re-run; None takes `RECOMPUTES[remat]`.
+    """
+    remat = cfg.remat if remat is None else remat
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"model.remat={remat!r} is not a known policy; "
+                         f"use one of {REMAT_POLICIES}")
+    redo = RECOMPUTES[remat] if recomputes is None else recomputes
+    counts = param_counts(cfg)
+    attention = attention_forward_flops_per_token(cfg, seq_len, causal=False) * score_fraction
+    backward = 2.0 if context == 1 else 2.5
+    projections = 2.0 * cfg.num_layers * counts["layer_matmul"]
+    return (6.0 * counts["matmul"] + (1 + backward) * attention + (attention if redo["attention"] else 0.0)
+            + (projections if redo["projections"] else 0.0))

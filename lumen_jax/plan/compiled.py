@@ -1,0 +1,87 @@
+"""The plan against the compiler: the real train step compiled on this machine's devices, and XLA's
+own per-device bytes and FLOPs next to the predicted ones (`python -m lumen_jax.plan --against-xla`
+and tests/test_plan.py use the same functions).
+
+Nothing is allocated: the step is lowered for abstract, sharded state and batch and compiled;
+`memory_analysis()` and `cost_analysis()` of the compiled program are read. On CPU the devices are
+emulated (`runtime.cpu_devices`), so the comparison runs on any machine; the working-set constants
+of `memory` and the elementwise counts of `cost` are calibrated against XLA:CPU this way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from lumen_jax.build import build
+from lumen_jax.config import Config, ConfigError, MeshConfig
+from lumen_jax.data import BATCH_KEYS
+from lumen_jax.parallel.mesh import make_mesh
+from lumen_jax.plan.cost import compiled_flops_per_device
+from lumen_jax.plan.hardware import Layout
+from lumen_jax.plan.predict import Plan
+
+
+@dataclasses.dataclass(frozen=True)
+class AgainstXla:
+    """Per-device bytes and FLOPs of one step, predicted and as XLA compiled it."""
+
+    flops_predicted: float  # `cost.compiled_flops_per_device`: counted the way cost_analysis counts
+    flops_compiled: float  # cost_analysis()["flops"]
+    bytes_predicted: float  # the plan's total bytes per device
+    bytes_compiled: float  # memory_analysis(): arguments + outputs + temporaries - aliases
+
+    def to_json(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+def compile_step(cfg: Config, layout: Layout) -> Any:
+    """The trainer's step for `cfg` on the first `layout.num_devices` devices, compiled for abstract
+    (sharded) state and batch. Returns the `jax.stages.Compiled`.
+
+    Raises:
+      ConfigError: the layout has pipeline stages (the trainer has none yet) or more devices than JAX has.
+    """
+    if layout.pipeline != 1:
+        raise ConfigError(f"--pipeline {layout.pipeline}: the trainer's step has no pipeline stages yet, "
+                          "so it cannot be compiled; compare without --pipeline")
+    devices = jax.devices()[:layout.num_devices]
+    if len(devices) < layout.num_devices:
+        raise ConfigError(f"the layout needs {layout.num_devices} devices but JAX has {jax.device_count()}")
+    trainer = build(cfg, make_mesh({a: layout.size(a) for a in MeshConfig.AXES}, devices))
+    state = jax.eval_shape(trainer.init)
+    shape = (cfg.data.global_batch_size, cfg.data.seq_len)
+    batch = {k: jax.ShapeDtypeStruct(shape, np.float32 if k == "loss_mask" else np.int32,
+                                     sharding=trainer.batch_sharding) for k in BATCH_KEYS}
+    return trainer.step.lower(state, batch).compile()
+
+
+def compiled_bytes(compiled: Any) -> int:
+    """Per-device bytes XLA allocates for the step: arguments + outputs + temporaries - aliases
+    (on CPU `peak_memory_in_bytes` leaves the temporaries out)."""
+    ma = compiled.memory_analysis()
+    return (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+            - ma.alias_size_in_bytes)
+
+
+def compiled_flops(compiled: Any) -> float:
+    """Per-device FLOPs XLA counts for the step (a loop body once, elementwise work included)."""
+    cost = compiled.cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+
+def against_xla(cfg: Config, plan: Plan, compiled: Any = None) -> AgainstXla:
+    """`plan` (from `predict(cfg, layout, ...)`) next to XLA's figures for the compiled step.
+
+    Args:
+      cfg: the run; its mesh resolves to `plan.layout`.
+      plan: the prediction to check.
+      compiled: the step from `compile_step(cfg, plan.layout)`; None compiles it here.
+    """
+    compiled = compile_step(cfg, plan.layout) if compiled is None else compiled
+    flops = compiled_flops_per_device(cfg.model, plan.layout, cfg.data.seq_len, cfg.data.global_batch_size)
+    return AgainstXla(flops_predicted=flops, flops_compiled=compiled_flops(compiled),
+                      bytes_predicted=plan.bytes_per_device["total"], bytes_compiled=float(compiled_bytes(compiled)))
