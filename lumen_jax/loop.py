@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import jax
 from jax.experimental import multihost_utils
 
-from lumen_jax import distributed, metrics as metrics_lib
+from lumen_jax import distributed, flops as flops_lib, metrics as metrics_lib
 from lumen_jax.build import Trainer
 from lumen_jax.checkpoint import Checkpointer
 from lumen_jax.config import Config, to_dict
@@ -189,8 +189,8 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
     events.write("start", resume_step=start)
 
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
-    flops = metrics_lib.flops_per_token(cfg.model, cfg.data.seq_len)
-    hw_flops = metrics_lib.hardware_flops_per_token(cfg.model, cfg.data.seq_len)
+    flops = flops_lib.flops_per_token(cfg.model, cfg.data.seq_len)
+    hw_flops = flops_lib.hardware_flops_per_token(cfg.model, cfg.data.seq_len)
     peaks = metrics_lib.model_peaks(cfg.model, jax.devices())
 
     t0 = time.perf_counter()
@@ -200,7 +200,7 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
     if is_main:
         print(f"lumen_jax: {jax.device_count()} {jax.devices()[0].platform} devices, mesh "
               + " ".join(f"{k}={v}" for k, v in trainer.mesh.shape.items())
-              + f", {metrics_lib.param_counts(cfg.model)['total'] / 1e6:.2f}M params, "
+              + f", {flops_lib.param_counts(cfg.model)['total'] / 1e6:.2f}M params, "
               + (f"{trainer.ops.note}, " if trainer.ops.note else "")
               + f"compiled in {time.perf_counter() - t0:.1f}s, peak {peaks.source}, run dir {run_dir}"
               + (f", resumed from step {start}" if start else ""), flush=True)

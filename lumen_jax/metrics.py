@@ -1,8 +1,7 @@
 """Peak FLOP/s, throughput, MFU/HFU, metric writers (JSONL, TensorBoard) and the console progress bar.
 
-The FLOP counts are `lumen_jax.flops` (pure, shared with the planner); `flops_per_token`,
-`hardware_flops_per_token` and `param_counts` are re-exported here for the loop. The formulas and
-the remat approximations are written out with a worked example in docs/FLOPS.md.
+The FLOP counts that MFU and HFU divide are `lumen_jax.flops` (pure, shared with the planner); the
+formulas and the remat approximations are written out with a worked example in docs/FLOPS.md.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from lumen_jax.config import ModelConfig
-from lumen_jax.flops import flops_per_token, hardware_flops_per_token, param_counts  # noqa: F401 (the loop's)
 
 # --------------------------------------------------------------------------------------------------
 # Peak FLOP/s

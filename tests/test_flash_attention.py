@@ -26,7 +26,7 @@ from lumen_jax.build import build
 from lumen_jax.config import ModelConfig
 from lumen_jax.kernels import flash_attention as fa
 from lumen_jax.kernels import flash_tiles
-from lumen_jax.config import ConfigError
+from lumen_jax.config import ConfigError, MeshConfig
 from lumen_jax.kernels.flash_attention import BlockSizes, flash_attention
 from lumen_jax.ops import attention as ops
 from lumen_jax.ops.choice import Ops, choose
@@ -310,7 +310,7 @@ def test_the_implementation_is_chosen_once_from_the_config_and_the_backend():
 # --------------------------------------------------------------------------------------------------
 
 def losses(cfg, devices) -> np.ndarray:
-    shape = {a: getattr(cfg.mesh, a) for a in ("data", "fsdp", "context", "tensor")}
+    shape = {a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}
     trainer = build(cfg, make_mesh(shape, devices))
     state = trainer.init()
     out = []

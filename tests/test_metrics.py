@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lumen_jax import metrics
+from lumen_jax import flops, metrics
 from lumen_jax.config import REMAT_POLICIES, ModelConfig
 
 SMALL = ModelConfig()  # d_model=64, layers=2, heads=4, kv_heads=2, ffn_dim=172, vocab=512
@@ -26,7 +26,7 @@ LLAMA3_70B = ModelConfig(d_model=8192, num_layers=80, num_heads=64, num_kv_heads
 def test_param_counts_small_by_hand():
     # head_dim 16. wq, wo: 64*4*16 = 4096 each; wk, wv: 64*2*16 = 2048 each; mlp 3*64*172 = 33024.
     layer_matmul = 4096 * 2 + 2048 * 2 + 33024  # 45312
-    counts = metrics.param_counts(SMALL)
+    counts = flops.param_counts(SMALL)
     assert counts["layer_matmul"] == layer_matmul
     assert counts["embedding"] == 512 * 64
     assert counts["matmul"] == 2 * layer_matmul + 64 * 512  # 123392
@@ -35,7 +35,7 @@ def test_param_counts_small_by_hand():
 
 
 def test_param_counts_tied_drops_lm_head_but_keeps_logits_matmul():
-    untied, tied = metrics.param_counts(SMALL), metrics.param_counts(
+    untied, tied = flops.param_counts(SMALL), flops.param_counts(
         ModelConfig(tie_embeddings=True))
     assert untied["total"] - tied["total"] == 64 * 512
     assert tied["matmul"] == untied["matmul"]
@@ -45,41 +45,41 @@ def test_param_counts_gqa_explicit_head_dim():
     cfg = ModelConfig(d_model=64, num_layers=1, num_heads=8, num_kv_heads=2, head_dim=32,
                       ffn_dim=100, vocab_size=10)
     # wq, wo: 64*8*32 = 16384 each; wk, wv: 64*2*32 = 4096 each; mlp 3*64*100 = 19200.
-    assert metrics.param_counts(cfg)["layer_matmul"] == 16384 * 2 + 4096 * 2 + 19200
+    assert flops.param_counts(cfg)["layer_matmul"] == 16384 * 2 + 4096 * 2 + 19200
 
 
 def test_llama3_param_counts():
-    assert metrics.param_counts(LLAMA3_8B)["total"] == 8_030_261_248
-    assert metrics.param_counts(LLAMA3_70B)["total"] == pytest.approx(70.6e9, rel=2e-3)
+    assert flops.param_counts(LLAMA3_8B)["total"] == 8_030_261_248
+    assert flops.param_counts(LLAMA3_70B)["total"] == pytest.approx(70.6e9, rel=2e-3)
 
 
 def test_flops_per_token_by_hand():
     seq = 128
     attention_fwd_full = 2 * 2 * seq * 4 * 16 * 2  # 2*2*S*N*H per layer, 2 layers = 65536
     expected_causal = 6 * 123392 + 3 * attention_fwd_full / 2  # 838656
-    assert metrics.flops_per_token(SMALL, seq) == expected_causal == 838656
-    assert metrics.flops_per_token(SMALL, seq, causal=False) == 6 * 123392 + 3 * attention_fwd_full
+    assert flops.flops_per_token(SMALL, seq) == expected_causal == 838656
+    assert flops.flops_per_token(SMALL, seq, causal=False) == 6 * 123392 + 3 * attention_fwd_full
     # Tied embeddings: the logits matmul still costs 6*D*V per token.
-    assert metrics.flops_per_token(ModelConfig(tie_embeddings=True), seq) == expected_causal
+    assert flops.flops_per_token(ModelConfig(tie_embeddings=True), seq) == expected_causal
 
 
 def test_flops_per_token_gqa_attention_uses_query_heads():
     cfg = ModelConfig(d_model=64, num_layers=1, num_heads=8, num_kv_heads=2, head_dim=32,
                       ffn_dim=100, vocab_size=10)
     matmul = 16384 * 2 + 4096 * 2 + 19200 + 64 * 10
-    assert metrics.flops_per_token(cfg, 256) == 6 * matmul + 3 * (2 * 2 * 256 * 8 * 32) / 2
+    assert flops.flops_per_token(cfg, 256) == 6 * matmul + 3 * (2 * 2 * 256 * 8 * 32) / 2
 
 
 def test_llama3_8b_flops_matches_6n_plus_attention():
     # 6 * (8.03e9 - embedding) + 6 * L * S * D (causal half of 12 * L * S * N * H, with N * H = D)
     matmul = 8_030_261_248 - 128256 * 4096 - 32 * 2 * 4096 - 4096
     expected = 6 * matmul + 6 * 32 * 8192 * 4096
-    assert metrics.flops_per_token(LLAMA3_8B, 8192) == expected
+    assert flops.flops_per_token(LLAMA3_8B, 8192) == expected
 
 
 def test_hardware_flops_per_remat_policy():
     seq = 128
-    model = metrics.flops_per_token(SMALL, seq)
+    model = flops.flops_per_token(SMALL, seq)
     projections = 2 * 2 * 45312  # 2 * L * layer_matmul
     attention = 2 * 2 * seq * 4 * 16 * 2 / 2  # forward attention, causal
     expected = {"none": model, "dots_saveable": model, "offload_dots": model,
@@ -87,10 +87,10 @@ def test_hardware_flops_per_remat_policy():
                 "save_attention_out": model + projections, "full": model + projections + attention}
     assert set(expected) == set(REMAT_POLICIES)
     for policy, value in expected.items():
-        assert metrics.hardware_flops_per_token(SMALL, seq, policy) == value, policy
-    assert metrics.hardware_flops_per_token(ModelConfig(remat="full"), seq) == expected["full"]
+        assert flops.hardware_flops_per_token(SMALL, seq, policy) == value, policy
+    assert flops.hardware_flops_per_token(ModelConfig(remat="full"), seq) == expected["full"]
     with pytest.raises(ValueError, match="model.remat='everything'"):
-        metrics.hardware_flops_per_token(SMALL, seq, "everything")
+        flops.hardware_flops_per_token(SMALL, seq, "everything")
 
 
 def test_step_metrics_arithmetic():

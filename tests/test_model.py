@@ -15,7 +15,7 @@ from helpers_data import packed_batch
 from lumen_jax import step as step_lib
 from lumen_jax.build import build
 from lumen_jax.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
-from lumen_jax.metrics import param_counts
+from lumen_jax.flops import param_counts
 from lumen_jax.model import apply, init_params, param_shapes_and_names
 from lumen_jax.model.layers import apply_rope, rope_frequencies
 from lumen_jax.ops.reference import reference

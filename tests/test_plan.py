@@ -186,8 +186,7 @@ def test_one_flop_count_for_the_trainer_and_the_planner():
     for remat in ("none", "full", "dots_with_no_batch_dims_saveable"):
         assert plan.recomputes(remat) == flops.RECOMPUTES[remat]
         assert plan.planned_flops_per_token(cfg.model, layout, 8192, remat) == \
-            flops.hardware_flops_per_token(cfg.model, 8192, remat) == metrics.hardware_flops_per_token(
-                cfg.model, 8192, remat)
+            flops.hardware_flops_per_token(cfg.model, 8192, remat)
 
 
 def test_pipeline_bubble():

@@ -35,7 +35,8 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("mesh", [[], ["mesh.fsdp=4", "mesh.tensor=2"]], ids=["fsdp=8", "fsdp=4,tensor=2"])
+@pytest.mark.parametrize("mesh", [[], ["mesh.fsdp=4", "mesh.tensor=2", "model.attention=auto"]],
+                         ids=["fsdp=8", "fsdp=4,tensor=2,auto"])
 def test_tiny_yaml_trains(tmp_path, mesh):
     run_dir = str(tmp_path / "run")
     proc = train("configs/tiny.yaml", "train.steps=40", "log.every_steps=10", f"train.run_dir={run_dir}", *mesh)
@@ -62,6 +63,10 @@ def test_tiny_yaml_trains(tmp_path, mesh):
     assert saved["train"]["steps"] == 40 and saved["name"] == "tiny"
     if mesh:
         assert "mesh data=1 fsdp=4 context=1 tensor=2" in proc.stdout
+        # auto is resolved once, when the step is built, and the start-up line says how
+        assert "attention=auto: xla (flash runs on GPU; this is cpu)" in proc.stdout, proc.stdout
+    else:
+        assert "attention=auto" not in proc.stdout
 
 
 @pytest.mark.heavy
