@@ -23,7 +23,7 @@ from lumen_jax.model import abstract_model, init as init_model
 from lumen_jax.ops import projection
 from lumen_jax.ops.choice import Ops, choose
 from lumen_jax.optim import make_optimizer, schedule
-from lumen_jax.parallel import context as context_lib
+from lumen_jax.parallel import communication as comm, context as context_lib
 from lumen_jax.parallel.rules import Rules, activate
 from lumen_jax import step as step_lib
 
@@ -79,7 +79,10 @@ def build(cfg: Config, mesh: Mesh) -> Trainer:
                              dynamic_loss_scale=fp16,
                              loss_scale_growth_interval=cfg.optim.loss_scale_growth_interval,
                              fresh_state=jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), model.state),
-                             state_combine=model.state_combine)
+                             state_combine=model.state_combine,
+                             weight_dtypes=jax.tree.map(lambda n: ops.weight_dtype(n, cfg.model.compute_dtype),
+                                                        names, is_leaf=lambda x: isinstance(x, tuple)),
+                             reduce_dtype=cfg.mesh.reduce_dtype)
     named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     param_sh = jax.tree.map(named, rules.tree_specs(names, "params"), is_leaf=is_spec)
@@ -101,20 +104,26 @@ def build(cfg: Config, mesh: Mesh) -> Trainer:
                                                             is_leaf=is_spec))
     batch_sh = named(rules.spec(BATCH_AXES))
     batch_shardings = {k: batch_sh for k in BATCH_KEYS}
-    constrain_grads = functools.partial(jax.lax.with_sharding_constraint, shardings=grad_sh)
+    plan = comm.gradient_plan(cfg.mesh, cfg.train.micro_batches, mesh, rules, names)
+    pin = lambda specs: functools.partial(  # noqa: E731
+        jax.lax.with_sharding_constraint, shardings=jax.tree.map(named, specs, is_leaf=is_spec))
+    placement = step_lib.Placement(grads=pin(rules.tree_specs(names, "grads")), weights=pin(plan.weight_specs),
+                                   accumulator=pin(plan.accumulator_specs), replicas=plan.replicas,
+                                   replica_axes=plan.replica_axes)
+    trace_rules = dataclasses.replace(rules, replica_axes=plan.replica_axes)
 
     def traced(fn):  # trace under the rules so `constrain` in the model pins activations
         @functools.wraps(fn)
         def wrapper(*args):
-            with activate(mesh, rules):
+            with activate(mesh, trace_rules):
                 return fn(*args)
         return wrapper
 
     init = jax.jit(make_state, out_shardings=state_sh)
-    step = jax.jit(traced(functools.partial(step_lib.train_step, sc=sc, constrain_grads=constrain_grads)),
+    step = jax.jit(traced(functools.partial(step_lib.train_step, sc=sc, placement=placement)),
                    in_shardings=(state_sh, batch_shardings), out_shardings=(state_sh, replicated),
                    donate_argnums=0)
-    grads = jax.jit(traced(lambda p, b: step_lib.loss_and_grads(p, b, 1.0, sc, constrain_grads)),
+    grads = jax.jit(traced(lambda p, b: step_lib.loss_and_grads(p, b, 1.0, sc, placement)),
                     in_shardings=(param_sh, batch_shardings), out_shardings=(replicated, grad_sh))
     older = (checkpoint.renamed_field("model_state", *projection.legacy_state_layout()),)
     return Trainer(cfg=cfg, mesh=mesh, rules=rules, step_cfg=sc, param_names=names, ops=ops, older_layouts=older,

@@ -98,6 +98,15 @@ class MeshConfig:
     context_parallel: str = "ring"
     # zigzag: context device i holds chunks i and 2C-1-i (equal causal work) | contiguous: chunk i
     context_balance: str = "zigzag"
+    # Gradient accumulation over train.micro_batches (docs/COMMUNICATION.md). Over `data` the micro-batch
+    # gradients are always summed locally and reduced once per step. Over `fsdp`: every_micro_batch
+    # reduce-scatters each micro-batch's gradients (the accumulator stays sharded) | once (the
+    # accumulator is full-size, one reduction per step).
+    fsdp_grad_reduce: str = "every_micro_batch"
+    # ZeRO-3 weights: per_micro_batch gathers them where each micro-batch needs them | per_step gathers
+    # the step's compute-dtype weights once and keeps them for every micro-batch and the backward.
+    fsdp_regather: str = "per_micro_batch"
+    reduce_dtype: str = "float32"  # dtype of the gradient reductions (float32 | bfloat16)
 
     # The mesh axes, the one list of their names (the planner adds `pipeline` outside them).
     AXES: typing.ClassVar[tuple[str, ...]] = ("data", "fsdp", "context", "tensor")
@@ -209,6 +218,10 @@ class RuntimeConfig:
     # CPU runs: reuse makes glibc keep freed memory, so XLA:CPU's per-step temporary buffer is not
     # unmapped and page-faulted in again every step (-15% CPU time); default leaves glibc as is.
     malloc: str = "reuse"
+    # XLA flags for GPUs, set before the backend starts (lumen_jax/runtime.py GPU_XLA_FLAGS): overlap
+    # (latency-hiding scheduler, async and pipelined collectives, combine thresholds from the config) |
+    # none (XLA's defaults) | any other string: literal flags. CPU runs ignore it.
+    xla_gpu_flags: str = "overlap"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +286,9 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "mesh.zero_stage": ZERO_STAGES,
     "mesh.context_parallel": CONTEXT_PARALLEL,
     "mesh.context_balance": CONTEXT_BALANCE,
+    "mesh.fsdp_grad_reduce": ("every_micro_batch", "once"),
+    "mesh.fsdp_regather": ("per_micro_batch", "per_step"),
+    "mesh.reduce_dtype": ("float32", "bfloat16"),
     "data.source": DATA_SOURCES,
     "runtime.platform": PLATFORMS,
     "runtime.malloc": ("reuse", "default"),

@@ -54,6 +54,9 @@ class StepConfig:
     # micro-batches combine its next values (`ops.state.ModelState.combine`).
     fresh_state: dict = dataclasses.field(default_factory=dict, compare=False)
     state_combine: dict = dataclasses.field(default_factory=dict, compare=False)
+    # Per parameter, the dtype its compute copy is cast to before the weights are gathered ("": kept).
+    weight_dtypes: dict = dataclasses.field(default_factory=dict, compare=False)
+    reduce_dtype: str = "float32"  # micro-batch gradient sums and their once-per-step reduction
 
 
 def init_state(params: dict, tx: optax.GradientTransformation, loss_scale: float,
@@ -79,8 +82,24 @@ def _micro_loss(params: dict, model_state: dict, mb: Batch, total_tokens: jax.Ar
     return objective * scale / total_tokens, ce_sum
 
 
+def _identity(tree: Any) -> Any:
+    return tree
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the step's intermediate trees live on the mesh: sharding constraints from the caller
+    (`lumen_jax.build`), identity on one device. See `loss_grads_and_state` for what each pins."""
+
+    grads: Callable[[Any], Any] = _identity  # the step's reduced gradients (mesh.zero_stage)
+    weights: Callable[[Any], Any] = _identity  # the compute-dtype weights the micro-batches use
+    accumulator: Callable[[Any], Any] = _identity  # the [R, ...] gradient sums of the replica groups
+    replicas: int = 1  # R: replica groups whose micro-batch gradients are summed without a reduction
+    replica_axes: tuple[str, ...] = ()  # the mesh axes of R (`jax.vmap`'s spmd_axis_name)
+
+
 def loss_and_grads(params: dict, batch: Batch, scale: jax.Array, sc: StepConfig,
-                   constrain_grads: Callable[[Any], Any] = lambda g: g,
+                   placement: Placement = Placement(),
                    model_state: dict | None = None) -> tuple[jax.Array, dict]:
     """Mean token cross-entropy of the batch and the gradients of the (scaled) objective.
 
@@ -88,45 +107,82 @@ def loss_and_grads(params: dict, batch: Batch, scale: jax.Array, sc: StepConfig,
     dropped here (`train_step` keeps it).
     """
     model_state = sc.fresh_state if model_state is None else model_state
-    loss, grads, _ = loss_grads_and_state(params, model_state, batch, scale, sc, constrain_grads)
+    loss, grads, _ = loss_grads_and_state(params, model_state, batch, scale, sc, placement)
     return loss, grads
 
 
+def compute_weights(params: dict, sc: StepConfig) -> dict:
+    """The parameters cast to the dtypes the model computes in (`sc.weight_dtypes`), while still
+    sharded: the FSDP all-gathers that follow move compute-dtype bytes."""
+    if not sc.weight_dtypes:
+        return params
+    return jax.tree.map(lambda p, dt: p.astype(dt) if dt else p, params, sc.weight_dtypes)
+
+
+def _fold(rule: Callable[[jax.Array, jax.Array], jax.Array], x_r: jax.Array) -> jax.Array:
+    """`rule` applied across the leading replica axis, earlier replicas first (pairwise halves)."""
+    while x_r.shape[0] > 1:
+        half = x_r.shape[0] // 2
+        merged = rule(x_r[:half], x_r[half:2 * half])
+        x_r = jnp.concatenate([merged, x_r[2 * half:]]) if x_r.shape[0] % 2 else merged
+    return x_r[0]
+
+
 def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: jax.Array, sc: StepConfig,
-                         constrain_grads: Callable[[Any], Any] = lambda g: g) -> tuple[jax.Array, dict, dict]:
+                         placement: Placement = Placement()) -> tuple[jax.Array, dict, dict]:
     """(mean token cross-entropy, gradients of the scaled objective, the model state's next value).
 
-    Micro-batch m takes rows m, m+M, m+2M, ... so each device's contiguous slice of the batch
-    stays on that device (no resharding before the scan). Gradients add up over micro-batches; the
-    model state's next values combine by each variable's rule (`sc.state_combine`).
+    The gradients are taken with respect to the compute-dtype weights (`compute_weights`, pinned by
+    `placement.weights`: sharded, gathered where each micro-batch uses them, or gathered once for
+    the step) and returned in float32.
+
+    One micro-batch: the gradients are reduced where XLA puts the reduction. Several
+    (`sc.micro_batches` = M): the batch is cut into `placement.replicas` = R replica groups (the
+    devices of one index along `placement.replica_axes`) and each group's micro-batch gradients are
+    summed locally, in `sc.reduce_dtype`, in an [R, ...] accumulator (`placement.accumulator`);
+    the R sums are reduced once, after the last micro-batch ("the all-reduce only needs to run
+    once, at the end"). Micro-batch m of replica r takes rows m, m+M, ... of that replica's rows,
+    so each device's slice of the batch stays on that device. The model state's next values
+    combine by each variable's rule (`sc.state_combine`), across micro-batches and replicas.
     """
     total_tokens = jnp.maximum(batch["loss_mask"].astype(jnp.float32).sum(), 1.0)
+    weights = placement.weights(compute_weights(params, sc))
     grad_fn = jax.grad(_micro_loss, argnums=(0, 1), has_aux=True)
-    m = sc.micro_batches
+    f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)  # noqa: E731
+    m, r = sc.micro_batches, placement.replicas
     if m == 1:
-        (grads, state_new), ce_sum = grad_fn(params, model_state, batch, total_tokens, scale, sc)
-        return ce_sum / total_tokens, constrain_grads(grads), state_new
+        (grads, state_new), ce_sum = grad_fn(weights, model_state, batch, total_tokens, scale, sc)
+        return ce_sum / total_tokens, placement.grads(f32(grads)), state_new
 
-    def split(x: jax.Array) -> jax.Array:  # [B, ...] -> [M, B/M, ...]
-        return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+    reduce_dtype = jnp.dtype(sc.reduce_dtype)
+
+    def split(x: jax.Array) -> jax.Array:  # [B, ...] -> [M, R, B/(R M), ...]
+        x = x.reshape(r, x.shape[0] // (r * m), m, *x.shape[1:])
+        return jnp.moveaxis(x, 2, 0)
+
+    replica_grad = jax.vmap(grad_fn, in_axes=(None, None, 0, None, None, None),
+                            spmd_axis_name=placement.replica_axes or None)
 
     def accumulate(carry: tuple[dict, jax.Array, dict], mb: Batch) -> tuple[tuple[dict, jax.Array, dict], None]:
         grads, ce, state_acc = carry
-        (g, new), c = grad_fn(params, model_state, mb, total_tokens, scale, sc)
-        return (constrain_grads(jax.tree.map(jnp.add, grads, g)), ce + c,
+        (g, new), c = replica_grad(weights, model_state, mb, total_tokens, scale, sc)
+        grads = jax.tree.map(lambda a, b: a + b.astype(reduce_dtype), grads, g)
+        return (placement.accumulator(grads), ce + c.sum(),
                 state_lib.combine(sc.state_combine, state_acc, new)), None
 
-    zeros = constrain_grads(jax.tree.map(jnp.zeros_like, params))
-    carry = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, model_state))
-    (grads, ce_sum, state_new), _ = jax.lax.scan(accumulate, carry, jax.tree.map(split, batch))
+    zeros = placement.accumulator(jax.tree.map(lambda w: jnp.zeros((r, *w.shape), reduce_dtype), weights))
+    carry = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(lambda s: jnp.zeros((r, *s.shape), s.dtype), model_state))
+    (grads_r, ce_sum, state_r), _ = jax.lax.scan(accumulate, carry, jax.tree.map(split, batch))
+    grads = placement.grads(f32(jax.tree.map(lambda g: g.sum(0), grads_r)))
+    state_new = jax.tree.map(_fold, sc.state_combine, state_r)
     return ce_sum / total_tokens, grads, state_new
 
 
 def train_step(state: TrainState, batch: Batch, sc: StepConfig,
-               constrain_grads: Callable[[Any], Any] = lambda g: g) -> tuple[TrainState, dict]:
+               placement: Placement = Placement()) -> tuple[TrainState, dict]:
     """One optimizer step on a global batch; returns the new state and scalar metrics."""
     loss, grads, model_state = loss_grads_and_state(state.params, state.model_state, batch, state.loss_scale,
-                                                    sc, constrain_grads)
+                                                    sc, placement)
     grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

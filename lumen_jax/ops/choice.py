@@ -60,6 +60,14 @@ class Ops:
             return "fp8" if self.fp8_on else "fp8_kept"
         return "token_grad" if self.cpu else "einsum"
 
+    def weight_dtype(self, names: tuple[str | None, ...], compute_dtype: str) -> str:
+        """The dtype the train step casts a parameter with logical axes `names` to while it is still
+        sharded, before any gather ("": kept float32): `compute_dtype`, except norm scales (norms
+        compute in float32) and, where fp8 runs, every weight (fp8 quantizes from the master copy)."""
+        if "norm" in names or self.fp8_types or compute_dtype == "float32":
+            return ""
+        return compute_dtype
+
     def layer_runs(self, num_layers: int) -> list[tuple[int, int, Ops]]:
         """The layer stack as runs [start, stop) with the `Ops` of each run: one run, unless some
         layers keep the compute dtype among fp8 layers (`fp8.layer_runs`)."""

@@ -7,7 +7,8 @@ Megatron sequence parallelism is on:
 ==============  =====================  ==========================================================
 logical axis    mesh axes              why
 ==============  =====================  ==========================================================
-batch           (data, fsdp)           data parallelism; FSDP/ZeRO shards the batch like DP
+batch           (data, fsdp)           data parallelism; FSDP/ZeRO shards the batch like DP (minus
+                                       the step's replica axes inside its per-replica vmap)
 seq             context                context parallelism splits every sequence
 act_seq         (context, tensor)      residual stream between blocks under sequence parallelism
                 context                ... and without it
@@ -47,6 +48,9 @@ class Rules:
     # but the same kind of decision, read by the attention dispatch under `activate`.
     context_parallel: str = "ring"  # ring | allgather
     context_balance: str = "zigzag"  # zigzag | contiguous
+    # Batch axes taken by the train step's vmapped replica dimension (step.Placement: micro-batch
+    # gradients summed per replica group, reduced once per step). Inside it `batch` maps to the rest.
+    replica_axes: tuple[str, ...] = ()
 
     def _table(self, kind: str) -> dict[str, MeshAxes]:
         embed_sharded = {"params": self.zero_stage >= 3, "grads": self.zero_stage >= 2,
@@ -62,7 +66,7 @@ class Rules:
             "norm": None,
             "layers": None,
             # activation axes
-            "batch": ("data", "fsdp"),
+            "batch": tuple(a for a in ("data", "fsdp") if a not in self.replica_axes) or None,
             "seq": "context",
             "act_seq": ("context", "tensor") if self.sequence_parallel else "context",
             "act_embed": None,
