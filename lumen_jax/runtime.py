@@ -5,7 +5,8 @@ from __future__ import annotations
 import ctypes
 import os
 
-from lumen_jax.config import RuntimeConfig
+from lumen_jax.config import Config, RuntimeConfig
+from lumen_jax.flops import param_counts
 
 # XLA:CPU's concurrency-optimized scheduler lets one emulated device run two independent
 # collectives at once (e.g. an FSDP all-gather beside a gradient all-reduce). Each waits in a
@@ -17,11 +18,55 @@ CPU_XLA_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
 
 def set_cpu_xla_flags() -> None:
     """Add CPU_XLA_FLAGS to XLA_FLAGS (read when the backend starts; the GPU backend ignores them)."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    for flag in CPU_XLA_FLAGS:
-        if flag.split("=")[0] not in flags:
-            flags = f"{flags} {flag}".strip()
-    os.environ["XLA_FLAGS"] = flags
+    add_xla_flags(CPU_XLA_FLAGS)
+
+
+# `runtime.xla_gpu_flags: overlap`: what the best GPU recipes set so collectives run under compute.
+# Each line says why; `gpu_xla_flags` adds the combine thresholds sized from the config.
+GPU_OVERLAP_FLAGS = (
+    # Schedule by estimated latency, starting each async collective as early as its inputs allow
+    # and finishing it as late as its users allow, so it runs beside the matmuls in between.
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    # Inside the layer scan, start the next iteration's weight all-gather (and finish this one's
+    # gradient reduce-scatter / all-reduce) in the current iteration: FSDP prefetch.
+    # (Pipelined reduce-scatter is already XLA's default on this jaxlib.)
+    "--xla_gpu_enable_pipelined_all_gather=true",
+    "--xla_gpu_enable_pipelined_all_reduce=true",
+    # Unroll the layer loop by two so the pipelined collectives of one layer overlap the other's compute.
+    "--xla_gpu_enable_while_loop_double_buffering=true",
+)
+# XLA's defaults already give collectives a high-priority stream and combine gathers and scatters
+# across dimensions; the debug options of a compiled program list only what differs from them.
+GRADIENT_BUCKET_BYTES = 32 * 2**20  # all-reduce buckets "a few tens of MB", launched as they fill
+
+
+def gpu_xla_flags(cfg: Config) -> tuple[str, ...]:
+    """The XLA flags `runtime.xla_gpu_flags` asks for: `overlap` (GPU_OVERLAP_FLAGS and combine
+    thresholds of one layer's weights per device, so the next layer's weights arrive as one
+    all-gather while this layer computes), `none`, or the literal flags of any other string."""
+    choice = cfg.runtime.xla_gpu_flags
+    if choice == "none":
+        return ()
+    if choice != "overlap":
+        return tuple(choice.split())
+    shards = max(cfg.mesh.tensor, 1)
+    compute = 4 if cfg.model.compute_dtype == "float32" else 2
+    layer_weights = param_counts(cfg.model)["layer_matmul"] * compute // shards
+    layer_grads = param_counts(cfg.model)["layer_matmul"] * (4 if cfg.mesh.reduce_dtype == "float32" else 2) // shards
+    return GPU_OVERLAP_FLAGS + (
+        f"--xla_gpu_all_gather_combine_threshold_bytes={layer_weights}",
+        f"--xla_gpu_reduce_scatter_combine_threshold_bytes={layer_grads}",
+        f"--xla_gpu_all_reduce_combine_threshold_bytes={max(GRADIENT_BUCKET_BYTES, layer_grads)}",
+    )
+
+
+def add_xla_flags(flags: tuple[str, ...]) -> None:
+    """Adds `flags` to XLA_FLAGS (read once, when the backend starts); a flag already set there wins."""
+    current = os.environ.get("XLA_FLAGS", "")
+    for flag in flags:
+        if flag.split("=")[0] not in current:
+            current = f"{current} {flag}".strip()
+    os.environ["XLA_FLAGS"] = current
 
 
 # glibc mallopt parameters (malloc.h).
@@ -44,13 +89,15 @@ def keep_freed_memory() -> bool:
                for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1)))
 
 
-def configure(rc: RuntimeConfig) -> None:
-    """Emulated CPU device count, platform choice, the allocator of CPU runs and the persistent
-    compilation cache.
+def configure(rc: RuntimeConfig, gpu_flags: tuple[str, ...] = ()) -> None:
+    """XLA flags (the CPU ones and `gpu_flags`, e.g. `gpu_xla_flags(cfg)`; XLA parses both on any
+    machine, each backend reads its own), emulated CPU device count, platform choice, the allocator
+    of CPU runs and the persistent compilation cache.
 
     Call before anything creates a JAX array: the backend reads these once, at start-up.
     """
     set_cpu_xla_flags()
+    add_xla_flags(gpu_flags)
     if rc.malloc == "reuse" and (rc.platform == "cpu" or rc.cpu_devices > 0):  # a CPU run
         keep_freed_memory()
     import jax

@@ -44,7 +44,7 @@ def run_dir_for(cfg: Config) -> str:
 def train(cfg: Config) -> dict:
     """Train `cfg` to `train.steps` (resuming from its run directory); returns the last metrics."""
     from lumen_jax import distributed, runtime
-    runtime.configure(cfg.runtime)
+    runtime.configure(cfg.runtime, runtime.gpu_xla_flags(cfg))
     distributed.initialize(cfg.distributed)  # several processes: before anything touches a device
 
     import jax

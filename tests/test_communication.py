@@ -116,3 +116,34 @@ OPTIONS = {
 def test_four_micro_batches_equal_one_big_batch(name, reference32):
     got = run(with_mesh(BASE32, micro_batches=4, **OPTIONS[name]))
     assert_same_run(got, reference32, f"{name}, 4 micro-batches")
+
+
+def test_gpu_overlap_flags_reach_xla(tmp_path):
+    """`runtime.xla_gpu_flags=overlap` is in XLA_FLAGS before the backend starts, XLA accepts every
+    flag (an unknown one aborts the process) and its debug options hold them (XLA parses GPU flags
+    on any machine, so a CPU process shows them)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import glob
+from lumen_jax import runtime
+from lumen_jax.config import Config, RuntimeConfig
+cfg = Config()
+runtime.configure(RuntimeConfig(cpu_devices=1, compilation_cache_dir="", platform="cpu"), runtime.gpu_xla_flags(cfg))
+import jax
+jax.jit(lambda x: x + 1).lower(1.0).compile(compiler_options={{"xla_dump_to": {str(tmp_path)!r}}})
+print(open(glob.glob({str(tmp_path)!r} + "/*debug_options")[0]).read())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    from lumen_jax import runtime
+    from lumen_jax.config import Config
+
+    flags = runtime.gpu_xla_flags(Config())
+    assert len(flags) == len(runtime.GPU_OVERLAP_FLAGS) + 3
+    for flag in flags:
+        name, value = flag.lstrip("-").split("=")
+        assert f"{name}: {value}" in out.stdout, f"{flag} did not reach XLA's debug options"
+    none = Config().replace(runtime=dataclasses.replace(Config().runtime, xla_gpu_flags="none"))
+    assert runtime.gpu_xla_flags(none) == ()

@@ -29,7 +29,8 @@ def format_plan(plan: Plan, cfg: Config) -> str:
     n_params = flops.param_counts(cfg.model)["total"]
     lines = [
         f"{cfg.name}: {n_params / 1e9:.2f}B parameters, {lay.num_devices} devices ({lay.describe()}), "
-        f"zero_stage={lay.mesh.zero_stage}, remat={plan.remat}, attention={plan.attention}, "
+        f"zero_stage={lay.mesh.zero_stage}, fsdp_grad_reduce={lay.mesh.fsdp_grad_reduce}, "
+        f"fsdp_regather={lay.mesh.fsdp_regather}, remat={plan.remat}, attention={plan.attention}, "
         f"{plan.micro_batch} x {cfg.data.seq_len} tokens per device per micro-batch, "
         f"{lay.micro_batches} micro-batches per step",
         "",
@@ -41,6 +42,10 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         f" (largest part: {a.phase}) + gradient accumulation {a.buffers / 1e9:.2f} + batch {a.inputs / 1e9:.2f}"
         + (f" (+ {a.host / 1e9:.2f} GB on host)" if a.host else ""),
         f"  fp8 scaling     {_gb(b['fp8'])}   fp8 recipe: {cfg.model.fp8.recipe}",
+        *([f"  gathered        {_gb(b['gathered_weights'])}   weights kept gathered (mesh.fsdp_regather=per_step)"]
+          if b["gathered_weights"] else []),
+        *([f"  accumulator     {_gb(b['grad_accumulator'])}   full-size gradient sums (mesh.fsdp_grad_reduce=once)"]
+          if b["grad_accumulator"] else []),
         f"  total           {_gb(b['total'])}   of {plan.usable_memory_bytes / 1e9:.1f} GB usable "
         f"({plan.device_memory_bytes / 1e9:.0f} GB device)",
         "",

@@ -157,10 +157,15 @@ def collectives(model: ModelConfig, layout: Layout, hw: Hardware, seq_len: int, 
                 remat: str) -> list[Collective]:
     """The collectives of one step per mesh axis (see docs/PLANNING.md for each count).
 
-    fsdp: ZeRO-3 gathers the fp32 weights in the forward and again in the backward and
-    reduce-scatters the gradients, every micro-batch; ZeRO-2 reduce-scatters gradients and gathers
-    the updated weights once; ZeRO-1 all-reduces gradients and gathers the updated weights once.
-    data: all-reduce of the (ZeRO-sharded) gradients per micro-batch. tensor: Megatron's two
+    fsdp (docs/COMMUNICATION.md): ZeRO-3 gathers the weights in the compute dtype (float32 where
+    fp8 runs: it quantizes from the master copy); with `fsdp_regather=per_micro_batch` each layer's
+    weights are gathered in every micro-batch's forward and again in its backward, while the
+    embedding and logits weights (outside the layer loop, loop-invariant) are gathered once per step
+    as XLA hoists them; `per_step` gathers everything once. Gradients are reduce-scattered (ZeRO-2/3)
+    or all-reduced (ZeRO-1) in `mesh.reduce_dtype`, every micro-batch or, with
+    `fsdp_grad_reduce=once`, once per step. ZeRO-1/2 gather the updated fp32 weights once.
+    data: one all-reduce of the (ZeRO-sharded) gradients per step, whatever the micro-batches.
+    tensor: Megatron's two
     all-reduces of [tokens, D] per layer forward and two backward (+2 when `full` recomputes the
     layer; sequence parallelism turns each into an all-gather + reduce-scatter of the same bytes),
     plus the vocab-parallel embedding and logits. context, `mesh.context_parallel: ring`: K/V
@@ -176,32 +181,61 @@ def collectives(model: ModelConfig, layout: Layout, hw: Hardware, seq_len: int, 
     out: list[Collective] = []
 
     def add(axis: str, kind: str, what: str, payload: float, calls: float, overlapped: bool) -> None:
-        if layout.size(axis) > 1 and calls > 0:
-            link, bw = link_of(axis, layout, hw)
-            out.append(Collective(axis, layout.size(axis), link, kind, what, payload, calls, overlapped, bw))
+        size = math.prod(layout.size(a) for a in axis.split("+"))  # "data+fsdp": one group over both
+        if size > 1 and calls > 0:
+            link, bw = link_of(axis.split("+")[0], layout, hw)
+            out.append(Collective(axis, size, link, kind, what, payload, calls, overlapped, bw))
 
-    unsharded = dataclasses.replace(layout, mesh=dataclasses.replace(layout.mesh, data=1, fsdp=1))
+    mesh = layout.mesh
+    unsharded = dataclasses.replace(layout, mesh=dataclasses.replace(mesh, data=1, fsdp=1))
     weights = state_bytes(model, unsharded)["params"]  # fp32, /tp, /pp
-    grads = state_bytes(model, layout)["grads"]
-    if layout.mesh.zero_stage >= 3:
-        add("fsdp", "all-gather", "fp32 weights, forward", weights, m, True)
-        add("fsdp", "all-gather", "fp32 weights, backward", weights, m, True)
-        add("fsdp", "reduce-scatter", "fp32 gradients", weights, m, True)
-    else:
-        kind = "reduce-scatter" if layout.mesh.zero_stage == 2 else "all-reduce"
-        add("fsdp", kind, "fp32 gradients", weights, m, True)
+    layer_weights = flops.param_counts(model)["layer_matmul"] * layers * F32_BYTES / tp  # the layer scan's
+    gather = c if model.fp8.recipe == "none" else F32_BYTES
+    dt = {2: "bf16", 4: "fp32"}[gather]
+    red = F32_BYTES if mesh.reduce_dtype == "float32" else 2
+    red_dt = {2: "bf16", 4: "fp32"}[red]
+    grad_calls = 1 if mesh.fsdp_grad_reduce == "once" else m
+    grads = state_bytes(model, layout)["grads"] * red / F32_BYTES
+    if mesh.zero_stage >= 3:
+        if mesh.fsdp_regather == "per_step":
+            add("fsdp", "all-gather", f"{dt} weights, once per step (kept)", weights * gather / F32_BYTES, 1, True)
+        else:
+            add("fsdp", "all-gather", f"{dt} layer weights, forward and backward", layer_weights * gather / F32_BYTES,
+                2 * m, True)
+            add("fsdp", "all-gather", f"{dt} embedding and logits weights (hoisted)",
+                (weights - layer_weights) * gather / F32_BYTES, 1, True)
+    joint = mesh.fsdp_grad_reduce == "once" and m > 1 and mesh.data > 1 and mesh.fsdp > 1
+    if joint:  # the step's one reduction spans both batch axes: full-size sums over data x fsdp
+        add("data+fsdp", "all-reduce", f"{red_dt} gradients, once per step", weights * red / F32_BYTES, 1, True)
+    elif mesh.zero_stage >= 3:
+        add("fsdp", "reduce-scatter", f"{red_dt} gradients", weights * red / F32_BYTES, grad_calls, True)
+    if mesh.zero_stage < 3:
+        kind = "reduce-scatter" if mesh.zero_stage == 2 else "all-reduce"
+        if not joint:
+            add("fsdp", kind, f"{red_dt} gradients", weights * red / F32_BYTES, grad_calls, True)
         add("fsdp", "all-gather", "updated fp32 weights", weights, 1, True)
-    add("data", "all-reduce", "fp32 gradients", grads, m, True)
+    if not joint:
+        add("data", "all-reduce", f"{red_dt} gradients, once per step", grads, 1, True)
     row = tokens * model.d_model * c
-    # Recomputing the projections re-runs the two row-parallel matmuls and their all-reduces.
-    redo = recomputes(remat, layout.mesh.context, layout.mesh.context_parallel)
-    per_layer = 4 + (2 if redo["projections"] else 0)
-    calls = m * (per_layer * layers + 2)  # + the embedding lookup and the gradient into the logits
+    # Per layer, as the compiled program runs them: the two row-parallel outputs in the forward, and
+    # in the backward the input gradient of every column-parallel projection reduced on its own
+    # (q, k, v: 3; gate, up: 2) as XLA does not add them before the reduction (+2 when the backward
+    # recomputes the projections).
+    redo = recomputes(remat, layout.mesh.context, layout.mesh.context_parallel)["projections"]
+    reductions = 2 + 5 + (2 if redo else 0)
     if layout.mesh.sequence_parallel:
-        for kind in ("all-gather", "reduce-scatter"):
-            add("tensor", kind, f"activations, {per_layer}/layer (sequence parallel)", row, calls, False)
-    else:
-        add("tensor", "all-reduce", f"activations, {per_layer}/layer", row, calls, False)
+        # all-gathers: the two norm outputs in the forward, again for the weight gradients and as
+        # the transposes of the two reduce-scatters in the backward; outside the layers the final
+        # norm's output, the embedding's gradient and (once: loop-invariant) the vocab table for the lookup.
+        gathers = 2 + 4 + (2 if redo else 0)
+        add("tensor", "all-gather", f"activations, {gathers}/layer (sequence parallel)", row,
+            m * (gathers * layers + 2), False)
+        add("tensor", "all-gather", "vocab table for the embedding lookup (sequence parallel; hoisted)",
+            model.vocab_size * model.d_model * c, 1, False)
+        add("tensor", "reduce-scatter", f"activations, {reductions}/layer (sequence parallel)", row,
+            m * (reductions * layers + 1), False)
+    else:  # + the vocab-parallel embedding lookup and the gradient into the logits
+        add("tensor", "all-reduce", f"activations, {reductions}/layer", row, m * (reductions * layers + 2), False)
     # context parallelism (`mesh.context_parallel`): each device holds S/C of every sequence.
     cp, hops = layout.mesh.context_parallel, layout.mesh.context - 1
     kv_chunk = 2 * micro_batch * seq_len / layout.mesh.context * model.num_kv_heads * model.resolved_head_dim / tp * c

@@ -58,6 +58,28 @@ def state_bytes(model: ModelConfig, layout: Layout) -> dict[str, int]:
     return dict(_state_bytes(_shape_key(model), dataclasses.replace(layout, micro_batches=1)))
 
 
+def communication_bytes(model: ModelConfig, layout: Layout) -> dict[str, int]:
+    """Per-device bytes the communication options keep (docs/COMMUNICATION.md), beside `state_bytes`.
+
+    `gathered_weights`: `mesh.fsdp_regather=per_step` keeps the step's weights gathered over fsdp in
+    the compute dtype (float32 where fp8 runs). `grad_accumulator`: with several micro-batches the
+    step sums gradients in `mesh.reduce_dtype` per replica group; under `fsdp_grad_reduce=once` the
+    sums are full-size over fsdp (else sharded like the gradients, which `state_bytes` counts).
+    """
+    mesh, out = layout.mesh, {"gathered_weights": 0, "grad_accumulator": 0}
+    if mesh.fsdp == 1:
+        return out
+    unsharded = state_bytes(model, dataclasses.replace(layout, mesh=dataclasses.replace(mesh, fsdp=1)))
+    if mesh.fsdp_regather == "per_step" and mesh.zero_stage == 3:
+        dtype = 4 if model.fp8.recipe != "none" or model.compute_dtype == "float32" else 2
+        out["gathered_weights"] = unsharded["params"] * dtype // F32
+    if mesh.fsdp_grad_reduce == "once" and layout.micro_batches > 1:
+        red = F32 if mesh.reduce_dtype == "float32" else 2
+        out["grad_accumulator"] = unsharded["grads"] * red // F32 - (state_bytes(model, layout)["grads"]
+                                                                       if mesh.zero_stage >= 2 else 0)
+    return out
+
+
 @functools.lru_cache(maxsize=4096)
 def _state_bytes(model: ModelConfig, layout: Layout) -> tuple[tuple[str, int], ...]:
     rules = Rules(zero_stage=layout.mesh.zero_stage, sequence_parallel=layout.mesh.sequence_parallel)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 from lumen_jax import flops
@@ -10,7 +11,7 @@ from lumen_jax.config import ATTENTION_IMPLS, Config, ModelConfig
 from lumen_jax.plan.cost import (Collective, bubble_fraction, collectives, context_score_fraction,
                                  planned_flops_per_token)
 from lumen_jax.plan.hardware import Hardware, Layout
-from lumen_jax.plan.memory import Activations, activation_bytes, fp8_bytes, state_bytes
+from lumen_jax.plan.memory import Activations, activation_bytes, communication_bytes, fp8_bytes, state_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +138,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
             + sum(c.seconds for c in comms if not c.overlapped))
     bubble = bubble_fraction(layout.pipeline, layout.micro_batches) if layout.pipeline > 1 else 0.0
     return Plan(layout=layout, remat=remat, micro_batch=micro_batch, attention=attention,
-                state=state_bytes(model, layout),
+                state={**state_bytes(model, layout), **communication_bytes(model, layout)},
                 fp8=fp8_bytes(model, layout, micro_batch * seq / layout.mesh.context),
                 activations=activation_bytes(model, layout, seq, micro_batch, remat, attention),
                 device_memory_bytes=hw.memory_bytes, usable_memory_bytes=hw.memory_bytes * memory_fraction,
@@ -147,6 +148,9 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
 
 
 SEARCH_REMATS = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "full")
+
+
+COMM_OPTIONS = {"fsdp_grad_reduce": ("every_micro_batch", "once"), "fsdp_regather": ("per_micro_batch", "per_step")}
 
 
 def _divisors(n: int) -> list[int]:
@@ -160,7 +164,8 @@ def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, to
     Tries tensor sizes that fit in a node and divide the heads, kv heads, ffn and vocab; context
     sizes that divide the sequence; every fsdp x data split of the rest; sequence parallelism on
     and off; the remat policies in `SEARCH_REMATS`; and per-device micro-batches of 1, 2, 4, ...
-    sequences. The ZeRO stage and the pipeline depth stay as given.
+    sequences; with several micro-batches over fsdp, `mesh.fsdp_grad_reduce` and (ZeRO-3)
+    `mesh.fsdp_regather` both ways. The ZeRO stage and the pipeline depth stay as given.
     """
     m, seq, batch = cfg.model, cfg.data.seq_len, cfg.data.global_batch_size
     per_stage = num_devices // pipeline
@@ -182,10 +187,16 @@ def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, to
                             break
                         mesh = dataclasses.replace(cfg.mesh, data=rest // fsdp, fsdp=fsdp, context=cp,
                                                    tensor=tp, sequence_parallel=sp)
-                        layout = Layout(mesh, pipeline=pipeline, micro_batches=batch // (rest * mb))
-                        for remat in SEARCH_REMATS:
-                            plan = predict(cfg, layout, hw, remat=remat, **predict_kwargs)
-                            if plan.fits:
-                                found.append(plan)
+                        accumulate = batch // (rest * mb) > 1 and fsdp > 1
+                        for reduce, regather in itertools.product(
+                                COMM_OPTIONS["fsdp_grad_reduce"] if accumulate else (mesh.fsdp_grad_reduce,),
+                                COMM_OPTIONS["fsdp_regather"] if accumulate and mesh.zero_stage == 3
+                                else (mesh.fsdp_regather,)):
+                            layout = Layout(dataclasses.replace(mesh, fsdp_grad_reduce=reduce, fsdp_regather=regather),
+                                            pipeline=pipeline, micro_batches=batch // (rest * mb))
+                            for remat in SEARCH_REMATS:
+                                plan = predict(cfg, layout, hw, remat=remat, **predict_kwargs)
+                                if plan.fits:
+                                    found.append(plan)
     found.sort(key=lambda p: (-round(p.mfu, 4), p.bytes_per_device["total"]))
     return found[:top]
