@@ -16,13 +16,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from lumen_jax.build import build
+from lumen_jax.build import Trainer, build
 from lumen_jax.config import Config, ConfigError, MeshConfig
 from lumen_jax.data import BATCH_KEYS
 from lumen_jax.parallel.mesh import make_mesh
 from lumen_jax.plan.cost import compiled_flops_per_device
 from lumen_jax.plan.hardware import Layout
 from lumen_jax.plan.predict import Plan
+from lumen_jax.step import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,11 +53,15 @@ def compile_step(cfg: Config, layout: Layout) -> Any:
     if len(devices) < layout.num_devices:
         raise ConfigError(f"the layout needs {layout.num_devices} devices but JAX has {jax.device_count()}")
     trainer = build(cfg, make_mesh({a: layout.size(a) for a in MeshConfig.AXES}, devices))
-    state = jax.eval_shape(trainer.init)
+    return trainer.step.lower(*abstract_step_args(trainer, cfg)).compile()
+
+
+def abstract_step_args(trainer: Trainer, cfg: Config) -> tuple[TrainState, dict]:
+    """The step's arguments as shapes (state, batch; the batch with its sharding): nothing is allocated."""
     shape = (cfg.data.global_batch_size, cfg.data.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, np.float32 if k == "loss_mask" else np.int32,
                                      sharding=trainer.batch_sharding) for k in BATCH_KEYS}
-    return trainer.step.lower(state, batch).compile()
+    return jax.eval_shape(trainer.init), batch
 
 
 def compiled_bytes(compiled: Any) -> int:

@@ -1,0 +1,253 @@
+"""Read an HLO module's text: its instructions, how often each runs per step, and the things a
+reviewer looks for before a GPU run (kernels, fp8 dots, collectives, the largest arrays).
+
+Works on both kinds of text JAX gives: a lowered module (`lowered.as_text(dialect="hlo")`, before
+the SPMD partitioner: shapes are global outside `shard_map` and per shard inside it) and a compiled
+one (`compiled.as_text()`, per device). `python -m lumen_jax.lower` prints what `summarize` finds;
+tests/test_lower.py asserts on it.
+
+Executions per step: an instruction in the entry computation runs once; one inside a `while` body
+runs the loop's trip count times (nested loops multiply). The trip count is XLA's
+`known_trip_count` when the text has it (compiled modules), else the single integer constant the
+loop condition compares against (how `lax.scan` lowers: `i < L`); a loop whose count cannot be read
+counts once and is flagged (`Module.unknown_trip_counts`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from typing import Iterable
+
+# Bytes per element of HLO element types (pred and the fp8 types take one byte).
+ELEMENT_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+               "collective-permute", "collective-broadcast")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?(%?[\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
+_CALLED = re.compile(r"\b(body|condition|to_apply|calls|true_computation|false_computation)=(%?[\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CONST_INT = re.compile(r"\bs(?:32|64)\[\] constant\((\d+)\)")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_KERNEL_NAME = re.compile(r'\bname = "([^"]+)"')
+_OP_NAME = re.compile(r'op_name="([^"]+)"')
+
+
+def element_bytes(dtype: str) -> int:
+    return ELEMENT_BYTES.get(dtype, 1 if dtype.startswith("f8") else 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Array:
+    dtype: str
+    dims: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return element_bytes(self.dtype) * math.prod(self.dims)
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{','.join(map(str, self.dims))}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    name: str
+    op: str  # HLO opcode: dot, custom-call, all-gather, while, ...
+    arrays: tuple[Array, ...]  # the result: one array, or a tuple's arrays
+    line: str  # the whole instruction text
+    computation: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+    @property
+    def source(self) -> str:
+        """JAX's op_name metadata (the traced function path), "" when absent."""
+        m = _OP_NAME.search(self.line)
+        return m.group(1) if m else ""
+
+
+def _result_text(rest: str) -> tuple[str, str]:
+    """Split "SHAPE opcode(...)..." into (SHAPE, the remainder), SHAPE possibly a (tuple, ...)."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                return rest[:i + 1], rest[i + 1:].lstrip()
+    shape, _, tail = rest.partition(" ")
+    return shape, tail
+
+
+def _parse_instr(line: str, computation: str) -> Instr | None:
+    s = line.strip()
+    if s.startswith("ROOT "):
+        s = s[5:]
+    name, sep, rest = s.partition(" = ")
+    if not sep or " " in name:
+        return None
+    shape, tail = _result_text(rest)
+    op = tail.split("(", 1)[0].strip()
+    if not op or " " in op:
+        return None
+    arrays = tuple(Array(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in _ARRAY.findall(shape))
+    return Instr(name=name.lstrip("%"), op=op, arrays=arrays, line=s, computation=computation)
+
+
+@dataclasses.dataclass
+class Module:
+    """An HLO module's instructions with the number of times each computation runs per step."""
+
+    instrs: list[Instr]
+    runs: dict[str, int]  # computation -> executions per step (0: not reached from the entry)
+    loops: list[tuple[str, int | None]]  # (while body, trip count or None when unreadable)
+
+    @property
+    def unknown_trip_counts(self) -> int:
+        return sum(n is None for _, n in self.loops)
+
+    def executions(self, instr: Instr) -> int:
+        return self.runs.get(instr.computation, 0)
+
+    def where(self, op: str) -> list[Instr]:
+        return [i for i in self.instrs if i.op == op]
+
+
+def parse(text: str) -> Module:
+    """Parse HLO text (lowered or compiled) into a `Module`."""
+    comps: dict[str, list[str]] = collections.defaultdict(list)
+    entry, current = None, None
+    for line in text.splitlines():
+        if current is None:
+            m = _HEADER.match(line.strip())
+            if m and " = " not in line:
+                current = m.group(1).lstrip("%")
+                if line.lstrip().startswith("ENTRY"):
+                    entry = current
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        comps[current].append(line)
+    instrs = [i for c, lines in comps.items() for i in (_parse_instr(ln, c) for ln in lines) if i]
+    by_comp: dict[str, list[Instr]] = collections.defaultdict(list)
+    for i in instrs:
+        by_comp[i.computation].append(i)
+
+    loops: list[tuple[str, int | None]] = []
+    runs: dict[str, int] = collections.defaultdict(int)
+
+    def visit(comp: str, times: int, depth: int = 0) -> None:
+        if depth > 64:
+            return
+        runs[comp] += times
+        for i in by_comp.get(comp, ()):
+            called = dict(_CALLED.findall(i.line))
+            if i.op == "while":
+                body, cond = called.get("body", "").lstrip("%"), called.get("condition", "").lstrip("%")
+                trip = _trip_count(i.line, by_comp.get(cond, []))
+                loops.append((body, trip))
+                visit(body, times * (trip or 1), depth + 1)
+                visit(cond, times * ((trip or 1) + 1), depth + 1)
+                continue
+            targets = [v for k, v in called.items() if k != "to_apply" or i.op == "call"]
+            m = _BRANCHES.search(i.line)
+            if m:
+                targets += [b.strip() for b in m.group(1).split(",")]
+            for t in targets:  # fusions, calls, conditionals (every branch counted once)
+                visit(t.lstrip("%"), times, depth + 1)
+
+    if entry is not None:
+        visit(entry, 1)
+    return Module(instrs=instrs, runs=dict(runs), loops=loops)
+
+
+def _trip_count(while_line: str, condition: list[Instr]) -> int | None:
+    m = _TRIP.search(while_line)
+    if m:
+        return int(m.group(1))
+    consts = {int(c) for i in condition for c in _CONST_INT.findall(i.line)}
+    return consts.pop() if len(consts) == 1 else None
+
+
+# --------------------------------------------------------------------------------------------------
+# What a reader looks for
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """Custom calls of one target (and kernel name, for Pallas/Triton kernels)."""
+
+    target: str
+    kernel: str  # the kernel's name (Triton: backend_config name), "" for other custom calls
+    instructions: int  # in the module text
+    per_step: int  # executions per step (loops counted)
+
+
+def custom_calls(module: Module, skip: Iterable[str] = ("Sharding", "SPMDFullToShardShape",
+                                                         "SPMDShardToFullShape")) -> list[Call]:
+    """Custom calls by (target, kernel name), without the partitioner's annotations (`skip`, and
+    Shardy's `xla.sdy.*`)."""
+    seen: dict[tuple[str, str], list[int]] = {}
+    for i in module.where("custom-call"):
+        m = _TARGET.search(i.line)
+        target = m.group(1) if m else "?"
+        if target in skip or target.startswith("xla.sdy."):
+            continue
+        k = _KERNEL_NAME.search(i.line)
+        key = (target, k.group(1) if k else "")
+        n = seen.setdefault(key, [0, 0])
+        n[0] += 1
+        n[1] += module.executions(i)
+    return [Call(t, k, n[0], n[1]) for (t, k), n in sorted(seen.items())]
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str
+    instructions: int
+    per_step: int
+    bytes_per_step: int  # result bytes x executions (per device in a compiled or shard_map'd program)
+
+
+def collectives(module: Module) -> list[Collective]:
+    """Collectives by kind (`-start`/`-done` pairs of async collectives counted once, at the start)."""
+    out = []
+    for kind in COLLECTIVES:
+        found = [i for i in module.instrs if i.op in (kind, f"{kind}-start")]
+        if found:
+            out.append(Collective(kind, len(found), sum(module.executions(i) for i in found),
+                                  sum(_payload(i) * module.executions(i) for i in found)))
+    return out
+
+
+def _payload(i: Instr) -> int:
+    # An async start's tuple holds the operand and the result: count the result (the last array).
+    return i.arrays[-1].nbytes if i.op.endswith("-start") and i.arrays else i.nbytes
+
+
+def largest_arrays(module: Module, top: int = 8) -> list[tuple[Instr, int]]:
+    """The `top` largest distinct result shapes of instructions that compute, each as (the first
+    instruction with it, how many have it). Parameters, constants, tuples and loop/call wrappers,
+    which only pass their operands on, are left out."""
+    passive = {"parameter", "constant", "tuple", "get-tuple-element", "while", "call", "conditional",
+               "bitcast", "copy-start", "copy-done", "opt-barrier"}
+    shapes: dict[tuple[Array, ...], list[Instr]] = {}
+    for i in module.instrs:
+        if i.op not in passive and module.runs.get(i.computation, 0):
+            shapes.setdefault(i.arrays, []).append(i)
+    ranked = sorted(shapes.values(), key=lambda same: -same[0].nbytes)[:top]
+    return [(same[0], len(same)) for same in ranked]
+
+
+def square_arrays(module: Module, length: int) -> list[Instr]:
+    """Instructions with an array whose last two dimensions are both `length` ([.., T, T]: attention
+    scores when `length` is the sequence length)."""
+    return [i for i in module.instrs
+            if any(len(a.dims) >= 2 and a.dims[-1] == a.dims[-2] == length for a in i.arrays)]
