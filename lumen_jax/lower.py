@@ -56,7 +56,7 @@ def devices_needed(cfg: Config) -> int:
 
 
 @contextlib.contextmanager
-def _mosaic_without_cuda():
+def mosaic_without_cuda():
     """JAX's Mosaic GPU attention asks the CUDA runtime for its version while tracing (it refuses
     causal masking on CUDA 12.8.0-12.9.0); without a CUDA plugin that module is None. Lowering needs
     no runtime: answer 12.9.1 (a version with no such restriction) for the time of the lowering."""
@@ -93,7 +93,7 @@ def lower_step(cfg: Config, platform: str, devices: Sequence[Any], compute_capab
     if flash_forward and ops.flash_blocks is not None:
         ops = dataclasses.replace(ops, flash_blocks=dataclasses.replace(ops.flash_blocks, forward=flash_forward))
     trainer = build(cfg, make_mesh(shape, devices), ops=ops)
-    with _mosaic_without_cuda():
+    with mosaic_without_cuda():
         lowered = trainer.step.trace(*abstract_step_args(trainer, cfg)).lower(lowering_platforms=(platform,))
     return lowered, ops
 
@@ -120,7 +120,7 @@ def summarize(text: str, seq_len: int) -> dict:
         "collectives": [dataclasses.asdict(c) for c in hlo.collectives(module)],
         "largest_arrays": [{"shape": " ".join(map(str, i.arrays)), "bytes": i.nbytes, "instructions": n,
                             "example": f"{i.op} {i.name}"} for i, n in hlo.largest_arrays(module, TOP_ARRAYS)],
-        "score_arrays": sorted({" ".join(map(str, i.arrays)) for i in squares}),
+        "score_arrays": sorted({str(a) for _, a in squares}),
         "loops": [{"body": b, "trip_count": n} for b, n in module.loops],
     }
 
@@ -150,7 +150,7 @@ def failure_line(exc: BaseException, platform: str) -> str:
 def format_report(report: dict) -> str:
     lines = [f"{report['config']}: the train step lowered for {report['platform']}"
              f"{' (compute capability ' + report['compute_capability'] + ')' if report['platform'] == 'cuda' else ''}"
-             f" on {report['devices']} devices, mesh {report['mesh']}, attention={report['attention']}"
+             f" on {report['devices']} device(s), mesh {report['mesh']}, attention={report['attention']}"
              + (f", flash tiles {report['flash_blocks']}" if report["flash_blocks"] else ""),
              "", "custom calls (per step: executions, loops counted)"]
     for c in report["custom_calls"]:

@@ -235,19 +235,20 @@ def _payload(i: Instr) -> int:
 def largest_arrays(module: Module, top: int = 8) -> list[tuple[Instr, int]]:
     """The `top` largest distinct result shapes of instructions that compute, each as (the first
     instruction with it, how many have it). Parameters, constants, tuples and loop/call wrappers,
-    which only pass their operands on, are left out."""
+    which only pass their operands on, are left out, and so are tuples (a kernel's or a shard_map's
+    several results: their arrays appear where they are used)."""
     passive = {"parameter", "constant", "tuple", "get-tuple-element", "while", "call", "conditional",
                "bitcast", "copy-start", "copy-done", "opt-barrier"}
     shapes: dict[tuple[Array, ...], list[Instr]] = {}
     for i in module.instrs:
-        if i.op not in passive and module.runs.get(i.computation, 0):
+        if i.op not in passive and len(i.arrays) == 1 and module.runs.get(i.computation, 0):
             shapes.setdefault(i.arrays, []).append(i)
     ranked = sorted(shapes.values(), key=lambda same: -same[0].nbytes)[:top]
     return [(same[0], len(same)) for same in ranked]
 
 
-def square_arrays(module: Module, length: int) -> list[Instr]:
-    """Instructions with an array whose last two dimensions are both `length` ([.., T, T]: attention
-    scores when `length` is the sequence length)."""
-    return [i for i in module.instrs
-            if any(len(a.dims) >= 2 and a.dims[-1] == a.dims[-2] == length for a in i.arrays)]
+def square_arrays(module: Module, length: int) -> list[tuple[Instr, Array]]:
+    """(instruction, array) for every result array whose last two dimensions are both `length`
+    ([.., T, T]: attention scores when `length` is the sequence length)."""
+    return [(i, a) for i in module.instrs for a in i.arrays
+            if len(a.dims) >= 2 and a.dims[-1] == a.dims[-2] == length]
