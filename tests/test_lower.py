@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from helpers_run import BASE, with_mesh
-from lumen_jax import kernel_compile, lower
+from lumen_jax import flops, kernel_compile, lower
 from lumen_jax.config import MeshConfig
 from lumen_jax.kernels.flash_attention import BlockSizes, flash_attention
 from lumen_jax.plan import hlo
@@ -55,8 +55,25 @@ def test_flash_step_runs_three_kernels_per_layer_and_holds_no_scores(mesh):
     assert kernels(s) == {k: (1, LAYERS) for k in KERNELS}, s["custom_calls"]
     assert s["score_arrays"] == []
     assert [loop["trip_count"] for loop in s["loops"]] == [LAYERS, LAYERS]
-    if mesh:  # the kernel runs per shard (shard_map); its loss-scale psum is the only stated collective
-        assert {c["kind"] for c in s["collectives"]} <= {"all-reduce"}
+    # The kernel runs per shard (shard_map): the program states no collective of its own (the
+    # cotangent sums over mesh axes of size 1 that shard_map's transpose adds move nothing).
+    assert s["collectives"] == []
+
+
+@pytest.mark.heavy
+def test_partitioned_collectives_of_fsdp_count_every_layer():
+    """fsdp=8, ZeRO-3: the compiled step gathers every layer's fp32 weights in the forward and again in
+    the backward (the layer scan's trip count times each gather), and sums every fp32 gradient."""
+    cfg = config("xla", fsdp=8)
+    found = {c.kind: c for c in lower.partitioned_collectives(cfg, jax.devices()[:8])}
+    counts = flops.param_counts(cfg.model)
+    layer_bytes = 4 * counts["layer_matmul"] * LAYERS
+    assert 2 * layer_bytes <= found["all-gather"].bytes_per_step <= 2 * 4 * counts["total"]
+    assert found["all-gather"].per_step > found["all-gather"].instructions  # gathers inside the layer loops
+    reduced = found["all-reduce"].bytes_per_step if "all-reduce" in found else 0
+    if "reduce-scatter" in found:  # its result is one shard of the sum
+        reduced += 8 * found["reduce-scatter"].bytes_per_step
+    assert reduced >= 4 * counts["total"]
 
 
 def test_xla_step_holds_the_scores_and_no_kernel():

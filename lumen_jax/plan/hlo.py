@@ -34,7 +34,6 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CONST_INT = re.compile(r"\bs(?:32|64)\[\] constant\((\d+)\)")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _KERNEL_NAME = re.compile(r'\bname = "([^"]+)"')
-_OP_NAME = re.compile(r'op_name="([^"]+)"')
 
 
 def element_bytes(dtype: str) -> int:
@@ -65,12 +64,6 @@ class Instr:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays)
-
-    @property
-    def source(self) -> str:
-        """JAX's op_name metadata (the traced function path), "" when absent."""
-        m = _OP_NAME.search(self.line)
-        return m.group(1) if m else ""
 
 
 def _result_text(rest: str) -> tuple[str, str]:
@@ -216,11 +209,28 @@ class Collective:
     bytes_per_step: int  # result bytes x executions (per device in a compiled or shard_map'd program)
 
 
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([^}]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+
+
+def group_size(i: Instr) -> int | None:
+    """Devices per replica group of a collective (None when the text gives no groups)."""
+    m = _GROUPS_LIST.search(i.line)
+    if m:
+        return len(m.group(1).split(","))
+    m = _GROUPS_IOTA.search(i.line)
+    return int(m.group(2)) if m else None
+
+
 def collectives(module: Module) -> list[Collective]:
-    """Collectives by kind (`-start`/`-done` pairs of async collectives counted once, at the start)."""
+    """Collectives by kind (`-start`/`-done` pairs of async collectives counted once, at the start).
+
+    Collectives over groups of one device move nothing (a `shard_map` transpose sums cotangents
+    over mesh axes of size 1; XLA drops them): they are left out.
+    """
     out = []
     for kind in COLLECTIVES:
-        found = [i for i in module.instrs if i.op in (kind, f"{kind}-start")]
+        found = [i for i in module.instrs if i.op in (kind, f"{kind}-start") and group_size(i) != 1]
         if found:
             out.append(Collective(kind, len(found), sum(module.executions(i) for i in found),
                                   sum(_payload(i) * module.executions(i) for i in found)))
