@@ -90,7 +90,10 @@ def lower_step(cfg: Config, platform: str, devices: Sequence[Any], compute_capab
     shape = validate(cfg, len(devices))
     target = [TargetGpu(compute_capability)] * len(devices) if platform == "cuda" else list(devices)
     ops = choose(cfg.model, target)
-    if flash_forward and ops.flash_blocks is not None:
+    if flash_forward:
+        if ops.flash_blocks is None:
+            raise ConfigError(f"--flash-forward {flash_forward} needs the flash kernels, but the step runs "
+                              f"attention={ops.attention}; set model.attention=flash")
         ops = dataclasses.replace(ops, flash_blocks=dataclasses.replace(ops.flash_blocks, forward=flash_forward))
     trainer = build(cfg, make_mesh(shape, devices), ops=ops)
     with mosaic_without_cuda():
@@ -198,6 +201,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--compile-kernels", action="store_true",
                    help="compile the flash kernels' Triton IR for the target with the triton package")
     p.add_argument("--json", action="store_true", help="print JSON instead of a report")
+    p.add_argument("--traceback", action="store_true", help="a step that cannot lower: also print the traceback")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.tensor=8 model.attention=flash")
     return p.parse_args(argv)
 
@@ -218,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ConfigError, MemoryError, KeyboardInterrupt):
             raise
         except Exception as e:  # noqa: BLE001 - any lowering failure is reported as one line
+            if args.traceback:
+                traceback.print_exc()
             print(f"error: {failure_line(e, args.platform)}", file=sys.stderr)
             return EXIT_BAD_INPUT
         mesh = {a: s for a, s in validate(cfg, n).items() if s > 1} or {"devices": 1}
