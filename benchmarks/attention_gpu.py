@@ -1,5 +1,8 @@
 """Attention on one GPU: our Pallas FlashAttention against cuDNN's fused attention and the XLA path.
 
+Part (a) of `benchmarks/gpu_check.py`, which imports its timing (`measure`, `flops`, `inputs`);
+runnable on its own for more lengths, the Mosaic forward and the block-size sweep:
+
     python benchmarks/attention_gpu.py                    # the table for docs/PERFORMANCE.md (< 5 min)
     python benchmarks/attention_gpu.py --sweep            # also time alternative flash block sizes
     python benchmarks/attention_gpu.py --lengths 256 --tokens 512 --impls flash,xla   # CPU smoke run

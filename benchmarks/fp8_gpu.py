@@ -1,5 +1,7 @@
 """fp8 against bf16 training on one GPU: step time, tokens/s, MFU, and the fp8 GEMMs in the compiled HLO.
 
+Parts (b) and (c) of `benchmarks/gpu_check.py`, which imports `run_recipe`; runnable on its own too:
+
     python benchmarks/fp8_gpu.py                       # llama3_1b, bf16 vs delayed vs current (< 10 min on an H100/H200)
     python benchmarks/fp8_gpu.py --recipes none,delayed,current,blockwise --keep-bf16 first,last
     python benchmarks/fp8_gpu.py --smoke               # CPU: tiny shapes, 1 device, checks it runs
@@ -43,14 +45,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def hlo_fp8_gemms(trainer, state, batch) -> tuple[int, int]:
+def gemm_counts(lowered, compiled) -> tuple[int, int]:
     """(fp8 GEMMs in the compiled step, fp8 dots in its pre-optimization HLO)."""
     from lumen_jax.ops.fp8 import fp8_gemms
+    return len(fp8_gemms(compiled.as_text())), len(fp8_gemms(lowered.as_text(dialect="hlo")))
+
+
+def hlo_fp8_gemms(trainer, state, batch) -> tuple[int, int]:
+    """`gemm_counts` of the trainer's step, compiled here."""
     lowered = trainer.step.lower(state, batch)
-    return len(fp8_gemms(lowered.compile().as_text())), len(fp8_gemms(lowered.as_text(dialect="hlo")))
+    return gemm_counts(lowered, lowered.compile())
 
 
-def run_recipe(args: argparse.Namespace, recipe: str):
+def run_recipe(args: argparse.Namespace, recipe: str, compiler_options: dict | None = None):
+    """One recipe's figures. `compiler_options`: XLA options for this compile only (gpu_check.py
+    passes the overlap flags here: XLA_FLAGS are read once per process)."""
     import jax
     import numpy as np
 
@@ -59,6 +68,7 @@ def run_recipe(args: argparse.Namespace, recipe: str):
     from lumen_jax.config import validate
     from lumen_jax.config_files import load_config
     from lumen_jax.parallel.mesh import make_mesh
+    from lumen_jax.plan.compiled import compiled_bytes  # arguments + outputs + temporaries - aliases
 
     keep = "[" + args.keep_bf16 + "]"
     overrides = [f"model.fp8.recipe={recipe}", f"model.fp8.keep_bf16={keep}", f"data.global_batch_size={args.batch}",
@@ -80,9 +90,10 @@ def run_recipe(args: argparse.Namespace, recipe: str):
                                  "loss_mask": np.ones((b, t), np.float32)})
     state = trainer.init()
     t0 = time.perf_counter()
-    gemms = hlo_fp8_gemms(trainer, state, batch)
-    step = trainer.step.lower(state, batch).compile()
+    lowered = trainer.step.lower(state, batch)
+    step = lowered.compile(compiler_options) if compiler_options else lowered.compile()
     compile_s = time.perf_counter() - t0
+    gemms = gemm_counts(lowered, step)
     times = []
     for i in range(args.warmup + args.steps):
         start = time.perf_counter()
@@ -99,8 +110,8 @@ def run_recipe(args: argparse.Namespace, recipe: str):
                                        flops.hardware_flops_per_token(cfg.model, t), peak,
                                        bf16_peak if fp8 else None)
     return {"recipe": recipe, "step_ms": 1e3 * step_s, "tokens_per_s": perf.tokens_per_sec, "mfu": perf.mfu,
-            "mfu_bf16": perf.mfu_bf16 if fp8 else perf.mfu, "gemms": gemms, "compile_s": compile_s,
-            "loss": float(m["loss"])}
+            "mfu_bf16": perf.mfu_bf16 if fp8 else perf.mfu, "hfu": perf.hfu, "gemms": gemms, "compile_s": compile_s,
+            "memory_gib": compiled_bytes(step) / 2**30, "loss": float(m["loss"])}
 
 
 def main(argv=None) -> int:

@@ -90,6 +90,9 @@ def format_against_xla(check, devices: int) -> str:
         f"  {'bytes':8s}{check.bytes_predicted / 1e6:11.2f} MB{check.bytes_compiled / 1e6:11.2f} MB"
         f"{error(check.bytes_predicted, check.bytes_compiled):>9s}   memory_analysis: arguments + outputs + "
         "temporaries - aliases",
+        "  collective bytes per step (compiled: every collective times its loops' trip counts)",
+        *(f"  {key:24s}{p / 1e6:11.3f} MB{c / 1e6:11.3f} MB{error(p, c):>9s}"
+          for key, (p, c) in check.collectives.items()),
     ])
 
 
@@ -141,9 +144,10 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
     return dataclasses.replace(hw, **{k: v for k, v in changes.items() if v})
 
 
-def emulate_cpu_devices(n: int) -> None:
-    """`--against-xla`: `n` emulated CPU devices, set before the JAX backend starts (`runtime.configure`).
-    When a caller has started JAX already, its CPU devices must suffice."""
+def emulate_cpu_devices(n: int, what: str = "--against-xla") -> None:
+    """`n` emulated CPU devices, set before the JAX backend starts (`runtime.configure`), for `what`
+    (`--against-xla` here, `python -m lumen_jax.lower`). When a caller has started JAX already, its
+    CPU devices must suffice."""
     from lumen_jax import runtime
 
     try:
@@ -153,7 +157,7 @@ def emulate_cpu_devices(n: int) -> None:
     import jax
 
     if jax.default_backend() != "cpu" or jax.device_count() < n:
-        raise ConfigError(f"--against-xla --devices {n} needs {n} CPU devices, but JAX started with "
+        raise ConfigError(f"{what} --devices {n} needs {n} CPU devices, but JAX started with "
                           f"{jax.device_count()} {jax.default_backend()} device(s); run it in a fresh process")
 
 

@@ -10,19 +10,22 @@ of `memory` and the elementwise counts of `cost` are calibrated against XLA:CPU 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
 import jax
 import numpy as np
 
-from lumen_jax.build import build
+from lumen_jax.build import Trainer, build
 from lumen_jax.config import Config, ConfigError, MeshConfig
 from lumen_jax.data import BATCH_KEYS
 from lumen_jax.parallel.mesh import make_mesh
+from lumen_jax.plan import hlo
 from lumen_jax.plan.cost import compiled_flops_per_device
 from lumen_jax.plan.hardware import Layout
 from lumen_jax.plan.predict import Plan
+from lumen_jax.step import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +36,30 @@ class AgainstXla:
     flops_compiled: float  # cost_analysis()["flops"]
     bytes_predicted: float  # the plan's total bytes per device
     bytes_compiled: float  # memory_analysis(): arguments + outputs + temporaries - aliases
+    # Collective bytes per step by "axes kind-group" (e.g. "fsdp gather", "data+fsdp reduce"):
+    # (predicted, compiled), the compiled ones counted with loop trip counts (`hlo.on_mesh`).
+    collectives: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
-    def to_json(self) -> dict[str, float]:
+    def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# Kinds compared together: XLA:CPU runs a reduce-scatter as an all-reduce (both counted at the
+# full array), and the planner's send/recv are collective-permutes.
+GROUP = {"all-gather": "gather", "all-reduce": "reduce", "reduce-scatter": "reduce", "send/recv": "permute",
+         "collective-permute": "permute", "all-to-all": "all-to-all", "ragged-all-to-all": "all-to-all"}
+
+
+def collective_bytes(plan: Plan, compiled: Any) -> dict[str, tuple[float, float]]:
+    """{"axes group": (predicted, compiled) bytes per step}, for every key either side has."""
+    predicted: dict[str, float] = collections.defaultdict(float)
+    for c in plan.collectives:
+        predicted[f"{c.axis} {GROUP[c.kind]}"] += c.payload_bytes * c.calls
+    found: dict[str, float] = collections.defaultdict(float)
+    shape = {a: plan.layout.size(a) for a in MeshConfig.AXES}
+    for c in hlo.on_mesh(hlo.parse(compiled.as_text()), shape):
+        found[f"{'+'.join(c.axes)} {GROUP[c.kind]}"] += c.total
+    return {k: (predicted.get(k, 0.0), found.get(k, 0.0)) for k in sorted(set(predicted) | set(found))}
 
 
 def compile_step(cfg: Config, layout: Layout) -> Any:
@@ -52,11 +76,15 @@ def compile_step(cfg: Config, layout: Layout) -> Any:
     if len(devices) < layout.num_devices:
         raise ConfigError(f"the layout needs {layout.num_devices} devices but JAX has {jax.device_count()}")
     trainer = build(cfg, make_mesh({a: layout.size(a) for a in MeshConfig.AXES}, devices))
-    state = jax.eval_shape(trainer.init)
+    return trainer.step.lower(*abstract_step_args(trainer, cfg)).compile()
+
+
+def abstract_step_args(trainer: Trainer, cfg: Config) -> tuple[TrainState, dict]:
+    """The step's arguments as shapes (state, batch; the batch with its sharding): nothing is allocated."""
     shape = (cfg.data.global_batch_size, cfg.data.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, np.float32 if k == "loss_mask" else np.int32,
                                      sharding=trainer.batch_sharding) for k in BATCH_KEYS}
-    return trainer.step.lower(state, batch).compile()
+    return jax.eval_shape(trainer.init), batch
 
 
 def compiled_bytes(compiled: Any) -> int:
@@ -84,4 +112,5 @@ def against_xla(cfg: Config, plan: Plan, compiled: Any = None) -> AgainstXla:
     compiled = compile_step(cfg, plan.layout) if compiled is None else compiled
     flops = compiled_flops_per_device(cfg.model, plan.layout, cfg.data.seq_len, cfg.data.global_batch_size)
     return AgainstXla(flops_predicted=flops, flops_compiled=compiled_flops(compiled),
-                      bytes_predicted=plan.bytes_per_device["total"], bytes_compiled=float(compiled_bytes(compiled)))
+                      bytes_predicted=plan.bytes_per_device["total"], bytes_compiled=float(compiled_bytes(compiled)),
+                      collectives=collective_bytes(plan, compiled))

@@ -1,173 +1,352 @@
-"""The collectives of a compiled program, read from its HLO text: kind, dtype, bytes, the mesh axes
-each one crosses, and how many times it runs per step (the trip counts of the loops around it).
+"""Read an HLO module's text: its instructions, how often each runs per step, and the things a
+reviewer looks for before a GPU run (kernels, fp8 dots, collectives, the largest arrays).
 
-XLA's `cost_analysis` counts a loop body once, so a gradient all-reduce inside the micro-batch scan
-looks like one all-reduce however many micro-batches there are. Here every instruction is weighted
-by the `known_trip_count` of each `while` that (transitively) calls its computation, which is what
-`python -m lumen_jax.plan --against-xla` and the communication tests compare with the plan.
+Works on both kinds of text JAX gives: a lowered module (`lowered.as_text(dialect="hlo")`, before
+the SPMD partitioner: shapes are global outside `shard_map` and per shard inside it) and a compiled
+one (`compiled.as_text()`, per device). `python -m lumen_jax.lower` prints what `summarize` finds;
+tests/test_lower.py asserts on it.
+
+Executions per step: an instruction in the entry computation runs once; one inside a `while` body
+runs the loop's trip count times (nested loops multiply). The trip count is XLA's
+`known_trip_count` when the text has it (compiled modules), else the single integer constant the
+loop condition compares against (how `lax.scan` lowers: `i < L`); a loop whose count cannot be read
+counts once and is flagged (`Module.unknown_trip_counts`).
+
+`on_mesh` gives each collective of a compiled program the mesh axes its device groups span, which
+is what the planner's collective bytes are compared with (`plan --against-xla`, the communication
+tests).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import math
 import re
-from collections import defaultdict
 from typing import Iterable
 
 import numpy as np
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1,
-                "f8e4m3fnuz": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-                "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
-_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INST = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
-_ARRAY = re.compile(r"([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
-_CALLS = re.compile(r"(?:body|to_apply|calls|condition|true_computation|false_computation|"
-                    r"branch_computations)=(\{[^}]*\}|%?[\w.\-]+)")
+# Bytes per element of HLO element types (pred and the fp8 types take one byte).
+ELEMENT_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+               "collective-permute", "collective-broadcast")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?(%?[\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
+_CALLED = re.compile(r"\b(body|condition|to_apply|calls|true_computation|false_computation)=(%?[\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))? \{([^}]*)\}")
+_CONST_INT = re.compile(r"\bs(?:32|64)\[\] constant\((\d+)\)")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_KERNEL_NAME = re.compile(r'\bname = "([^"]+)"')
+
+
+def element_bytes(dtype: str) -> int:
+    return ELEMENT_BYTES.get(dtype, 1 if dtype.startswith("f8") else 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Array:
+    dtype: str
+    dims: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return element_bytes(self.dtype) * math.prod(self.dims)
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{','.join(map(str, self.dims))}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    name: str
+    op: str  # HLO opcode: dot, custom-call, all-gather, while, ...
+    arrays: tuple[Array, ...]  # the result: one array, or a tuple's arrays
+    line: str  # the whole instruction text
+    computation: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+
+def _result_text(rest: str) -> tuple[str, str]:
+    """Split "SHAPE opcode(...)..." into (SHAPE, the remainder), SHAPE possibly a (tuple, ...)."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                return rest[:i + 1], rest[i + 1:].lstrip()
+    shape, _, tail = rest.partition(" ")
+    return shape, tail
+
+
+def _parse_instr(line: str, computation: str) -> Instr | None:
+    s = line.strip()
+    if s.startswith("ROOT "):
+        s = s[5:]
+    name, sep, rest = s.partition(" = ")
+    if not sep or " " in name:
+        return None
+    shape, tail = _result_text(rest)
+    op = tail.split("(", 1)[0].strip()
+    if not op or " " in op:
+        return None
+    arrays = tuple(Array(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in _ARRAY.findall(shape))
+    return Instr(name=name.lstrip("%"), op=op, arrays=arrays, line=s, computation=computation)
+
+
+@dataclasses.dataclass
+class Module:
+    """An HLO module's instructions with the number of times each computation runs per step."""
+
+    instrs: list[Instr]
+    runs: dict[str, int]  # computation -> executions per step (0: not reached from the entry)
+    loops: list[tuple[str, int | None]]  # (while body, trip count or None when unreadable)
+
+    @property
+    def unknown_trip_counts(self) -> int:
+        return sum(n is None for _, n in self.loops)
+
+    def executions(self, instr: Instr) -> int:
+        return self.runs.get(instr.computation, 0)
+
+    def where(self, op: str) -> list[Instr]:
+        return [i for i in self.instrs if i.op == op]
+
+
+def parse(text: str) -> Module:
+    """Parse HLO text (lowered or compiled) into a `Module`."""
+    comps: dict[str, list[str]] = collections.defaultdict(list)
+    entry, current = None, None
+    for line in text.splitlines():
+        if current is None:
+            m = _HEADER.match(line.strip())
+            if m and " = " not in line:
+                current = m.group(1).lstrip("%")
+                if line.lstrip().startswith("ENTRY"):
+                    entry = current
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        comps[current].append(line)
+    instrs = [i for c, lines in comps.items() for i in (_parse_instr(ln, c) for ln in lines) if i]
+    by_comp: dict[str, list[Instr]] = collections.defaultdict(list)
+    for i in instrs:
+        by_comp[i.computation].append(i)
+
+    loops: list[tuple[str, int | None]] = []
+    runs: dict[str, int] = collections.defaultdict(int)
+
+    def visit(comp: str, times: int, depth: int = 0) -> None:
+        if depth > 64:
+            return
+        runs[comp] += times
+        for i in by_comp.get(comp, ()):
+            called = dict(_CALLED.findall(i.line))
+            if i.op == "while":
+                body, cond = called.get("body", "").lstrip("%"), called.get("condition", "").lstrip("%")
+                trip = _trip_count(i.line, by_comp.get(cond, []))
+                loops.append((body, trip))
+                visit(body, times * (trip or 1), depth + 1)
+                visit(cond, times * ((trip or 1) + 1), depth + 1)
+                continue
+            targets = [v for k, v in called.items() if k != "to_apply" or i.op == "call"]
+            m = _BRANCHES.search(i.line)
+            if m:
+                targets += [b.strip() for b in m.group(1).split(",")]
+            for t in targets:  # fusions, calls, conditionals (every branch counted once)
+                visit(t.lstrip("%"), times, depth + 1)
+
+    if entry is not None:
+        visit(entry, 1)
+    return Module(instrs=instrs, runs=dict(runs), loops=loops)
+
+
+def _trip_count(while_line: str, condition: list[Instr]) -> int | None:
+    m = _TRIP.search(while_line)
+    if m:
+        return int(m.group(1))
+    consts = {int(c) for i in condition for c in _CONST_INT.findall(i.line)}
+    return consts.pop() if len(consts) == 1 else None
+
+
+# --------------------------------------------------------------------------------------------------
+# What a reader looks for
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """Custom calls of one target (and kernel name, for Pallas/Triton kernels)."""
+
+    target: str
+    kernel: str  # the kernel's name (Triton: backend_config name), "" for other custom calls
+    instructions: int  # in the module text
+    per_step: int  # executions per step (loops counted)
+
+
+def custom_calls(module: Module, skip: Iterable[str] = ("Sharding", "SPMDFullToShardShape",
+                                                         "SPMDShardToFullShape")) -> list[Call]:
+    """Custom calls by (target, kernel name), without the partitioner's annotations (`skip`, and
+    Shardy's `xla.sdy.*`)."""
+    seen: dict[tuple[str, str], list[int]] = {}
+    for i in module.where("custom-call"):
+        m = _TARGET.search(i.line)
+        target = m.group(1) if m else "?"
+        if target in skip or target.startswith("xla.sdy."):
+            continue
+        k = _KERNEL_NAME.search(i.line)
+        key = (target, k.group(1) if k else "")
+        n = seen.setdefault(key, [0, 0])
+        n[0] += 1
+        n[1] += module.executions(i)
+    return [Call(t, k, n[0], n[1]) for (t, k), n in sorted(seen.items())]
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str
+    instructions: int
+    per_step: int
+    bytes_per_step: int  # result bytes x executions (per device in a compiled or shard_map'd program)
+
+
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))? "
+                          r"\{([^}]*)\}")
 _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[0-9,{} ]*\})\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 _PAIRS = re.compile(r"source_target_pairs=\{([0-9,{} ]*)\}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    """One collective instruction of the program and how often it runs per step."""
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    ids = np.arange(math.prod(int(x) for x in dims.split(","))).reshape([int(x) for x in dims.split(",")])
+    return ids.transpose([int(x) for x in perm.split(",")]) if perm else ids
 
-    kind: str  # one of KINDS
+
+def device_groups(line: str) -> list[list[int]] | None:
+    """The device groups of a collective (flat device indices), from any of HLO's spellings:
+    `mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_1'}`, `[2,4]<=[8]`, `{{0,1},{2,3}}`,
+    or a collective-permute's source-target pairs. None when the text gives none."""
+    m = _GROUPS_MESH.search(line)
+    if m:
+        named = [(a.split("=")[0].strip().strip("'"), int(a.split("=")[1])) for a in m.group(1).split(",")]
+        shape = [n for _, n in named]
+        ids = (_iota(m.group(2), m.group(3)) if m.group(2) else np.arange(math.prod(shape))).reshape(shape)
+        over = [k for k, (a, _) in enumerate(named) if f"'{a}'" in m.group(4)]
+        rest = [k for k in range(len(shape)) if k not in over]
+        return ids.transpose(rest + over).reshape(-1, math.prod(shape[k] for k in over)).tolist()
+    m = _GROUPS_IOTA.search(line)
+    if m:
+        return _iota(m.group(2), m.group(3)).reshape([int(x) for x in m.group(1).split(",")]).tolist()
+    m = _GROUPS_LIST.search(line) or _PAIRS.search(line)
+    if m:
+        return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([0-9, ]*)\}", m.group(1))]
+    return None
+
+
+def group_size(i: Instr) -> int | None:
+    """Devices per replica group of a collective (None when the text gives no groups)."""
+    groups = device_groups(i.line)
+    return len(groups[0]) if groups and i.op != "collective-permute" else None
+
+
+def collectives(module: Module) -> list[Collective]:
+    """Collectives by kind (`-start`/`-done` pairs of async collectives counted once, at the start).
+
+    Collectives over groups of one device move nothing (a `shard_map` transpose sums cotangents
+    over mesh axes of size 1; XLA drops them): they are left out.
+    """
+    out = []
+    for kind in COLLECTIVES:
+        found = [i for i in module.instrs if i.op in (kind, f"{kind}-start") and group_size(i) != 1]
+        if found:
+            out.append(Collective(kind, len(found), sum(module.executions(i) for i in found),
+                                  sum(_payload(i) * module.executions(i) for i in found)))
+    return out
+
+
+def _payload(i: Instr) -> int:
+    # An async start's tuple holds the operand and the result: count the result (the last array).
+    return i.arrays[-1].nbytes if i.op.endswith("-start") and i.arrays else i.nbytes
+
+
+def largest_arrays(module: Module, top: int = 8) -> list[tuple[Instr, int]]:
+    """The `top` largest distinct result shapes of instructions that compute, each as (the first
+    instruction with it, how many have it). Parameters, constants, tuples and loop/call wrappers,
+    which only pass their operands on, are left out, and so are tuples (a kernel's or a shard_map's
+    several results: their arrays appear where they are used)."""
+    passive = {"parameter", "constant", "tuple", "get-tuple-element", "while", "call", "conditional",
+               "bitcast", "copy-start", "copy-done", "opt-barrier"}
+    shapes: dict[tuple[Array, ...], list[Instr]] = {}
+    for i in module.instrs:
+        if i.op not in passive and len(i.arrays) == 1 and module.runs.get(i.computation, 0):
+            shapes.setdefault(i.arrays, []).append(i)
+    ranked = sorted(shapes.values(), key=lambda same: -same[0].nbytes)[:top]
+    return [(same[0], len(same)) for same in ranked]
+
+
+def square_arrays(module: Module, length: int) -> list[tuple[Instr, Array]]:
+    """(instruction, array) for every result array whose last two dimensions are both `length`
+    ([.., T, T]: attention scores when `length` is the sequence length)."""
+    return [(i, a) for i in module.instrs for a in i.arrays
+            if len(a.dims) >= 2 and a.dims[-1] == a.dims[-2] == length]
+
+
+# --------------------------------------------------------------------------------------------------
+# Collectives on a mesh: what the planner compares (`plan --against-xla`, tests/test_communication.py)
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class MeshCollective:
+    """One collective instruction of a partitioned program and how often it runs per step."""
+
+    kind: str  # one of COLLECTIVES
     dtype: str  # HLO element type: f32, bf16, ...
     bytes: int  # the full array of one call: all-reduce's, the gathered one, the one reduce-scattered
-    axes: tuple[str, ...]  # the mesh axes its groups span (sorted by the mesh's order)
-    count: int  # runs per step (product of the enclosing loops' trip counts)
+    axes: tuple[str, ...]  # the mesh axes its groups span, in the mesh's order
+    count: int  # executions per step (the enclosing loops' trip counts)
 
     @property
     def total(self) -> int:
         return self.bytes * self.count
 
 
-def _array_bytes(shape_text: str, async_start: bool) -> tuple[str, int]:
-    """(dtype, bytes) of an HLO result shape: a tuple (combined collectives) sums its arrays; the
-    tuple of an async start other than all-reduce's holds (operands, results): the results count."""
-    arrays = _ARRAY.findall(shape_text)
-    if async_start and len(arrays) > 1:
-        arrays = arrays[len(arrays) // 2:]
-    total = 0
-    for dtype, dims in arrays:
-        total += int(np.prod([int(d) for d in dims.split(",") if d])) * _DTYPE_BYTES.get(dtype, 4)
-    return (arrays[0][0] if arrays else ""), total
-
-
-def _groups(line: str, num_devices: int) -> list[list[int]]:
-    """The device groups of a collective, from any of HLO's spellings of them."""
-    m = _GROUPS_MESH.search(line)
-    if m:  # mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_1'}
-        named = [(a.strip().strip("'").split("'=")[0], int(a.split("=")[1])) for a in m.group(1).split(",")]
-        shape = [n for _, n in named]
-        ids = np.arange(num_devices)
-        if m.group(2):
-            ids = ids.reshape([int(x) for x in m.group(2).split(",")])
-            if m.group(3):
-                ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-        ids = ids.reshape(shape)
-        over = [i for i, (a, _) in enumerate(named) if f"'{a}'" in m.group(4)]
-        rest = [i for i in range(len(shape)) if i not in over]
-        size = int(np.prod([shape[i] for i in over])) if over else 1
-        return ids.transpose(rest + over).reshape(-1, size).tolist()
-    m = _GROUPS_IOTA.search(line)
-    if m:
-        shape = [int(x) for x in m.group(1).split(",")]
-        dims = [int(x) for x in m.group(2).split(",")]
-        ids = np.arange(int(np.prod(dims))).reshape(dims)
-        if m.group(3):
-            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-        return ids.reshape(shape).tolist()
-    m = _GROUPS_LIST.search(line)
-    if m:
-        return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([0-9, ]*)\}", m.group(1))]
-    m = _PAIRS.search(line)
-    if m:
-        return [[int(x) for x in p.split(",")] for p in re.findall(r"\{([0-9, ]*)\}", m.group(1))]
-    return [list(range(num_devices))]
-
-
 def _axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
-    """The mesh axes along which the members of the groups differ (device i = flat mesh index i)."""
+    """The mesh axes along which members of a group differ (device i = flat mesh index i)."""
     names, sizes = list(mesh_shape), list(mesh_shape.values())
     varying: set[str] = set()
     for g in groups:
-        if len(g) < 2:
-            continue
-        coords = np.array(np.unravel_index(np.asarray(g), sizes)).T
-        varying |= {names[k] for k in range(len(names)) if len(set(coords[:, k])) > 1}
+        if len(g) > 1:
+            coords = np.array(np.unravel_index(np.asarray(g), sizes)).T
+            varying |= {names[k] for k in range(len(names)) if len(set(coords[:, k])) > 1}
     return tuple(a for a in names if a in varying)
 
 
-def parse(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
-    """Every collective of `hlo_text` (a compiled module's `as_text()`), weighted by loop trip counts.
-
-    Args:
-      hlo_text: the optimized HLO of an SPMD-partitioned program.
-      mesh_shape: {axis: size} in the mesh's order (device i of a group is flat mesh index i).
-    """
-    num_devices = int(np.prod(list(mesh_shape.values())))
-    body: dict[str, list[str]] = defaultdict(list)
-    callers: dict[str, list[tuple[str, int]]] = defaultdict(list)  # callee -> [(caller, times)]
-    current = None
-    for line in hlo_text.splitlines():
-        if current is None or line.startswith(("ENTRY", "%")) and line.rstrip().endswith("{"):
-            m = _COMP.match(line)
-            if m:
-                current = m.group(1)
-                continue
-        if current is None:
-            continue
-        if line.strip() == "}":
-            current = None
-            continue
-        body[current].append(line)
-        trip = _TRIP.search(line)
-        for m in _CALLS.finditer(line):
-            for callee in m.group(1).strip("{}").replace("%", "").split(","):
-                callee = callee.strip()
-                if callee:
-                    is_body = f"body={callee}" in line.replace("%", "")
-                    callers[callee].append((current, int(trip.group(1)) if trip and is_body else 1))
-
-    memo: dict[str, int] = {}
-
-    def times(comp: str, seen: frozenset = frozenset()) -> int:
-        if comp in memo:
-            return memo[comp]
-        if comp not in callers or comp in seen:
-            return 1
-        n = sum(t * times(c, seen | {comp}) for c, t in callers[comp])
-        memo[comp] = n
-        return n
-
+def on_mesh(module: Module, mesh_shape: dict[str, int]) -> list[MeshCollective]:
+    """Every collective of a compiled SPMD `module` with the mesh axes it crosses (`mesh_shape`:
+    {axis: size} in the mesh's order), weighted by loop trip counts. Groups of one device are left out."""
     out = []
-    for comp, lines in body.items():
-        for line in lines:
-            m = _INST.match(line)
-            if not m:
-                continue
-            op = m.group(2)
-            kind = op[:-len("-start")] if op.endswith("-start") else op
-            if kind not in KINDS:
-                continue
-            dtype, nbytes = _array_bytes(m.group(1), op.endswith("-start") and kind != "all-reduce")
-            groups = _groups(line, num_devices)
-            if kind == "reduce-scatter":  # the full array that is reduced, like the other kinds
-                nbytes *= max(len(groups[0]), 1)
-            out.append(Collective(kind=kind, dtype=dtype, bytes=nbytes, axes=_axes(groups, mesh_shape),
-                                  count=times(comp)))
+    for i in module.instrs:
+        kind = i.op[:-len("-start")] if i.op.endswith("-start") else i.op
+        groups = device_groups(i.line) if kind in COLLECTIVES else None
+        if groups is None or not module.executions(i):
+            continue
+        axes = _axes(groups, mesh_shape)
+        if not axes:
+            continue
+        full = _payload(i) * (len(groups[0]) if kind == "reduce-scatter" else 1)
+        out.append(MeshCollective(kind=kind, dtype=i.arrays[-1].dtype if i.arrays else "", bytes=full, axes=axes,
+                                  count=module.executions(i)))
     return out
 
 
-def summarize(collectives: Iterable[Collective]) -> dict[tuple[str, str, str], int]:
+def bytes_by_axes(collectives: Iterable[MeshCollective]) -> dict[tuple[str, str, str], int]:
     """Bytes per step by (axes joined with '+', kind, dtype)."""
-    total: dict[tuple[str, str, str], int] = defaultdict(int)
+    total: dict[tuple[str, str, str], int] = collections.defaultdict(int)
     for c in collectives:
-        total[("+".join(c.axes) or "none", c.kind, c.dtype)] += c.total
+        total[("+".join(c.axes), c.kind, c.dtype)] += c.total
     return dict(total)
