@@ -25,6 +25,8 @@ from lumen_jax.ops.choice import Ops, choose
 from lumen_jax.optim import make_optimizer, schedule
 from lumen_jax.parallel import communication as comm, context as context_lib
 from lumen_jax.parallel.rules import Rules, activate
+from lumen_jax.plan.hardware import Layout
+from lumen_jax.plan.memory import check_kept_weights_fit
 from lumen_jax import step as step_lib
 
 BATCH_AXES = ("batch", "seq")
@@ -107,6 +109,9 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
                                                             is_leaf=is_spec))
     batch_sh = named(rules.spec(BATCH_AXES))
     batch_shardings = {k: batch_sh for k in BATCH_KEYS}
+    stats = mesh.devices.flat[0].memory_stats() or {}  # None on CPU: nothing to check against
+    check_kept_weights_fit(cfg.model, Layout(dataclasses.replace(cfg.mesh, **dict(mesh.shape)),
+                                             micro_batches=cfg.train.micro_batches), stats.get("bytes_limit"))
     plan = comm.gradient_plan(cfg.mesh, cfg.train.micro_batches, mesh, rules, names)
     pin = lambda specs: functools.partial(  # noqa: E731
         jax.lax.with_sharding_constraint, shardings=jax.tree.map(named, specs, is_leaf=is_spec))

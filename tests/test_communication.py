@@ -167,3 +167,21 @@ def test_planned_collectives_match_the_compiled_step(name):
     assert any(k.startswith("fsdp") for k in compared), compared
     for key, (predicted, compiled) in compared.items():
         assert abs(predicted - compiled) <= 0.10 * compiled, f"{name} {key}: predicted {predicted}, compiled {compiled}"
+
+
+def test_kept_weights_that_do_not_fit_are_a_config_error():
+    """per_step keeps llama3_70b's gathered bf16 weights (17.6 GB per device on fsdp=128, tensor=8):
+    a device of 10 GB cannot hold them (one line, before anything compiles); 80 GB can."""
+    from lumen_jax.config import ConfigError
+    from lumen_jax.config_files import load_config
+    from lumen_jax.plan.memory import check_kept_weights_fit
+
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "llama3_70b.yaml")
+    cfg = load_config(path, ["mesh.fsdp_regather=per_step"])
+    layout = layout_from_config(cfg, 1024)
+    with pytest.raises(ConfigError, match=r"mesh.fsdp_regather=per_step keeps 17.6 GB .* device's 10.0 GB"):
+        check_kept_weights_fit(cfg.model, layout, 10e9)
+    check_kept_weights_fit(cfg.model, layout, 80e9)
+    check_kept_weights_fit(cfg.model, layout_from_config(load_config(path), 1024), 10e9)

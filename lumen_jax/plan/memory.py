@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import print_saved_residuals
 
 from lumen_jax import flops
-from lumen_jax.config import MeshConfig, ModelConfig
+from lumen_jax.config import ConfigError, MeshConfig, ModelConfig
 from lumen_jax.model import apply, param_shapes_and_names
 from lumen_jax.ops.choice import Ops
 from lumen_jax.parallel import rules as rules_lib
@@ -78,6 +78,20 @@ def communication_bytes(model: ModelConfig, layout: Layout) -> dict[str, int]:
         out["grad_accumulator"] = unsharded["grads"] * red // F32 - (state_bytes(model, layout)["grads"]
                                                                        if mesh.zero_stage >= 2 else 0)
     return out
+
+
+def check_kept_weights_fit(model: ModelConfig, layout: Layout, device_bytes: float | None) -> None:
+    """Raises ConfigError when `mesh.fsdp_regather=per_step` cannot hold the step's gathered weights
+    beside the training state in `device_bytes` (None: unknown, e.g. on CPU; nothing is checked)."""
+    kept = communication_bytes(model, layout)["gathered_weights"]
+    if not kept or device_bytes is None:
+        return
+    state = sum(state_bytes(model, layout).values())
+    if kept + state > device_bytes:
+        raise ConfigError(
+            f"mesh.fsdp_regather=per_step keeps {kept / 1e9:.1f} GB of gathered weights per device beside "
+            f"{state / 1e9:.1f} GB of training state, more than the device's {device_bytes / 1e9:.1f} GB; use "
+            "mesh.fsdp_regather=per_micro_batch, or more mesh.tensor (python -m lumen_jax.plan shows the cost)")
 
 
 @functools.lru_cache(maxsize=4096)
