@@ -177,15 +177,21 @@ class Checkpointer:
           older: layouts in which earlier versions wrote the state, tried in order when a step does
             not read in the current one (after them, the layout without the fields that hold no arrays).
         """
+        unusable = []
         for step in reversed(self.steps()):
             try:
                 out = self._restore(step, abstract_state, (*older, WITHOUT_EMPTY_FIELDS))
                 meta = dict(out["meta"])
                 if checksum_list(out["state"]) != meta.get("checksums"):
                     raise ValueError("array checksums differ from those recorded at save time")
+                for line in unusable:  # one line each, once a good step is found
+                    print(f"warning: {line}; resumed from step {step}", file=sys.stderr, flush=True)
                 return Restored(step=step, state=out["state"], meta=meta)
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: report and fall back
-                self._quarantine(step, e)
+                unusable.append(self._quarantine(step, e))
+        if unusable:  # never start again from step 0 behind the user's back
+            raise CheckpointError(f"every checkpoint in {self.directory} is unusable (newest: {unusable[0]}); "
+                                  "inspect or delete the corrupt-* folders, then rerun: it starts from step 0")
         return None
 
     def _restore(self, step: int, abstract_state: Any, older: Sequence[OlderLayout]) -> Any:
@@ -206,17 +212,16 @@ class Checkpointer:
                 return {"meta": out["meta"], "state": layout.convert(abstract_state, out["state"])}
             raise current
 
-    def _quarantine(self, step: int, error: Exception) -> None:
+    def _quarantine(self, step: int, error: Exception) -> str:
         src = os.path.join(self.directory, str(step))
         dst = os.path.join(self.directory, f"corrupt-{step}")
         if jax.process_index() == 0 and os.path.isdir(src):
             shutil.rmtree(dst, ignore_errors=True)
             os.rename(src, dst)  # kept for inspection, out of the way of the next save of `step`
         reason = " ".join(str(error).split())[:300]
-        print(f"warning: checkpoint {src} is unusable ({type(error).__name__}: {reason}); "
-              f"moved to {dst}, trying the previous step", file=sys.stderr, flush=True)
         self._manager.close()
         self._manager = self._open()
+        return f"checkpoint {src} is unusable ({type(error).__name__}: {reason}); moved to {dst}"
 
     def close(self) -> None:
         self._manager.close()

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import jax
 from jax.experimental import multihost_utils
 
-from lumen_jax import distributed, flops as flops_lib, metrics as metrics_lib
+from lumen_jax import distributed, flops as flops_lib, metrics as metrics_lib, resume
 from lumen_jax.build import Trainer
 from lumen_jax.checkpoint import Checkpointer
 from lumen_jax.config import Config, to_dict
@@ -205,8 +205,10 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
               + f"compiled in {time.perf_counter() - t0:.1f}s, peak {peaks.source}, run dir {run_dir}"
               + (f", resumed from step {start}" if start else ""), flush=True)
 
+    shapes = resume.state_shapes(state)  # what a resume under another config compares (resume.py)
+
     def meta() -> dict:  # only when saving: gathers every process's data position
-        return {"data": _all_data_states(data_state), "config": to_dict(cfg)}
+        return {"data": _all_data_states(data_state), "config": to_dict(cfg), "state_shapes": shapes}
 
     stop = _StopSignal()
     guard = NonFiniteGuard(cfg.train.max_nonfinite_steps, ckpt.directory)

@@ -18,7 +18,6 @@ stops with an error leaves at once and the others stop within `distributed.heart
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import traceback
@@ -48,7 +47,7 @@ def train(cfg: Config) -> dict:
     distributed.initialize(cfg.distributed)  # several processes: before anything touches a device
 
     import jax
-    from lumen_jax import loop
+    from lumen_jax import loop, resume, rundir
     from lumen_jax.build import build
     from lumen_jax.data import TrainData
     from lumen_jax.parallel.mesh import make_mesh
@@ -65,10 +64,11 @@ def train(cfg: Config) -> dict:
                           f"vocabulary ({data.tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer!r}); "
                           f"set model.vocab_size>={data.tokenizer.vocab_size}")
     run_dir = run_dir_for(cfg)
+    # Before anything in the run directory changes: does its checkpoint fit this config?
+    resume.check(cfg, os.path.join(run_dir, "checkpoints"), trainer.abstract_state(), run_dir, data.check_state)
     if jax.process_index() == 0:
         os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(to_dict(cfg), f, indent=2)
+        rundir.write_json(run_dir, "config.json", to_dict(cfg))
     return loop.run(cfg, trainer, data, run_dir)
 
 
