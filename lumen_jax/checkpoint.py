@@ -35,12 +35,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from lumen_jax.checksums import checksum_list
+from lumen_jax.checksums import checksum_list, nonfinite_paths
 from lumen_jax.config import CheckpointConfig
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written (disk full, permissions): the run stops, state intact."""
+
+
+class NonFiniteState(RuntimeError):
+    """The state to be saved holds inf or NaN: it is not written; the committed checkpoints are finite."""
 
 
 @dataclasses.dataclass
@@ -149,6 +153,11 @@ class Checkpointer:
         waiting for it); the files are written in the background.
         """
         t0 = time.perf_counter()
+        bad = nonfinite_paths(state)
+        if bad:  # never commit a checkpoint that cannot be trained from
+            raise NonFiniteState(f"the state after step {step} holds inf or NaN in {bad[0]}"
+                                 + (f" (and {len(bad) - 1} more arrays)" if len(bad) > 1 else "")
+                                 + f"; it was not saved; {self.last_committed()}")
         meta = {**meta, "checksums": checksum_list(state)}
         try:
             self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -164,6 +173,17 @@ class Checkpointer:
             self._manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(_write_error(self.directory, self._manager.latest_step(), e)) from None
+
+    def last_committed(self) -> str:
+        """Names the newest committed checkpoint (waiting for a save in flight), for messages."""
+        try:
+            self.wait()
+        except CheckpointError:
+            pass
+        steps = [s for s in self.steps() if os.path.isdir(os.path.join(self.directory, str(s)))]
+        if not steps:
+            return f"no checkpoint was committed in {self.directory}"
+        return f"the last checkpoint, step {steps[-1]} in {self.directory}, is finite and intact"
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -184,6 +204,9 @@ class Checkpointer:
                 meta = dict(out["meta"])
                 if checksum_list(out["state"]) != meta.get("checksums"):
                     raise ValueError("array checksums differ from those recorded at save time")
+                bad = nonfinite_paths(out["state"])
+                if bad:  # written before saves were checked: not a state to train from
+                    raise ValueError(f"{bad[0]} holds inf or NaN")
                 for line in unusable:  # one line each, once a good step is found
                     print(f"warning: {line}; resumed from step {step}", file=sys.stderr, flush=True)
                 return Restored(step=step, state=out["state"], meta=meta)

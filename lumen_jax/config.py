@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import os
 import re
 import typing
@@ -456,7 +457,7 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("optim.lr", ">", 0), ("optim.min_lr_ratio", ">=", 0), ("optim.min_lr_ratio", "<=", 1),
     ("optim.warmup_steps", ">=", 0), ("optim.decay_steps", ">=", 0),
     ("optim.b1", ">=", 0), ("optim.b1", "<", 1), ("optim.b2", ">=", 0), ("optim.b2", "<", 1),
-    ("optim.eps", ">=", 0), ("optim.weight_decay", ">=", 0), ("optim.grad_clip", ">=", 0),
+    ("optim.eps", ">", 0), ("optim.weight_decay", ">=", 0), ("optim.grad_clip", ">=", 0),
     ("optim.z_loss", ">=", 0), ("optim.loss_scale_init", ">", 0),
     ("optim.loss_scale_growth_interval", ">=", 1),
     ("data.seq_len", ">=", 1), ("data.global_batch_size", ">=", 1), ("data.builtin_max_bytes", ">=", 1),
@@ -473,6 +474,18 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
 )
 _COMPARE = {">=": lambda a, b: a >= b, ">": lambda a, b: a > b, "<=": lambda a, b: a <= b,
             "<": lambda a, b: a < b}
+
+
+def _floats(cfg: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """(dotted key, value) of every float field of `cfg`, sub-sections included."""
+    out = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out += _floats(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float):
+            out.append((f"{prefix}{f.name}", value))
+    return out
 
 
 def _divisors(n: int, limit: int) -> str:
@@ -494,6 +507,9 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
       ConfigError: the first problem found, in one line naming the key, the value, the rule and a fix.
     """
     from_dict(to_dict(cfg))
+    for key, value in _floats(cfg):  # inf or NaN can only train to NaN (optim.lr=1e999 reads as inf)
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}={show(value)} is not a finite number; set {key} to a finite value")
     for key, op, bound in _BOUNDS:
         value = functools.reduce(getattr, key.split("."), cfg)  # model.fp8.amax_history: two levels
         if not _COMPARE[op](value, bound):

@@ -91,16 +91,18 @@ class Events:
 
 
 class NonFiniteGuard:
-    """Counts the steps whose update was skipped (non-finite loss or gradient norm) and raises
+    """Counts the steps whose update was skipped (non-finite loss, gradient norm or update) and raises
     Diverged after `max_in_a_row` of them in a row.
 
     Each step's metrics are checked one step late (`after_step`), when they are ready: the host
     never waits for the device for the guard.
     """
 
-    def __init__(self, max_in_a_row: int, checkpoint_dir: str):
+    def __init__(self, max_in_a_row: int, checkpoint_dir: str, last_checkpoint: Callable[[], str] | None = None):
         self.max_in_a_row = max_in_a_row
         self.checkpoint_dir = checkpoint_dir
+        # Names the newest committed (finite) checkpoint for the message (Checkpointer.last_committed).
+        self.last_checkpoint = last_checkpoint or (lambda: f"the last checkpoint in {checkpoint_dir} is intact")
         self.in_a_row = 0
         self.skipped_total = 0  # skipped steps among those checked so far
         self._pending: tuple[int, Any] | None = None
@@ -114,8 +116,8 @@ class NonFiniteGuard:
                 if self.in_a_row >= self.max_in_a_row:
                     raise Diverged(
                         f"{self.in_a_row} steps in a row (up to step {done_step}) had a non-finite "
-                        f"loss or gradient norm (train.max_nonfinite_steps={self.max_in_a_row}); "
-                        f"updates were skipped and the last checkpoint in {self.checkpoint_dir} is intact; "
+                        f"loss, gradient norm or update (train.max_nonfinite_steps={self.max_in_a_row}); "
+                        f"updates were skipped and {self.last_checkpoint()}; "
                         "lower optim.lr or check the data, then rerun to resume")
             else:
                 self.in_a_row = 0
@@ -211,7 +213,7 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
         return {"data": _all_data_states(data_state), "config": to_dict(cfg), "state_shapes": shapes}
 
     stop = _StopSignal()
-    guard = NonFiniteGuard(cfg.train.max_nonfinite_steps, ckpt.directory)
+    guard = NonFiniteGuard(cfg.train.max_nonfinite_steps, ckpt.directory, ckpt.last_committed)
     after_step = fault_hooks(run_dir)
     last: dict = {}
     stall = 0.0

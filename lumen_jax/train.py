@@ -6,7 +6,8 @@ A run directory with checkpoints resumes from its latest good one. Exit codes:
 0     trained to `train.steps`
 1     a bug in lumen_jax (with a traceback)
 2     bad input: config, data file, checkpoint write failure (disk full); nothing was damaged
-3     diverged: `train.max_nonfinite_steps` non-finite steps in a row; last checkpoint intact
+3     diverged: `train.max_nonfinite_steps` non-finite steps in a row, or a non-finite state
+      (never saved); the message names the last checkpoint, which is finite
 4     silent data corruption: parameter replicas disagree (`train.sdc_check_every`)
 75    preempted: SIGTERM/SIGINT, the current step finished and a checkpoint was written
 ====  ==========================================================================================
@@ -92,11 +93,12 @@ def _leave(cfg: Config | None, code: int) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from lumen_jax.checkpoint import CheckpointError
+    from lumen_jax.checkpoint import CheckpointError, NonFiniteState
     from lumen_jax.data import DataError
     from lumen_jax.loop import CorruptionDetected, Diverged, Preempted
     codes = {ConfigError: EXIT_BAD_INPUT, DataError: EXIT_BAD_INPUT, CheckpointError: EXIT_BAD_INPUT,
-             Diverged: EXIT_DIVERGED, CorruptionDetected: EXIT_CORRUPTION, Preempted: EXIT_PREEMPTED}
+             Diverged: EXIT_DIVERGED, NonFiniteState: EXIT_DIVERGED, CorruptionDetected: EXIT_CORRUPTION,
+             Preempted: EXIT_PREEMPTED}
     cfg = None
     try:
         cfg = load_config(args.config, args.overrides)
