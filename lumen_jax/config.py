@@ -534,6 +534,10 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         (m.head_dim > 0 or m.d_model % m.num_heads == 0,
          f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}, so model.head_dim=0 "
          "cannot be derived; set model.head_dim explicitly or make d_model a multiple of num_heads"),
+        (m.resolved_head_dim % 2 == 0 or (m.head_dim == 0 and m.d_model % m.num_heads),
+         (f"model.head_dim={m.head_dim}" if m.head_dim else
+          f"model.head_dim=0 derives d_model/num_heads={m.d_model}/{m.num_heads}={m.resolved_head_dim}, which")
+         + " must be even: RoPE rotates pairs of dimensions; set model.head_dim to an even value"),
         (m.d_model % shape["fsdp"] == 0,
          f"mesh.fsdp={shape['fsdp']} does not divide model.d_model={m.d_model} (parameters and optimizer "
          f"state are sharded along d_model over fsdp); choose mesh.fsdp among the divisors of {m.d_model} "

@@ -53,9 +53,13 @@ def train(cfg: Config) -> dict:
     from lumen_jax.data import TrainData
     from lumen_jax.parallel.mesh import make_mesh
 
+    num_devices = runtime.device_count(cfg.runtime)  # a platform this machine lacks: exit 2
     if jax.process_count() > 1:  # every process's devices, before any mesh or compile
         distributed.check_devices(distributed.gather_json(distributed.describe_local_devices()))
-    mesh_shape = validate(cfg, jax.device_count())
+    mesh_shape = validate(cfg, num_devices)
+    run_dir = run_dir_for(cfg)
+    if jax.process_index() == 0:
+        rundir.prepare(run_dir)  # a file in its place, read-only, full: exit 2 before compiling
     trainer = build(cfg, make_mesh(mesh_shape, across_nodes=distributed.across_nodes(
         cfg.distributed, mesh_shape, jax.devices())))
     share, shares = distributed.batch_share(trainer.batch_sharding, cfg.data.global_batch_size, cfg.data.seq_len)
@@ -64,11 +68,9 @@ def train(cfg: Config) -> dict:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                           f"vocabulary ({data.tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer!r}); "
                           f"set model.vocab_size>={data.tokenizer.vocab_size}")
-    run_dir = run_dir_for(cfg)
     # Before anything in the run directory changes: does its checkpoint fit this config?
     resume.check(cfg, os.path.join(run_dir, "checkpoints"), trainer.abstract_state(), run_dir, data.check_state)
     if jax.process_index() == 0:
-        os.makedirs(run_dir, exist_ok=True)
         rundir.write_json(run_dir, "config.json", to_dict(cfg))
     return loop.run(cfg, trainer, data, run_dir)
 
@@ -106,6 +108,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except tuple(codes) as e:
         print(f"{'stopped' if isinstance(e, Preempted) else 'error'}: {e}", file=sys.stderr, flush=True)
         return _leave(cfg, codes[type(e)])
+    except OSError as e:  # a metrics or events write on a full disk: the environment, not a bug
+        from lumen_jax.rundir import ENVIRONMENT_ERRNOS
+        if e.errno not in ENVIRONMENT_ERRNOS:
+            raise
+        print(f"error: writing {e.filename or 'the run directory'} failed ({e.strerror}); free disk space or "
+              "fix permissions, then rerun to resume from the last checkpoint", file=sys.stderr, flush=True)
+        return _leave(cfg, EXIT_BAD_INPUT)
     except Exception:
         from lumen_jax import distributed
         if not distributed.is_multiprocess():
