@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import jax
 from jax.experimental import multihost_utils
 
-from lumen_jax import distributed, flops as flops_lib, metrics as metrics_lib, resume
+from lumen_jax import distributed, flops as flops_lib, metrics as metrics_lib, resume, runlog
 from lumen_jax.build import Trainer
 from lumen_jax.checkpoint import Checkpointer
 from lumen_jax.config import Config, to_dict
@@ -179,6 +179,12 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
     Returns the last logged metrics. Raises Preempted, Diverged or CorruptionDetected (after
     which the last committed checkpoint is intact), or CheckpointError.
     """
+    log_name = "" if jax.process_index() == 0 else f"library-{jax.process_index()}.log"
+    with runlog.library_output(run_dir, log_name):  # Orbax's and asyncio's tracebacks: not the terminal
+        return _run(cfg, trainer, data, run_dir)
+
+
+def _run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
     is_main = jax.process_index() == 0
     events = Events(run_dir, is_main)
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoint)
