@@ -319,7 +319,7 @@ def _close(word: Any, candidates: Sequence[str], cutoff: float = 0.6) -> str | N
     return close[0] if close else None
 
 
-def _suggest_key(section: Any, key: Any) -> str | None:
+def suggest_key(section: Any, key: Any) -> str | None:
     """`model.d_modle` -> `model.d_model`; `modle.d_model` -> `model.d_model`; `model.seq_len` -> `data.seq_len`."""
     s = section if section in _TYPES else _close(section, _TYPES)
     k = _close(key, _TYPES[s]) if s else None
@@ -348,7 +348,7 @@ def check_key(section: Any, key: Any, shown: str | None = None, where: str = "")
     dotted = f"{section}.{key}"
     if dotted in MOVED:
         raise ConfigError(f"{dotted} moved to {MOVED[dotted]}")
-    close = _suggest_key(section, key)
+    close = suggest_key(section, key)
     hint = f"; did you mean {close}?" if close else ""
     if not close and section in _TYPES:
         hint = f"; keys of {section}: {', '.join(_TYPES[section])}"
@@ -561,6 +561,14 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         (cp == 1 or mesh.context_balance != "zigzag" or d.seq_len % (2 * cp) == 0,
          f"mesh.context_balance=zigzag cuts data.seq_len={d.seq_len} into 2*mesh.context={2 * cp} chunks; "
          f"use a multiple of {2 * cp} or mesh.context_balance=contiguous"),
+        (cfg.optim.decay_steps == 0 or cfg.optim.schedule == "constant"
+         or cfg.optim.decay_steps > cfg.optim.warmup_steps,
+         f"optim.decay_steps={cfg.optim.decay_steps} ends the decay before optim.warmup_steps="
+         f"{cfg.optim.warmup_steps} ends the warmup (both count from step 0); set optim.decay_steps above "
+         f"{cfg.optim.warmup_steps}, or 0 to decay until train.steps"),
+        (d.source == "files" or not d.paths,
+         f"data.paths={show(d.paths)} is set but data.source={d.source!r} ignores it; set data.source=files "
+         "to train on those files, or remove data.paths"),
         (d.source != "files" or bool(d.paths),
          "data.source='files' but data.paths=[] is empty; set data.paths=[glob, ...] "
          "or data.source=builtin"),
@@ -582,3 +590,13 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         if not ok:
             raise ConfigError(message)
     return shape
+
+
+def warnings(cfg: Config) -> list[str]:
+    """Settings that are legal but probably not meant: one line each, printed before training."""
+    o, t = cfg.optim, cfg.train
+    out = []
+    if o.warmup_steps >= t.steps:
+        out.append(f"optim.warmup_steps={o.warmup_steps} >= train.steps={t.steps}: the learning rate never "
+                   f"reaches optim.lr={show(o.lr)}; lower optim.warmup_steps unless this is a smoke test")
+    return out

@@ -24,17 +24,34 @@ import sys
 import traceback
 from typing import Sequence
 
-from lumen_jax.config import Config, ConfigError, to_dict, validate
+from lumen_jax.config import Config, ConfigError, suggest_key, to_dict, validate, warnings
 from lumen_jax.config_files import load_config
 
 EXIT_OK, EXIT_BUG, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_CORRUPTION, EXIT_PREEMPTED = 0, 1, 2, 3, 4, 75
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints the usage too)
+        raise ConfigError(f"{message}; usage: python -m lumen_jax.train --config FILE [section.key=value ...]")
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m lumen_jax.train", description=__doc__.splitlines()[0])
+    """The command line; an option other than --config is a ConfigError that suggests the override."""
+    p = _Parser(prog="python -m lumen_jax.train", description=__doc__.splitlines()[0])
     p.add_argument("--config", help="YAML or gin file (configs/*.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 mesh.tensor=2")
-    return p.parse_args(argv)
+    args, unknown = p.parse_known_args(argv)
+    if unknown:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        option = unknown[0]
+        name, eq, value = option.lstrip("-").partition("=")
+        if not eq:  # `--steps 20`: the value is the next word
+            at = argv.index(option)
+            value = argv[at + 1] if at + 1 < len(argv) and not argv[at + 1].startswith("-") else "..."
+        key = name if "." in name else suggest_key("", name)
+        hint = f"; overrides are dotted without dashes: {key}={value}" if key else ""
+        raise ConfigError(f"unknown option {option}{hint} (the only option is --config FILE)")
+    return args
 
 
 def run_dir_for(cfg: Config) -> str:
@@ -59,6 +76,8 @@ def train(cfg: Config) -> dict:
     mesh_shape = validate(cfg, num_devices)
     run_dir = run_dir_for(cfg)
     if jax.process_index() == 0:
+        for line in warnings(cfg):
+            print(f"warning: {line}", file=sys.stderr, flush=True)
         rundir.prepare(run_dir)  # a file in its place, read-only, full: exit 2 before compiling
     trainer = build(cfg, make_mesh(mesh_shape, across_nodes=distributed.across_nodes(
         cfg.distributed, mesh_shape, jax.devices())))
@@ -94,7 +113,6 @@ def _leave(cfg: Config | None, code: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
     from lumen_jax.checkpoint import CheckpointError, NonFiniteState
     from lumen_jax.data import DataError
     from lumen_jax.loop import CorruptionDetected, Diverged, Preempted
@@ -103,7 +121,11 @@ def main(argv: Sequence[str] | None = None) -> int:
              Preempted: EXIT_PREEMPTED}
     cfg = None
     try:
+        args = parse_args(argv)
         cfg = load_config(args.config, args.overrides)
+        if args.config is None:
+            print(f"lumen_jax: no --config given: training with the defaults of lumen_jax/config.py (every one "
+                  f"listed in configs/base.yaml) and your overrides, in {run_dir_for(cfg)}", flush=True)
         last = train(cfg)
     except tuple(codes) as e:
         print(f"{'stopped' if isinstance(e, Preempted) else 'error'}: {e}", file=sys.stderr, flush=True)
@@ -121,7 +143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         traceback.print_exc()
         _leave(cfg, EXIT_BUG)
-    print(f"done: step {cfg.train.steps} loss {last.get('loss', float('nan')):.4f}")
+    if "loss" not in last:  # nothing left to train: the run directory had reached train.steps
+        print(f"done: step {cfg.train.steps} (already reached in {run_dir_for(cfg)}; nothing to train)")
+    else:
+        print(f"done: step {cfg.train.steps} loss {last['loss']:.4f}")
     return EXIT_OK
 
 
