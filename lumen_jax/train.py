@@ -58,8 +58,10 @@ def run_dir_for(cfg: Config) -> str:
     return cfg.train.run_dir or os.path.join("runs", cfg.name)
 
 
-def train(cfg: Config) -> dict:
-    """Train `cfg` to `train.steps` (resuming from its run directory); returns the last metrics."""
+def train(cfg: Config, stop=None) -> dict:
+    """Train `cfg` to `train.steps` (resuming from its run directory); returns the last metrics.
+
+    `stop`: the `stopsignal.StopSignal` installed at start-up (None: the loop installs its own)."""
     from lumen_jax import distributed, runtime
     runtime.configure(cfg.runtime)
     distributed.initialize(cfg.distributed)  # several processes: before anything touches a device
@@ -91,7 +93,7 @@ def train(cfg: Config) -> dict:
     resume.check(cfg, os.path.join(run_dir, "checkpoints"), trainer.abstract_state(), run_dir, data.check_state)
     if jax.process_index() == 0:
         rundir.write_json(run_dir, "config.json", to_dict(cfg))
-    return loop.run(cfg, trainer, data, run_dir)
+    return loop.run(cfg, trainer, data, run_dir, stop)
 
 
 def _leave(cfg: Config | None, code: int) -> int:
@@ -113,20 +115,35 @@ def _leave(cfg: Config | None, code: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+        cfg = load_config(args.config, args.overrides)
+        from lumen_jax import distributed  # no JAX import yet
+        single = distributed.resolve(cfg.distributed) is None
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    from lumen_jax.stopsignal import StopSignal
+    stop = StopSignal() if single else None  # from here on, SIGTERM during start-up exits 75 too
+    try:
+        return _main(cfg, args.config is None, stop)
+    finally:
+        if stop is not None:
+            stop.restore()
+
+
+def _main(cfg: Config, no_config_file: bool, stop) -> int:
     from lumen_jax.checkpoint import CheckpointError, NonFiniteState
     from lumen_jax.data import DataError
     from lumen_jax.loop import CorruptionDetected, Diverged, Preempted
     codes = {ConfigError: EXIT_BAD_INPUT, DataError: EXIT_BAD_INPUT, CheckpointError: EXIT_BAD_INPUT,
              Diverged: EXIT_DIVERGED, NonFiniteState: EXIT_DIVERGED, CorruptionDetected: EXIT_CORRUPTION,
              Preempted: EXIT_PREEMPTED}
-    cfg = None
     try:
-        args = parse_args(argv)
-        cfg = load_config(args.config, args.overrides)
-        if args.config is None:
+        if no_config_file:
             print(f"lumen_jax: no --config given: training with the defaults of lumen_jax/config.py (every one "
                   f"listed in configs/base.yaml) and your overrides, in {run_dir_for(cfg)}", flush=True)
-        last = train(cfg)
+        last = train(cfg, stop)
     except tuple(codes) as e:
         print(f"{'stopped' if isinstance(e, Preempted) else 'error'}: {e}", file=sys.stderr, flush=True)
         return _leave(cfg, codes[type(e)])
