@@ -22,7 +22,6 @@ import time
 from typing import Any, Callable, Iterator
 
 import jax
-from jax.experimental import multihost_utils
 
 from lumen_jax import distributed, flops as flops_lib, metrics as metrics_lib, resume, runlog
 from lumen_jax.build import Trainer
@@ -224,7 +223,8 @@ def _run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str, stop: Stop
         # A resumed attempt's rows carry its number (steps after the checkpoint are logged again);
         # TensorBoard drops the earlier attempt's events from the first replayed step on.
         with metrics_lib.MetricsWriter(run_dir, jsonl=cfg.log.jsonl, tensorboard=cfg.log.tensorboard,
-                                       enabled=is_main, attempt=attempt, purge_step=start + 1 if start else None) as writer, \
+                                       enabled=is_main, attempt=attempt,
+                                       purge_step=start + 1 if start else None) as writer, \
                 metrics_lib.Progress(cfg.train.steps, enabled=is_main and cfg.log.progress,
                                      initial_step=start) as progress:
             t_last, steps_since = time.perf_counter(), 0

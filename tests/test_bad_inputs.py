@@ -81,8 +81,10 @@ ALREADY_GOOD = {
     "zero steps": (["train.steps=0"], ["train.steps=0 must be >= 1"]),
     "keep 0": (["checkpoint.keep=0"], ["checkpoint.keep=0 must be >= 1"]),
     "files without paths": (["data.source=files"], ["data.source='files'", "data.paths"]),
-    "missing data file": (["data.source=files", "data.paths=[/nonexistent/*.txt]"], ["/nonexistent/*.txt", "matches no files"]),
-    "missing tokenizer": (["data.tokenizer=/nonexistent/tokenizer.json"], ["data.tokenizer='/nonexistent/tokenizer.json'"]),
+    "missing data file": (["data.source=files", "data.paths=[/nonexistent/*.txt]"],
+                          ["/nonexistent/*.txt", "matches no files"]),
+    "missing tokenizer": (["data.tokenizer=/nonexistent/tokenizer.json"],
+                          ["data.tokenizer='/nonexistent/tokenizer.json'"]),
     "zero stage": (["mesh.zero_stage=4"], ["mesh.zero_stage=4"]),
     "half a multi-process setup": (["distributed.coordinator=nohost:1234"], ["distributed.num_processes"]),
 }
@@ -98,7 +100,8 @@ def places(tmp_path_factory):
          "dup": _write(tmp, "dup.yaml", "base: " + os.path.join(REPO, "configs", "base.yaml") + "\nmodel:\n"
                        "  d_model: 64\n  num_layers: 2\n  d_model: 128\n"),
          "notes": _write(tmp, "notes.txt", "x"), "broken": _write(tmp, "broken.yaml", "model: [1, 2\n")}
-    with tmpfs(os.path.join(tmp, "ro"), 1 << 16, read_only=True) as ro, tmpfs(os.path.join(tmp, "full"), 1 << 16) as full:
+    with tmpfs(os.path.join(tmp, "ro"), 1 << 16, read_only=True) as ro, \
+            tmpfs(os.path.join(tmp, "full"), 1 << 16) as full:
         if full:
             fill(os.path.join(tmp, "full"))
         p.update(ro=os.path.join(tmp, "ro"), full=os.path.join(tmp, "full"), mounted=ro and full)

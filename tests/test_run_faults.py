@@ -216,7 +216,8 @@ def test_supervisor_counts_steps_really_taken_and_compile_as_overhead(resumed_fr
     sup = _supervisor()
     attempts = [sup.Attempt(pid=1, started=0.0, ended=18.0, returncode=-9, committed=resumed_from),
                 sup.Attempt(pid=2, started=20.0, ended=20.0 + 10 + (10 - resumed_from), returncode=0)]
-    events = _attempt_events(1, 0, range(1, 8), 0.0) + _attempt_events(2, resumed_from, range(resumed_from + 1, 11), 20.0)
+    events = (_attempt_events(1, 0, range(1, 8), 0.0)
+              + _attempt_events(2, resumed_from, range(resumed_from + 1, 11), 20.0))
     interruptions, goodput = sup.account(attempts, events)
     assert [(i.cause, i.steps_lost) for i in interruptions] == [("killed by SIGKILL", lost)]
     assert interruptions[0].time_lost_s == pytest.approx(18.0 - (7 - lost) * 1.0)  # compile counts as lost
