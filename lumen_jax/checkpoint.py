@@ -233,6 +233,7 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: report and fall back
                 unusable.append(self._quarantine(step, e))
         if unusable:  # never start again from step 0 behind the user's back
+            self.close()
             raise CheckpointError(f"every checkpoint in {self.directory} is unusable (newest: {unusable[0]}); "
                                   "inspect or delete the corrupt-* folders, then rerun: it starts from step 0")
         return None

@@ -199,8 +199,10 @@ def _run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str, stop: Stop
     step_fn = trainer.step.lower(state, batch).compile()
     events.write("compiled")  # start-up and compilation end here: the supervisor counts them as overhead
     if stop.before_first_step():
+        committed = ckpt.last_committed() if start else "no step had been taken"
+        ckpt.close()
         raise Preempted(f"stopped by signal {stop.name} during start-up, before step {start + 1}; nothing was "
-                        f"lost: {ckpt.last_committed() if start else 'no step had been taken'}; rerun to resume")
+                        f"lost: {committed}; rerun to resume")
     if is_main:
         print(f"lumen_jax: {jax.device_count()} {jax.devices()[0].platform} devices, mesh "
               + " ".join(f"{k}={v}" for k, v in trainer.mesh.shape.items())
