@@ -10,8 +10,10 @@ running again would not help. Anything else (a crash, SIGKILL, 75 = preempted) i
 
 At the end it prints each interruption (cause, steps lost, time lost) and the goodput: the share
 of wall time spent on training steps that were kept. It reads `<run-dir>/events.jsonl`, which the
-trainer writes at start, at each logged step and at each checkpoint, so steps lost are counted to
-the nearest logged step.
+trainer writes at start, when compilation ends, after every step and at each checkpoint, and the
+checkpoints committed on disk: steps lost are those taken after the checkpoint the next attempt
+resumed from (or, for the last attempt, after the newest committed one); start-up, restore and
+compilation count as lost time, not useful work.
 
 The command may start several processes (srun, launch/local.py): the whole job is one attempt, and
 it is restarted as a whole. Each attempt gets LUMEN_ATTEMPT_ID in its environment, which the trainer
@@ -44,6 +46,7 @@ class Attempt:
     ended: float
     returncode: int
     attempt_id: str = ""  # LUMEN_ATTEMPT_ID given to the command; its events carry it
+    committed: int | None = None  # the newest checkpoint step on disk when it ended (None: unknown)
 
     @property
     def cause(self) -> str:
@@ -84,8 +87,24 @@ def reported_exit(events: Sequence[dict], attempt_id: str, returncode: int) -> i
     return returncode
 
 
+def committed_steps(run_dir: str) -> list[int]:
+    """The checkpoint steps committed on disk (Orbax renames a step's folder once it is whole)."""
+    try:
+        names = os.listdir(os.path.join(run_dir, "checkpoints"))
+    except OSError:
+        return []
+    return sorted(int(n) for n in names if n.isdigit())
+
+
 def account(attempts: Sequence[Attempt], events: Sequence[dict]) -> tuple[list[Interruption], float]:
-    """Interruptions and goodput (useful step time / total wall time) from attempts and trainer events."""
+    """Interruptions and goodput (useful step time / total wall time) from attempts and trainer events.
+
+    Steps come from the trainer's per-step events; an attempt kept the steps up to where the next one
+    resumed (its `start` event), the last one all it reached if it finished, else up to the newest
+    checkpoint committed when it ended (`Attempt.committed`). Useful time is the kept steps' share of
+    the time from the end of compilation (the `compiled` event) to the last step: start-up,
+    restore and compilation are overhead.
+    """
     per_attempt: dict[int | str, list[dict]] = {}
     for e in events:
         per_attempt.setdefault(e.get("attempt") or e["pid"], []).append(e)
@@ -93,15 +112,21 @@ def account(attempts: Sequence[Attempt], events: Sequence[dict]) -> tuple[list[I
     resume = [next((e["resume_step"] for e in m if e["event"] == "start"), None) for m in mine]
     useful_s, interruptions = 0.0, []
     for i, a in enumerate(attempts):
-        steps = [(e["step"], e["time"]) for e in mine[i] if e["event"] == "step"]
+        steps = sorted((e["step"], e["time"]) for e in mine[i] if e["event"] == "step")
         start = resume[i] if resume[i] is not None else 0
         reached = max([s for s, _ in steps], default=start)
         later = next((r for r in resume[i + 1:] if r is not None), None)
-        kept = min(reached, later) if later is not None else reached
-        if len(steps) >= 2:
-            step_time = (steps[-1][1] - steps[0][1]) / max(steps[-1][0] - steps[0][0], 1)
-        else:
-            step_time = (a.ended - a.started) / max(reached - start, 1)
+        if later is not None:
+            kept = min(reached, later)
+        elif a.returncode == 0:
+            kept = reached
+        else:  # the last attempt failed: what a rerun would resume from
+            kept = min(reached, max(a.committed if a.committed is not None else reached, start))
+        compiled = next((e["time"] for e in mine[i] if e["event"] == "compiled"), None)
+        origin = (start, compiled) if compiled is not None else (steps[0] if steps else None)
+        step_time = 0.0  # no step seen after compilation: no evidence of useful work
+        if steps and origin is not None and steps[-1][0] > origin[0]:
+            step_time = (steps[-1][1] - origin[1]) / (steps[-1][0] - origin[0])
         useful = max(kept - start, 0) * step_time
         useful_s += useful
         if i < len(attempts) - 1 or a.returncode not in FINAL_CODES:
@@ -125,7 +150,9 @@ def supervise(command: Sequence[str], run_dir: str, max_restarts: int, backoff_s
             proc.send_signal(signal.SIGTERM)
             returncode = proc.wait()
         returncode = reported_exit(read_events(run_dir), attempt_id, returncode)
-        attempts.append(Attempt(proc.pid, started, time.time(), returncode, attempt_id))
+        committed = committed_steps(run_dir)
+        attempts.append(Attempt(proc.pid, started, time.time(), returncode, attempt_id,
+                                committed[-1] if committed else 0))
         restarts = len(attempts) - 1
         if returncode in FINAL_CODES or restarts >= max_restarts:
             break

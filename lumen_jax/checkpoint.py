@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -35,12 +34,18 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from lumen_jax.checksums import checksum_list
+from lumen_jax import runlog
+from lumen_jax.checksums import checksum_list, nonfinite_paths
+from lumen_jax.resume import committed_steps
 from lumen_jax.config import CheckpointConfig
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written (disk full, permissions): the run stops, state intact."""
+
+
+class NonFiniteState(RuntimeError):
+    """The state to be saved holds inf or NaN: it is not written; the committed checkpoints are finite."""
 
 
 @dataclasses.dataclass
@@ -97,6 +102,7 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         self.cfg = cfg
         self._last_save_time = time.monotonic()
+        self._in_flight: int | None = None  # the step being written in the background
         self._manager = self._open()
 
     def _open(self) -> ocp.CheckpointManager:
@@ -149,12 +155,19 @@ class Checkpointer:
         waiting for it); the files are written in the background.
         """
         t0 = time.perf_counter()
+        bad = nonfinite_paths(state)
+        if bad:  # never commit a checkpoint that cannot be trained from
+            raise NonFiniteState(f"the state after step {step} holds inf or NaN in {bad[0]}"
+                                 + (f" (and {len(bad) - 1} more arrays)" if len(bad) > 1 else "")
+                                 + f"; it was not saved; {self.last_committed()}")
         meta = {**meta, "checksums": checksum_list(state)}
+        self.wait()  # Orbax waits for the previous write anyway; a failure of it is that step's
         try:
+            self._in_flight = step
             self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                              meta=ocp.args.JsonSave(meta)), force=True)
         except Exception as e:  # noqa: BLE001 - disk full, permissions: name the folder and stop
-            raise CheckpointError(_write_error(self.directory, step, e)) from None
+            raise self._write_failed(e) from None
         self._last_save_time = time.monotonic()
         return time.perf_counter() - t0
 
@@ -163,7 +176,34 @@ class Checkpointer:
         try:
             self._manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(_write_error(self.directory, self._manager.latest_step(), e)) from None
+            raise self._write_failed(e) from None
+        self._in_flight = None
+
+    def _write_failed(self, e: Exception) -> CheckpointError:
+        """The error for the write of step `_in_flight`, after removing its temporary folder."""
+        step, self._in_flight = self._in_flight, None
+        if jax.process_index() == 0:
+            for name in os.listdir(self.directory):
+                if name.startswith(f"{step}.orbax-checkpoint-tmp"):
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        committed = [s for s in committed_steps(self.directory) if s != step]
+        last = f"step {committed[-1]}" if committed else "none"
+        text = " ".join(str(e).split())
+        reason = next((r for r in _ENVIRONMENT_REASONS if r in text), f"{type(e).__name__}: {text[:200]}")
+        return CheckpointError(f"writing checkpoint step {step} to {self.directory} failed ({reason}); "
+                               f"the last committed checkpoint is {last} and intact; free disk space or "
+                               "fix permissions, then rerun to resume")
+
+    def last_committed(self) -> str:
+        """Names the newest committed checkpoint (waiting for a save in flight), for messages."""
+        try:
+            self.wait()
+        except CheckpointError:
+            pass
+        steps = committed_steps(self.directory)
+        if not steps:
+            return f"no checkpoint was committed in {self.directory}"
+        return f"the last checkpoint, step {steps[-1]} in {self.directory}, is finite and intact"
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -177,15 +217,25 @@ class Checkpointer:
           older: layouts in which earlier versions wrote the state, tried in order when a step does
             not read in the current one (after them, the layout without the fields that hold no arrays).
         """
+        unusable = []
         for step in reversed(self.steps()):
             try:
                 out = self._restore(step, abstract_state, (*older, WITHOUT_EMPTY_FIELDS))
                 meta = dict(out["meta"])
                 if checksum_list(out["state"]) != meta.get("checksums"):
                     raise ValueError("array checksums differ from those recorded at save time")
+                bad = nonfinite_paths(out["state"])
+                if bad:  # written before saves were checked: not a state to train from
+                    raise ValueError(f"{bad[0]} holds inf or NaN")
+                for line in unusable:  # one line each, once a good step is found
+                    print(f"warning: {line}; resumed from step {step}", file=runlog.console(), flush=True)
                 return Restored(step=step, state=out["state"], meta=meta)
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: report and fall back
-                self._quarantine(step, e)
+                unusable.append(self._quarantine(step, e))
+        if unusable:  # never start again from step 0 behind the user's back
+            self.close()
+            raise CheckpointError(f"every checkpoint in {self.directory} is unusable (newest: {unusable[0]}); "
+                                  "inspect or delete the corrupt-* folders, then rerun: it starts from step 0")
         return None
 
     def _restore(self, step: int, abstract_state: Any, older: Sequence[OlderLayout]) -> Any:
@@ -206,23 +256,20 @@ class Checkpointer:
                 return {"meta": out["meta"], "state": layout.convert(abstract_state, out["state"])}
             raise current
 
-    def _quarantine(self, step: int, error: Exception) -> None:
+    def _quarantine(self, step: int, error: Exception) -> str:
         src = os.path.join(self.directory, str(step))
         dst = os.path.join(self.directory, f"corrupt-{step}")
         if jax.process_index() == 0 and os.path.isdir(src):
             shutil.rmtree(dst, ignore_errors=True)
             os.rename(src, dst)  # kept for inspection, out of the way of the next save of `step`
         reason = " ".join(str(error).split())[:300]
-        print(f"warning: checkpoint {src} is unusable ({type(error).__name__}: {reason}); "
-              f"moved to {dst}, trying the previous step", file=sys.stderr, flush=True)
         self._manager.close()
         self._manager = self._open()
+        return f"checkpoint {src} is unusable ({type(error).__name__}: {reason}); moved to {dst}"
 
     def close(self) -> None:
         self._manager.close()
 
 
-def _write_error(directory: str, step: int | None, e: Exception) -> str:
-    reason = " ".join(str(e).split())[:300]
-    return (f"writing checkpoint step {step} to {directory} failed ({type(e).__name__}: {reason}); "
-            "the previous checkpoint is intact — free disk space or fix permissions, then rerun to resume")
+_ENVIRONMENT_REASONS = ("No space left on device", "Disk quota exceeded", "Read-only file system",
+                        "Permission denied")

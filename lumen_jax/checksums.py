@@ -39,3 +39,15 @@ def checksums(tree: Any) -> Any:
 def checksum_list(tree: Any) -> list[list[int]]:
     """`checksums` of every leaf as plain ints, in leaf order (JSON for a checkpoint's meta)."""
     return [[int(v) for v in np.asarray(c)] for c in jax.tree.leaves(jax.device_get(checksums(tree)))]
+
+
+@jax.jit
+def _nonfinite_counts(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jnp.sum(~jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
+                        else jnp.zeros((), jnp.int32), tree)
+
+
+def nonfinite_paths(tree: Any) -> list[str]:
+    """The paths of the floating-point leaves of `tree` that hold an inf or a NaN (empty: all finite)."""
+    counts = jax.device_get(_nonfinite_counts(tree))
+    return [jax.tree_util.keystr(p) for p, c in jax.tree_util.tree_leaves_with_path(counts) if int(c)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import os
 import re
 import typing
@@ -334,7 +335,7 @@ def _close(word: Any, candidates: Sequence[str], cutoff: float = 0.6) -> str | N
     return close[0] if close else None
 
 
-def _suggest_key(section: Any, key: Any) -> str | None:
+def suggest_key(section: Any, key: Any) -> str | None:
     """`model.d_modle` -> `model.d_model`; `modle.d_model` -> `model.d_model`; `model.seq_len` -> `data.seq_len`."""
     s = section if section in _TYPES else _close(section, _TYPES)
     k = _close(key, _TYPES[s]) if s else None
@@ -363,7 +364,7 @@ def check_key(section: Any, key: Any, shown: str | None = None, where: str = "")
     dotted = f"{section}.{key}"
     if dotted in MOVED:
         raise ConfigError(f"{dotted} moved to {MOVED[dotted]}")
-    close = _suggest_key(section, key)
+    close = suggest_key(section, key)
     hint = f"; did you mean {close}?" if close else ""
     if not close and section in _TYPES:
         hint = f"; keys of {section}: {', '.join(_TYPES[section])}"
@@ -472,7 +473,7 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("optim.lr", ">", 0), ("optim.min_lr_ratio", ">=", 0), ("optim.min_lr_ratio", "<=", 1),
     ("optim.warmup_steps", ">=", 0), ("optim.decay_steps", ">=", 0),
     ("optim.b1", ">=", 0), ("optim.b1", "<", 1), ("optim.b2", ">=", 0), ("optim.b2", "<", 1),
-    ("optim.eps", ">=", 0), ("optim.weight_decay", ">=", 0), ("optim.grad_clip", ">=", 0),
+    ("optim.eps", ">", 0), ("optim.weight_decay", ">=", 0), ("optim.grad_clip", ">=", 0),
     ("optim.z_loss", ">=", 0), ("optim.loss_scale_init", ">", 0),
     ("optim.loss_scale_growth_interval", ">=", 1),
     ("data.seq_len", ">=", 1), ("data.global_batch_size", ">=", 1), ("data.builtin_max_bytes", ">=", 1),
@@ -489,6 +490,18 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
 )
 _COMPARE = {">=": lambda a, b: a >= b, ">": lambda a, b: a > b, "<=": lambda a, b: a <= b,
             "<": lambda a, b: a < b}
+
+
+def _floats(cfg: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """(dotted key, value) of every float field of `cfg`, sub-sections included."""
+    out = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out += _floats(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float):
+            out.append((f"{prefix}{f.name}", value))
+    return out
 
 
 def _divisors(n: int, limit: int) -> str:
@@ -510,6 +523,9 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
       ConfigError: the first problem found, in one line naming the key, the value, the rule and a fix.
     """
     from_dict(to_dict(cfg))
+    for key, value in _floats(cfg):  # inf or NaN can only train to NaN (optim.lr=1e999 reads as inf)
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}={show(value)} is not a finite number; set {key} to a finite value")
     for key, op, bound in _BOUNDS:
         value = functools.reduce(getattr, key.split("."), cfg)  # model.fp8.amax_history: two levels
         if not _COMPARE[op](value, bound):
@@ -534,6 +550,10 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         (m.head_dim > 0 or m.d_model % m.num_heads == 0,
          f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}, so model.head_dim=0 "
          "cannot be derived; set model.head_dim explicitly or make d_model a multiple of num_heads"),
+        (m.resolved_head_dim % 2 == 0 or (m.head_dim == 0 and m.d_model % m.num_heads),
+         (f"model.head_dim={m.head_dim}" if m.head_dim else
+          f"model.head_dim=0 derives d_model/num_heads={m.d_model}/{m.num_heads}={m.resolved_head_dim}, which")
+         + " must be even: RoPE rotates pairs of dimensions; set model.head_dim to an even value"),
         (m.d_model % shape["fsdp"] == 0,
          f"mesh.fsdp={shape['fsdp']} does not divide model.d_model={m.d_model} (parameters and optimizer "
          f"state are sharded along d_model over fsdp); choose mesh.fsdp among the divisors of {m.d_model} "
@@ -557,6 +577,14 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         (cp == 1 or mesh.context_balance != "zigzag" or d.seq_len % (2 * cp) == 0,
          f"mesh.context_balance=zigzag cuts data.seq_len={d.seq_len} into 2*mesh.context={2 * cp} chunks; "
          f"use a multiple of {2 * cp} or mesh.context_balance=contiguous"),
+        (cfg.optim.decay_steps == 0 or cfg.optim.schedule == "constant"
+         or cfg.optim.decay_steps > cfg.optim.warmup_steps,
+         f"optim.decay_steps={cfg.optim.decay_steps} ends the decay before optim.warmup_steps="
+         f"{cfg.optim.warmup_steps} ends the warmup (both count from step 0); set optim.decay_steps above "
+         f"{cfg.optim.warmup_steps}, or 0 to decay until train.steps"),
+        (d.source == "files" or not d.paths,
+         f"data.paths={show(d.paths)} is set but data.source={d.source!r} ignores it; set data.source=files "
+         "to train on those files, or remove data.paths"),
         (d.source != "files" or bool(d.paths),
          "data.source='files' but data.paths=[] is empty; set data.paths=[glob, ...] "
          "or data.source=builtin"),
@@ -578,3 +606,13 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         if not ok:
             raise ConfigError(message)
     return shape
+
+
+def warnings(cfg: Config) -> list[str]:
+    """Settings that are legal but probably not meant: one line each, printed before training."""
+    o, t = cfg.optim, cfg.train
+    out = []
+    if o.warmup_steps >= t.steps:
+        out.append(f"optim.warmup_steps={o.warmup_steps} >= train.steps={t.steps}: the learning rate never "
+                   f"reaches optim.lr={show(o.lr)}; lower optim.warmup_steps unless this is a smoke test")
+    return out

@@ -22,6 +22,23 @@ class _Loader(yaml.SafeLoader):
     """SafeLoader that also reads `3e-4` as a float (YAML 1.1 wants a dot: `3.0e-4`)."""
 
 
+class _DuplicateKey(Exception):
+    """A mapping names a key twice: (key, first line, second line), 1-based."""
+
+
+def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise _DuplicateKey(key, seen[key], line)
+        seen[key] = line
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, lambda loader, node: (
+    _construct_mapping(loader, node)))
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
@@ -56,6 +73,10 @@ def _read_yaml(path: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {_one_line(e)}") from None
+    except _DuplicateKey as e:
+        key, first, second = e.args
+        raise ConfigError(f"config file {path} sets {key!s} twice (lines {first} and {second}); "
+                          "keep one: YAML would silently use the last") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -160,6 +181,9 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
     name = "default"
     if path is not None:
         ext = os.path.splitext(path)[1].lower()
+        if os.path.isdir(path):
+            raise ConfigError(f"config file {path} is a directory; pass one .yaml or .gin file in it "
+                              "(e.g. configs/tiny.yaml)")
         if not os.path.isfile(path):
             raise ConfigError(f"config file {path} does not exist; pass a path to a .yaml or .gin file "
                               "(see configs/)")

@@ -22,14 +22,14 @@ import time
 from typing import Any, Callable, Iterator
 
 import jax
-from jax.experimental import multihost_utils
 
-from lumen_jax import distributed, flops as flops_lib, metrics as metrics_lib
+from lumen_jax import distributed, flops as flops_lib, metrics as metrics_lib, resume, runlog
 from lumen_jax.build import Trainer
 from lumen_jax.checkpoint import Checkpointer
 from lumen_jax.config import Config, to_dict
 from lumen_jax.data import DataError
 from lumen_jax.parallel.sdc import find_divergent_replicas
+from lumen_jax.stopsignal import StopSignal
 
 
 class Preempted(Exception):
@@ -44,41 +44,18 @@ class CorruptionDetected(Exception):
     """Parameter replicas disagree (silent data corruption)."""
 
 
-class _StopSignal:
-    """Turns the first SIGTERM/SIGINT into a flag the loop checks after each step (`requested`).
-
-    With several processes they must stop at the same step: JAX's preemption service owns SIGTERM
-    (delivered to any one process, it agrees on a step for all), and SIGINT keeps Python's default.
-    """
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._multi = jax.process_count() > 1
-        signals = () if self._multi else (signal.SIGTERM, signal.SIGINT)
-        self._previous = {s: signal.signal(s, self._handle) for s in signals}
-
-    def requested(self, step: int) -> bool:
-        """Whether to checkpoint and stop after `step` (call after every step, on every process)."""
-        if self._multi and multihost_utils.reached_preemption_sync_point(step):
-            self.received = signal.SIGTERM
-        return self.received is not None
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is not None:  # a second signal: stop now, the checkpoint is not waited for
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        self.received = signum
-
-    def restore(self) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-
-
 class Events:
     """`<run_dir>/events.jsonl`: start, progress and checkpoint events for the supervisor."""
 
     def __init__(self, run_dir: str, enabled: bool):
         self.path = os.path.join(run_dir, "events.jsonl") if enabled else None
+
+    def count(self, event: str) -> int:
+        """How many `event` records the file holds (0 on other processes)."""
+        if not self.path or not os.path.exists(self.path):
+            return 0
+        with open(self.path, encoding="utf-8") as f:
+            return sum(f'"event": "{event}"' in line for line in f)
 
     def write(self, event: str, **fields: Any) -> None:
         if self.path:
@@ -90,17 +67,26 @@ class Events:
                                     **({"attempt": attempt} if attempt else {}), **fields}) + "\n")
 
 
+def fault_sigterm_at_startup() -> None:
+    """Fault injection for tests: with LUMEN_FAULT_SIGTERM_AT_STARTUP set, SIGTERM this process just
+    before the step is compiled (deterministically during start-up)."""
+    if os.environ.get("LUMEN_FAULT_SIGTERM_AT_STARTUP"):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 class NonFiniteGuard:
-    """Counts the steps whose update was skipped (non-finite loss or gradient norm) and raises
+    """Counts the steps whose update was skipped (non-finite loss, gradient norm or update) and raises
     Diverged after `max_in_a_row` of them in a row.
 
     Each step's metrics are checked one step late (`after_step`), when they are ready: the host
     never waits for the device for the guard.
     """
 
-    def __init__(self, max_in_a_row: int, checkpoint_dir: str):
+    def __init__(self, max_in_a_row: int, checkpoint_dir: str, last_checkpoint: Callable[[], str] | None = None):
         self.max_in_a_row = max_in_a_row
         self.checkpoint_dir = checkpoint_dir
+        # Names the newest committed (finite) checkpoint for the message (Checkpointer.last_committed).
+        self.last_checkpoint = last_checkpoint or (lambda: f"the last checkpoint in {checkpoint_dir} is intact")
         self.in_a_row = 0
         self.skipped_total = 0  # skipped steps among those checked so far
         self._pending: tuple[int, Any] | None = None
@@ -114,8 +100,8 @@ class NonFiniteGuard:
                 if self.in_a_row >= self.max_in_a_row:
                     raise Diverged(
                         f"{self.in_a_row} steps in a row (up to step {done_step}) had a non-finite "
-                        f"loss or gradient norm (train.max_nonfinite_steps={self.max_in_a_row}); "
-                        f"updates were skipped and the last checkpoint in {self.checkpoint_dir} is intact; "
+                        f"loss, gradient norm or update (train.max_nonfinite_steps={self.max_in_a_row}); "
+                        f"updates were skipped and {self.last_checkpoint()}; "
                         "lower optim.lr or check the data, then rerun to resume")
             else:
                 self.in_a_row = 0
@@ -171,12 +157,24 @@ def _own_data_state(saved: dict) -> dict:
     return saved["processes"][jax.process_index()]
 
 
-def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
+def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str, stop: StopSignal | None = None) -> dict:
     """Train from the latest good checkpoint in `run_dir` (or from scratch) to `train.steps`.
 
     Returns the last logged metrics. Raises Preempted, Diverged or CorruptionDetected (after
     which the last committed checkpoint is intact), or CheckpointError.
     """
+    log_name = "" if jax.process_index() == 0 else f"library-{jax.process_index()}.log"
+    own = stop is None  # train.main installs one before start-up (a single process)
+    stop = StopSignal(jax.process_count() > 1) if own else stop
+    try:
+        with runlog.library_output(run_dir, log_name):  # Orbax's and asyncio's tracebacks: not the terminal
+            return _run(cfg, trainer, data, run_dir, stop)
+    finally:
+        if own:
+            stop.restore()
+
+
+def _run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str, stop: StopSignal) -> dict:
     is_main = jax.process_index() == 0
     events = Events(run_dir, is_main)
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoint)
@@ -186,7 +184,8 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
         data.set_state(_own_data_state(restored.meta["data"]))
     else:
         state, start = trainer.init(), 0
-    events.write("start", resume_step=start)
+    attempt = events.count("start") + 1  # this run directory's attempt number (1: the first start)
+    events.write("start", resume_step=start, run_attempt=attempt)
 
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     flops = flops_lib.flops_per_token(cfg.model, cfg.data.seq_len)
@@ -196,7 +195,14 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
     t0 = time.perf_counter()
     data_state = data.get_state()  # position after `start` batches: what a checkpoint records
     batch = trainer.shard_batch(next(data))
+    fault_sigterm_at_startup()
     step_fn = trainer.step.lower(state, batch).compile()
+    events.write("compiled")  # start-up and compilation end here: the supervisor counts them as overhead
+    if stop.before_first_step():
+        committed = ckpt.last_committed() if start else "no step had been taken"
+        ckpt.close()
+        raise Preempted(f"stopped by signal {stop.name} during start-up, before step {start + 1}; nothing was "
+                        f"lost: {committed}; rerun to resume")
     if is_main:
         print(f"lumen_jax: {jax.device_count()} {jax.devices()[0].platform} devices, mesh "
               + " ".join(f"{k}={v}" for k, v in trainer.mesh.shape.items())
@@ -205,18 +211,22 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
               + f"compiled in {time.perf_counter() - t0:.1f}s, peak {peaks.source}, run dir {run_dir}"
               + (f", resumed from step {start}" if start else ""), flush=True)
 
-    def meta() -> dict:  # only when saving: gathers every process's data position
-        return {"data": _all_data_states(data_state), "config": to_dict(cfg)}
+    shapes = resume.state_shapes(state)  # what a resume under another config compares (resume.py)
 
-    stop = _StopSignal()
-    guard = NonFiniteGuard(cfg.train.max_nonfinite_steps, ckpt.directory)
+    def meta() -> dict:  # only when saving: gathers every process's data position
+        return {"data": _all_data_states(data_state), "config": to_dict(cfg), "state_shapes": shapes}
+
+    guard = NonFiniteGuard(cfg.train.max_nonfinite_steps, ckpt.directory, ckpt.last_committed)
     after_step = fault_hooks(run_dir)
     last: dict = {}
     stall = 0.0
     log_every = cfg.log.every_steps
     try:
+        # A resumed attempt's rows carry its number (steps after the checkpoint are logged again);
+        # TensorBoard drops the earlier attempt's events from the first replayed step on.
         with metrics_lib.MetricsWriter(run_dir, jsonl=cfg.log.jsonl, tensorboard=cfg.log.tensorboard,
-                                       enabled=is_main) as writer, \
+                                       enabled=is_main, attempt=attempt,
+                                       purge_step=start + 1 if start else None) as writer, \
                 metrics_lib.Progress(cfg.train.steps, enabled=is_main and cfg.log.progress,
                                      initial_step=start) as progress:
             t_last, steps_since = time.perf_counter(), 0
@@ -228,6 +238,7 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
                     batch = trainer.shard_batch(next(data))
 
                 guard.after_step(step, step_metrics)  # checks the previous step's (ready by now)
+                events.write("step", step=step)  # every step: the supervisor counts steps lost from these
 
                 if cfg.train.sdc_check_every and step % cfg.train.sdc_check_every == 0:
                     bad = find_divergent_replicas(trainer.mesh, state.params)
@@ -248,7 +259,6 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
                             "checkpoint_stall_s": stall}
                     writer.write(step, last)
                     progress.update(step, last)
-                    events.write("step", step=step)
                     t_last, steps_since, stall = time.perf_counter(), 0, 0.0
 
                 stopping = stop.requested(step)
@@ -258,12 +268,11 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
                     events.write("checkpoint", step=step)
                     if stopping:
                         ckpt.wait()
-                        raise Preempted(f"stopped by signal {signal.Signals(stop.received).name} after step "
+                        raise Preempted(f"stopped by signal {stop.name} after step "
                                         f"{step}; checkpoint written to {ckpt.directory}; rerun to resume")
                 for hook in after_step:
                     hook(step)
         ckpt.wait()
     finally:
-        stop.restore()
         ckpt.close()
     return last

@@ -208,8 +208,11 @@ class MetricsWriter:
     """
 
     def __init__(self, run_dir: str, *, jsonl: bool = True, tensorboard: bool = True,
-                 enabled: bool = True) -> None:
+                 enabled: bool = True, attempt: int = 1, purge_step: int | None = None) -> None:
+        """`attempt` > 1 (a resumed run) is written into every JSON row; `purge_step`: TensorBoard
+        discards the earlier events of this step and later (the steps a resume logs again)."""
         self.run_dir = run_dir
+        self.attempt = attempt
         self._jsonl = None
         self._tb = None
         if not enabled or not (jsonl or tensorboard):
@@ -219,13 +222,14 @@ class MetricsWriter:
             self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
         if tensorboard:
             from tensorboardX import SummaryWriter  # deferred: slow import, unused when disabled
-            self._tb = SummaryWriter(logdir=run_dir)
+            self._tb = SummaryWriter(logdir=run_dir, purge_step=purge_step)
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Writes a JSON line `{"step": step, **metrics}` and one TB scalar per number."""
         record = {"step": int(step), **{k: _to_python(v) for k, v in metrics.items()}}
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record, default=str) + "\n")
+            row = {**record, "attempt": self.attempt} if self.attempt > 1 else record
+            self._jsonl.write(json.dumps(row, default=str) + "\n")
             self._jsonl.flush()
         if self._tb is not None:
             for key, value in record.items():

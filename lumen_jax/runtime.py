@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-from lumen_jax.config import Config, RuntimeConfig
+from lumen_jax.config import Config, ConfigError, RuntimeConfig
 from lumen_jax.flops import param_counts
 
 # XLA:CPU's concurrency-optimized scheduler lets one emulated device run two independent
@@ -111,3 +111,17 @@ def configure(rc: RuntimeConfig, gpu_flags: tuple[str, ...] = ()) -> None:
         jax.config.update("jax_compilation_cache_dir", os.path.abspath(rc.compilation_cache_dir))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def device_count(rc: RuntimeConfig) -> int:
+    """Starts JAX's backend and returns the device count; a platform this machine lacks is a ConfigError."""
+    import jax
+
+    try:
+        return jax.device_count()
+    except RuntimeError as e:
+        if not rc.platform:
+            raise
+        reason = " ".join(str(e).split())[:200]
+        raise ConfigError(f"runtime.platform={rc.platform} cannot start on this machine ({reason}); "
+                          "set runtime.platform=cpu, or leave it empty to let JAX choose") from None

@@ -4,7 +4,8 @@ The step takes a global batch `{inputs, targets, segment_ids, positions, loss_ma
 and, inside one jitted function: splits it into `micro_batches` (a scan that accumulates
 gradients, so the result equals one big batch: every micro-batch's loss is divided by the token
 count of the whole batch), unscales gradients (float16 dynamic loss scaling), computes the global
-norm, applies the optax update, and skips the update when the loss or gradients are not finite.
+norm, applies the optax update, and skips the update when the loss, the gradients or the update are not
+finite.
 
 Model state that is not a parameter (`lumen_jax.ops.state`) travels in `TrainState.model_state`:
 the step differentiates the loss with respect to it too and takes that "gradient" as its next value,
@@ -185,10 +186,14 @@ def train_step(state: TrainState, batch: Batch, sc: StepConfig,
                                                     sc, placement)
     grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
     grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
     updates, opt_state = sc.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    # What is written must be finite, not only what was read: an update can overflow (a huge lr)
+    # with a finite loss and gradient norm. One norm of the updates (a reduction the size of the
+    # parameters) sees any inf/NaN among them; the new parameters are old + update.
+    update_norm = optax.tree.norm(updates)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
 
     loss_scale, good_steps = state.loss_scale, state.good_steps
@@ -202,7 +207,7 @@ def train_step(state: TrainState, batch: Batch, sc: StepConfig,
                            opt_state=keep(opt_state, state.opt_state),
                            loss_scale=loss_scale, good_steps=good_steps,
                            model_state=keep(model_state, state.model_state))
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": sc.lr_schedule(state.step),
+    metrics = {"loss": loss, "grad_norm": grad_norm, "update_norm": update_norm, "lr": sc.lr_schedule(state.step),
                "loss_scale": state.loss_scale, "skipped": (~finite).astype(jnp.int32),
                "tokens": batch["loss_mask"].astype(jnp.float32).sum()}
     return new_state, metrics

@@ -6,7 +6,8 @@ A run directory with checkpoints resumes from its latest good one. Exit codes:
 0     trained to `train.steps`
 1     a bug in lumen_jax (with a traceback)
 2     bad input: config, data file, checkpoint write failure (disk full); nothing was damaged
-3     diverged: `train.max_nonfinite_steps` non-finite steps in a row; last checkpoint intact
+3     diverged: `train.max_nonfinite_steps` non-finite steps in a row, or a non-finite state
+      (never saved); the message names the last checkpoint, which is finite
 4     silent data corruption: parameter replicas disagree (`train.sdc_check_every`)
 75    preempted: SIGTERM/SIGINT, the current step finished and a checkpoint was written
 ====  ==========================================================================================
@@ -18,44 +19,68 @@ stops with an error leaves at once and the others stop within `distributed.heart
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import traceback
 from typing import Sequence
 
-from lumen_jax.config import Config, ConfigError, to_dict, validate
+from lumen_jax.config import Config, ConfigError, suggest_key, to_dict, validate, warnings
 from lumen_jax.config_files import load_config
 
 EXIT_OK, EXIT_BUG, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_CORRUPTION, EXIT_PREEMPTED = 0, 1, 2, 3, 4, 75
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints the usage too)
+        raise ConfigError(f"{message}; usage: python -m lumen_jax.train --config FILE [section.key=value ...]")
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m lumen_jax.train", description=__doc__.splitlines()[0])
+    """The command line; an option other than --config is a ConfigError that suggests the override."""
+    p = _Parser(prog="python -m lumen_jax.train", description=__doc__.splitlines()[0])
     p.add_argument("--config", help="YAML or gin file (configs/*.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 mesh.tensor=2")
-    return p.parse_args(argv)
+    args, unknown = p.parse_known_args(argv)
+    if unknown:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        option = unknown[0]
+        name, eq, value = option.lstrip("-").partition("=")
+        if not eq:  # `--steps 20`: the value is the next word
+            at = argv.index(option)
+            value = argv[at + 1] if at + 1 < len(argv) and not argv[at + 1].startswith("-") else "..."
+        key = name if "." in name else suggest_key("", name)
+        hint = f"; overrides are dotted without dashes: {key}={value}" if key else ""
+        raise ConfigError(f"unknown option {option}{hint} (the only option is --config FILE)")
+    return args
 
 
 def run_dir_for(cfg: Config) -> str:
     return cfg.train.run_dir or os.path.join("runs", cfg.name)
 
 
-def train(cfg: Config) -> dict:
-    """Train `cfg` to `train.steps` (resuming from its run directory); returns the last metrics."""
+def train(cfg: Config, stop=None) -> dict:
+    """Train `cfg` to `train.steps` (resuming from its run directory); returns the last metrics.
+
+    `stop`: the `stopsignal.StopSignal` installed at start-up (None: the loop installs its own)."""
     from lumen_jax import distributed, runtime
     runtime.configure(cfg.runtime, runtime.gpu_xla_flags(cfg))
     distributed.initialize(cfg.distributed)  # several processes: before anything touches a device
 
     import jax
-    from lumen_jax import loop
+    from lumen_jax import loop, resume, rundir
     from lumen_jax.build import build
     from lumen_jax.data import TrainData
     from lumen_jax.parallel.mesh import make_mesh
 
+    num_devices = runtime.device_count(cfg.runtime)  # a platform this machine lacks: exit 2
     if jax.process_count() > 1:  # every process's devices, before any mesh or compile
         distributed.check_devices(distributed.gather_json(distributed.describe_local_devices()))
-    mesh_shape = validate(cfg, jax.device_count())
+    mesh_shape = validate(cfg, num_devices)
+    run_dir = run_dir_for(cfg)
+    if jax.process_index() == 0:
+        for line in warnings(cfg):
+            print(f"warning: {line}", file=sys.stderr, flush=True)
+        rundir.prepare(run_dir)  # a file in its place, read-only, full: exit 2 before compiling
     trainer = build(cfg, make_mesh(mesh_shape, across_nodes=distributed.across_nodes(
         cfg.distributed, mesh_shape, jax.devices())))
     share, shares = distributed.batch_share(trainer.batch_sharding, cfg.data.global_batch_size, cfg.data.seq_len)
@@ -64,12 +89,11 @@ def train(cfg: Config) -> dict:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                           f"vocabulary ({data.tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer!r}); "
                           f"set model.vocab_size>={data.tokenizer.vocab_size}")
-    run_dir = run_dir_for(cfg)
+    # Before anything in the run directory changes: does its checkpoint fit this config?
+    resume.check(cfg, os.path.join(run_dir, "checkpoints"), trainer.abstract_state(), run_dir, data.check_state)
     if jax.process_index() == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(to_dict(cfg), f, indent=2)
-    return loop.run(cfg, trainer, data, run_dir)
+        rundir.write_json(run_dir, "config.json", to_dict(cfg))
+    return loop.run(cfg, trainer, data, run_dir, stop)
 
 
 def _leave(cfg: Config | None, code: int) -> int:
@@ -91,26 +115,55 @@ def _leave(cfg: Config | None, code: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    from lumen_jax.checkpoint import CheckpointError
+    try:
+        args = parse_args(argv)
+        cfg = load_config(args.config, args.overrides)
+        from lumen_jax import distributed  # no JAX import yet
+        single = distributed.resolve(cfg.distributed) is None
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    from lumen_jax.stopsignal import StopSignal
+    stop = StopSignal() if single else None  # from here on, SIGTERM during start-up exits 75 too
+    try:
+        return _main(cfg, args.config is None, stop)
+    finally:
+        if stop is not None:
+            stop.restore()
+
+
+def _main(cfg: Config, no_config_file: bool, stop) -> int:
+    from lumen_jax.checkpoint import CheckpointError, NonFiniteState
     from lumen_jax.data import DataError
     from lumen_jax.loop import CorruptionDetected, Diverged, Preempted
     codes = {ConfigError: EXIT_BAD_INPUT, DataError: EXIT_BAD_INPUT, CheckpointError: EXIT_BAD_INPUT,
-             Diverged: EXIT_DIVERGED, CorruptionDetected: EXIT_CORRUPTION, Preempted: EXIT_PREEMPTED}
-    cfg = None
+             Diverged: EXIT_DIVERGED, NonFiniteState: EXIT_DIVERGED, CorruptionDetected: EXIT_CORRUPTION,
+             Preempted: EXIT_PREEMPTED}
     try:
-        cfg = load_config(args.config, args.overrides)
-        last = train(cfg)
+        if no_config_file:
+            print(f"lumen_jax: no --config given: training with the defaults of lumen_jax/config.py (every one "
+                  f"listed in configs/base.yaml) and your overrides, in {run_dir_for(cfg)}", flush=True)
+        last = train(cfg, stop)
     except tuple(codes) as e:
         print(f"{'stopped' if isinstance(e, Preempted) else 'error'}: {e}", file=sys.stderr, flush=True)
         return _leave(cfg, codes[type(e)])
+    except OSError as e:  # a metrics or events write on a full disk: the environment, not a bug
+        from lumen_jax.rundir import ENVIRONMENT_ERRNOS
+        if e.errno not in ENVIRONMENT_ERRNOS:
+            raise
+        print(f"error: writing {e.filename or 'the run directory'} failed ({e.strerror}); free disk space or "
+              "fix permissions, then rerun to resume from the last checkpoint", file=sys.stderr, flush=True)
+        return _leave(cfg, EXIT_BAD_INPUT)
     except Exception:
         from lumen_jax import distributed
         if not distributed.is_multiprocess():
             raise
         traceback.print_exc()
         _leave(cfg, EXIT_BUG)
-    print(f"done: step {cfg.train.steps} loss {last.get('loss', float('nan')):.4f}")
+    if "loss" not in last:  # nothing left to train: the run directory had reached train.steps
+        print(f"done: step {cfg.train.steps} (already reached in {run_dir_for(cfg)}; nothing to train)")
+    else:
+        print(f"done: step {cfg.train.steps} loss {last['loss']:.4f}")
     return EXIT_OK
 
 

@@ -19,6 +19,7 @@ from helpers_data import packed_batch
 from lumen_jax import train as train_cli
 from lumen_jax.build import build
 from lumen_jax.checkpoint import Checkpointer
+from lumen_jax.checksums import nonfinite_paths
 from lumen_jax.config import CheckpointConfig, Config, MeshConfig, ModelConfig
 from lumen_jax.parallel.mesh import make_mesh
 from lumen_jax.parallel.sdc import find_divergent_replicas
@@ -122,6 +123,9 @@ class _RecordingManager:
     def save(self, step, args, force):
         self.saved.append(step)
 
+    def wait_until_finished(self):
+        pass
+
     def close(self):
         pass
 
@@ -216,8 +220,12 @@ def test_nonfinite_steps_in_a_row_stop_the_run(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == train_cli.EXIT_DIVERGED, err
     assert len(err) == 1 and "3 steps in a row" in err[0] and "train.max_nonfinite_steps=3" in err[0]
-    steps = Checkpointer(os.path.join(run_dir, "checkpoints"), CheckpointConfig()).steps()
+    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), CheckpointConfig())
+    steps = ckpt.steps()
     assert steps, "the checkpoints written before divergence are intact"
+    assert f"the last checkpoint, step {steps[-1]} in" in err[0], err[0]  # named, and it is finite:
+    restored = ckpt.restore_latest(_trainer(fsdp=8).abstract_state())
+    assert restored.step == steps[-1] and nonfinite_paths(restored.state) == []
 
 
 def test_disk_full_during_save_is_a_clear_error(tmp_path, capsys, monkeypatch):
@@ -232,10 +240,11 @@ def test_disk_full_during_save_is_a_clear_error(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(ocp.CheckpointManager, "save", full_after_first)
     rc = train_cli.main(["--config", "configs/tiny.yaml", f"train.run_dir={run_dir}", "train.steps=6",
-                         "checkpoint.every_steps=2", *IN_PROCESS])
+                         "checkpoint.every_steps=2", "optim.warmup_steps=0", *IN_PROCESS])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == train_cli.EXIT_BAD_INPUT
     assert len(err) == 1 and "No space left on device" in err[0] and "step 4" in err[0]
+    assert "the last committed checkpoint is step 2" in err[0], err[0]
     monkeypatch.undo()
     restored = Checkpointer(os.path.join(run_dir, "checkpoints"), CheckpointConfig()).restore_latest(
         _trainer(fsdp=8).abstract_state())
@@ -270,6 +279,10 @@ def test_sigkill_at_three_steps_resumes_bit_for_bit_under_the_supervisor(tmp_pat
               if e["event"] == "start"]
     assert len(starts) == 4 and starts[0] == 0, (starts, out.stdout, out.stderr[-3000:])
     assert starts[0] == 0 and all(0 < s <= k for s, k in zip(starts[1:], (5, 8, 11)))
+    # Steps lost: those taken after the checkpoint the next attempt resumed from (every step counts,
+    # not only logged ones).
+    lost = [int(line.split("steps lost ")[1].split(",")[0]) for line in out.stdout.splitlines() if "steps lost" in line]
+    assert lost == [k - s for s, k in zip(starts[1:], (5, 8, 11))], out.stdout
 
 
 @pytest.mark.heavy

@@ -306,9 +306,9 @@ def test_brief_example_message():
 
 
 def test_fsdp_divides_d_model():
-    msg = error(validate, with_(TINY, model=dict(d_model=36, num_heads=4)), 8)
-    assert msg.startswith("mesh.fsdp=8 does not divide model.d_model=36")
-    assert validate(with_(TINY, model=dict(d_model=36, num_heads=4), mesh=dict(fsdp=4, data=2)), 8)
+    msg = error(validate, with_(TINY, model=dict(d_model=20, num_heads=2)), 8)
+    assert msg.startswith("mesh.fsdp=8 does not divide model.d_model=20")
+    assert validate(with_(TINY, model=dict(d_model=20, num_heads=2), mesh=dict(fsdp=4, data=2)), 8)
 
 
 def test_gqa_and_head_dim():

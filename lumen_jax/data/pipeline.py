@@ -198,13 +198,17 @@ class TrainData:
         return {"config": self._fingerprint(),
                 "streams": {str(r): s for r, s in zip(self.streams, state["parents"])}}
 
-    def set_state(self, state: dict) -> None:
-        """Resume from `get_state()` output (after a JSON round trip is fine); raises DataError on mismatch."""
+    def check_state(self, state: dict) -> None:
+        """Raises DataError when `get_state()` output was written by another data pipeline."""
         saved, now = state.get("config", {}), self._fingerprint()
         diff = [f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in now.items() if saved.get(k) != v]
         if diff:
             raise DataError("data state does not match this data pipeline (" + "; ".join(diff)
                             + "); resume with the same data settings or start the data from scratch")
+
+    def set_state(self, state: dict) -> None:
+        """Resume from `get_state()` output (after a JSON round trip is fine); raises DataError on mismatch."""
+        self.check_state(state)
         if self.cfg.num_workers > 0:
             self._iterator.set_state(_tuples(state["workers"]))
             return

@@ -19,6 +19,7 @@ import glob
 import json
 import mmap
 import os
+import sys
 import sysconfig
 
 import numpy as np
@@ -83,13 +84,30 @@ class _JsonlFile:
                         first = buf[np.minimum(starts, size - 1)]
                         blank = (ends == starts) | ((ends - starts == 1) & (first == ord("\r")))
                         del buf, first  # the mmap cannot close while a view exists
+                        blank |= self._empty_texts(mm, starts, ends, blank)
                 else:
                     starts = ends = blank = np.zeros(0, np.int64)
+                    self.empty = 0
         except OSError as e:
             raise DataError(f"data file {path}: cannot read ({e.strerror})") from None
         keep = ~blank.astype(bool)
         self.starts, self.ends = starts[keep], ends[keep]
         self.lines = np.flatnonzero(keep) + 1
+
+    # Lines this short are parsed at start-up to find documents whose text is "" (a longer line with
+    # an empty text, i.e. other long fields, is found only when read, and trains on BOS/EOS alone).
+    SHORT_LINE = 256
+
+    def _empty_texts(self, mm: mmap.mmap, starts: np.ndarray, ends: np.ndarray, blank: np.ndarray) -> np.ndarray:
+        empty = np.zeros(len(starts), bool)
+        for i in np.flatnonzero(~blank & (ends - starts <= self.SHORT_LINE)):
+            try:
+                record = json.loads(mm[int(starts[i]):int(ends[i])])
+            except ValueError:
+                continue  # reported with its line number when read
+            empty[i] = isinstance(record, dict) and isinstance(record.get(self.field), str) and not record[self.field]
+        self.empty = int(empty.sum())
+        return empty
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -221,13 +239,17 @@ def file_documents(patterns: tuple[str, ...] | list[str], text_field: str) -> Do
                                 f"use a glob such as {os.path.join(p, '*.jsonl')!r}")
             if p not in paths:
                 paths.append(p)
-    files = []
+    files, empty = [], 0
     for p in paths:
         ext = os.path.splitext(p)[1].lower()
         if ext == ".txt":
+            if os.path.getsize(p) == 0:  # an empty document: it would train on BOS and EOS alone
+                empty += 1
+                continue
             files.append(_TextFile(p))
         elif ext == ".jsonl":
             files.append(_JsonlFile(p, text_field))
+            empty += files[-1].empty
         elif ext == ".parquet":
             files.append(_ParquetFile(p, text_field))
         else:
@@ -235,6 +257,10 @@ def file_documents(patterns: tuple[str, ...] | list[str], text_field: str) -> Do
                             "file), .jsonl (one per line) or .parquet (column data.text_field)")
     docs = Documents(files, f"{len(files)} files from {', '.join(patterns)}")
     if not len(docs):
-        raise DataError(f"data.paths {', '.join(patterns)} matched {len(files)} files but no documents "
-                        "(empty files?)")
+        raise DataError(f"data.paths {', '.join(patterns)} matched {len(paths)} files but no documents "
+                        f"with text ({empty} empty documents, blank lines not counted); "
+                        "point data.paths at files with text")
+    if empty:
+        print(f"warning: data.paths {', '.join(patterns)}: skipped {empty} empty documents; training on the "
+              f"other {len(docs)}", file=sys.stderr, flush=True)
     return docs
