@@ -59,7 +59,8 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"{a}={self.size(a)}" for a in AXES if self.size(a) > 1 or a in ("data", "fsdp")]
-        return " ".join(parts + (["sp"] if self.mesh.sequence_parallel else []))
+        comm = [v for v in (self.mesh.fsdp_grad_reduce, self.mesh.fsdp_regather) if v in ("once", "per_step")]
+        return " ".join(parts + (["sp"] if self.mesh.sequence_parallel else []) + comm)
 
 
 def layout_from_config(cfg: Config, num_devices: int, pipeline: int = 1,

@@ -164,8 +164,8 @@ def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, to
     Tries tensor sizes that fit in a node and divide the heads, kv heads, ffn and vocab; context
     sizes that divide the sequence; every fsdp x data split of the rest; sequence parallelism on
     and off; the remat policies in `SEARCH_REMATS`; and per-device micro-batches of 1, 2, 4, ...
-    sequences; with several micro-batches over fsdp, `mesh.fsdp_grad_reduce` and (ZeRO-3)
-    `mesh.fsdp_regather` both ways. The ZeRO stage and the pipeline depth stay as given.
+    sequences; over fsdp, (ZeRO-3) `mesh.fsdp_regather` both ways and, with several micro-batches,
+    `mesh.fsdp_grad_reduce` both ways. The ZeRO stage and the pipeline depth stay as given.
     """
     m, seq, batch = cfg.model, cfg.data.seq_len, cfg.data.global_batch_size
     per_stage = num_devices // pipeline
@@ -190,7 +190,7 @@ def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, to
                         accumulate = batch // (rest * mb) > 1 and fsdp > 1
                         for reduce, regather in itertools.product(
                                 COMM_OPTIONS["fsdp_grad_reduce"] if accumulate else (mesh.fsdp_grad_reduce,),
-                                COMM_OPTIONS["fsdp_regather"] if accumulate and mesh.zero_stage == 3
+                                COMM_OPTIONS["fsdp_regather"] if fsdp > 1 and mesh.zero_stage == 3
                                 else (mesh.fsdp_regather,)):
                             layout = Layout(dataclasses.replace(mesh, fsdp_grad_reduce=reduce, fsdp_regather=regather),
                                             pipeline=pipeline, micro_batches=batch // (rest * mb))
