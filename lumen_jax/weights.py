@@ -9,9 +9,10 @@ partial Orbax restore: the optimizer state is never read), so generate, evaluate
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -139,3 +140,63 @@ def load_params(run_dir: str, step: int, abstract_params: dict) -> dict:
 def to_numpy(params: dict) -> dict:
     """Host copies of (possibly sharded) parameters."""
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
+
+
+@dataclasses.dataclass
+class Loaded:
+    """A run's model on a mesh: its config (with the mesh asked for), parameters in their shards, rules."""
+
+    cfg: Config
+    step: int
+    mesh: Any
+    rules: Any
+    model: Any  # model.AbstractModel
+    params: dict
+
+
+def mesh_overrides(cfg: Config, overrides: Sequence[str], base: dict | None = None) -> Config:
+    """`cfg` with its mesh section replaced by `base` (None: keep it) and the `mesh.*` overrides applied."""
+    from lumen_jax.config_files import apply_overrides
+
+    raw = to_dict(cfg)
+    if base is not None:
+        raw["mesh"] = {**raw["mesh"], **base}
+    bad = [o for o in overrides if not o.strip().startswith("mesh.")]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r}: only mesh.* overrides apply here (e.g. mesh.tensor=2)")
+    return from_dict(apply_overrides(raw, overrides))
+
+
+def load_onto_mesh(run_dir: str, step: int | None, overrides: Sequence[str] = (),
+                   base_mesh: dict | None = None) -> Loaded:
+    """The parameters of `run_dir`'s checkpoint `step` (None: latest) sharded on the mesh of its config
+    with `base_mesh` and the `mesh.*` overrides; the mesh spans the devices it needs (all for a -1 axis)."""
+    from lumen_jax.model import abstract_model
+    from lumen_jax.parallel.mesh import make_mesh
+    from lumen_jax.parallel.rules import Rules
+
+    step = resolve_step(run_dir, step)
+    cfg = mesh_overrides(read_config(run_dir, step), overrides, base_mesh)
+    sizes = [getattr(cfg.mesh, a) for a in cfg.mesh.AXES]
+    devices = jax.devices()
+    n = len(devices) if -1 in sizes else int(np.prod(sizes))
+    if n > len(devices):
+        raise ConfigError(f"the mesh {dict(zip(cfg.mesh.AXES, sizes))} needs {n} devices, {len(devices)} are "
+                          "available; lower the mesh.* overrides")
+    shape = cfg.mesh.shape(n)
+    m = cfg.model
+    for k in ("num_heads", "num_kv_heads", "vocab_size"):
+        if getattr(m, k) % shape["tensor"]:
+            raise ConfigError(f"mesh.tensor={shape['tensor']} does not divide model.{k}={getattr(m, k)}; "
+                              "choose a divisor")
+    if m.d_model % shape["fsdp"]:
+        raise ConfigError(f"mesh.fsdp={shape['fsdp']} does not divide model.d_model={m.d_model}; choose a divisor")
+    mesh = make_mesh(shape, devices[:n])
+    rules = Rules(zero_stage=cfg.mesh.zero_stage, sequence_parallel=False)
+    model = abstract_model(m)
+    specs = rules.tree_specs(model.param_names, "params")
+    target = jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                               sharding=jax.sharding.NamedSharding(mesh, spec)),
+                          model.params, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return Loaded(cfg=cfg, step=step, mesh=mesh, rules=rules, model=model,
+                  params=load_params(run_dir, step, target))

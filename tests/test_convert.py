@@ -8,55 +8,12 @@ import json
 import os
 import shutil
 
-import jax
 import numpy as np
 import pytest
 
+from helpers_hf import FP32_RTOL, TOKENS, hf_logits, make_hf, our_logits
 from lumen_jax import weights
 from lumen_jax.convert.__main__ import main as convert
-from lumen_jax.model import abstract_model, apply
-
-FP32_RTOL = 1e-5
-TOKENS = np.array([[5, 17, 60, 3, 88, 41, 12, 7, 93, 30, 2, 64, 19, 75, 8, 50, 33, 90, 1, 44]], np.int32)
-HF_KW = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, max_position_embeddings=128,
-             rope_parameters={"rope_type": "llama3", "rope_theta": 100.0, "factor": 8.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
-
-
-def make_hf(path: str, tied: bool, max_shard_size: str | None = None) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(1 + tied)
-    model = LlamaForCausalLM(LlamaConfig(**HF_KW, tie_word_embeddings=tied)).eval()
-    with torch.no_grad():  # norm weights start at 1: randomise them so a misplaced norm shows
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
-    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(path, **kw)
-    return path
-
-
-def hf_logits(hf_dir: str, tokens: np.ndarray) -> np.ndarray:
-    import torch
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
-
-
-def our_logits(run_dir: str, tokens: np.ndarray) -> np.ndarray:
-    step = weights.resolve_step(run_dir, None)
-    cfg = weights.read_config(run_dir, step)
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    a = abstract_model(cfg.model)
-    params = weights.load_params(run_dir, step, jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), a.params))
-    positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
-    return np.asarray(apply(a.graphdef, params, tokens, positions))
-
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
