@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import jax
 from jax.experimental import multihost_utils
 
-from lumen_jax import distributed, flops as flops_lib, metrics as metrics_lib
+from lumen_jax import distributed, flops as flops_lib, metrics as metrics_lib, weights
 from lumen_jax.build import Trainer
 from lumen_jax.checkpoint import Checkpointer
 from lumen_jax.config import Config, to_dict
@@ -171,14 +171,17 @@ def _own_data_state(saved: dict) -> dict:
     return saved["processes"][jax.process_index()]
 
 
-def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
-    """Train from the latest good checkpoint in `run_dir` (or from scratch) to `train.steps`.
+def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str,
+        evaluate: Callable[[Any], dict] | None = None) -> dict:
+    """Train from the latest good checkpoint in `run_dir` (or from scratch, or from `train.init_from`)
+    to `train.steps`; `evaluate(state)` (eval_loss, ...) is logged every `train.eval_every` steps.
 
     Returns the last logged metrics. Raises Preempted, Diverged or CorruptionDetected (after
     which the last committed checkpoint is intact), or CheckpointError.
     """
     is_main = jax.process_index() == 0
     events = Events(run_dir, is_main)
+    weights.refuse_weights_only(run_dir)  # restoring would move the imported weights aside as unreadable
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoint)
     restored = ckpt.restore_latest(trainer.abstract_state(), trainer.older_layouts)
     if restored is not None:
@@ -186,6 +189,8 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
         data.set_state(_own_data_state(restored.meta["data"]))
     else:
         state, start = trainer.init(), 0
+        if cfg.train.init_from:  # fresh optimizer state, step 0, this run's schedule; only the weights
+            state = state.replace(params=weights.init_from(cfg.train.init_from, trainer.abstract_state().params))
     events.write("start", resume_step=start)
 
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
@@ -236,16 +241,22 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str) -> dict:
                                                  + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
                                                  + "; exclude that device and resume from the last checkpoint")
 
-                if step % log_every == 0 or step == cfg.train.steps:
+                evaluated, eval_s = {}, 0.0
+                if evaluate is not None and cfg.train.eval_every and (
+                        step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+                    t_eval = time.perf_counter()
+                    evaluated = evaluate(state)
+                    eval_s = time.perf_counter() - t_eval  # not part of the step time
+                if evaluated or step % log_every == 0 or step == cfg.train.steps:
                     values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
                     now = time.perf_counter()
                     perf = metrics_lib.StepMetrics.compute(
-                        step_time_s=(now - t_last) / steps_since, tokens_per_step=tokens_per_step,
+                        step_time_s=(now - t_last - eval_s) / steps_since, tokens_per_step=tokens_per_step,
                         num_devices=jax.device_count(), flops_per_token=flops,
                         hw_flops_per_token=hw_flops, peak_flops_per_device=peaks.per_device,
                         bf16_peak_flops_per_device=peaks.bf16_per_device)
                     last = {**values, **perf.as_dict(), "skipped_total": guard.skipped_total,
-                            "checkpoint_stall_s": stall}
+                            "checkpoint_stall_s": stall, **evaluated}
                     writer.write(step, last)
                     progress.update(step, last)
                     events.write("step", step=step)

@@ -69,7 +69,18 @@ def train(cfg: Config) -> dict:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(to_dict(cfg), f, indent=2)
-    return loop.run(cfg, trainer, data, run_dir)
+    evaluate = None
+    if cfg.train.eval_every:
+        from lumen_jax.evaluate import Evaluator, eval_data
+        evaluator = Evaluator(trainer)
+
+        def evaluate(state) -> dict:  # the same held-out batches every time
+            held_out, _ = eval_data(cfg, "eval", share, shares)
+            try:
+                return evaluator(state.params, state.model_state, held_out, cfg.train.eval_batches)
+            finally:
+                held_out.close()
+    return loop.run(cfg, trainer, data, run_dir, evaluate)
 
 
 def _leave(cfg: Config | None, code: int) -> int:

@@ -119,16 +119,17 @@ def check_shapes(expected: dict, got: dict[str, tuple[int, ...]], source: str, f
         raise ConfigError(f"{source} has parameter {extra[0]} (shape {got[extra[0]]}) that the config lacks; {fix}")
 
 
-def load_params(run_dir: str, step: int, abstract_params: dict) -> dict:
+def load_params(run_dir: str, step: int, abstract_params: dict, source: str | None = None,
+                fix: str = "use the model config the run was trained with") -> dict:
     """The parameters of checkpoint `step`, read into `abstract_params`' shardings and dtypes.
 
     Args:
       run_dir: a run directory (a training run or an imported model).
       step: one of `steps(run_dir)`.
       abstract_params: {path: jax.ShapeDtypeStruct with `sharding`} of the target model.
+      source, fix: how a shape mismatch names the checkpoint and the remedy (one line, ConfigError).
     """
-    check_shapes(abstract_params, saved_shapes(run_dir, step), f"checkpoint {run_dir} step {step}",
-                 "use the model config the run was trained with")
+    check_shapes(abstract_params, saved_shapes(run_dir, step), source or f"checkpoint {run_dir} step {step}", fix)
     target = {"params": abstract_params}
     restored = ocp.PyTreeCheckpointer().restore(
         os.path.join(checkpoints_dir(run_dir), str(step), "state"),
@@ -200,3 +201,30 @@ def load_onto_mesh(run_dir: str, step: int | None, overrides: Sequence[str] = ()
                           model.params, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
     return Loaded(cfg=cfg, step=step, mesh=mesh, rules=rules, model=model,
                   params=load_params(run_dir, step, target))
+
+
+def init_from(path: str, abstract_params: dict) -> dict:
+    """The parameters a new run starts from (`train.init_from`), in `abstract_params`' shardings.
+
+    `path` is a run directory (its latest checkpoint: a training run or an imported model) or a Hugging
+    Face Llama directory, converted in memory. The shapes must be those of the run's model config;
+    else a ConfigError naming the first parameter that differs.
+    """
+    fix = "make the model section of the config match the weights'"
+    if not steps(path) and any(os.path.isfile(os.path.join(path, f))
+                               for f in ("model.safetensors", "model.safetensors.index.json")):
+        from lumen_jax.convert.__main__ import read_hf
+        _, params = read_hf(path)
+        got = {_key(p): tuple(v.shape) for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+        check_shapes(abstract_params, got, f"train.init_from={path!r}", fix)
+        return jax.tree.map(lambda x, a: jax.device_put(x.astype(a.dtype), a.sharding), params, abstract_params)
+    step = resolve_step(path, None, "train.init_from")
+    return load_params(path, step, abstract_params, f"train.init_from={path!r} (step {step})", fix)
+
+
+def refuse_weights_only(run_dir: str) -> None:
+    """ConfigError when `run_dir` holds imported weights (no optimizer state): a run cannot resume there."""
+    have = steps(run_dir)
+    if have and is_weights_only(run_dir, have[-1]):
+        raise ConfigError(f"train.run_dir={run_dir!r} holds imported weights, not a training run; start a new "
+                          f"run from them with train.init_from={run_dir} and another train.run_dir")
