@@ -88,3 +88,13 @@ def test_bad_inputs_are_one_line(imported, tmp_path, capsys):
         assert evaluate_cli(["--run-dir", source, *args]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and expected in err, (args, err)
+
+
+def test_held_out_share_is_disjoint_from_training():
+    from lumen_jax.data.sources import HeldOut
+
+    docs = [f"document {i}" for i in range(400)]
+    held, kept = HeldOut(docs, 0.25, held_out=True), HeldOut(docs, 0.25, held_out=False)
+    held_docs, kept_docs = {held[i] for i in range(len(held))}, {kept[i] for i in range(len(kept))}
+    assert not held_docs & kept_docs and held_docs | kept_docs == set(docs)
+    assert 60 < len(held) < 140  # about a quarter
