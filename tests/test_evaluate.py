@@ -35,6 +35,7 @@ def imported(tmp_path_factory):
     return hf_dir, str(root / "imported")
 
 
+@pytest.mark.heavy
 def test_init_from_first_loss_and_eval_every_equal_evaluate(imported, tmp_path):
     hf_dir, source = imported
     raw = to_dict(weights.read_config(source, 0))

@@ -64,7 +64,7 @@ def test_cli_prompt_ids_last_line_and_bad_input(run, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     loaded = weights.load_onto_mesh(run_dir, None, base_mesh=ONE_DEVICE)
     assert [int(t) for t in last.split()] == greedy_without_cache(loaded, PROMPTS[1], NEW)
-    for bad, expected in ((["--prompt-ids", "1,x"], "--prompt-ids='1,x'"), (["--prompt-ids", "96"], "[0, 320)"),
+    for bad, expected in ((["--prompt-ids", "1,x"], "--prompt-ids='1,x'"), (["--prompt-ids", "320"], "[0, 320)"),
                           (["--prompt-ids", "1", "--top-p", "0"], "--top-p=0.0"),
                           (["--prompt-ids", "1", "mesh.tensor=3"], "mesh.tensor=3"),
                           (["--prompt-ids", "1", "optim.lr=1"], "only mesh.*"),
