@@ -98,7 +98,7 @@ class Generator:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, seed: int = 0,
                  on_token: Callable[[int, np.ndarray], None] | None = None,
-                 stop_id: int | None = None) -> list[list[int]]:
+                 stop_id: int | None = None, return_logits: bool = False):
         """The new tokens of every prompt (rows stop after `stop_id`, which is kept).
 
         Args:
@@ -107,9 +107,14 @@ class Generator:
           seed: the sampling key's seed (step i draws with fold_in(key(seed), i)); unused when greedy.
           on_token: called with (i, tokens [B]) as token i of every row arrives.
           stop_id: a row that produced it is finished (its later tokens are dropped); None: never.
+          return_logits: also return the float32 logits each token was chosen from, [B, new, V]
+            (read back every step: for tests).
         """
         import jax
 
+        rows = len(prompts)
+        shards = self.loaded.mesh.shape["data"] * self.loaded.mesh.shape["fsdp"]  # rows split over these
+        prompts = [*prompts, *[prompts[-1]] * (-rows % shards)]  # filler rows, dropped at the end
         b, t = len(prompts), max(len(p) for p in prompts)
         tokens = np.zeros((b, t), np.int32)
         valid = np.zeros((b, t + max_new_tokens), bool)
@@ -120,15 +125,18 @@ class Generator:
         lengths = np.array([len(p) for p in prompts], np.int32)
         put = lambda x, sh: jax.device_put(x, sh)  # noqa: E731
         seed_dev = put(np.uint32(seed), self.scalar_sh)
-        nxt, _, cache = self._prefill(self.loaded.params, put(tokens, self.rows_sh),
+        nxt, logits, cache = self._prefill(self.loaded.params, put(tokens, self.rows_sh),
                                       put(valid[:, :t], self.rows_sh), seed_dev, t + max_new_tokens)
         valid_dev = put(valid, self.rows_sh)
         out = np.zeros((b, max_new_tokens), np.int32)
         done = np.zeros(b, bool)
+        all_logits = []
         for i in range(max_new_tokens):
             current = nxt
+            if return_logits:
+                all_logits.append(np.asarray(jax.device_get(logits))[:rows])
             if i + 1 < max_new_tokens:  # dispatched before reading `current`: the device keeps working
-                nxt, _, cache = self._step(self.loaded.params, current, put(lengths + i, self.row_sh),
+                nxt, logits, cache = self._step(self.loaded.params, current, put(lengths + i, self.row_sh),
                                            put(np.int32(t + i), self.scalar_sh), valid_dev, seed_dev, cache)
             out[:, i] = np.asarray(jax.device_get(current))
             if on_token is not None:
@@ -138,10 +146,10 @@ class Generator:
                 if done.all():
                     out = out[:, :i + 1]
                     break
-        rows = [list(map(int, r)) for r in out]
+        new = [list(map(int, r)) for r in out[:rows]]
         if stop_id is not None:
-            rows = [r[:r.index(stop_id) + 1] if stop_id in r else r for r in rows]
-        return rows
+            new = [r[:r.index(stop_id) + 1] if stop_id in r else r for r in new]
+        return (new, np.stack(all_logits, axis=1)) if return_logits else new
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

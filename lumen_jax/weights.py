@@ -9,8 +9,10 @@ partial Orbax restore: the optimizer state is never read), so generate, evaluate
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 from typing import Any, Sequence
 
@@ -95,7 +97,8 @@ def save_weights(run_dir: str, cfg: Config, params: dict, extra: dict | None = N
 
 def saved_shapes(run_dir: str, step: int) -> dict[str, tuple[int, ...]]:
     """{'a/b/c': shape} of the saved parameters at `step` (from Orbax's metadata; nothing is read)."""
-    meta = ocp.PyTreeCheckpointer().metadata(os.path.join(checkpoints_dir(run_dir), str(step), "state"))
+    with _quiet_absl():
+        meta = ocp.PyTreeCheckpointer().metadata(os.path.join(checkpoints_dir(run_dir), str(step), "state"))
     tree = getattr(meta, "item_metadata", meta)
     tree = getattr(tree, "tree", tree)
     flat = jax.tree_util.tree_flatten_with_path(tree["params"], is_leaf=lambda x: hasattr(x, "shape"))[0]
@@ -131,11 +134,23 @@ def load_params(run_dir: str, step: int, abstract_params: dict, source: str | No
     """
     check_shapes(abstract_params, saved_shapes(run_dir, step), source or f"checkpoint {run_dir} step {step}", fix)
     target = {"params": abstract_params}
-    restored = ocp.PyTreeCheckpointer().restore(
+    with _quiet_absl():  # Orbax warns that the item folder has no checkpoint metadata (the step folder has)
+        restored = ocp.PyTreeCheckpointer().restore(
         os.path.join(checkpoints_dir(run_dir), str(step), "state"),
-        args=ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                                    partial_restore=True))
+            args=ocp.args.PyTreeRestore(item=target, partial_restore=True,
+                                        restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
     return restored["params"]
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+    log = logging.getLogger("absl")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def to_numpy(params: dict) -> dict:

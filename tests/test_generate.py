@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers_hf import hf_greedy, make_hf
+from helpers_hf import FP32_RTOL, hf_greedy, make_hf
 from lumen_jax import weights
 from lumen_jax.convert.__main__ import main as convert
 from lumen_jax.generate import ONE_DEVICE, Generator, Sampling, main as generate
@@ -23,16 +23,19 @@ def run(tmp_path_factory):
     return hf_dir, str(root / "run")
 
 
-def greedy_without_cache(loaded, prompt: list[int], new: int) -> list[int]:
-    """Greedy decoding that recomputes the whole sequence for every token (no cache). The sequence is
-    zero-padded to its final length: causal attention keeps the padding out of the earlier logits."""
+def greedy_without_cache(loaded, prompt: list[int], new: int, with_logits: bool = False):
+    """Greedy decoding that recomputes the whole sequence for every token (no cache), and the logits
+    [new, V] each token was chosen from. The sequence is zero-padded to its final length: causal
+    attention keeps the padding out of the earlier logits."""
     forward = jax.jit(lambda p, x, pos: apply(loaded.model.graphdef, p, x, pos))
     ids = np.zeros((1, len(prompt) + new), np.int32)
     ids[0, :len(prompt)] = prompt
     positions = np.arange(ids.shape[1], dtype=np.int32)[None]
+    logits = []
     for t in range(len(prompt), ids.shape[1]):
-        ids[0, t] = int(np.argmax(np.asarray(forward(loaded.params, ids, positions))[0, t - 1]))
-    return ids[0, len(prompt):].tolist()
+        logits.append(np.asarray(forward(loaded.params, ids, positions))[0, t - 1])
+        ids[0, t] = int(np.argmax(logits[-1]))
+    return (ids[0, len(prompt):].tolist(), np.stack(logits)) if with_logits else ids[0, len(prompt):].tolist()
 
 
 def test_greedy_cache_equals_no_cache_and_transformers_and_padded_rows(run):
@@ -40,9 +43,13 @@ def test_greedy_cache_equals_no_cache_and_transformers_and_padded_rows(run):
     loaded = weights.load_onto_mesh(run_dir, None, base_mesh=ONE_DEVICE)
     gen = Generator(loaded, Sampling())
     alone = [gen.generate([p], NEW)[0] for p in PROMPTS]
-    assert alone[0] == greedy_without_cache(loaded, PROMPTS[0], NEW)
+    tokens, logits = greedy_without_cache(loaded, PROMPTS[0], NEW, with_logits=True)
+    assert alone[0] == tokens
     assert alone[0] == hf_greedy(hf_dir, PROMPTS[0], NEW)
-    assert gen.generate(PROMPTS, NEW) == alone  # left-padded into one batch, masked per row
+    batch, batch_logits = gen.generate(PROMPTS, NEW, return_logits=True)
+    assert batch == alone  # left-padded into one batch, masked per row
+    # Token equality alone is blind to small errors (a position off by one): the logits too, fp32.
+    np.testing.assert_allclose(batch_logits[0], logits, rtol=FP32_RTOL, atol=FP32_RTOL * np.abs(logits).max())
 
 
 def test_sampling_is_seeded_and_tensor_2_equals_one_device(run):
@@ -50,6 +57,9 @@ def test_sampling_is_seeded_and_tensor_2_equals_one_device(run):
     one = weights.load_onto_mesh(run_dir, None, base_mesh=ONE_DEVICE)
     two = weights.load_onto_mesh(run_dir, None, ["mesh.tensor=2"], base_mesh=ONE_DEVICE)
     assert two.mesh.shape["tensor"] == 2 and two.mesh.devices.size == 2
+    four = weights.load_onto_mesh(run_dir, None, ["mesh.tensor=2", "mesh.data=2"], base_mesh=ONE_DEVICE)
+    three = [*PROMPTS, [33]]  # over data=2: padded with a filler row
+    assert Generator(four, Sampling()).generate(three, NEW) == Generator(one, Sampling()).generate(three, NEW)
     hot = Generator(one, Sampling(temperature=1.5, top_k=40, top_p=0.95))
     first = hot.generate(PROMPTS, NEW, seed=3)
     assert hot.generate(PROMPTS, NEW, seed=3) == first
