@@ -17,9 +17,8 @@ from flax import nnx
 
 from lumen_jax.model.layers import rope_frequencies
 from lumen_jax.model.transformer import Transformer
-from lumen_jax.ops.attention import attention
+from lumen_jax.ops.attention import attention, cached_attention
 from lumen_jax.ops.projection import project
-from lumen_jax.ops.reference import reference
 from lumen_jax.parallel.rules import constrain
 
 CACHE_AXES = ("batch", "seq", "act_kv_heads", None)  # of one layer's [B, S, K, H]
@@ -98,16 +97,14 @@ def decode(model: Transformer, tokens_b: jax.Array, positions_b: jax.Array, slot
     """
     inv_freq = rope_frequencies(model.cfg)
     s = cache["k"].shape[2]
-    kv_seg = (valid_bs & (jnp.arange(s) <= slot)[None]).astype(jnp.int32)
-    q_seg = jnp.ones((tokens_b.shape[0], 1), jnp.int32)
+    visible = valid_bs & (jnp.arange(s) <= slot)[None]  # [B, S]: filled, and not a prompt's padding
 
     def attend(attn, h_btd, k_cache, v_cache):
         q, k, v = attn.qkv(h_btd, positions_b[:, None], inv_freq, model.ops)
         at = (jnp.zeros((), jnp.int32), slot, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
         k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), at)
         v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), at)
-        o, _ = reference(q, k_cache, v_cache, segment_ids_bt=q_seg, kv_segment_ids_bs=kv_seg, causal=False)
-        return o, k_cache, v_cache
+        return cached_attention(q, k_cache, v_cache, visible), k_cache, v_cache
 
     x_btd, cache = _layers(model, _embed(model, tokens_b[:, None]), cache, attend)
     return _logits(model, x_btd)[:, 0], cache
