@@ -67,13 +67,18 @@ def test_sampling_is_seeded_and_tensor_2_equals_one_device(run):
     assert Generator(two, Sampling()).generate(PROMPTS, NEW) == Generator(one, Sampling()).generate(PROMPTS, NEW)
 
 
-def test_cli_prompt_ids_last_line_and_bad_input(run, capsys):
+def test_cli_prompt_ids_last_line_prompts_file_and_bad_input(run, tmp_path, capsys):
     _, run_dir = run
     assert generate(["--run-dir", run_dir, "--prompt-ids", ",".join(map(str, PROMPTS[1])),
                      "--max-new-tokens", str(NEW)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     loaded = weights.load_onto_mesh(run_dir, None, base_mesh=ONE_DEVICE)
     assert [int(t) for t in last.split()] == greedy_without_cache(loaded, PROMPTS[1], NEW)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def main(\n\nimport os\n")
+    assert generate(["--run-dir", run_dir, "--prompts", str(prompts), "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out  # each prompt, then its continuation (which may hold a newline)
+    assert out.startswith("def main(") and "\nimport os" in out, out
     for bad, expected in ((["--prompt-ids", "1,x"], "--prompt-ids='1,x'"), (["--prompt-ids", "320"], "[0, 320)"),
                           (["--prompt-ids", "1", "--top-p", "0"], "--top-p=0.0"),
                           (["--prompt-ids", "1", "mesh.tensor=3"], "mesh.tensor=3"),
