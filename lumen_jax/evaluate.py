@@ -76,6 +76,23 @@ def eval_data(cfg: Config, which: str, process_index: int = 0, process_count: in
     return data, note
 
 
+def during_training(cfg: Config, trainer: Any, process_index: int, process_count: int):
+    """`evaluate(state) -> {eval_loss, eval_ppl, eval_tokens}` for the loop (`train.eval_every`), over the
+    same first `train.eval_batches` held-out batches every time; None when `train.eval_every` is 0."""
+    if not cfg.train.eval_every:
+        return None
+    evaluator = Evaluator(trainer)
+
+    def evaluate(state: Any) -> dict[str, float]:
+        held_out, _ = eval_data(cfg, "eval", process_index, process_count)
+        try:
+            return evaluator(state.params, state.model_state, held_out, cfg.train.eval_batches)
+        finally:
+            held_out.close()
+
+    return evaluate
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lumen_jax.evaluate", description=__doc__.splitlines()[0])
     p.add_argument("--run-dir", required=True)

@@ -51,6 +51,7 @@ def train(cfg: Config) -> dict:
     from lumen_jax import loop
     from lumen_jax.build import build
     from lumen_jax.data import TrainData
+    from lumen_jax.evaluate import during_training
     from lumen_jax.parallel.mesh import make_mesh
 
     if jax.process_count() > 1:  # every process's devices, before any mesh or compile
@@ -69,18 +70,7 @@ def train(cfg: Config) -> dict:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(to_dict(cfg), f, indent=2)
-    evaluate = None
-    if cfg.train.eval_every:
-        from lumen_jax.evaluate import Evaluator, eval_data
-        evaluator = Evaluator(trainer)
-
-        def evaluate(state) -> dict:  # the same held-out batches every time
-            held_out, _ = eval_data(cfg, "eval", share, shares)
-            try:
-                return evaluator(state.params, state.model_state, held_out, cfg.train.eval_batches)
-            finally:
-                held_out.close()
-    return loop.run(cfg, trainer, data, run_dir, evaluate)
+    return loop.run(cfg, trainer, data, run_dir, during_training(cfg, trainer, share, shares))
 
 
 def _leave(cfg: Config | None, code: int) -> int:
