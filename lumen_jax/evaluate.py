@@ -70,7 +70,8 @@ def eval_data(cfg: Config, which: str, process_index: int = 0, process_count: in
     elif which != "eval":
         data_cfg = dataclasses.replace(cfg.data, eval_paths=tuple(p for p in which.split(",") if p))
     elif not cfg.data.eval_paths and not cfg.data.eval_share:
-        split, note = "train", "the run holds no documents out (data.eval_paths, data.eval_share): evaluating on its training data"
+        split = "train"
+        note = "the run holds no documents out (data.eval_paths, data.eval_share): evaluating on its training data"
     data = TrainData(data_cfg, seed=cfg.train.seed, process_index=process_index, process_count=process_count,
                      split=split)
     return data, note

@@ -10,7 +10,8 @@ host reads token i while step i+1 runs, and streams the text of a single prompt 
 `--temperature 0` is greedy; otherwise temperature, then top-k, then top-p (nucleus) filter the
 logits and a token is drawn with a key derived from `--seed` and the step. The mesh defaults to one
 device; `mesh.tensor=N` splits heads, the vocabulary and the cache over N devices, `mesh.data=N`
-the prompts. With `--prompt-ids` the last line of stdout is the generated ids, space-separated.
+the prompts (on a CPU machine add `runtime.cpu_devices=N` for N emulated devices). With
+`--prompt-ids` the last line of stdout is the generated ids, space-separated.
 Text prompts start with the tokenizer's BOS (as every training document) and stop at its EOS.
 """
 
@@ -166,7 +167,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=COMPUTE_DTYPES, default=None, help="compute dtype (default: the run's)")
-    p.add_argument("overrides", nargs="*", help="mesh overrides, e.g. mesh.tensor=2")
+    p.add_argument("overrides", nargs="*",
+                   help="mesh overrides, e.g. mesh.tensor=2 (on CPU with runtime.cpu_devices=2)")
     return p.parse_args(argv)
 
 
@@ -214,6 +216,19 @@ class _Stream:
         self.shown = text
 
 
+def _cpu_devices(overrides: Sequence[str]) -> list[str]:
+    """Applies `runtime.cpu_devices=N` (emulated CPU devices, e.g. for mesh.tensor=2 on a CPU machine)
+    before the backend starts; returns the other overrides."""
+    cpu = [o for o in overrides if o.strip().startswith("runtime.cpu_devices=")]
+    if cpu:
+        import jax
+
+        from lumen_jax.config import from_dict
+        from lumen_jax.config_files import apply_overrides
+        jax.config.update("jax_num_cpu_devices", from_dict(apply_overrides({}, cpu[-1:])).runtime.cpu_devices)
+    return [o for o in overrides if o not in cpu]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from lumen_jax.data import DataError
@@ -223,12 +238,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lumen_jax.data import build_tokenizer
         from lumen_jax.model import abstract_model
 
-        loaded = weights.load_onto_mesh(args.run_dir, args.step, args.overrides, base_mesh=ONE_DEVICE)
+        loaded = weights.load_onto_mesh(args.run_dir, args.step, _cpu_devices(args.overrides), base_mesh=ONE_DEVICE)
         if args.dtype:
             model_cfg = dataclasses.replace(loaded.cfg.model, compute_dtype=args.dtype)
             loaded = dataclasses.replace(loaded, cfg=loaded.cfg.replace(model=model_cfg),
                                          model=abstract_model(model_cfg))
         tokenizer = build_tokenizer(loaded.cfg.data.tokenizer)
+        if args.prompt_ids is None and tokenizer.vocab_size > loaded.cfg.model.vocab_size:
+            raise ConfigError(f"the run's tokenizer ({loaded.cfg.data.tokenizer!r}, {tokenizer.vocab_size} ids) is "
+                              f"larger than model.vocab_size={loaded.cfg.model.vocab_size}; use --prompt-ids")
         texts, prompts = _prompts(args, tokenizer, loaded.cfg.model.vocab_size)
         stream = _Stream(tokenizer) if texts is not None and len(texts) == 1 else None
         if stream:

@@ -80,12 +80,14 @@ def test_bad_inputs_are_one_line(imported, tmp_path, capsys):
             weights.init_from(path, wider)
     with pytest.raises(ConfigError, match="holds imported weights, not a training run"):
         weights.refuse_weights_only(source)
-    for overrides, expected in ((["train.eval_every=5"], "train.eval_every=5 needs held-out data"),
-                                (["train.init_from=/nonexistent"], "train.init_from='/nonexistent' is not a directory")):
+    for overrides, expected in (
+            (["train.eval_every=5"], "train.eval_every=5 needs held-out data"),
+            (["train.init_from=/nonexistent"], "train.init_from='/nonexistent' is not a directory")):
         with pytest.raises(ConfigError, match=expected):
             validate(load_config(None, overrides), 8)
     for args, expected in ((["--step", "3"], "--step=3"), (["optim.lr=1"], "only mesh.* and data.*"),
-                           (["--batches", "0"], "--batches=0"), (["--data", str(tmp_path / "none*.txt")], "matches no files")):
+                           (["--batches", "0"], "--batches=0"),
+                           (["--data", str(tmp_path / "none*.txt")], "matches no files")):
         assert evaluate_cli(["--run-dir", source, *args]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and expected in err, (args, err)
