@@ -69,10 +69,10 @@ def read_hf(hf_dir: str) -> tuple[Config, dict]:
         if not os.path.isfile(path):
             raise hf.ConvertError(f"{os.path.join(hf_dir, INDEX)} names {os.path.basename(path)}, which is missing")
     dtype = config.get("dtype") or config.get("torch_dtype")
-    if dtype is None:
+    if dtype is None:  # older configs: the first tensor's
         with safe_open(next(iter(files.values())), framework="numpy") as f:
-            dtype = str(f.get_slice(next(iter(f.keys()))).get_dtype()).lower().replace("bf16", "bfloat16") \
-                .replace("f32", "float32").replace("f16", "float16")
+            stored = str(f.get_slice(next(iter(f.keys()))).get_dtype())
+        dtype = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(stored, stored)
     if dtype not in hf.DTYPES:
         raise hf.ConvertError(f"config.json dtype={dtype!r} is not supported; use float32, bfloat16 or float16")
     m = hf.model_config(config, hf.DTYPES[dtype])
