@@ -174,6 +174,8 @@ class DataConfig:
     builtin_max_bytes: int = 4_000_000  # cap on the builtin corpus (bytes of source text)
     shuffle: bool = True
     num_workers: int = 0  # grain worker processes (0: in-process)
+    eval_paths: tuple[str, ...] = ()  # globs of held-out files for evaluation (same formats as paths)
+    eval_share: float = 0.0  # without eval_paths: this share of the documents is held out of training
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +188,9 @@ class TrainConfig:
     run_dir: str = ""  # "": runs/<config name>
     max_nonfinite_steps: int = 20  # this many non-finite steps in a row stop the run (exit 3)
     sdc_check_every: int = 0  # compare parameter replicas' checksums every N steps (0: off)
+    init_from: str = ""  # a new run starts from these weights: a run directory or a Hugging Face directory
+    eval_every: int = 0  # evaluate on the held-out data (data.eval_paths / data.eval_share) every N steps
+    eval_batches: int = 10  # batches of global_batch_size per evaluation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -477,7 +482,8 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("optim.z_loss", ">=", 0), ("optim.loss_scale_init", ">", 0),
     ("optim.loss_scale_growth_interval", ">=", 1),
     ("data.seq_len", ">=", 1), ("data.global_batch_size", ">=", 1), ("data.builtin_max_bytes", ">=", 1),
-    ("data.num_workers", ">=", 0),
+    ("data.num_workers", ">=", 0), ("data.eval_share", ">=", 0), ("data.eval_share", "<", 1),
+    ("train.eval_every", ">=", 0), ("train.eval_batches", ">=", 1),
     ("train.steps", ">=", 1), ("train.micro_batches", ">=", 1), ("train.max_nonfinite_steps", ">=", 1),
     ("train.sdc_check_every", ">=", 0),
     ("checkpoint.every_steps", ">=", 0), ("checkpoint.every_minutes", ">=", 0), ("checkpoint.keep", ">=", 1),
@@ -598,6 +604,12 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
            f"across-node and in-node parts, so choose distributed.across_nodes_{a} among the divisors of "
            f"{shape[a]} ({_divisors(shape[a], shape[a])})")
           for a, n in cfg.distributed.across_nodes().items()),
+        (not cfg.train.eval_every or bool(d.eval_paths) or d.eval_share > 0,
+         f"train.eval_every={cfg.train.eval_every} needs held-out data: set data.eval_paths=[glob, ...] or "
+         "data.eval_share (e.g. 0.01), or train.eval_every=0"),
+        (not cfg.train.init_from or os.path.isdir(cfg.train.init_from),
+         f"train.init_from={cfg.train.init_from!r} is not a directory; give a run directory or a Hugging Face "
+         "model directory"),
         (d.tokenizer == "byte" or os.path.isfile(d.tokenizer),
          f"data.tokenizer={d.tokenizer!r} does not exist; give the path of a Hugging Face tokenizer.json "
          "or use data.tokenizer=byte"),

@@ -194,6 +194,13 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
         else:
             raise ConfigError(f"config file {path} must end in .yaml, .yml or .gin; got {ext or 'no suffix'}")
         name = os.path.splitext(os.path.basename(path))[0]
+    raw = apply_overrides(raw, overrides)
+    raw["name"] = name
+    return from_dict(raw)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """`raw` (a nested config dict, changed in place and returned) with `section.key=value` overrides set."""
     for text in overrides:
         section, key, value = _parse_override(text)
         body = raw
@@ -205,5 +212,4 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
                 break
         else:
             body[key] = value
-    raw["name"] = name
-    return from_dict(raw)
+    return raw

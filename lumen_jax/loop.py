@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import jax
 
-from lumen_jax import distributed, flops as flops_lib, metrics as metrics_lib, resume, runlog
+from lumen_jax import distributed, flops as flops_lib, metrics as metrics_lib, resume, runlog, weights
 from lumen_jax.build import Trainer
 from lumen_jax.checkpoint import Checkpointer
 from lumen_jax.config import Config, to_dict
@@ -157,8 +157,10 @@ def _own_data_state(saved: dict) -> dict:
     return saved["processes"][jax.process_index()]
 
 
-def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str, stop: StopSignal | None = None) -> dict:
-    """Train from the latest good checkpoint in `run_dir` (or from scratch) to `train.steps`.
+def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str, stop: StopSignal | None = None,
+        evaluate: Callable[[Any], dict] | None = None) -> dict:
+    """Train from the latest good checkpoint in `run_dir` (or from scratch, or from `train.init_from`)
+    to `train.steps`; `evaluate(state)` (eval_loss, ...) is logged every `train.eval_every` steps.
 
     Returns the last logged metrics. Raises Preempted, Diverged or CorruptionDetected (after
     which the last committed checkpoint is intact), or CheckpointError.
@@ -168,15 +170,17 @@ def run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str, stop: StopS
     stop = StopSignal(jax.process_count() > 1) if own else stop
     try:
         with runlog.library_output(run_dir, log_name):  # Orbax's and asyncio's tracebacks: not the terminal
-            return _run(cfg, trainer, data, run_dir, stop)
+            return _run(cfg, trainer, data, run_dir, stop, evaluate)
     finally:
         if own:
             stop.restore()
 
 
-def _run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str, stop: StopSignal) -> dict:
+def _run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str, stop: StopSignal,
+         evaluate: Callable[[Any], dict] | None) -> dict:
     is_main = jax.process_index() == 0
     events = Events(run_dir, is_main)
+    weights.refuse_weights_only(run_dir)  # restoring would move the imported weights aside as unreadable
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoint)
     restored = ckpt.restore_latest(trainer.abstract_state(), trainer.older_layouts)
     if restored is not None:
@@ -184,6 +188,8 @@ def _run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str, stop: Stop
         data.set_state(_own_data_state(restored.meta["data"]))
     else:
         state, start = trainer.init(), 0
+        if cfg.train.init_from:  # fresh optimizer state, step 0, this run's schedule; only the weights
+            state = state.replace(params=weights.init_from(cfg.train.init_from, trainer.abstract_state().params))
     attempt = events.count("start") + 1  # this run directory's attempt number (1: the first start)
     events.write("start", resume_step=start, run_attempt=attempt)
 
@@ -247,16 +253,22 @@ def _run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str, stop: Stop
                                                  + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
                                                  + "; exclude that device and resume from the last checkpoint")
 
-                if step % log_every == 0 or step == cfg.train.steps:
+                evaluated, eval_s = {}, 0.0
+                if evaluate is not None and cfg.train.eval_every and (
+                        step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+                    t_eval = time.perf_counter()
+                    evaluated = evaluate(state)
+                    eval_s = time.perf_counter() - t_eval  # not part of the step time
+                if evaluated or step % log_every == 0 or step == cfg.train.steps:
                     values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
                     now = time.perf_counter()
                     perf = metrics_lib.StepMetrics.compute(
-                        step_time_s=(now - t_last) / steps_since, tokens_per_step=tokens_per_step,
+                        step_time_s=(now - t_last - eval_s) / steps_since, tokens_per_step=tokens_per_step,
                         num_devices=jax.device_count(), flops_per_token=flops,
                         hw_flops_per_token=hw_flops, peak_flops_per_device=peaks.per_device,
                         bf16_peak_flops_per_device=peaks.bf16_per_device)
                     last = {**values, **perf.as_dict(), "skipped_total": guard.skipped_total,
-                            "checkpoint_stall_s": stall}
+                            "checkpoint_stall_s": stall, **evaluated}
                     writer.write(step, last)
                     progress.update(step, last)
                     t_last, steps_since, stall = time.perf_counter(), 0, 0.0

@@ -211,3 +211,10 @@ def train_step(state: TrainState, batch: Batch, sc: StepConfig,
                "loss_scale": state.loss_scale, "skipped": (~finite).astype(jnp.int32),
                "tokens": batch["loss_mask"].astype(jnp.float32).sum()}
     return new_state, metrics
+
+
+def eval_loss(params: dict, model_state: dict, batch: Batch, sc: StepConfig) -> tuple[jax.Array, jax.Array]:
+    """(summed token cross-entropy, token count) of a batch: the loss `train_step` reports, without gradients."""
+    one = jnp.ones((), jnp.float32)
+    _, ce_sum = _micro_loss(params, model_state, batch, one, one, sc)
+    return ce_sum, batch["loss_mask"].astype(jnp.float32).sum()

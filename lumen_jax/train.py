@@ -70,6 +70,7 @@ def train(cfg: Config, stop=None) -> dict:
     from lumen_jax import loop, resume, rundir
     from lumen_jax.build import build
     from lumen_jax.data import TrainData
+    from lumen_jax.evaluate import during_training
     from lumen_jax.parallel.mesh import make_mesh
 
     num_devices = runtime.device_count(cfg.runtime)  # a platform this machine lacks: exit 2
@@ -93,7 +94,7 @@ def train(cfg: Config, stop=None) -> dict:
     resume.check(cfg, os.path.join(run_dir, "checkpoints"), trainer.abstract_state(), run_dir, data.check_state)
     if jax.process_index() == 0:
         rundir.write_json(run_dir, "config.json", to_dict(cfg))
-    return loop.run(cfg, trainer, data, run_dir, stop)
+    return loop.run(cfg, trainer, data, run_dir, stop, during_training(cfg, trainer, share, shares))
 
 
 def _leave(cfg: Config | None, code: int) -> int:

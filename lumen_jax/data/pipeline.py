@@ -41,7 +41,7 @@ import numpy as np
 
 from lumen_jax.config import DataConfig
 from lumen_jax.data.errors import DataError
-from lumen_jax.data.sources import Documents, builtin_documents, file_documents
+from lumen_jax.data.sources import Documents, HeldOut, builtin_documents, file_documents
 from lumen_jax.data.tokenizer import build_tokenizer
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -108,6 +108,22 @@ def packed_stream(order: grain.MapDataset, stream: int, num_streams: int, tokeni
     return ds.map(_Row(tokenizer.pad_id))
 
 
+def _documents(cfg: DataConfig, split: str) -> Documents | HeldOut:
+    """split='train': the training documents (without the held-out share); 'eval': the held-out ones
+    (data.eval_paths, else the data.eval_share of the training source)."""
+    if split not in ("train", "eval"):
+        raise DataError(f"{split=} must be train or eval")
+    if split == "eval" and cfg.eval_paths:
+        return file_documents(cfg.eval_paths, cfg.text_field)
+    if split == "eval" and not cfg.eval_share:
+        raise DataError("no held-out data: set data.eval_paths=[glob, ...] or data.eval_share (e.g. 0.01)")
+    docs = (builtin_documents(cfg.builtin_max_bytes) if cfg.source == "builtin"
+            else file_documents(cfg.paths, cfg.text_field))
+    if cfg.eval_share and not cfg.eval_paths:
+        return HeldOut(docs, cfg.eval_share, held_out=split == "eval")
+    return docs
+
+
 def _close_iterator(holder: list) -> None:
     while holder:
         close = getattr(holder.pop(), "close", None)
@@ -130,10 +146,12 @@ class TrainData:
 
     Each batch is a dict of [global_batch_size // process_count, seq_len] arrays:
     inputs, targets, segment_ids, positions (int32) and loss_mask (float32); see BATCH_KEYS and the
-    module docstring. Process p's rows are rows [p*B, (p+1)*B) of the global batch.
+    module docstring. Process p's rows are rows [p*B, (p+1)*B) of the global batch. `split`: train
+    (the training documents) or eval (data.eval_paths, else the held-out data.eval_share).
     """
 
-    def __init__(self, cfg: DataConfig, *, seed: int, process_index: int = 0, process_count: int = 1):
+    def __init__(self, cfg: DataConfig, *, seed: int, process_index: int = 0, process_count: int = 1,
+                 split: str = "train"):
         if cfg.seq_len < 1:
             raise DataError(f"data.seq_len={cfg.seq_len} must be positive")
         if process_count < 1 or not 0 <= process_index < process_count:
@@ -147,8 +165,8 @@ class TrainData:
         self.process_index, self.process_count = process_index, process_count
         self.local_batch_size = cfg.global_batch_size // process_count
         self.tokenizer = build_tokenizer(cfg.tokenizer)
-        self.documents = (builtin_documents(cfg.builtin_max_bytes) if cfg.source == "builtin"
-                          else file_documents(cfg.paths, cfg.text_field))
+        self.split = split
+        self.documents = _documents(cfg, split)
         first = process_index * self.local_batch_size
         self.streams = range(first, first + self.local_batch_size)
         order = document_order(self.documents, seed=seed, shuffle=cfg.shuffle)
@@ -185,7 +203,8 @@ class TrainData:
         c = self.cfg
         fp = {"version": _STATE_VERSION, "seed": self.seed, "shuffle": c.shuffle, "seq_len": c.seq_len,
               "global_batch_size": c.global_batch_size, "tokenizer": c.tokenizer,
-              "num_documents": len(self.documents), "num_workers": c.num_workers}
+              "num_documents": len(self.documents), "num_workers": c.num_workers,
+              **({"split": self.split, "eval_share": c.eval_share} if c.eval_share else {})}
         if c.num_workers > 0:
             fp.update(process_index=self.process_index, process_count=self.process_count)
         return fp

@@ -202,6 +202,31 @@ class Documents:
         return f"Documents({len(self)} documents: {self.description})"
 
 
+class HeldOut:
+    """The documents of `docs` held out for evaluation (`held_out=True`) or those left for training.
+
+    Document i is held out when a fixed uniform draw for i falls below `share` (a seeded generator
+    over len(docs)): the same documents whatever the seed, batch size or process count.
+    """
+
+    def __init__(self, docs: Documents, share: float, held_out: bool):
+        draws = np.random.default_rng(20240917).random(len(docs))
+        self.docs, self.indices = docs, np.flatnonzero((draws < share) == held_out)
+        if not len(self.indices):
+            raise DataError(f"data.eval_share={share} leaves no {'held-out' if held_out else 'training'} "
+                            f"documents of {len(docs)}; change data.eval_share or use data.eval_paths")
+        self.description = f"{'held-out' if held_out else 'training'} share of {docs!r}"
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> str:
+        return self.docs[int(self.indices[index])]
+
+    def __repr__(self) -> str:
+        return f"HeldOut({len(self)} documents: {self.description})"
+
+
 def builtin_documents(max_bytes: int) -> Documents:
     """The standard library's `.py` files in sorted path order, `max_bytes` of them in total."""
     if max_bytes <= 0:

@@ -87,17 +87,25 @@ class Attention(nnx.Module):
 
     def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array | None,
                  inv_freq: jax.Array, ops: Ops) -> jax.Array:
+        q, k, v = self.qkv(x_btd, positions_bt, inv_freq, ops)
+        return self.out(attention(q, k, v, segment_ids_bt=segment_ids_bt, causal=True, ops=ops), ops)
+
+    def qkv(self, x_btd: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array,
+            ops: Ops) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Rotated queries [B, T, N, H], rotated keys and values [B, T, K, H] (also the KV cache's entries)."""
         proj = _projector(ops, "attention", self.projections)
         q = proj("btd,dnh->btnh", x_btd, self.wq, "q")
         k = proj("btd,dkh->btkh", x_btd, self.wk, "k")
         v = proj("btd,dkh->btkh", x_btd, self.wv, "v")
         q = constrain(apply_rope(q, positions_bt, inv_freq), ("batch", "seq", "act_heads", None))
         k = constrain(apply_rope(k, positions_bt, inv_freq), ("batch", "seq", "act_kv_heads", None))
-        v = constrain(v, ("batch", "seq", "act_kv_heads", None))
-        o = attention(q, k, v, segment_ids_bt=segment_ids_bt, causal=True, ops=ops)
+        return q, k, constrain(v, ("batch", "seq", "act_kv_heads", None))
+
+    def out(self, o_btnh: jax.Array, ops: Ops) -> jax.Array:
+        """The output projection of the attention result [B, T, N, H] -> [B, T, D]."""
         # Named so that remat=save_attention_out keeps it and recomputes only the projections/MLP.
-        o = checkpoint_name(constrain(o, ("batch", "seq", "act_heads", None)), "attention_out")
-        return proj("btnh,nhd->btd", o, self.wo, "o")
+        o = checkpoint_name(constrain(o_btnh, ("batch", "seq", "act_heads", None)), "attention_out")
+        return _projector(ops, "attention", self.projections)("btnh,nhd->btd", o, self.wo, "o")
 
 
 class MLP(nnx.Module):

@@ -1,0 +1,187 @@
+"""`python -m lumen_jax.convert from-hf|to-hf`: Hugging Face Llama directories <-> run directories.
+
+    python -m lumen_jax.convert from-hf --hf-dir PATH --out RUN_DIR
+    python -m lumen_jax.convert to-hf --run-dir RUN_DIR [--step N] --out PATH [--max-shard-gb 5]
+
+from-hf reads `config.json` and `model.safetensors` (or the shards named by
+`model.safetensors.index.json`) with the `safetensors` package, writes the weights as step 0 of a
+run directory (weights.py; any mesh restores it) and copies the tokenizer files to
+`RUN_DIR/tokenizer/`, which becomes `data.tokenizer`. to-hf writes what
+`LlamaForCausalLM.from_pretrained` loads. Bad input: one line, exit 2, nothing written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+from typing import Sequence
+
+import numpy as np
+
+from lumen_jax.config import Config, ConfigError, DataConfig
+from lumen_jax.convert import hf
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "generation_config.json")
+INDEX = "model.safetensors.index.json"
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as e:
+        raise hf.ConvertError(f"{path}: cannot read ({e.strerror})") from None
+    except ValueError as e:
+        raise hf.ConvertError(f"{path}: not valid JSON ({e})") from None
+
+
+def _tensor_files(hf_dir: str) -> dict[str, str]:
+    """{tensor name: safetensors file} from the index or the single model.safetensors."""
+    index = os.path.join(hf_dir, INDEX)
+    if os.path.isfile(index):
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise hf.ConvertError(f"{index} has no weight_map; the index is damaged")
+        return {name: os.path.join(hf_dir, f) for name, f in weight_map.items()}
+    single = os.path.join(hf_dir, "model.safetensors")
+    if not os.path.isfile(single):
+        raise hf.ConvertError(f"--hf-dir={hf_dir!r} has neither model.safetensors nor {INDEX}; "
+                              "from-hf reads safetensors checkpoints (save with safe_serialization=True)")
+    from safetensors import safe_open
+    with safe_open(single, framework="numpy") as f:
+        return {name: single for name in f.keys()}
+
+
+def read_hf(hf_dir: str) -> tuple[Config, dict]:
+    """(the run config, our float32 parameter tree) of the HF Llama directory `hf_dir`."""
+    from safetensors import SafetensorError, safe_open
+
+    if not os.path.isdir(hf_dir):
+        raise hf.ConvertError(f"--hf-dir={hf_dir!r} is not a directory; give a Hugging Face model directory")
+    config = _read_json(os.path.join(hf_dir, "config.json"))
+    files = _tensor_files(hf_dir)
+    for path in sorted(set(files.values())):
+        if not os.path.isfile(path):
+            raise hf.ConvertError(f"{os.path.join(hf_dir, INDEX)} names {os.path.basename(path)}, which is missing")
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    if dtype is None:  # older configs: the first tensor's
+        with safe_open(next(iter(files.values())), framework="numpy") as f:
+            stored = str(f.get_slice(next(iter(f.keys()))).get_dtype())
+        dtype = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(stored, stored)
+    if dtype not in hf.DTYPES:
+        raise hf.ConvertError(f"config.json dtype={dtype!r} is not supported; use float32, bfloat16 or float16")
+    m = hf.model_config(config, hf.DTYPES[dtype])
+    handles: dict[str, object] = {}
+
+    def get(name: str) -> np.ndarray:
+        path = files[name]
+        try:
+            if path not in handles:
+                handles[path] = safe_open(path, framework="numpy")
+            return handles[path].get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise hf.ConvertError(f"{path}: cannot read tensor {name} ({e})") from None
+
+    params = hf.params_from_hf(get, set(files), m)
+    tokenizer = os.path.join(hf_dir, "tokenizer.json")
+    data = DataConfig(tokenizer=os.path.abspath(tokenizer)) if os.path.isfile(tokenizer) else DataConfig()
+    name = os.path.basename(os.path.normpath(hf_dir)) or "imported"
+    return Config(model=m, data=data, name=name), params
+
+
+def from_hf(hf_dir: str, out: str) -> str:
+    if os.path.exists(out) and os.listdir(out):
+        raise hf.ConvertError(f"--out={out!r} exists and is not empty; choose a new run directory")
+    cfg, params = read_hf(hf_dir)
+    from lumen_jax import weights
+    copied = _copy_tokenizer(hf_dir, os.path.join(out, "tokenizer"))
+    if "tokenizer.json" in copied:
+        cfg = cfg.replace(data=dataclasses.replace(cfg.data, tokenizer=os.path.abspath(
+            os.path.join(out, "tokenizer", "tokenizer.json"))))
+    return weights.save_weights(out, cfg, params, extra={"imported_from": os.path.abspath(hf_dir)})
+
+
+def _copy_tokenizer(src: str, dst: str) -> list[str]:
+    names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
+    if names:
+        os.makedirs(dst, exist_ok=True)
+    for n in names:
+        shutil.copyfile(os.path.join(src, n), os.path.join(dst, n))
+    return names
+
+
+def to_hf(run_dir: str, step: int | None, out: str, max_shard_bytes: int) -> str:
+    import jax
+    from safetensors.numpy import save_file
+
+    from lumen_jax import weights
+    from lumen_jax.model import abstract_model
+
+    step = weights.resolve_step(run_dir, step)
+    cfg = weights.read_config(run_dir, step)
+    if os.path.exists(out) and os.listdir(out):
+        raise hf.ConvertError(f"--out={out!r} exists and is not empty; choose a new directory")
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=cpu),
+                          abstract_model(cfg.model).params)
+    params = weights.to_numpy(weights.load_params(run_dir, step, target))
+    dtype = cfg.model.compute_dtype
+    tensors = hf.hf_from_params(params, cfg.model, jax.numpy.dtype(dtype))
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(hf.hf_config(cfg.model, dtype), f, indent=2)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, t in tensors.items():  # greedy shards of at most max_shard_bytes (a bigger tensor alone)
+        if shards[-1] and size + t.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.nbytes
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(out, fname), metadata={"format": "pt"})
+            weight_map.update({name: fname for name in shard})
+        with open(os.path.join(out, INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+                       "weight_map": weight_map}, f, indent=2)
+    if not _copy_tokenizer(os.path.join(run_dir, "tokenizer"), out) and os.path.isfile(cfg.data.tokenizer):
+        shutil.copyfile(cfg.data.tokenizer, os.path.join(out, "tokenizer.json"))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lumen_jax.convert", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("from-hf", help="a Hugging Face Llama directory -> a run directory")
+    a.add_argument("--hf-dir", required=True)
+    a.add_argument("--out", required=True, help="the new run directory")
+    b = sub.add_parser("to-hf", help="a run directory's checkpoint -> a Hugging Face Llama directory")
+    b.add_argument("--run-dir", required=True)
+    b.add_argument("--step", type=int, default=None, help="default: the latest")
+    b.add_argument("--out", required=True)
+    b.add_argument("--max-shard-gb", type=float, default=5.0, help="above this, safetensors shards + index")
+    args = p.parse_args(argv)
+    try:
+        if args.command == "from-hf":
+            where = from_hf(args.hf_dir, args.out)
+        else:
+            where = to_hf(args.run_dir, args.step, args.out, int(args.max_shard_gb * 2**30))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    print(f"wrote {where}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Inference with a KV cache: `prefill` runs the prompt and fills the cache, `decode` adds one token.
+
+The cache holds every layer's rotated keys and values, [L, B, S, K, H] each (K kv heads: grouped-query
+sized), S = the longest prompt plus the tokens to generate. Prompts of different lengths are
+left-padded: slot s of row b holds a real token when `valid_bs[b, s]`; a padded slot is never attended
+to, and positions count from each row's first real token, so a row's result does not depend on its
+padding. Prefill is the training forward (causal attention, padding as its own document) that also
+returns K/V; decode attends one query per row to the filled, valid slots of the cache.
+Single-device math; the caller jits these under the sharding rules (lumen_jax/generate.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lumen_jax.model.layers import rope_frequencies
+from lumen_jax.model.transformer import Transformer
+from lumen_jax.ops.attention import attention, cached_attention
+from lumen_jax.ops.projection import project
+from lumen_jax.parallel.rules import constrain
+
+CACHE_AXES = ("batch", "seq", "act_kv_heads", None)  # of one layer's [B, S, K, H]
+
+
+def init_cache(model: Transformer, batch: int, length: int) -> dict[str, jax.Array]:
+    """Zero K/V cache {"k", "v"}: [L, B, S, K, H] in the compute dtype."""
+    cfg = model.cfg
+    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.resolved_head_dim)
+    zeros = jnp.zeros(shape, jnp.dtype(cfg.compute_dtype))
+    return {"k": zeros, "v": zeros}
+
+
+def _embed(model: Transformer, tokens_bt: jax.Array) -> jax.Array:
+    table = constrain(model.embed[...].astype(jnp.dtype(model.cfg.compute_dtype)), ("act_vocab", "act_embed"))
+    return constrain(jnp.take(table, tokens_bt, axis=0), ("batch", "seq", "act_embed"))
+
+
+def _logits(model: Transformer, x_btd: jax.Array) -> jax.Array:
+    cfg = model.cfg
+    x_btd = model.final_norm(x_btd)
+    w_dv = model.embed[...].T if cfg.tie_embeddings else model.lm_head[...]
+    logits = project("btd,dv->btv", x_btd, w_dv.astype(jnp.dtype(cfg.compute_dtype)), model.ops,
+                     out_dtype=jnp.float32)
+    return constrain(logits, ("batch", "seq", "act_vocab"))
+
+
+def _layers(model: Transformer, x_btd: jax.Array, cache: dict, attend) -> tuple[jax.Array, dict]:
+    """Runs the blocks (a scan); `attend(attn_module, h_btd, k_cache, v_cache) -> (o, k_cache, v_cache)`."""
+    graphdef, layer_state = nnx.split(model.blocks)
+
+    def body(x_btd: jax.Array, xs: tuple) -> tuple[jax.Array, tuple]:
+        state, k_cache, v_cache = xs
+        block = nnx.merge(graphdef, state)
+        o, k_cache, v_cache = attend(block.attn, block.attn_norm(x_btd), k_cache, v_cache)
+        x_btd = x_btd + block.attn.out(o, model.ops)
+        x_btd = x_btd + block.mlp(block.mlp_norm(x_btd), model.ops)
+        return x_btd, (constrain(k_cache, CACHE_AXES), constrain(v_cache, CACHE_AXES))
+
+    x_btd, (k, v) = jax.lax.scan(body, x_btd, (layer_state, cache["k"], cache["v"]))
+    return x_btd, {"k": k, "v": v}
+
+
+def prefill(model: Transformer, tokens_bt: jax.Array, valid_bt: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    """Logits [B, V] float32 of each row's last prompt token, and the cache with slots [0, T) filled.
+
+    Args:
+      tokens_bt: left-padded prompts [B, T]; valid_bt: [B, T] bool, False on the padding.
+      cache: `init_cache(model, B, S)` with S >= T.
+    """
+    positions = jnp.maximum(jnp.cumsum(valid_bt, axis=1) - 1, 0).astype(jnp.int32)
+    segments = valid_bt.astype(jnp.int32)  # padding is its own document: real tokens never see it
+    inv_freq = rope_frequencies(model.cfg)
+
+    def attend(attn, h_btd, k_cache, v_cache):
+        q, k, v = attn.qkv(h_btd, positions, inv_freq, model.ops)
+        o = attention(q, k, v, segment_ids_bt=segments, causal=True, ops=model.ops)
+        zero = jnp.zeros((), jnp.int32)
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (zero,) * 4)
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (zero,) * 4)
+        return o, k_cache, v_cache
+
+    x_btd, cache = _layers(model, _embed(model, tokens_bt), cache, attend)
+    return _logits(model, x_btd[:, -1:])[:, 0], cache
+
+
+def decode(model: Transformer, tokens_b: jax.Array, positions_b: jax.Array, slot: jax.Array,
+           valid_bs: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    """Logits [B, V] float32 after one new token per row, written to cache slot `slot`.
+
+    Args:
+      tokens_b, positions_b: the new tokens [B] and their positions [B] (int32).
+      slot: int32 scalar, the cache slot of the new tokens (the same for every row: rows are left-padded).
+      valid_bs: [B, S] bool, False on the prompts' padding; slots after `slot` are ignored.
+      cache: the cache after `prefill` and earlier `decode`s.
+    """
+    inv_freq = rope_frequencies(model.cfg)
+    s = cache["k"].shape[2]
+    visible = valid_bs & (jnp.arange(s) <= slot)[None]  # [B, S]: filled, and not a prompt's padding
+
+    def attend(attn, h_btd, k_cache, v_cache):
+        q, k, v = attn.qkv(h_btd, positions_b[:, None], inv_freq, model.ops)
+        at = (jnp.zeros((), jnp.int32), slot, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), at)
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), at)
+        return cached_attention(q, k_cache, v_cache, visible), k_cache, v_cache
+
+    x_btd, cache = _layers(model, _embed(model, tokens_b[:, None]), cache, attend)
+    return _logits(model, x_btd)[:, 0], cache

@@ -1,0 +1,245 @@
+"""Model weights in and out of a run directory, for the commands that need parameters but no optimizer.
+
+A run directory's checkpoints (checkpoint.py) hold the whole training state; an imported model
+(`python -m lumen_jax.convert from-hf`) holds only `{"params": ...}` at step 0, with `weights_only`
+in its JSON. `load_params` reads the parameters of either straight into the target shardings (a
+partial Orbax restore: the optimizer state is never read), so generate, evaluate, to-hf and
+`train.init_from` work on any mesh. The model config comes from the checkpoint's JSON (`read_config`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from lumen_jax.checksums import checksum_list
+from lumen_jax.config import Config, ConfigError, from_dict, to_dict
+
+
+def checkpoints_dir(run_dir: str) -> str:
+    return os.path.join(os.path.abspath(run_dir), "checkpoints")
+
+
+def steps(run_dir: str) -> list[int]:
+    """Committed checkpoint steps of `run_dir`, oldest first (folders named by a number)."""
+    d = checkpoints_dir(run_dir)
+    if not os.path.isdir(d):
+        return []
+    return sorted(int(n) for n in os.listdir(d) if n.isdigit() and os.path.isdir(os.path.join(d, n, "state")))
+
+
+def resolve_step(run_dir: str, step: int | None, what: str = "--run-dir") -> int:
+    """`step` if `run_dir` holds it, else the latest; ConfigError naming the folder when there is none."""
+    have = steps(run_dir)
+    if not have:
+        raise ConfigError(f"{what}={run_dir!r} has no checkpoints (no {checkpoints_dir(run_dir)}/N/state); "
+                          "give a run directory written by lumen_jax.train or lumen_jax.convert from-hf")
+    if step is None:
+        return have[-1]
+    if step not in have:
+        raise ConfigError(f"--step={step} is not among the checkpoints of {run_dir} ({', '.join(map(str, have))}); "
+                          "choose one of those steps")
+    return step
+
+
+def _meta(run_dir: str, step: int) -> dict:
+    path = os.path.join(checkpoints_dir(run_dir), str(step), "meta", "metadata")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"checkpoint {path} cannot be read ({type(e).__name__}); "
+                          "the checkpoint is incomplete, choose another --step") from None
+
+
+def is_weights_only(run_dir: str, step: int) -> bool:
+    return bool(_meta(run_dir, step).get("weights_only"))
+
+
+def read_config(run_dir: str, step: int) -> Config:
+    """The config the checkpoint at `step` was written with (its JSON, else `run_dir/config.json`)."""
+    d = _meta(run_dir, step).get("config")
+    if d is None:
+        try:
+            with open(os.path.join(run_dir, "config.json")) as f:
+                d = json.load(f)
+        except (OSError, ValueError):
+            raise ConfigError(f"{run_dir}: neither checkpoint {step} nor config.json records the config") from None
+    return from_dict(d)
+
+
+def save_weights(run_dir: str, cfg: Config, params: dict, extra: dict | None = None) -> str:
+    """Writes `params` as the weights-only step 0 of `run_dir` (and `run_dir/config.json`); returns the folder.
+
+    Refuses a run directory that already has checkpoints: nothing there is overwritten.
+    """
+    if steps(run_dir):
+        raise ConfigError(f"--out={run_dir!r} already holds checkpoints; choose a new directory")
+    os.makedirs(run_dir, exist_ok=True)
+    tree = {"params": params}
+    meta = {"config": to_dict(cfg), "weights_only": True, "checksums": checksum_list(tree), **(extra or {})}
+    mgr = ocp.CheckpointManager(checkpoints_dir(run_dir), options=ocp.CheckpointManagerOptions(create=True))
+    mgr.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
+    mgr.wait_until_finished()
+    mgr.close()
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump(to_dict(cfg), f, indent=2)
+    return os.path.join(checkpoints_dir(run_dir), "0")
+
+
+def saved_shapes(run_dir: str, step: int) -> dict[str, tuple[int, ...]]:
+    """{'a/b/c': shape} of the saved parameters at `step` (from Orbax's metadata; nothing is read)."""
+    with _quiet_absl():
+        meta = ocp.PyTreeCheckpointer().metadata(os.path.join(checkpoints_dir(run_dir), str(step), "state"))
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    flat = jax.tree_util.tree_flatten_with_path(tree["params"], is_leaf=lambda x: hasattr(x, "shape"))[0]
+    return {_key(p): tuple(v.shape) for p, v in flat}
+
+
+def _key(path: Any) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def check_shapes(expected: dict, got: dict[str, tuple[int, ...]], source: str, fix: str) -> None:
+    """ConfigError naming the first parameter that is missing, extra or of another shape."""
+    want = {_key(p): tuple(v.shape) for p, v in jax.tree_util.tree_flatten_with_path(expected)[0]}
+    for k, shape in want.items():
+        if k not in got:
+            raise ConfigError(f"{source} has no parameter {k} (shape {shape}); {fix}")
+        if got[k] != shape:
+            raise ConfigError(f"{source}: parameter {k} has shape {got[k]}, the config needs {shape}; {fix}")
+    extra = sorted(set(got) - set(want))
+    if extra:
+        raise ConfigError(f"{source} has parameter {extra[0]} (shape {got[extra[0]]}) that the config lacks; {fix}")
+
+
+def load_params(run_dir: str, step: int, abstract_params: dict, source: str | None = None,
+                fix: str = "use the model config the run was trained with") -> dict:
+    """The parameters of checkpoint `step`, read into `abstract_params`' shardings and dtypes.
+
+    Args:
+      run_dir: a run directory (a training run or an imported model).
+      step: one of `steps(run_dir)`.
+      abstract_params: {path: jax.ShapeDtypeStruct with `sharding`} of the target model.
+      source, fix: how a shape mismatch names the checkpoint and the remedy (one line, ConfigError).
+    """
+    check_shapes(abstract_params, saved_shapes(run_dir, step), source or f"checkpoint {run_dir} step {step}", fix)
+    target = {"params": abstract_params}
+    with _quiet_absl():  # Orbax warns that the item folder has no checkpoint metadata (the step folder has)
+        restored = ocp.PyTreeCheckpointer().restore(
+        os.path.join(checkpoints_dir(run_dir), str(step), "state"),
+            args=ocp.args.PyTreeRestore(item=target, partial_restore=True,
+                                        restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+    return restored["params"]
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+    log = logging.getLogger("absl")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def to_numpy(params: dict) -> dict:
+    """Host copies of (possibly sharded) parameters."""
+    return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
+
+
+@dataclasses.dataclass
+class Loaded:
+    """A run's model on a mesh: its config (with the mesh asked for), parameters in their shards, rules."""
+
+    cfg: Config
+    step: int
+    mesh: Any
+    rules: Any
+    model: Any  # model.AbstractModel
+    params: dict
+
+
+def mesh_overrides(cfg: Config, overrides: Sequence[str], base: dict | None = None) -> Config:
+    """`cfg` with its mesh section replaced by `base` (None: keep it) and the `mesh.*` overrides applied."""
+    from lumen_jax.config_files import apply_overrides
+
+    raw = to_dict(cfg)
+    if base is not None:
+        raw["mesh"] = {**raw["mesh"], **base}
+    bad = [o for o in overrides if not o.strip().startswith("mesh.")]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r}: only mesh.* overrides apply here (e.g. mesh.tensor=2)")
+    return from_dict(apply_overrides(raw, overrides))
+
+
+def load_onto_mesh(run_dir: str, step: int | None, overrides: Sequence[str] = (),
+                   base_mesh: dict | None = None) -> Loaded:
+    """The parameters of `run_dir`'s checkpoint `step` (None: latest) sharded on the mesh of its config
+    with `base_mesh` and the `mesh.*` overrides; the mesh spans the devices it needs (all for a -1 axis)."""
+    from lumen_jax.model import abstract_model
+    from lumen_jax.parallel.mesh import make_mesh
+    from lumen_jax.parallel.rules import Rules
+
+    step = resolve_step(run_dir, step)
+    cfg = mesh_overrides(read_config(run_dir, step), overrides, base_mesh)
+    sizes = [getattr(cfg.mesh, a) for a in cfg.mesh.AXES]
+    devices = jax.devices()
+    n = len(devices) if -1 in sizes else int(np.prod(sizes))
+    if n > len(devices):
+        raise ConfigError(f"the mesh {dict(zip(cfg.mesh.AXES, sizes))} needs {n} devices, {len(devices)} are "
+                          "available; lower the mesh.* overrides")
+    shape = cfg.mesh.shape(n)
+    m = cfg.model
+    for k in ("num_heads", "num_kv_heads", "vocab_size"):
+        if getattr(m, k) % shape["tensor"]:
+            raise ConfigError(f"mesh.tensor={shape['tensor']} does not divide model.{k}={getattr(m, k)}; "
+                              "choose a divisor")
+    if m.d_model % shape["fsdp"]:
+        raise ConfigError(f"mesh.fsdp={shape['fsdp']} does not divide model.d_model={m.d_model}; choose a divisor")
+    mesh = make_mesh(shape, devices[:n])
+    rules = Rules(zero_stage=cfg.mesh.zero_stage, sequence_parallel=False)
+    model = abstract_model(m)
+    specs = rules.tree_specs(model.param_names, "params")
+    target = jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                               sharding=jax.sharding.NamedSharding(mesh, spec)),
+                          model.params, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return Loaded(cfg=cfg, step=step, mesh=mesh, rules=rules, model=model,
+                  params=load_params(run_dir, step, target))
+
+
+def init_from(path: str, abstract_params: dict) -> dict:
+    """The parameters a new run starts from (`train.init_from`), in `abstract_params`' shardings.
+
+    `path` is a run directory (its latest checkpoint: a training run or an imported model) or a Hugging
+    Face Llama directory, converted in memory. The shapes must be those of the run's model config;
+    else a ConfigError naming the first parameter that differs.
+    """
+    fix = "make the model section of the config match the weights'"
+    if not steps(path) and any(os.path.isfile(os.path.join(path, f))
+                               for f in ("model.safetensors", "model.safetensors.index.json")):
+        from lumen_jax.convert.__main__ import read_hf
+        _, params = read_hf(path)
+        got = {_key(p): tuple(v.shape) for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+        check_shapes(abstract_params, got, f"train.init_from={path!r}", fix)
+        return jax.tree.map(lambda x, a: jax.device_put(x.astype(a.dtype), a.sharding), params, abstract_params)
+    step = resolve_step(path, None, "train.init_from")
+    return load_params(path, step, abstract_params, f"train.init_from={path!r} (step {step})", fix)
+
+
+def refuse_weights_only(run_dir: str) -> None:
+    """ConfigError when `run_dir` holds imported weights (no optimizer state): a run cannot resume there."""
+    have = steps(run_dir)
+    if have and is_weights_only(run_dir, have[-1]):
+        raise ConfigError(f"train.run_dir={run_dir!r} holds imported weights, not a training run; start a new "
+                          f"run from them with train.init_from={run_dir} and another train.run_dir")

@@ -1,0 +1,91 @@
+"""Generation with a KV cache: greedy equals recomputing the prefix and transformers' greedy `generate`,
+padded batches equal their rows alone, seeded sampling is reproducible, tensor=2 equals one device."""
+
+import jax
+import numpy as np
+import pytest
+
+from helpers_hf import FP32_RTOL, hf_greedy, make_hf
+from lumen_jax import weights
+from lumen_jax.convert.__main__ import main as convert
+from lumen_jax.generate import ONE_DEVICE, Generator, Sampling, main as generate
+from lumen_jax.model import apply
+
+PROMPTS = [[5, 17, 60, 3, 88, 41, 12], [70, 2, 9]]
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen")
+    hf_dir = make_hf(str(root / "hf"), tied=False)
+    assert convert(["from-hf", "--hf-dir", hf_dir, "--out", str(root / "run")]) == 0
+    return hf_dir, str(root / "run")
+
+
+def greedy_without_cache(loaded, prompt: list[int], new: int, with_logits: bool = False):
+    """Greedy decoding that recomputes the whole sequence for every token (no cache), and the logits
+    [new, V] each token was chosen from. The sequence is zero-padded to its final length: causal
+    attention keeps the padding out of the earlier logits."""
+    forward = jax.jit(lambda p, x, pos: apply(loaded.model.graphdef, p, x, pos))
+    ids = np.zeros((1, len(prompt) + new), np.int32)
+    ids[0, :len(prompt)] = prompt
+    positions = np.arange(ids.shape[1], dtype=np.int32)[None]
+    logits = []
+    for t in range(len(prompt), ids.shape[1]):
+        logits.append(np.asarray(forward(loaded.params, ids, positions))[0, t - 1])
+        ids[0, t] = int(np.argmax(logits[-1]))
+    return (ids[0, len(prompt):].tolist(), np.stack(logits)) if with_logits else ids[0, len(prompt):].tolist()
+
+
+def test_greedy_cache_equals_no_cache_and_transformers_and_padded_rows(run):
+    hf_dir, run_dir = run
+    loaded = weights.load_onto_mesh(run_dir, None, base_mesh=ONE_DEVICE)
+    gen = Generator(loaded, Sampling())
+    alone = [gen.generate([p], NEW)[0] for p in PROMPTS]
+    tokens, logits = greedy_without_cache(loaded, PROMPTS[0], NEW, with_logits=True)
+    assert alone[0] == tokens
+    assert alone[0] == hf_greedy(hf_dir, PROMPTS[0], NEW)
+    batch, batch_logits = gen.generate(PROMPTS, NEW, return_logits=True)
+    assert batch == alone  # left-padded into one batch, masked per row
+    # Token equality alone is blind to small errors (a position off by one): the logits too, fp32.
+    np.testing.assert_allclose(batch_logits[0], logits, rtol=FP32_RTOL, atol=FP32_RTOL * np.abs(logits).max())
+
+
+def test_sampling_is_seeded_and_tensor_2_equals_one_device(run):
+    _, run_dir = run
+    one = weights.load_onto_mesh(run_dir, None, base_mesh=ONE_DEVICE)
+    two = weights.load_onto_mesh(run_dir, None, ["mesh.tensor=2"], base_mesh=ONE_DEVICE)
+    assert two.mesh.shape["tensor"] == 2 and two.mesh.devices.size == 2
+    four = weights.load_onto_mesh(run_dir, None, ["mesh.tensor=2", "mesh.data=2"], base_mesh=ONE_DEVICE)
+    three = [*PROMPTS, [33]]  # over data=2: padded with a filler row
+    assert Generator(four, Sampling()).generate(three, NEW) == Generator(one, Sampling()).generate(three, NEW)
+    hot = Generator(one, Sampling(temperature=1.5, top_k=40, top_p=0.95))
+    first = hot.generate(PROMPTS, NEW, seed=3)
+    assert hot.generate(PROMPTS, NEW, seed=3) == first
+    assert hot.generate(PROMPTS, NEW, seed=4) != first
+    assert Generator(two, Sampling()).generate(PROMPTS, NEW) == Generator(one, Sampling()).generate(PROMPTS, NEW)
+
+
+def test_cli_prompt_ids_last_line_prompts_file_and_bad_input(run, tmp_path, capsys):
+    _, run_dir = run
+    assert generate(["--run-dir", run_dir, "--prompt-ids", ",".join(map(str, PROMPTS[1])),
+                     "--max-new-tokens", str(NEW)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    loaded = weights.load_onto_mesh(run_dir, None, base_mesh=ONE_DEVICE)
+    assert [int(t) for t in last.split()] == greedy_without_cache(loaded, PROMPTS[1], NEW)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def main(\n\nimport os\n")
+    assert generate(["--run-dir", run_dir, "--prompts", str(prompts), "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out  # each prompt, then its continuation (which may hold a newline)
+    assert out.startswith("def main(") and "\nimport os" in out, out
+    for bad, expected in ((["--prompt-ids", "1,x"], "--prompt-ids='1,x'"), (["--prompt-ids", "320"], "[0, 320)"),
+                          (["--prompt-ids", "1", "--top-p", "0"], "--top-p=0.0"),
+                          (["--prompt-ids", "1", "mesh.tensor=3"], "mesh.tensor=3"),
+                          (["--prompt-ids", "1", "optim.lr=1"], "only mesh.*"),
+                          (["--prompt-ids", "1", "--step", "7"], "--step=7")):
+        assert generate(["--run-dir", run_dir, *bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and expected in err, (bad, err)
+    assert generate(["--run-dir", run_dir + "-missing", "--prompt-ids", "1"]) == 2
+    assert "has no checkpoints" in capsys.readouterr().err
