@@ -1,0 +1,52 @@
+"""Collective bytes per step of the compiled train step, by mesh axes, kind and dtype (issue 13).
+
+    python benchmarks/communication.py [MESH ...]      # e.g. data=8,m=4 fsdp=8,m=4,fsdp_regather=per_step
+
+Each MESH is comma-separated `key=value`: mesh fields (data, fsdp, tensor, zero_stage,
+fsdp_grad_reduce, ...), `m` (micro-batches) and `dt` (compute dtype). The model is the tests' small
+fp32 config (tests/helpers_run.py BASE, batch 32); the step is compiled on 8 emulated CPU devices
+and every collective counted with the trip counts of its loops (`lumen_jax.plan.hlo.on_mesh`).
+Collectives under 2 KB per step (loss scalars) are left out. Figures: docs/PERFORMANCE.md.
+"""
+
+import dataclasses
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+import conftest  # noqa: E402,F401  (8 emulated CPU devices, before JAX starts)
+
+import jax  # noqa: E402
+
+from helpers_run import BASE, with_mesh  # noqa: E402
+from lumen_jax.config import MeshConfig  # noqa: E402
+from lumen_jax.plan import hlo  # noqa: E402
+from lumen_jax.plan.compiled import compile_step  # noqa: E402
+from lumen_jax.plan.hardware import layout_from_config  # noqa: E402
+
+DEFAULT = ["data=8,m=1", "data=8,m=4", "fsdp=8,m=1", "fsdp=8,m=4", "fsdp=8,m=4,fsdp_grad_reduce=once",
+           "fsdp=8,m=4,fsdp_regather=per_step", "data=2,fsdp=2,tensor=2,sequence_parallel=True,m=4",
+           "zero_stage=1,data=2,fsdp=4,m=4", "zero_stage=2,data=2,fsdp=4,m=4"]
+
+
+def parse(spec: str):
+    kv = dict(x.split("=") for x in spec.split(","))
+    m, dt = int(kv.pop("m", 1)), kv.pop("dt", "float32")
+    mesh = {k: int(v) if v.isdigit() else (v == "True" if v in ("True", "False") else v) for k, v in kv.items()}
+    cfg = with_mesh(BASE.replace(data=dataclasses.replace(BASE.data, global_batch_size=32)), m, **mesh)
+    return cfg.replace(model=dataclasses.replace(cfg.model, compute_dtype=dt))
+
+
+def main(specs: list[str]) -> None:
+    print("| mesh | collective bytes per step (MB) |\n|---|---|")
+    for spec in specs:
+        cfg = parse(spec)
+        compiled = compile_step(cfg, layout_from_config(cfg, jax.device_count()))
+        shape = {a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}
+        totals = hlo.bytes_by_axes(hlo.on_mesh(hlo.parse(compiled.as_text()), shape))
+        cells = [f"{axes} {kind} {dtype} {b / 1e6:.3f}" for (axes, kind, dtype), b in sorted(totals.items()) if b >= 2000]
+        print(f"| {spec} | {', '.join(cells)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or DEFAULT)
