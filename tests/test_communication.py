@@ -108,6 +108,7 @@ OPTIONS = {
                                                     fsdp_grad_reduce="once", fsdp_regather="per_step"),
     "zero1,data=2,fsdp=4,once": dict(data=2, fsdp=4, zero_stage=1, fsdp_grad_reduce="once"),
     "zero2,data=2,fsdp=4,per_step": dict(data=2, fsdp=4, zero_stage=2, fsdp_regather="per_step"),
+    "data=2,context=2,fsdp=2": dict(data=2, context=2, fsdp=2),  # the ring's shard_map inside the replica vmap
 }
 
 
