@@ -200,7 +200,9 @@ def test_disabled_writer_writes_nothing(tmp_path):
 def test_progress_enabled_and_disabled(capsys):
     with metrics.Progress(10, enabled=True) as bar:
         bar.update(3, {"loss": jnp.float32(1.5), "tokens_per_sec": 1234.0, "mfu": 0.42})
+        shown = capsys.readouterr().err
         bar.update(5, {"loss": math.nan})
+    assert "3/10" in shown and "loss 1.5000" in shown and "1,234 tok/s" in shown and "MFU 42.0%" in shown, shown
     assert "5/10" in capsys.readouterr().err
     with metrics.Progress(10, enabled=False) as bar:
         bar.update(3, {"loss": 1.0})
