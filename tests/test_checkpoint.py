@@ -301,3 +301,36 @@ def test_supervisor_accounting():
     assert [(i.cause, i.steps_lost) for i in interruptions] == [("killed by SIGKILL", 2)]
     assert interruptions[0].time_lost_s == pytest.approx(10.0 - 4 * 1.0)
     assert goodput == pytest.approx((4 * 1.0 + 6 * 1.0) / 21.0)
+
+
+_CHILD = ("import os, sys; path, codes = sys.argv[1], sys.argv[2].split(','); "
+          "n = os.path.getsize(path) if os.path.exists(path) else 0; open(path, 'a').write('x'); "
+          "c = int(codes[n]); os.kill(os.getpid(), 9) if c < 0 else sys.exit(c)")
+
+
+@pytest.mark.parametrize("codes, max_restarts, want_delays", [
+    ([1, 75, 0], 5, [0.5, 1.0]),  # a crash and a preemption are restarted, with a doubling backoff
+    ([2], 5, []), ([3], 5, []), ([4], 5, []),  # bad input, diverged, corruption: running again won't help
+    ([1, -9, 75, 75, 0], 5, [0.5, 1.0, 2.0, 2.5]),  # the backoff stops doubling at max_backoff_s
+    ([1, 1, 1, 1], 2, [0.5, 1.0]),  # --max-restarts
+], ids=["1-75-0", "2", "3", "4", "capped", "max-restarts"])
+def test_supervisor_restarts_on_1_and_75_and_stops_on_2_3_4(codes, max_restarts, want_delays, tmp_path,
+                                                            monkeypatch, capsys):
+    """The real `supervise` loop over a child that exits with `codes` in turn (-9: SIGKILLs itself);
+    its sleeps are recorded, not slept."""
+    sup = _load_supervisor()
+    delays = []
+    monkeypatch.setattr(sup, "time", type("Clock", (), {"time": staticmethod(time.time),
+                                                        "sleep": staticmethod(delays.append)}))
+    counter = str(tmp_path / "attempts")
+    rc = sup.supervise([sys.executable, "-c", _CHILD, counter, ",".join(map(str, codes))], str(tmp_path),
+                       max_restarts=max_restarts, backoff_s=0.5, max_backoff_s=2.5)
+    attempts = 1 + len(want_delays)
+    assert os.path.getsize(counter) == attempts
+    assert delays == want_delays
+    last = codes[attempts - 1]
+    assert rc == (last if last >= 0 else 1)
+    out = capsys.readouterr()
+    assert f"supervise: {attempts} attempt(s), {attempts - (last in (0, 2, 3, 4))} interruption(s)" in out.out, out
+    if 75 in codes[:attempts - 1]:
+        assert "ended (preempted (exit 75, checkpoint written)); restarting" in out.err
