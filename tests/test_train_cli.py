@@ -130,8 +130,8 @@ def test_vocab_smaller_than_the_tokenizer_exits_2_before_anything_is_written(tmp
     from lumen_jax import train as train_cli
     run_dir = tmp_path / "run"
     rc = train_cli.main(["--config", os.path.join(REPO, "configs/tiny.yaml"), f"train.run_dir={run_dir}",
-                         "model.vocab_size=200", "train.steps=1", "runtime.cpu_devices=0", "runtime.compilation_cache_dir=",
-                         "log.progress=false"])
+                         "model.vocab_size=200", "train.steps=1", "runtime.cpu_devices=0",
+                         "runtime.compilation_cache_dir=", "log.progress=false"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == EXIT_BAD_INPUT
     assert err == ["error: model.vocab_size=200 is smaller than the tokenizer's vocabulary (259, "
