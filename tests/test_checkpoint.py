@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import numpy as np
@@ -112,6 +113,8 @@ def test_missing_file_falls_back_and_half_written_save_is_ignored(saved, tmp_pat
     ckpt = Checkpointer(copy, CheckpointConfig())
     assert ckpt.steps() == [1, 2]
     assert ckpt.restore_latest(_trainer(fsdp=8).abstract_state()).step == 1
+    ckpt.close()  # Orbax removes temporary folders in the background from the start; done by close
+    assert sorted(os.listdir(copy)) == ["1", "corrupt-2"]
 
 
 class _RecordingManager:
@@ -197,35 +200,106 @@ def test_nan_gradient_skips_the_update():
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def _perturb_one_replica(params: dict) -> tuple[dict, int]:
+    """`params` with one device's copy of `lm_head` off by one ulp; and that device's id."""
+    x = params["lm_head"]
+    shards = [s.data for s in x.addressable_shards]
+    victim = x.addressable_shards[5]
+    shards[5] = jax.device_put(np.asarray(victim.data) * np.float32(1.0000001) + np.float32(1e-7), victim.device)
+    return ({**params, "lm_head": jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)},
+            victim.device.id)
+
+
 def test_sdc_check_names_the_perturbed_replica():
     shape, mesh = _mesh(data=4, fsdp=2)
     trainer = build(CFG.replace(mesh=MeshConfig(data=4, fsdp=2)), mesh)
     params = trainer.init().params
     assert find_divergent_replicas(mesh, params) == []
-    x = params["lm_head"]
-    shards = [s.data for s in x.addressable_shards]
-    victim = x.addressable_shards[5]
-    shards[5] = jax.device_put(np.asarray(victim.data) * np.float32(1.0000001) + np.float32(1e-7), victim.device)
-    params = {**params, "lm_head": jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)}
+    params, device = _perturb_one_replica(params)
     problems = find_divergent_replicas(mesh, params)
-    assert len(problems) == 1 and problems[0].startswith(f"device {victim.device.id} ")
+    assert len(problems) == 1 and problems[0].startswith(f"device {device} ")
     assert "['lm_head']" in problems[0]
 
 
-def test_nonfinite_steps_in_a_row_stop_the_run(tmp_path, capsys):
+def _as_process_0_of_several(monkeypatch) -> None:
+    """train.main ends as process 0 of a multi-process run does: it records its exit code in
+    events.jsonl (what the supervisor trusts over a launcher's), then leaves (here: SystemExit)."""
+    from lumen_jax import distributed
+
+    def leave(code: int):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(distributed, "is_multiprocess", lambda: True)
+    monkeypatch.setattr(distributed, "leave", leave)
+
+
+def _exit_events(run_dir: str) -> list[int]:
+    return [e["code"] for e in map(json.loads, open(os.path.join(run_dir, "events.jsonl"))) if e["event"] == "exit"]
+
+
+def test_sdc_check_in_a_real_run_exits_4_and_records_it(tmp_path, capsys, monkeypatch):
+    """data=4 fsdp=2: one of the 4 replicas of an lm_head shard goes bad after step 3 (its arithmetic,
+    say); the check every 2 steps finds it at step 4, names the device (the majority of its replica
+    group disagrees with it), and the run stops with exit code 4."""
+    from lumen_jax import build as build_lib
+    real_build, bad = build_lib.build, []
+
+    def build_with_a_bad_replica(cfg, mesh):
+        trainer = real_build(cfg, mesh)
+        jitted = trainer.step
+
+        def lower(state, batch):
+            compiled, calls = jitted.lower(state, batch).compile(), []
+
+            def step(state, batch):
+                state, m = compiled(state, batch)
+                calls.append(1)
+                if len(calls) == 3:
+                    params, device = _perturb_one_replica(state.params)
+                    bad.append(device)
+                    state = state.replace(params=params)
+                return state, m
+            return types.SimpleNamespace(compile=lambda: step)
+
+        trainer.step = types.SimpleNamespace(lower=lower)
+        return trainer
+
+    monkeypatch.setattr(build_lib, "build", build_with_a_bad_replica)
+    _as_process_0_of_several(monkeypatch)
     run_dir = str(tmp_path / "run")
-    rc = train_cli.main(["--config", "configs/tiny.yaml", f"train.run_dir={run_dir}", "train.steps=12",
-                         "optim.lr=1e30", "optim.warmup_steps=0", "train.max_nonfinite_steps=3",
-                         "checkpoint.every_steps=1", *IN_PROCESS])
+    with pytest.raises(SystemExit) as stopped:
+        train_cli.main(["--config", "configs/tiny.yaml", f"train.run_dir={run_dir}", "train.steps=6",
+                        "mesh.data=4", "mesh.fsdp=2", "train.sdc_check_every=2", "log.every_steps=1", *IN_PROCESS])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == train_cli.EXIT_DIVERGED, err
+    assert stopped.value.code == train_cli.EXIT_CORRUPTION, err
+    assert len(err) == 1 and err[0].startswith(f"error: silent data corruption at step 4: device {bad[0]} "), err
+    assert "['lm_head']" in err[0]
+    assert _exit_events(run_dir) == [train_cli.EXIT_CORRUPTION]
+
+
+def test_nonfinite_steps_in_a_row_stop_the_run(tmp_path, capsys, monkeypatch):
+    _as_process_0_of_several(monkeypatch)
+    run_dir = str(tmp_path / "run")
+    with pytest.raises(SystemExit) as stopped:
+        train_cli.main(["--config", "configs/tiny.yaml", f"train.run_dir={run_dir}", "train.steps=12",
+                        "optim.lr=1e30", "optim.warmup_steps=0", "train.max_nonfinite_steps=3",
+                        "checkpoint.every_steps=1", "log.every_steps=1", *IN_PROCESS])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == train_cli.EXIT_DIVERGED, err
     assert len(err) == 1 and "3 steps in a row" in err[0] and "train.max_nonfinite_steps=3" in err[0]
+    assert _exit_events(run_dir) == [train_cli.EXIT_DIVERGED]
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), CheckpointConfig())
     steps = ckpt.steps()
     assert steps, "the checkpoints written before divergence are intact"
     assert f"the last checkpoint, step {steps[-1]} in" in err[0], err[0]  # named, and it is finite:
     restored = ckpt.restore_latest(_trainer(fsdp=8).abstract_state())
     assert restored.step == steps[-1] and nonfinite_paths(restored.state) == []
+    # skipped_total counts the skipped steps checked so far (one step late): 0, then 1, 2 in a row.
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    skipped = [int(r["skipped"]) for r in rows]
+    assert skipped[0] == 0 and skipped[1:] == [1] * (len(rows) - 1), skipped
+    assert [r["skipped_total"] for r in rows] == [0, 0] + list(range(1, len(rows) - 1)), rows
 
 
 def test_disk_full_during_save_is_a_clear_error(tmp_path, capsys, monkeypatch):
@@ -239,8 +313,9 @@ def test_disk_full_during_save_is_a_clear_error(tmp_path, capsys, monkeypatch):
         return real_save(self, step, *args, **kwargs)
 
     monkeypatch.setattr(ocp.CheckpointManager, "save", full_after_first)
+    # keep=1: step 2 is the one step kept, so deleting it before step 4 is committed would lose it.
     rc = train_cli.main(["--config", "configs/tiny.yaml", f"train.run_dir={run_dir}", "train.steps=6",
-                         "checkpoint.every_steps=2", "optim.warmup_steps=0", *IN_PROCESS])
+                         "checkpoint.every_steps=2", "checkpoint.keep=1", "optim.warmup_steps=0", *IN_PROCESS])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == train_cli.EXIT_BAD_INPUT
     assert len(err) == 1 and "No space left on device" in err[0] and "step 4" in err[0]
@@ -314,3 +389,36 @@ def test_supervisor_accounting():
     assert [(i.cause, i.steps_lost) for i in interruptions] == [("killed by SIGKILL", 2)]
     assert interruptions[0].time_lost_s == pytest.approx(10.0 - 4 * 1.0)
     assert goodput == pytest.approx((4 * 1.0 + 6 * 1.0) / 21.0)
+
+
+_CHILD = ("import os, sys; path, codes = sys.argv[1], sys.argv[2].split(','); "
+          "n = os.path.getsize(path) if os.path.exists(path) else 0; open(path, 'a').write('x'); "
+          "c = int(codes[n]); os.kill(os.getpid(), 9) if c < 0 else sys.exit(c)")
+
+
+@pytest.mark.parametrize("codes, max_restarts, want_delays", [
+    ([1, 75, 0], 5, [0.5, 1.0]),  # a crash and a preemption are restarted, with a doubling backoff
+    ([2], 5, []), ([3], 5, []), ([4], 5, []),  # bad input, diverged, corruption: running again won't help
+    ([1, -9, 75, 75, 0], 5, [0.5, 1.0, 2.0, 2.5]),  # the backoff stops doubling at max_backoff_s
+    ([1, 1, 1, 1], 2, [0.5, 1.0]),  # --max-restarts
+], ids=["1-75-0", "2", "3", "4", "capped", "max-restarts"])
+def test_supervisor_restarts_on_1_and_75_and_stops_on_2_3_4(codes, max_restarts, want_delays, tmp_path,
+                                                            monkeypatch, capsys):
+    """The real `supervise` loop over a child that exits with `codes` in turn (-9: SIGKILLs itself);
+    its sleeps are recorded, not slept."""
+    sup = _load_supervisor()
+    delays = []
+    monkeypatch.setattr(sup, "time", type("Clock", (), {"time": staticmethod(time.time),
+                                                        "sleep": staticmethod(delays.append)}))
+    counter = str(tmp_path / "attempts")
+    rc = sup.supervise([sys.executable, "-c", _CHILD, counter, ",".join(map(str, codes))], str(tmp_path),
+                       max_restarts=max_restarts, backoff_s=0.5, max_backoff_s=2.5)
+    attempts = 1 + len(want_delays)
+    assert os.path.getsize(counter) == attempts
+    assert delays == want_delays
+    last = codes[attempts - 1]
+    assert rc == (last if last >= 0 else 1)
+    out = capsys.readouterr()
+    assert f"supervise: {attempts} attempt(s), {attempts - (last in (0, 2, 3, 4))} interruption(s)" in out.out, out
+    if 75 in codes[:attempts - 1]:
+        assert "ended (preempted (exit 75, checkpoint written)); restarting" in out.err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sysconfig
 
 import numpy as np
 import pyarrow as pa
@@ -99,6 +100,12 @@ def test_builtin_source_is_capped_sorted_and_without_tests():
     docs = builtin_documents(200_000)
     paths = [f.path for f in docs.files]
     assert sum(f.limit for f in docs.files) == 200_000
+    # The standard library's files, walked in sorted path order (directory by directory): the
+    # order of the corpus never depends on the file system's listing order.
+    root = sysconfig.get_paths()["stdlib"]
+    rel = [os.path.relpath(p, root).split(os.sep) for p in paths]
+    assert rel == sorted(rel) and len(rel) > 3, rel[:5]
+    assert rel[0] == sorted(f for f in os.listdir(root) if f.endswith(".py"))[:1]
     assert not any(part in ("test", "tests", "site-packages") for p in paths for part in p.split(os.sep))
     assert docs[0] == open(paths[0], encoding="utf-8").read()
     assert len(docs[len(docs) - 1].encode()) <= docs.files[-1].limit  # the last file is cut to fit

@@ -264,24 +264,34 @@ def text_batches():
     return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
 
 
-def _train(fp8_cfg: Fp8Config, batches: dict) -> tuple[np.ndarray, step_lib.TrainState]:
-    """300 steps of a 2-layer model in one jitted scan on one device; the per-step losses and the final state."""
+def _train(fp8_cfg: Fp8Config, batches: dict) -> tuple[np.ndarray, step_lib.TrainState, str]:
+    """300 steps of a 2-layer model in one jitted scan on one device; the per-step losses, the final
+    state and the program's HLO (before XLA's passes: the dots as the trainer wrote them)."""
     tr = _trainer(fp8_cfg, num_layers=2)
     sc = tr.step_cfg
     run = jax.jit(lambda state, bs: jax.lax.scan(lambda s, b: step_lib.train_step(s, b, sc), state, bs))
-    state, metrics = run(tr.init(), batches)
-    return np.asarray(metrics["loss"]), state
+    state = tr.init()
+    lowered = run.lower(state, batches)
+    state, metrics = lowered.compile()(state, batches)
+    return np.asarray(metrics["loss"]), state, lowered.as_text(dialect="hlo")
 
 
 @pytest.mark.heavy
 def test_300_steps_with_each_recipe_end_within_2_percent_of_bf16(text_batches):
-    ref, _ = _train(Fp8Config(), text_batches)
+    ref, _, ref_hlo = _train(Fp8Config(), text_batches)
     final = lambda losses: float(losses[-20:].mean())  # noqa: E731  the last 20 steps: less noise
     assert final(ref) < 0.6 * ref[0]  # it learned
+    assert "f8e4m3fn" not in ref_hlo and "f8e5m2" not in ref_hlo
     for recipe in ("current", "delayed", "blockwise"):
-        losses, state = _train(Fp8Config(recipe=recipe, amax_history=16, keep_bf16=()), text_batches)
+        losses, state, hlo = _train(Fp8Config(recipe=recipe, amax_history=16, keep_bf16=()), text_batches)
         assert np.all(np.isfinite(losses)), recipe
         assert abs(final(losses) - final(ref)) <= 0.02 * final(ref), (recipe, final(losses), final(ref))
+        # fp8 really ran: E4M3 forward and E5M2 gradient operands in the program.
+        assert "f8e4m3fn" in hlo and "f8e5m2" in hlo, recipe
+        if recipe == "blockwise":  # quantized per block, multiplied dequantized (README): no fp8 dot
+            assert fp8.fp8_gemms(hlo) == [], recipe
+        else:  # the layer body (scanned: once) has 7 projections, each a forward, dgrad and wgrad dot
+            assert len(fp8.fp8_gemms(hlo)) == 7 * 3, (recipe, len(fp8.fp8_gemms(hlo)))
         if recipe == "delayed":
             x = np.asarray(state.model_state["blocks"]["attn"]["projections"]["q"]["x"])
             assert x.shape == (2, 16) and np.all(x > 0)  # every layer ran fp8 and recorded 16 steps

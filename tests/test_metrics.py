@@ -198,8 +198,12 @@ def test_disabled_writer_writes_nothing(tmp_path):
 
 
 def test_progress_enabled_and_disabled(capsys):
+    # tqdm redraws at most every 0.1 s; closing the bar draws its last state, so that is what is read.
     with metrics.Progress(10, enabled=True) as bar:
         bar.update(3, {"loss": jnp.float32(1.5), "tokens_per_sec": 1234.0, "mfu": 0.42})
+    shown = capsys.readouterr().err.split("\r")[-1]
+    assert "3/10" in shown and "loss 1.5000" in shown and "1,234 tok/s" in shown and "MFU 42.0%" in shown, shown
+    with metrics.Progress(10, enabled=True) as bar:
         bar.update(5, {"loss": math.nan})
     assert "5/10" in capsys.readouterr().err
     with metrics.Progress(10, enabled=False) as bar:

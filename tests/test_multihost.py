@@ -291,15 +291,24 @@ def test_two_processes_match_one_and_a_killed_process_restarts_the_job(reference
 
 @pytest.mark.heavy
 def test_checkpoint_moves_between_process_counts(reference, killed_run, tmp_path):
-    """Written by 2 processes, resumed by 1 (steps 5-6), then by 2 again (steps 7-8), data position kept."""
+    """Written by 2 processes, resumed by 1 (steps 5-6), then by 2 again (steps 7-8, process 0 killed
+    once on the way), data position kept."""
     run_dir = str(tmp_path / "run")
     shutil.copytree(killed_run[0], run_dir)
     meta = json.load(open(os.path.join(run_dir, "checkpoints", "4", "meta", "metadata")))
     assert sorted(map(int, meta["data"]["streams"])) == list(range(16))  # both processes' streams
     one = _run(_local(1, 8, run_dir, "train.steps=6"), timeout=240)
     assert one.returncode == 0 and "resumed from step 4" in one.stdout, one.stderr[-3000:]
-    two = _run(_local(2, 4, run_dir, "train.steps=8"), timeout=240)
-    assert two.returncode == 0 and "resumed from step 6" in two.stdout, two.stderr[-3000:]
+    # By 2 again under the supervisor, and this time process 0 (the coordination service's host) is
+    # SIGKILLed after step 7: process 1 stops by itself, the job restarts from step 6.
+    env = {"LUMEN_FAULT_SIGKILL_AFTER_STEPS": "7", "LUMEN_FAULT_PROCESS": "0"}
+    two = _run([PY, "launch/supervise.py", "--run-dir", run_dir, "--max-restarts", "2", "--backoff", "0.1", "--",
+                *_local(2, 4, run_dir, "train.steps=8")], timeout=420, env=env)
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-4000:]
+    assert "resumed from step 6" in two.stdout and "local: process 0 ended (killed by SIGKILL)" in two.stderr
+    line = next(x for x in two.stderr.splitlines() if x.startswith("local: process 1 ended (") and "after" in x)
+    assert float(line.split(", ")[-1].split("s after")[0]) <= HEARTBEAT_S + 5, line
+    assert "attempt 1: killed by SIGKILL" in two.stdout and "final: done" in two.stdout
     _assert_losses(_losses(run_dir), reference, range(1, 9))
 
 

@@ -123,3 +123,17 @@ def test_mesh_error_names_the_axis_that_was_set():
     with pytest.raises(ConfigError) as e:
         validate(cfg, 8)
     assert "mesh.tensor=3" in str(e.value), str(e.value)
+
+
+def test_vocab_smaller_than_the_tokenizer_exits_2_before_anything_is_written(tmp_path, capsys):
+    """In process: the check runs after the data is opened, before the run directory is made."""
+    from lumen_jax import train as train_cli
+    run_dir = tmp_path / "run"
+    rc = train_cli.main(["--config", os.path.join(REPO, "configs/tiny.yaml"), f"train.run_dir={run_dir}",
+                         "model.vocab_size=200", "train.steps=1", "runtime.cpu_devices=0",
+                         "runtime.compilation_cache_dir=", "log.progress=false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == EXIT_BAD_INPUT
+    assert err == ["error: model.vocab_size=200 is smaller than the tokenizer's vocabulary (259, "
+                   "data.tokenizer='byte'); set model.vocab_size>=259"], err  # 256 bytes + 3 special
+    assert not run_dir.exists()

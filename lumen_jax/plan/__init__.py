@@ -25,7 +25,7 @@ from lumen_jax.plan.cost import (ELEMENTWISE_OPS, Collective, bubble_fraction, c
                                  context_score_fraction, flops_per_device, link_of, planned_flops_per_token)
 from lumen_jax.plan.hardware import AXES, DEVICES, Hardware, Layout, compute_bytes, layout_from_config
 from lumen_jax.plan.memory import (BACKWARD_ROWS, CONTEXT_BACKWARD_ROWS, STATE_BYTES, TEXTBOOK_BYTES_PER_PARAM,
-                                   Activations, Residuals, activation_bytes, fp8_bytes, korthikanti_bytes_per_layer,
+                                   Activations, Residuals, activation_bytes, fp8_bytes,
                                    layer_residuals, recomputes, saved_bytes_per_token, state_bytes,
                                    working_bytes_per_token)
 from lumen_jax.plan.predict import SEARCH_REMATS, Plan, planned_attention, predict, search
@@ -34,7 +34,7 @@ __all__ = [
     "AXES", "BACKWARD_ROWS", "CONTEXT_BACKWARD_ROWS", "DEVICES", "ELEMENTWISE_OPS", "SEARCH_REMATS", "STATE_BYTES",
     "TEXTBOOK_BYTES_PER_PARAM", "Activations", "Collective", "Hardware", "Layout", "Plan", "Residuals",
     "activation_bytes", "bubble_fraction", "collectives", "compute_bytes", "compiled_flops_per_device",
-    "context_score_fraction", "flops_per_device", "fp8_bytes", "korthikanti_bytes_per_layer", "layer_residuals",
+    "context_score_fraction", "flops_per_device", "fp8_bytes", "layer_residuals",
     "layout_from_config", "link_of", "planned_attention", "planned_flops_per_token", "predict", "recomputes",
     "saved_bytes_per_token", "search", "state_bytes", "working_bytes_per_token",
 ]

@@ -430,19 +430,3 @@ def fp8_bytes(model: ModelConfig, layout: Layout, tokens: float = 0.0) -> float:
         act = sum(w for kind, w in widths.items() if kind in fp8.layers)
         return layers * (weight_tiles * F32) + tokens * act / layout.mesh.tensor / FP8_BLOCK * F32
     raise ValueError(f"model.fp8.recipe={recipe!r} is not one of none, current, delayed, blockwise")
-
-
-def korthikanti_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *, tensor: int = 1,
-                                sequence_parallel: bool = False, recompute: str = "none") -> float:
-    """Korthikanti et al. 2022 activation bytes of one GPT layer in 16-bit precision (the textbook).
-
-    `none`: 34sbh + 5as^2b (split by t with tensor parallelism, except the 10sbh of layer norms and
-    dropout that only sequence parallelism splits); `selective` (attention core recomputed, or a
-    fused flash kernel): the 5as^2b term is gone; `full`: only the layer input, 2sbh.
-    """
-    s, b, h, a, t = seq, batch, hidden, heads, tensor
-    if recompute == "full":
-        return 2 * s * b * h / (t if sequence_parallel else 1)
-    score = 0 if recompute == "selective" else 5 * a * s * s * b / t
-    linear = 34 * s * b * h / t if sequence_parallel else s * b * h * (10 + 24 / t)
-    return linear + score
