@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from lumen_jax.model import apply
+from lumen_jax.model import apply_with_aux
 from lumen_jax.ops import state as state_lib
 
 Batch = dict[str, jax.Array]
@@ -64,19 +64,25 @@ def init_state(params: dict, tx: optax.GradientTransformation, loss_scale: float
 
 
 def _micro_loss(params: dict, model_state: dict, mb: Batch, total_tokens: jax.Array, scale: jax.Array,
-                sc: StepConfig) -> tuple[jax.Array, jax.Array]:
-    """(scaled objective / total_tokens, summed cross-entropy) of one micro-batch.
+                sc: StepConfig) -> tuple[jax.Array, tuple[jax.Array, dict]]:
+    """(scaled objective / total_tokens, (summed cross-entropy, the model's aux metrics)) of one micro-batch.
 
-    Its gradient with respect to `model_state` is the state's next value (ops/state.py).
+    The model's auxiliary loss (`model.apply_with_aux`: a mean over the micro-batch) enters the
+    objective divided by the number of micro-batches. Its gradient with respect to `model_state`
+    is the state's next value (ops/state.py).
     """
-    logits_btv = apply(sc.graphdef, params, mb["inputs"], mb["positions"], mb["segment_ids"], model_state)
+    logits_btv, aux = apply_with_aux(sc.graphdef, params, mb["inputs"], mb["positions"], mb["segment_ids"],
+                                     model_state)
     mask = mb["loss_mask"].astype(jnp.float32)
     ce_sum = (optax.softmax_cross_entropy_with_integer_labels(logits_btv, mb["targets"]) * mask).sum()
     objective = ce_sum
     if sc.z_loss:
         log_z = jax.nn.logsumexp(logits_btv, axis=-1)
         objective = objective + sc.z_loss * (jnp.square(log_z) * mask).sum()
-    return objective * scale / total_tokens, ce_sum
+    objective = objective * scale / total_tokens
+    if "loss" in aux:
+        objective = objective + aux["loss"] * scale / sc.micro_batches
+    return objective, (ce_sum, aux.get("metrics", {}))
 
 
 def loss_and_grads(params: dict, batch: Batch, scale: jax.Array, sc: StepConfig,
@@ -88,13 +94,14 @@ def loss_and_grads(params: dict, batch: Batch, scale: jax.Array, sc: StepConfig,
     dropped here (`train_step` keeps it).
     """
     model_state = sc.fresh_state if model_state is None else model_state
-    loss, grads, _ = loss_grads_and_state(params, model_state, batch, scale, sc, constrain_grads)
+    loss, grads, _, _ = loss_grads_and_state(params, model_state, batch, scale, sc, constrain_grads)
     return loss, grads
 
 
 def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: jax.Array, sc: StepConfig,
-                         constrain_grads: Callable[[Any], Any] = lambda g: g) -> tuple[jax.Array, dict, dict]:
-    """(mean token cross-entropy, gradients of the scaled objective, the model state's next value).
+                         constrain_grads: Callable[[Any], Any] = lambda g: g) -> tuple[jax.Array, dict, dict, dict]:
+    """(mean token cross-entropy, gradients of the scaled objective, the model state's next value,
+    the model's aux metrics averaged over micro-batches).
 
     Micro-batch m takes rows m, m+M, m+2M, ... so each device's contiguous slice of the batch
     stays on that device (no resharding before the scan). Gradients add up over micro-batches; the
@@ -104,28 +111,28 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
     grad_fn = jax.grad(_micro_loss, argnums=(0, 1), has_aux=True)
     m = sc.micro_batches
     if m == 1:
-        (grads, state_new), ce_sum = grad_fn(params, model_state, batch, total_tokens, scale, sc)
-        return ce_sum / total_tokens, constrain_grads(grads), state_new
+        (grads, state_new), (ce_sum, aux) = grad_fn(params, model_state, batch, total_tokens, scale, sc)
+        return ce_sum / total_tokens, constrain_grads(grads), state_new, aux
 
     def split(x: jax.Array) -> jax.Array:  # [B, ...] -> [M, B/M, ...]
         return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
 
-    def accumulate(carry: tuple[dict, jax.Array, dict], mb: Batch) -> tuple[tuple[dict, jax.Array, dict], None]:
+    def accumulate(carry: tuple[dict, jax.Array, dict], mb: Batch) -> tuple[tuple[dict, jax.Array, dict], dict]:
         grads, ce, state_acc = carry
-        (g, new), c = grad_fn(params, model_state, mb, total_tokens, scale, sc)
+        (g, new), (c, aux) = grad_fn(params, model_state, mb, total_tokens, scale, sc)
         return (constrain_grads(jax.tree.map(jnp.add, grads, g)), ce + c,
-                state_lib.combine(sc.state_combine, state_acc, new)), None
+                state_lib.combine(sc.state_combine, state_acc, new)), aux
 
     zeros = constrain_grads(jax.tree.map(jnp.zeros_like, params))
     carry = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, model_state))
-    (grads, ce_sum, state_new), _ = jax.lax.scan(accumulate, carry, jax.tree.map(split, batch))
-    return ce_sum / total_tokens, grads, state_new
+    (grads, ce_sum, state_new), aux = jax.lax.scan(accumulate, carry, jax.tree.map(split, batch))
+    return ce_sum / total_tokens, grads, state_new, jax.tree.map(lambda v: v.mean(0), aux)
 
 
 def train_step(state: TrainState, batch: Batch, sc: StepConfig,
                constrain_grads: Callable[[Any], Any] = lambda g: g) -> tuple[TrainState, dict]:
     """One optimizer step on a global batch; returns the new state and scalar metrics."""
-    loss, grads, model_state = loss_grads_and_state(state.params, state.model_state, batch, state.loss_scale,
+    loss, grads, model_state, aux_metrics = loss_grads_and_state(state.params, state.model_state, batch, state.loss_scale,
                                                     sc, constrain_grads)
     grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
     grad_norm = optax.tree.norm(grads)
@@ -148,5 +155,5 @@ def train_step(state: TrainState, batch: Batch, sc: StepConfig,
                            model_state=keep(model_state, state.model_state))
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": sc.lr_schedule(state.step),
                "loss_scale": state.loss_scale, "skipped": (~finite).astype(jnp.int32),
-               "tokens": batch["loss_mask"].astype(jnp.float32).sum()}
+               "tokens": batch["loss_mask"].astype(jnp.float32).sum(), **aux_metrics}
     return new_state, metrics
