@@ -1,0 +1,152 @@
+"""Mixture of experts: dispatch against a per-token reference, capacity drops, the router's losses,
+the GPU exchange's lowering, and expert parallelism against one device (fp32)."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+from helpers_run import BASE, assert_same_run, run, with_mesh
+from lumen_jax.config import MoeConfig
+from lumen_jax.ops import moe as moe_ops
+from lumen_jax.parallel import expert
+from lumen_jax.parallel.mesh import make_mesh
+from lumen_jax.parallel.rules import Rules, activate
+
+E, K, D, F = 4, 2, 16, 8
+
+
+def _layer_inputs(b: int, t: int, seed: int = 0):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(ks[0], (b, t, D), jnp.float32)
+    scores = jax.random.normal(ks[1], (b, t, E))
+    weights, ids = jax.lax.top_k(jax.nn.softmax(scores), K)  # distinct experts per token
+    w_gate = jax.random.normal(ks[2], (E, D, F)) / math.sqrt(D)
+    w_up = jax.random.normal(ks[3], (E, D, F)) / math.sqrt(D)
+    w_down = jax.random.normal(ks[4], (E, F, D)) / math.sqrt(F)
+    return x, ids.astype(jnp.int32), weights, w_gate, w_up, w_down
+
+
+def _reference(x, ids, weights, w_gate, w_up, w_down, cap):
+    """Token by token, in order: each chosen expert's SwiGLU times its weight, while the expert has room."""
+    x, ids, weights = (np.asarray(a, np.float64).reshape(-1, a.shape[-1]) for a in (x, ids, weights))
+    w_gate, w_up, w_down = (np.asarray(a, np.float64) for a in (w_gate, w_up, w_down))
+    used = np.zeros(E, int)
+    y, kept = np.zeros_like(x), np.zeros(ids.shape, bool)
+    for n in range(x.shape[0]):
+        for j in range(K):
+            e = int(ids[n, j])
+            if used[e] < cap:
+                used[e] += 1
+                kept[n, j] = True
+                gate, up = x[n] @ w_gate[e], x[n] @ w_up[e]
+                y[n] += weights[n, j] * ((gate / (1 + np.exp(-gate)) * up) @ w_down[e])
+    return y, kept
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_dispatch_matches_per_token_reference(capacity_factor):
+    args = _layer_inputs(2, 8)
+    y, kept = jax.jit(lambda *a: expert.dispatch(*a, capacity_factor=capacity_factor))(*args)
+    cap = expert.capacity(16, K, E, capacity_factor)
+    y_ref, kept_ref = _reference(*args, cap)
+    np.testing.assert_array_equal(np.asarray(kept).reshape(-1, K), kept_ref)
+    if capacity_factor is not None:
+        assert 0 < (~kept_ref).sum() and cap == 4  # some drops, each expert keeps 4 of 32 assignments
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, D), y_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_expert_parallel_dispatch_per_device_groups(capacity_factor):
+    """expert=4, data=2: every device's slice of the batch is a dispatch group of its own (capacity
+    counted per device), its rows reach the experts on other devices and come back."""
+    mesh = make_mesh({"data": 2, "expert": 4})
+    args = _layer_inputs(8, 4, seed=1)
+    rules = Rules()
+
+    def f(*a):
+        with activate(mesh, rules):
+            return expert.dispatch(*a, capacity_factor=capacity_factor)
+
+    shard = lambda names: NamedSharding(mesh, rules.spec(names))  # noqa: E731
+    shardings = [shard(("batch", "seq", None))] * 3 + [shard(("experts", None, None))] * 3
+    y, kept = jax.jit(f, in_shardings=shardings)(*args)
+    cap = expert.capacity(4, K, E, capacity_factor)
+    for row in range(8):  # one row of 4 tokens per device
+        y_ref, kept_ref = _reference(*(a[row:row + 1] for a in args[:3]), *args[3:], cap)
+        np.testing.assert_array_equal(np.asarray(kept[row]), kept_ref)
+        np.testing.assert_allclose(np.asarray(y[row]), y_ref, rtol=1e-5, atol=1e-6)
+    if capacity_factor is not None:
+        assert not np.asarray(kept).all()
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_router_losses_on_a_hand_made_routing(router):
+    """Logits chosen so that 4 tokens go to experts 0, 0, 1, 2 (top-1): f = (1/2, 1/4, 1/4, 0)."""
+    logits = np.array([[4.0, 1, 0, 0], [3, 0, 1, 0], [0, 2, 1, 0], [1, 0, 3, 2]], np.float32)
+    cfg = MoeConfig(num_experts=4, top_k=1, router=router)
+    ids, weights, stats = moe_ops.route(jnp.asarray(logits)[None], jnp.eye(4), cfg)
+    np.testing.assert_array_equal(np.asarray(ids).reshape(-1), [0, 0, 1, 2])
+    np.testing.assert_allclose(np.asarray(weights), 1.0)  # top-1, renormalised
+    if router == "softmax":
+        probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    else:
+        scores = 1 / (1 + np.exp(-logits))
+        probs = scores / scores.sum(-1, keepdims=True)
+    f = np.array([0.5, 0.25, 0.25, 0.0])
+    np.testing.assert_allclose(stats["fraction"], f)
+    np.testing.assert_allclose(stats["balance_loss"], 4 * (f * probs.mean(0)).sum(), rtol=1e-6)
+    lse = np.log(np.exp(logits).sum(-1))
+    np.testing.assert_allclose(stats["router_z_loss"], np.mean(lse ** 2), rtol=1e-6)
+
+
+def test_gpu_exchange_lowers_to_ragged_all_to_all():
+    """XLA:CPU cannot run `ragged_all_to_all`; lowered for CUDA (forward and backward) the GPU
+    exchange must contain it, and the CPU exchange must not."""
+    mesh = make_mesh({"expert": 4, "data": 2})
+    args = _layer_inputs(8, 4)
+    rules = Rules()
+
+    def lowered(exchange: str) -> str:
+        def loss(x, w_gate, w_up, w_down):
+            with activate(mesh, rules):
+                y, _ = expert.dispatch(x, args[1], args[2], w_gate, w_up, w_down, capacity_factor=None,
+                                       exchange=exchange)
+            return (y ** 2).sum()
+
+        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+        exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")])(args[0], *args[3:])
+        return exported.mlir_module()
+
+    op = "stablehlo.custom_call @ragged_all_to_all("
+    ragged, padded = lowered("ragged"), lowered("padded")
+    assert ragged.count(op) >= 4, ragged.count(op)  # rows, expert ids, rows back; the transposes
+    assert op not in padded and '"stablehlo.all_to_all"' in padded or "stablehlo.all_to_all" in padded
+
+
+MOE = BASE.replace(model=dataclasses.replace(
+    BASE.model, moe=MoeConfig(num_experts=8, top_k=2, shared_experts=1, expert_ffn_dim=32)))
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    return run(with_mesh(MOE, expert=1), devices=jax.devices()[:1])
+
+
+EP_MESHES = {
+    "expert=4,data=2": dict(expert=4, data=2),
+    "expert=2,tensor=2,fsdp=2": dict(expert=2, tensor=2, fsdp=2),
+    "expert=2,fsdp=2,data=2": dict(expert=2, fsdp=2, data=2),
+}
+
+
+@pytest.mark.parametrize("name", list(EP_MESHES))
+def test_dropless_expert_parallel_matches_one_device(name, moe_reference):
+    got = run(with_mesh(MOE, **EP_MESHES[name]))
+    assert np.all(np.diff(moe_reference["losses"]) < 0), moe_reference["losses"]
+    assert_same_run(got, moe_reference, name)
