@@ -126,7 +126,7 @@ def test_gpu_exchange_lowers_to_ragged_all_to_all():
     op = "stablehlo.custom_call @ragged_all_to_all("
     ragged, padded = lowered("ragged"), lowered("padded")
     assert ragged.count(op) >= 4, ragged.count(op)  # rows, expert ids, rows back; the transposes
-    assert op not in padded and '"stablehlo.all_to_all"' in padded or "stablehlo.all_to_all" in padded
+    assert op not in padded and "stablehlo.all_to_all" in padded
 
 
 MOE = BASE.replace(model=dataclasses.replace(
@@ -145,6 +145,7 @@ EP_MESHES = {
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", list(EP_MESHES))
 def test_dropless_expert_parallel_matches_one_device(name, moe_reference):
     got = run(with_mesh(MOE, **EP_MESHES[name]))
