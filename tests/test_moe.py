@@ -10,8 +10,12 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
+from helpers_data import packed_batch
 from helpers_run import BASE, assert_same_run, run, with_mesh
-from lumen_jax.config import MoeConfig
+from lumen_jax import flops
+from lumen_jax.build import build
+from lumen_jax.config import ConfigError, MoeConfig, from_dict, to_dict, validate
+from lumen_jax.model import param_shapes_and_names
 from lumen_jax.ops import moe as moe_ops
 from lumen_jax.parallel import expert
 from lumen_jax.parallel.mesh import make_mesh
@@ -151,3 +155,67 @@ def test_dropless_expert_parallel_matches_one_device(name, moe_reference):
     got = run(with_mesh(MOE, **EP_MESHES[name]))
     assert np.all(np.diff(moe_reference["losses"]) < 0), moe_reference["losses"]
     assert_same_run(got, moe_reference, name)
+
+
+def _train_router(aux_loss_weight: float, steps: int = 100) -> tuple[list[float], dict]:
+    """A one-layer MoE (8 experts, top-2) trained `steps` steps on one batch: losses, last metrics."""
+    cfg = dataclasses.replace(
+        with_mesh(BASE), model=dataclasses.replace(
+            BASE.model, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=128,
+            moe=MoeConfig(num_experts=8, top_k=2, expert_ffn_dim=16, aux_loss_weight=aux_loss_weight,
+                          router_z_loss_weight=0.0)),
+        data=dataclasses.replace(BASE.data, global_batch_size=8),
+        optim=dataclasses.replace(BASE.optim, lr=1e-2, schedule="constant", z_loss=0.0))
+    trainer = build(cfg, make_mesh({}, jax.devices()[:1]))
+    state = trainer.init()
+    batch = trainer.shard_batch(packed_batch(8, cfg.data.seq_len, 128, seed=0))
+    losses = []
+    for _ in range(steps):
+        state, metrics = trainer.step(state, batch)
+        losses.append(metrics["loss"])
+    return [float(x) for x in losses], {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+
+def test_balancing_loss_keeps_every_expert_in_use():
+    """Same seed, 100 steps: with the balancing loss every expert keeps >= 1% of the assignments and
+    the spread between the most and least used expert is smaller than without it."""
+    with_loss, metrics = _train_router(0.1)
+    without_loss, metrics_off = _train_router(0.0)
+    assert with_loss[-1] < 0.5 * with_loss[0], with_loss[::10]
+    assert metrics["moe/expert_fraction_min"] >= 0.01, metrics
+    spread = lambda m: m["moe/expert_fraction_max"] - m["moe/expert_fraction_min"]  # noqa: E731
+    assert spread(metrics) < spread(metrics_off), (metrics, metrics_off)
+    assert metrics["moe/balance_loss"] < metrics_off["moe/balance_loss"]
+
+
+BAD_MOE = {
+    "top_k > num_experts": ({"top_k": 9}, {}, "model.moe.top_k=9 exceeds model.moe.num_experts=8"),
+    "num_experts % mesh.expert": ({}, {"expert": 3, "fsdp": 1}, "mesh.expert=3 does not divide model.moe.num_experts=8"),
+    "capacity_factor <= 0": ({"capacity_factor": 0.0}, {}, "model.moe.capacity_factor=0.0 must be > 0"),
+    "unknown router": ({"router": "hash"}, {}, "model.moe.router='hash' is not one of the allowed values"),
+    "every_n_layers": ({"every_n_layers": 3}, {}, "model.moe.every_n_layers=3 does not divide model.num_layers=2"),
+    "expert axis without experts": ({"num_experts": 0}, {"expert": 2, "fsdp": 4},
+                                    "mesh.expert=2 needs a mixture of experts"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_MOE))
+def test_moe_config_errors_are_one_line(name):
+    moe, mesh, fragment = BAD_MOE[name]
+    raw = to_dict(MOE)
+    raw["model"]["moe"].update(moe)
+    raw["mesh"].update({"fsdp": -1, **mesh})
+    with pytest.raises(ConfigError) as e:
+        validate(from_dict(raw), 3 if mesh.get("expert") == 3 else 8)
+    assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_param_counts_count_active_experts():
+    cfg = dataclasses.replace(MOE.model, num_layers=4, moe=dataclasses.replace(MOE.model.moe, every_n_layers=2))
+    _, shapes, _ = param_shapes_and_names(cfg)
+    counts = flops.param_counts(cfg)
+    assert counts["total"] == sum(math.prod(s.shape) for s in jax.tree.leaves(shapes))
+    d, f, fe, attn = 64, 128, 32, 2 * 64 * 64 + 2 * 64 * 32
+    moe_layer = attn + (2 + 1) * 3 * d * fe + d * 8  # top-2 + 1 shared expert + router
+    assert counts["matmul"] == 2 * (attn + 3 * d * f) + 2 * moe_layer + d * 256
+    assert counts["experts"] == 2 * 8 * 3 * d * fe
