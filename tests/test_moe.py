@@ -64,12 +64,16 @@ def test_dispatch_matches_per_token_reference(capacity_factor):
     np.testing.assert_allclose(np.asarray(y).reshape(-1, D), y_ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("capacity_factor", [None, 1.0])
-def test_expert_parallel_dispatch_per_device_groups(capacity_factor):
-    """expert=4, data=2: every device's slice of the batch is a dispatch group of its own (capacity
-    counted per device), its rows reach the experts on other devices and come back."""
-    mesh = make_mesh({"data": 2, "expert": 4})
-    args = _layer_inputs(8, 4, seed=1)
+@pytest.mark.parametrize("capacity_factor,mesh_shape", [(None, {"data": 2, "expert": 4}),
+                                                        (1.0, {"data": 2, "expert": 4}),
+                                                        (1.0, {"expert": 4, "tensor": 2})])
+def test_expert_parallel_dispatch_per_device_groups(capacity_factor, mesh_shape):
+    """Every device's slice of the batch is a dispatch group of its own (capacity counted per
+    device), its rows reach the experts on other devices and come back (with `tensor`: each
+    expert's hidden width split, partial sums added)."""
+    mesh = make_mesh(mesh_shape)
+    rows = 8 if "data" in mesh_shape else 4
+    args = _layer_inputs(rows, 4, seed=1)
     rules = Rules()
 
     def f(*a):
@@ -80,7 +84,7 @@ def test_expert_parallel_dispatch_per_device_groups(capacity_factor):
     shardings = [shard(("batch", "seq", None))] * 3 + [shard(("experts", None, None))] * 3
     y, kept = jax.jit(f, in_shardings=shardings)(*args)
     cap = expert.capacity(4, K, E, capacity_factor)
-    for row in range(8):  # one row of 4 tokens per device
+    for row in range(rows):  # one row of 4 tokens per device (per group of `tensor` devices)
         y_ref, kept_ref = _reference(*(a[row:row + 1] for a in args[:3]), *args[3:], cap)
         np.testing.assert_array_equal(np.asarray(kept[row]), kept_ref)
         np.testing.assert_allclose(np.asarray(y[row]), y_ref, rtol=1e-5, atol=1e-6)
