@@ -124,7 +124,8 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     model, seq = cfg.model, cfg.data.seq_len
     remat = model.remat if remat is None else remat
     attention = planned_attention(model) if attention is None else attention
-    micro_batch = cfg.data.global_batch_size // (layout.mesh.data * layout.mesh.fsdp * layout.micro_batches)
+    micro_batch = cfg.data.global_batch_size // (layout.mesh.data * layout.mesh.fsdp * layout.mesh.expert
+                                                * layout.micro_batches)
     tokens = cfg.data.global_batch_size * seq
     peak = hw.peak(model.compute_dtype)
     # Under context parallelism the step waits for the busiest device's share of the score square.
@@ -160,10 +161,11 @@ def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, to
     Tries tensor sizes that fit in a node and divide the heads, kv heads, ffn and vocab; context
     sizes that divide the sequence; every fsdp x data split of the rest; sequence parallelism on
     and off; the remat policies in `SEARCH_REMATS`; and per-device micro-batches of 1, 2, 4, ...
-    sequences. The ZeRO stage and the pipeline depth stay as given.
+    sequences. The ZeRO stage, the pipeline depth and `mesh.expert` stay as given.
     """
     m, seq, batch = cfg.model, cfg.data.seq_len, cfg.data.global_batch_size
-    per_stage = num_devices // pipeline
+    ep = max(cfg.mesh.expert, 1)  # the expert axis splits the batch like data: in `rest`'s batch split
+    per_stage = num_devices // pipeline // ep
     found = []
     for tp in _divisors(per_stage):
         if tp > hw.devices_per_node or any(x % tp for x in (m.num_heads, m.num_kv_heads, m.ffn_dim,
@@ -174,15 +176,15 @@ def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, to
                 continue
             rest = per_stage // (tp * cp)
             for fsdp in _divisors(rest):
-                if m.d_model % fsdp or batch % rest:
+                if m.d_model % fsdp or batch % (rest * ep):
                     continue
                 for sp in ((False, True) if tp > 1 and seq % (cp * tp) == 0 else (False,)):
                     for mb in (2 ** i for i in range(12)):
-                        if batch % (rest * mb):
+                        if batch % (rest * ep * mb):
                             break
                         mesh = dataclasses.replace(cfg.mesh, data=rest // fsdp, fsdp=fsdp, context=cp,
                                                    tensor=tp, sequence_parallel=sp)
-                        layout = Layout(mesh, pipeline=pipeline, micro_batches=batch // (rest * mb))
+                        layout = Layout(mesh, pipeline=pipeline, micro_batches=batch // (rest * ep * mb))
                         for remat in SEARCH_REMATS:
                             plan = predict(cfg, layout, hw, remat=remat, **predict_kwargs)
                             if plan.fits:
