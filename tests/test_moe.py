@@ -223,3 +223,29 @@ def test_param_counts_count_active_experts():
     moe_layer = attn + (2 + 1) * 3 * d * fe + d * 8  # top-2 + 1 shared expert + router
     assert counts["matmul"] == 2 * (attn + 3 * d * f) + 2 * moe_layer + d * 256
     assert counts["experts"] == 2 * 8 * 3 * d * fe
+
+
+def test_checkpoint_reshards_across_expert_meshes(tmp_path):
+    """Saved on expert=4,data=2, restored on expert=2,fsdp=2,tensor=2 and on one device: same values,
+    the target shardings (expert weights split over the other `expert` axis size)."""
+    from lumen_jax.checkpoint import Checkpointer
+    from lumen_jax.config import CheckpointConfig, MeshConfig
+
+    def trainer(devices=None, **axes):
+        cfg = MOE.replace(mesh=MeshConfig(**{"fsdp": 1, **axes}))
+        return build(cfg, make_mesh(validate(cfg, len(devices or jax.devices())), devices))
+
+    source = trainer(expert=4, data=2)
+    state = source.init()
+    ckpt = Checkpointer(str(tmp_path), CheckpointConfig())
+    ckpt.save(1, state, {})
+    ckpt.wait()
+    ckpt.close()
+    expected = jax.device_get(state)
+    for target in (trainer(expert=2, fsdp=2, tensor=2), trainer(jax.devices()[:1])):
+        restored = Checkpointer(str(tmp_path), CheckpointConfig()).restore_latest(target.abstract_state())
+        for got, want in zip(jax.tree.leaves(restored.state), jax.tree.leaves(expected)):
+            np.testing.assert_array_equal(np.asarray(got), want)
+        for got, sh in zip(jax.tree.leaves(restored.state.params), jax.tree.leaves(target.state_shardings.params)):
+            assert got.sharding == sh
+    assert "expert" in str(jax.tree.leaves(source.state_shardings.params["moe_blocks"]["mlp"]["w_gate"])[0].spec)
