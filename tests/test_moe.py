@@ -249,3 +249,35 @@ def test_checkpoint_reshards_across_expert_meshes(tmp_path):
         for got, sh in zip(jax.tree.leaves(restored.state.params), jax.tree.leaves(target.state_shardings.params)):
             assert got.sharding == sh
     assert "expert" in str(jax.tree.leaves(source.state_shardings.params["moe_blocks"]["mlp"]["w_gate"])[0].spec)
+
+
+def test_every_n_layers_runs_dense_then_moe_layers_in_order():
+    """every_n_layers=2 of 4 layers: the grouped scan equals layers 0..3 applied one by one, layers
+    1 and 3 the MoE ones (`moe_blocks`), 0 and 2 dense (`blocks`)."""
+    from flax import nnx
+    from lumen_jax.model import init_params, param_shapes_and_names
+    from lumen_jax.model.layers import rope_frequencies
+
+    cfg = dataclasses.replace(MOE.model, num_layers=4, moe=dataclasses.replace(MOE.model.moe, every_n_layers=2))
+    graphdef, _, _ = param_shapes_and_names(cfg)
+    params = init_params(cfg, 0)
+    tokens = jnp.arange(32).reshape(2, 16) * 7 % cfg.vocab_size
+    positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
+
+    @jax.jit
+    def both(params):
+        model = nnx.merge(graphdef, params)
+        got, aux = model.forward(tokens, positions)
+        stacks = {False: nnx.split(model.blocks), True: nnx.split(model.moe_blocks)}
+        x, losses = params["embed"][tokens], []
+        for i in range(4):
+            g, state = stacks[i % 2 == 1]
+            x, layer_aux = nnx.merge(g, jax.tree.map(lambda v: v[i // 2], state))(
+                x, positions, None, rope_frequencies(cfg), model.ops)
+            losses += [layer_aux["loss"]] if layer_aux else []
+        return got, aux, model.final_norm(x) @ params["lm_head"], losses
+
+    got, aux, want, losses = both(params)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(aux["loss"], sum(losses), rtol=1e-6)
+    assert len(losses) == 2
