@@ -150,6 +150,7 @@ EP_MESHES = {
     "expert=4,data=2": dict(expert=4, data=2),
     "expert=2,tensor=2,fsdp=2": dict(expert=2, tensor=2, fsdp=2),
     "expert=2,fsdp=2,data=2": dict(expert=2, fsdp=2, data=2),
+    "expert=2,context=2,fsdp=2": dict(expert=2, context=2, fsdp=2),  # ring attention, zigzag tokens
 }
 
 
