@@ -18,6 +18,7 @@ import functools
 import math
 import os
 import re
+import types
 import typing
 from typing import Any, Mapping, Sequence
 
@@ -40,6 +41,7 @@ ROPE_SCALINGS = ("none", "llama3")
 FP8_RECIPES = ("none", "current", "delayed", "blockwise")
 FP8_LAYERS = ("attention", "mlp")
 FP8_KEEP_BF16 = ("first", "last")
+MOE_ROUTERS = ("softmax", "sigmoid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,26 @@ class Fp8Config:
     amax_history: int = 1024  # delayed: steps of amax history the scale is taken from
     layers: tuple[str, ...] = ("attention", "mlp")  # layer types whose projections run in fp8
     keep_bf16: tuple[str, ...] = ("first", "last")  # layers kept in the compute dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """Mixture of experts (lumen_jax/model/moe.py, dispatch in lumen_jax/ops/moe.py). `num_experts: 0`
+    (the default) turns it off: every layer keeps its dense MLP."""
+
+    num_experts: int = 0  # routed experts per MoE layer; 0: no MoE
+    top_k: int = 2  # experts each token goes to
+    every_n_layers: int = 1  # layers n-1, 2n-1, ... are MoE (1: every layer); must divide num_layers
+    capacity_factor: float | None = None  # None: dropless; c: an expert takes ceil(c*tokens*top_k/E) per group
+    shared_experts: int = 0  # dense experts every token also goes through (DeepSeek)
+    router: str = "softmax"  # softmax (top-k, renormalised) | sigmoid (DeepSeek-V3: sigmoid, top-k, normalised)
+    aux_loss_weight: float = 0.01  # Switch load-balancing loss num_experts * sum_i f_i P_i
+    router_z_loss_weight: float = 0.001  # mean logsumexp(router logits)^2 (ST-MoE)
+    expert_ffn_dim: int = 0  # each expert's (and shared expert's) hidden width; 0: model.ffn_dim
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +100,11 @@ class ModelConfig:
     remat: str = "none"  # one of REMAT_POLICIES
     compute_dtype: str = "bfloat16"  # bfloat16 | float32 | float16; params stay float32
     fp8: Fp8Config = dataclasses.field(default_factory=Fp8Config)
+    moe: MoeConfig = dataclasses.field(default_factory=MoeConfig)
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        return self.moe.expert_ffn_dim or self.ffn_dim
 
     @property
     def resolved_head_dim(self) -> int:
@@ -91,6 +118,7 @@ class MeshConfig:
 
     data: int = 1
     fsdp: int = -1
+    expert: int = 1  # expert parallelism: groups of model.moe experts on different devices (shards the batch too)
     context: int = 1
     tensor: int = 1
     sequence_parallel: bool = False  # Megatron SP: norms/residual sharded along sequence over `tensor`
@@ -110,7 +138,7 @@ class MeshConfig:
     reduce_dtype: str = "float32"  # dtype of the gradient reductions (float32 | bfloat16)
 
     # The mesh axes, the one list of their names (the planner adds `pipeline` outside them).
-    AXES: typing.ClassVar[tuple[str, ...]] = ("data", "fsdp", "context", "tensor")
+    AXES: typing.ClassVar[tuple[str, ...]] = ("data", "fsdp", "expert", "context", "tensor")
 
     def shape(self, num_devices: int) -> dict[str, int]:
         """Resolve -1 against `num_devices`; raises ConfigError when the product does not match."""
@@ -138,7 +166,7 @@ class MeshConfig:
             desc = "x".join(f"{a}={s}" for a, s in sizes.items())
             raise ConfigError(
                 f"mesh {desc} has {fixed} devices but {num_devices} are available; make the product "
-                f"of mesh.data*mesh.fsdp*mesh.context*mesh.tensor equal {num_devices} or set one axis to -1")
+                f"of {'*'.join('mesh.' + a for a in self.AXES)} equal {num_devices} or set one axis to -1")
         return sizes
 
 
@@ -246,6 +274,7 @@ class DistributedConfig:
     # nodes go to the outermost axes they divide (data, then fsdp, ...).
     across_nodes_data: int = 1
     across_nodes_fsdp: int = 1
+    across_nodes_expert: int = 1
     across_nodes_context: int = 1
     across_nodes_tensor: int = 1
 
@@ -288,6 +317,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "model.fp8.recipe": FP8_RECIPES,
     "model.fp8.layers": FP8_LAYERS,  # list fields: every item
     "model.fp8.keep_bf16": FP8_KEEP_BF16,
+    "model.moe.router": MOE_ROUTERS,
     "optim.schedule": SCHEDULES,
     "mesh.zero_stage": ZERO_STAGES,
     "mesh.context_parallel": CONTEXT_PARALLEL,
@@ -314,7 +344,7 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 
 # Sub-sections one level down (`model.fp8.recipe`): a field whose type is a dataclass.
-NESTED: dict[str, type] = {"model.fp8": Fp8Config}
+NESTED: dict[str, type] = {"model.fp8": Fp8Config, "model.moe": MoeConfig}
 
 _TYPES = {section: _field_types(cls) for section, cls in {**SECTIONS, **NESTED}.items()}
 
@@ -382,6 +412,10 @@ def _convert(key: str, value: Any, typ: Any) -> Any:
     def wrong(what: str) -> ConfigError:
         return ConfigError(f"{key}={show(value)} must be {what}; got {type(value).__name__}")
 
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):  # `float | None`: null allowed
+        if value is None:
+            return None
+        typ = next(t for t in typing.get_args(typ) if t is not type(None))
     if typ is bool:
         if not isinstance(value, bool):
             raise wrong("a bool (true or false)")
@@ -475,6 +509,9 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("model.vocab_size", ">=", 1), ("model.norm_eps", ">", 0), ("model.rope_theta", ">", 0),
     ("model.rope_scaling_factor", ">", 0), ("model.rope_original_max_len", ">=", 1),
     ("model.init_std", ">", 0), ("model.fp8.amax_history", ">=", 1),
+    ("model.moe.num_experts", ">=", 0), ("model.moe.top_k", ">=", 1), ("model.moe.every_n_layers", ">=", 1),
+    ("model.moe.shared_experts", ">=", 0), ("model.moe.aux_loss_weight", ">=", 0),
+    ("model.moe.router_z_loss_weight", ">=", 0), ("model.moe.expert_ffn_dim", ">=", 0),
     ("optim.lr", ">", 0), ("optim.min_lr_ratio", ">=", 0), ("optim.min_lr_ratio", "<=", 1),
     ("optim.warmup_steps", ">=", 0), ("optim.decay_steps", ">=", 0),
     ("optim.b1", ">=", 0), ("optim.b1", "<", 1), ("optim.b2", ">=", 0), ("optim.b2", "<", 1),
@@ -514,6 +551,34 @@ def _divisors(n: int, limit: int) -> str:
     return ", ".join(str(d) for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
+def _moe_checks(m: ModelConfig, shape: dict[str, int]) -> list[tuple[bool, str]]:
+    """model.moe against the model and the mesh (an `expert` axis needs experts to place)."""
+    moe, ep, tp = m.moe, shape["expert"], shape["tensor"]
+    if not moe.enabled:
+        return [(ep == 1, f"mesh.expert={ep} needs a mixture of experts but model.moe.num_experts=0; "
+                          "set model.moe.num_experts to a multiple of mesh.expert or mesh.expert=1")]
+    return [
+        (moe.top_k <= moe.num_experts,
+         f"model.moe.top_k={moe.top_k} exceeds model.moe.num_experts={moe.num_experts}; "
+         f"choose top_k between 1 and {moe.num_experts}"),
+        (moe.num_experts % ep == 0,
+         f"mesh.expert={ep} does not divide model.moe.num_experts={moe.num_experts}; choose mesh.expert "
+         f"among the divisors of {moe.num_experts} ({_divisors(moe.num_experts, moe.num_experts)})"),
+        (moe.capacity_factor is None or moe.capacity_factor > 0,
+         f"model.moe.capacity_factor={show(moe.capacity_factor)} must be > 0; "
+         "use e.g. 1.25, or null for dropless"),
+        (m.num_layers % moe.every_n_layers == 0,
+         f"model.moe.every_n_layers={moe.every_n_layers} does not divide model.num_layers={m.num_layers}; "
+         f"choose it among the divisors of {m.num_layers} ({_divisors(m.num_layers, m.num_layers)})"),
+        (m.expert_ffn_dim % tp == 0,
+         f"mesh.tensor={tp} does not divide the experts' ffn dim {m.expert_ffn_dim} (model.moe.expert_ffn_dim, "
+         "0: model.ffn_dim); choose an expert_ffn_dim that is a multiple of mesh.tensor"),
+        (m.fp8.recipe == "none",
+         f"model.fp8.recipe={m.fp8.recipe!r} is not supported with model.moe (the experts' grouped "
+         "matmuls have no fp8 form); set model.fp8.recipe=none or model.moe.num_experts=0"),
+    ]
+
+
 def validate(cfg: Config, num_devices: int) -> dict[str, int]:
     """Checks `cfg` against itself and `num_devices` before any mesh or array exists.
 
@@ -542,8 +607,8 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
 
     shape = cfg.mesh.shape(num_devices)
     m, d, mesh, dist = cfg.model, cfg.data, cfg.mesh, cfg.distributed
-    tp, cp = shape["tensor"], shape["context"]
-    batch_shards = shape["data"] * shape["fsdp"] * cfg.train.micro_batches
+    tp, cp, ep = shape["tensor"], shape["context"], shape["expert"]
+    batch_shards = shape["data"] * shape["fsdp"] * ep * cfg.train.micro_batches
     checks: list[tuple[bool, str]] = [
         *((getattr(m, k) % tp == 0,
            f"mesh.tensor={tp} does not divide model.{k}={getattr(m, k)}; "
@@ -571,9 +636,10 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         (m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor,
          f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be > model.rope_low_freq_factor="
          f"{m.rope_low_freq_factor} for rope_scaling=llama3; raise the high or lower the low factor"),
+        *_moe_checks(m, shape),
         (d.global_batch_size % batch_shards == 0,
-         f"data.global_batch_size={d.global_batch_size} is not divisible by mesh.data*mesh.fsdp*"
-         f"train.micro_batches={shape['data']}*{shape['fsdp']}*{cfg.train.micro_batches}={batch_shards}; "
+         f"data.global_batch_size={d.global_batch_size} is not divisible by mesh.data*mesh.fsdp*mesh.expert*"
+         f"train.micro_batches={shape['data']}*{shape['fsdp']}*{ep}*{cfg.train.micro_batches}={batch_shards}; "
          f"use a multiple of {batch_shards} or change the mesh or train.micro_batches"),
         (d.seq_len % cp == 0,
          f"data.seq_len={d.seq_len} is not divisible by mesh.context={cp}; use a multiple of {cp}"),

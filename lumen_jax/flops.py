@@ -21,8 +21,11 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
 
     Returns:
         `total` (every parameter, the tied logits matrix once), `embedding` (V*D), `layer_matmul`
-        (the linear weights of one layer), `matmul` (weights a token multiplies through: all layers'
-        linear weights plus the D*V logits matrix, counted even when tied to the embedding).
+        (the linear weights one token multiplies through in one layer, averaged over the layers),
+        `matmul` (weights a token multiplies through: all layers' linear weights plus the D*V logits
+        matrix, counted even when tied to the embedding). With `model.moe` a token goes through its
+        top_k routed experts, the shared experts and the router only: `matmul` counts those
+        (active parameters), `total` every expert; `experts` is all routed experts' weights.
     """
     d, h, v = cfg.d_model, cfg.resolved_head_dim, cfg.vocab_size
     attn = d * cfg.num_heads * h * 2 + d * cfg.num_kv_heads * h * 2  # wq, wo; wk, wv
@@ -30,11 +33,19 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     layer = attn + mlp + 2 * d  # + attn_norm, mlp_norm
     embedding = v * d
     lm_head = 0 if cfg.tie_embeddings else d * v
+    moe = cfg.moe
+    n_moe = cfg.num_layers // moe.every_n_layers if moe.enabled else 0
+    expert = 3 * d * cfg.expert_ffn_dim
+    moe_active = (moe.top_k + moe.shared_experts) * expert + d * moe.num_experts  # + router
+    moe_all = (moe.num_experts + moe.shared_experts) * expert + d * moe.num_experts
+    layers_matmul = (cfg.num_layers - n_moe) * (attn + mlp) + n_moe * (attn + moe_active)
     return {
-        "total": embedding + cfg.num_layers * layer + d + lm_head,  # + final_norm
+        "total": (embedding + (cfg.num_layers - n_moe) * layer + n_moe * (attn + moe_all + 2 * d)
+                  + d + lm_head),  # + final_norm
         "embedding": embedding,
-        "layer_matmul": attn + mlp,
-        "matmul": cfg.num_layers * (attn + mlp) + d * v,
+        "layer_matmul": attn + mlp if not n_moe else layers_matmul / cfg.num_layers,
+        "matmul": layers_matmul + d * v,
+        "experts": n_moe * moe.num_experts * expert,
     }
 
 

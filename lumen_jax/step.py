@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from lumen_jax.model import apply
+from lumen_jax.model import apply_with_aux
 from lumen_jax.ops import state as state_lib
 
 Batch = dict[str, jax.Array]
@@ -68,19 +68,25 @@ def init_state(params: dict, tx: optax.GradientTransformation, loss_scale: float
 
 
 def _micro_loss(params: dict, model_state: dict, mb: Batch, total_tokens: jax.Array, scale: jax.Array,
-                sc: StepConfig) -> tuple[jax.Array, jax.Array]:
-    """(scaled objective / total_tokens, summed cross-entropy) of one micro-batch.
+                sc: StepConfig, pieces: int) -> tuple[jax.Array, tuple[jax.Array, dict]]:
+    """(scaled objective / total_tokens, (summed cross-entropy, the model's aux metrics)) of one micro-batch.
 
-    Its gradient with respect to `model_state` is the state's next value (ops/state.py).
+    The model's auxiliary loss (`model.apply_with_aux`: a mean over the micro-batch) enters the
+    objective divided by `pieces`, the micro-batches times the replica groups that each compute one. Its gradient with respect to `model_state`
+    is the state's next value (ops/state.py).
     """
-    logits_btv = apply(sc.graphdef, params, mb["inputs"], mb["positions"], mb["segment_ids"], model_state)
+    logits_btv, aux = apply_with_aux(sc.graphdef, params, mb["inputs"], mb["positions"], mb["segment_ids"],
+                                     model_state)
     mask = mb["loss_mask"].astype(jnp.float32)
     ce_sum = (optax.softmax_cross_entropy_with_integer_labels(logits_btv, mb["targets"]) * mask).sum()
     objective = ce_sum
     if sc.z_loss:
         log_z = jax.nn.logsumexp(logits_btv, axis=-1)
         objective = objective + sc.z_loss * (jnp.square(log_z) * mask).sum()
-    return objective * scale / total_tokens, ce_sum
+    objective = objective * scale / total_tokens
+    if "loss" in aux:
+        objective = objective + aux["loss"] * scale / pieces
+    return objective, (ce_sum, aux.get("metrics", {}))
 
 
 def _identity(tree: Any) -> Any:
@@ -108,7 +114,7 @@ def loss_and_grads(params: dict, batch: Batch, scale: jax.Array, sc: StepConfig,
     dropped here (`train_step` keeps it).
     """
     model_state = sc.fresh_state if model_state is None else model_state
-    loss, grads, _ = loss_grads_and_state(params, model_state, batch, scale, sc, placement)
+    loss, grads, _, _ = loss_grads_and_state(params, model_state, batch, scale, sc, placement)
     return loss, grads
 
 
@@ -130,8 +136,9 @@ def _fold(rule: Callable[[jax.Array, jax.Array], jax.Array], x_r: jax.Array) -> 
 
 
 def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: jax.Array, sc: StepConfig,
-                         placement: Placement = Placement()) -> tuple[jax.Array, dict, dict]:
-    """(mean token cross-entropy, gradients of the scaled objective, the model state's next value).
+                         placement: Placement = Placement()) -> tuple[jax.Array, dict, dict, dict]:
+    """(mean token cross-entropy, gradients of the scaled objective, the model state's next value,
+    the model's aux metrics averaged over micro-batches and replica groups).
 
     The gradients are taken with respect to the compute-dtype weights (`compute_weights`, pinned by
     `placement.weights`: sharded, gathered where each micro-batch uses them, or gathered once for
@@ -152,8 +159,8 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
     f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)  # noqa: E731
     m, r = sc.micro_batches, placement.replicas
     if m == 1:
-        (grads, state_new), ce_sum = grad_fn(weights, model_state, batch, total_tokens, scale, sc)
-        return ce_sum / total_tokens, placement.grads(f32(grads)), state_new
+        (grads, state_new), (ce_sum, aux) = grad_fn(weights, model_state, batch, total_tokens, scale, sc, 1)
+        return ce_sum / total_tokens, placement.grads(f32(grads)), state_new, aux
 
     reduce_dtype = jnp.dtype(sc.reduce_dtype)
 
@@ -161,29 +168,29 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
         x = x.reshape(r, x.shape[0] // (r * m), m, *x.shape[1:])
         return jnp.moveaxis(x, 2, 0)
 
-    replica_grad = jax.vmap(grad_fn, in_axes=(None, None, 0, None, None, None),
+    replica_grad = jax.vmap(grad_fn, in_axes=(None, None, 0, None, None, None, None),
                             spmd_axis_name=placement.replica_axes or None)
 
-    def accumulate(carry: tuple[dict, jax.Array, dict], mb: Batch) -> tuple[tuple[dict, jax.Array, dict], None]:
+    def accumulate(carry: tuple[dict, jax.Array, dict], mb: Batch) -> tuple[tuple[dict, jax.Array, dict], dict]:
         grads, ce, state_acc = carry
-        (g, new), c = replica_grad(weights, model_state, mb, total_tokens, scale, sc)
+        (g, new), (c, aux) = replica_grad(weights, model_state, mb, total_tokens, scale, sc, m * r)
         grads = jax.tree.map(lambda a, b: a + b.astype(reduce_dtype), grads, g)
         return (placement.accumulator(grads), ce + c.sum(),
-                state_lib.combine(sc.state_combine, state_acc, new)), None
+                state_lib.combine(sc.state_combine, state_acc, new)), jax.tree.map(lambda v: v.mean(0), aux)
 
     zeros = placement.accumulator(jax.tree.map(lambda w: jnp.zeros((r, *w.shape), reduce_dtype), weights))
     carry = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(lambda s: jnp.zeros((r, *s.shape), s.dtype), model_state))
-    (grads_r, ce_sum, state_r), _ = jax.lax.scan(accumulate, carry, jax.tree.map(split, batch))
+    (grads_r, ce_sum, state_r), aux = jax.lax.scan(accumulate, carry, jax.tree.map(split, batch))
     grads = placement.grads(f32(jax.tree.map(lambda g: g.sum(0), grads_r)))
     state_new = jax.tree.map(_fold, sc.state_combine, state_r)
-    return ce_sum / total_tokens, grads, state_new
+    return ce_sum / total_tokens, grads, state_new, jax.tree.map(lambda v: v.mean(0), aux)
 
 
 def train_step(state: TrainState, batch: Batch, sc: StepConfig,
                placement: Placement = Placement()) -> tuple[TrainState, dict]:
     """One optimizer step on a global batch; returns the new state and scalar metrics."""
-    loss, grads, model_state = loss_grads_and_state(state.params, state.model_state, batch, state.loss_scale,
-                                                    sc, placement)
+    loss, grads, model_state, aux_metrics = loss_grads_and_state(state.params, state.model_state, batch,
+                                                                 state.loss_scale, sc, placement)
     grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
     grad_norm = optax.tree.norm(grads)
 
@@ -209,7 +216,7 @@ def train_step(state: TrainState, batch: Batch, sc: StepConfig,
                            model_state=keep(model_state, state.model_state))
     metrics = {"loss": loss, "grad_norm": grad_norm, "update_norm": update_norm, "lr": sc.lr_schedule(state.step),
                "loss_scale": state.loss_scale, "skipped": (~finite).astype(jnp.int32),
-               "tokens": batch["loss_mask"].astype(jnp.float32).sum()}
+               "tokens": batch["loss_mask"].astype(jnp.float32).sum(), **aux_metrics}
     return new_state, metrics
 
 

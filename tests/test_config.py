@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import math
 import os
 import subprocess
 import sys
@@ -21,7 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
 
 # Device counts each shipped file is sized for (see the comment at the top of each file).
-DEVICES = {"base": 8, "tiny": 8, "llama3_1b": 64, "llama3_8b": 64, "llama3_70b": 512, "llama3_405b": 1024}
+DEVICES = {"base": 8, "tiny": 8, "llama3_1b": 64, "llama3_8b": 64, "llama3_70b": 512, "llama3_405b": 1024,
+           "tiny_moe": 8, "mixtral_8x7b": 64}
 
 
 def cfg_path(name: str) -> str:
@@ -62,7 +64,7 @@ def test_every_config_file_loads_and_validates():
         cfg = load_config(f)
         assert cfg.name == os.path.splitext(os.path.basename(f))[0]
         shape = validate(cfg, DEVICES[cfg.name])
-        assert shape["data"] * shape["fsdp"] * shape["context"] * shape["tensor"] == DEVICES[cfg.name]
+        assert math.prod(shape.values()) == DEVICES[cfg.name]
 
 
 def test_base_yaml_lists_every_default():
@@ -80,7 +82,7 @@ def test_tiny_values():
     assert (d.seq_len, d.global_batch_size, TINY.train.steps) == (128, 16, 100)
     assert TINY.runtime.cpu_devices == 8 and TINY.mesh.fsdp == -1
     assert TINY.optim.lr == 3e-3 and isinstance(TINY.optim.lr, float) and TINY.optim.warmup_steps == 10
-    assert validate(TINY, 8) == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
+    assert validate(TINY, 8) == {"data": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}
 
 
 def test_llama_presets_shapes():
@@ -274,9 +276,9 @@ def test_round_trip():
 
 def test_mesh_minus_one_resolution():
     assert validate(TINY, 8)["fsdp"] == 8
-    assert validate(with_(TINY, mesh=dict(data=2)), 8) == {"data": 2, "fsdp": 4, "context": 1, "tensor": 1}
+    assert validate(with_(TINY, mesh=dict(data=2)), 8) == {"data": 2, "fsdp": 4, "expert": 1, "context": 1, "tensor": 1}
     cfg = with_(TINY, mesh=dict(fsdp=2, tensor=-1))
-    assert validate(cfg, 4) == {"data": 1, "fsdp": 2, "context": 1, "tensor": 2}
+    assert validate(cfg, 4) == {"data": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
     assert "at most one axis may be -1" in error(validate, with_(TINY, mesh=dict(data=-1)), 8)
     assert "mesh.fsdp=-1 cannot fill 8 devices" in error(validate, with_(TINY, mesh=dict(tensor=3)), 8)
     assert "mesh.tensor=0" in error(validate, with_(TINY, mesh=dict(tensor=0)), 8)
@@ -321,7 +323,7 @@ def test_gqa_and_head_dim():
 
 def test_batch_and_sequence():
     msg = error(validate, with_(TINY, data=dict(global_batch_size=12)), 8)
-    assert msg.startswith("data.global_batch_size=12 is not divisible by mesh.data*mesh.fsdp*train.micro_batches=1*8*1=8")
+    assert msg.startswith("data.global_batch_size=12 is not divisible by mesh.data*mesh.fsdp*mesh.expert*train.micro_batches=1*8*1*1=8")
     msg = error(validate, with_(TINY, train=dict(micro_batches=4)), 8)
     assert "data.global_batch_size=16" in msg and "=32" in msg
     validate(with_(TINY, train=dict(micro_batches=2)), 8)

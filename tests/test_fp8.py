@@ -343,7 +343,7 @@ def test_micro_batches_combine_histories_by_max():
     sc2 = step_lib.StepConfig(**{**sc1.__dict__, "micro_batches": 2})
     halves = [{k: v[m::2] for k, v in batch.items()} for m in range(2)]  # the step's row split
     fresh, params = sc1.fresh_state, one.init().params
-    _, _, whole = jax.jit(lambda b: step_lib.loss_grads_and_state(params, fresh, b, 1.0, sc2))(batch)
+    _, _, whole, _ = jax.jit(lambda b: step_lib.loss_grads_and_state(params, fresh, b, 1.0, sc2))(batch)
     tokens = batch["loss_mask"].sum()  # each micro-batch's loss is divided by the whole batch's tokens
     micro = jax.jit(lambda h: jax.grad(step_lib._micro_loss, argnums=1, has_aux=True)(params, fresh, h, tokens,
                                                                                      1.0, sc1)[0])

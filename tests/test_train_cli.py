@@ -96,6 +96,8 @@ BAD_INPUTS = {
     "mesh product": (["mesh.fsdp=3", "mesh.tensor=1"], ["fsdp=3", "8 are available"]),
     "mesh -1 cannot fill": (["mesh.tensor=3"], ["mesh.fsdp=-1", "8 devices", "mesh.tensor=3 does not divide 8"]),
     "batch not divisible": (["data.global_batch_size=12"], ["data.global_batch_size=12", "multiple of 8"]),
+    "experts over mesh.expert": (["model.moe.num_experts=6", "mesh.expert=4"],
+                                 ["mesh.expert=4 does not divide model.moe.num_experts=6"]),
     "missing data file": (["data.source=files", "data.paths=[/nonexistent/*.txt]"],
                           ["data.paths", "/nonexistent/*.txt", "matches no files"]),
     "corrupt jsonl": (["data.source=files", "data.paths=[{jsonl}]"], ["{jsonl}", "line 2", "not valid JSON"]),

@@ -127,16 +127,20 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    def __init__(self, cfg: ModelConfig, ops: Ops, *, rngs: nnx.Rngs):
+    `mlp` is the MLP's class: `MLP`, or `model.moe.MoE` (which returns auxiliary terms with its output).
+    `__call__` returns (x_btd, aux): aux the MLP's auxiliary terms, {} for a dense one.
+    """
+
+    def __init__(self, cfg: ModelConfig, ops: Ops, *, rngs: nnx.Rngs, mlp: type = MLP):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, ops, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg, ops, rngs=rngs)
+        self.mlp = mlp(cfg, ops, rngs=rngs)
 
     def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array | None,
-                 inv_freq: jax.Array, ops: Ops) -> jax.Array:
+                 inv_freq: jax.Array, ops: Ops) -> tuple[jax.Array, dict[str, jax.Array]]:
         residual = ("batch", "act_seq", "act_embed")
         # Under sequence parallelism the normed input is gathered along the sequence over `tensor`
         # here, once, before the column-parallel projections (Megatron's g); left to itself the
@@ -144,4 +148,6 @@ class Block(nnx.Module):
         gathered = ("batch", "seq", "act_embed")
         h_btd = constrain(self.attn_norm(x_btd), gathered)
         x_btd = constrain(x_btd + self.attn(h_btd, positions_bt, segment_ids_bt, inv_freq, ops), residual)
-        return constrain(x_btd + self.mlp(constrain(self.mlp_norm(x_btd), gathered), ops), residual)
+        y_btd = self.mlp(constrain(self.mlp_norm(x_btd), gathered), ops)
+        y_btd, aux = y_btd if isinstance(y_btd, tuple) else (y_btd, {})
+        return constrain(x_btd + y_btd, residual), aux

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lumen_jax.config import ModelConfig
-from lumen_jax.model.layers import Block, RMSNorm, _param, rope_frequencies
+from lumen_jax.model.layers import MLP, Block, RMSNorm, _param, rope_frequencies
+from lumen_jax.model.moe import MoE
 from lumen_jax.ops.choice import Ops
 from lumen_jax.ops.projection import project, remat_policy
 from lumen_jax.ops.state import ModelState, combine_rules
@@ -40,19 +41,31 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.ops = ops = Ops.plain(cfg) if ops is None else ops
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 1.0)
+        num_moe = cfg.num_layers // cfg.moe.every_n_layers if cfg.moe.enabled else 0
 
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, ops, rngs=rngs)
+        def stack(count: int, mlp: type) -> Block:
+            @nnx.split_rngs(splits=count)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make_blocks(rngs: nnx.Rngs) -> Block:
+                return Block(cfg, ops, rngs=rngs, mlp=mlp)
+            return make_blocks(rngs)
 
-        self.blocks = make_blocks(rngs)
+        if cfg.num_layers > num_moe:  # dense layers (all of them without MoE)
+            self.blocks = stack(cfg.num_layers - num_moe, MLP)
+        if num_moe:  # layers n-1, 2n-1, ... (n = moe.every_n_layers)
+            self.moe_blocks = stack(num_moe, MoE)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
 
     def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array,
                  segment_ids_bt: jax.Array | None = None) -> jax.Array:
+        return self.forward(tokens_bt, positions_bt, segment_ids_bt)[0]
+
+    def forward(self, tokens_bt: jax.Array, positions_bt: jax.Array,
+                segment_ids_bt: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """(logits [B, T, V] float32, aux): aux {} for a dense model; with MoE layers {"loss": the
+        weighted sum of their auxiliary losses, "metrics": {name: scalar, averaged over layers}}."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.compute_dtype)
         # Gather the table's `embed` shards first (the FSDP all-gather): a lookup from a table
@@ -60,26 +73,53 @@ class Transformer(nnx.Module):
         table_vd = constrain(self.embed[...].astype(dt), ("act_vocab", "act_embed"))
         x_btd = constrain(jnp.take(table_vd, tokens_bt, axis=0), ("batch", "act_seq", "act_embed"))
         inv_freq = rope_frequencies(cfg)
-        graphdef, layer_state = nnx.split(self.blocks)
 
-        def make_body(ops: Ops):
-            def body(x_btd: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
-                return nnx.merge(graphdef, state)(x_btd, positions_bt, segment_ids_bt, inv_freq, ops), None
+        def make_body(graphdef: nnx.GraphDef, ops: Ops):
+            def body(x_btd: jax.Array, state: nnx.State) -> tuple[jax.Array, dict]:
+                return nnx.merge(graphdef, state)(x_btd, positions_bt, segment_ids_bt, inv_freq, ops)
 
             if cfg.remat != "none":
                 return jax.checkpoint(body, policy=remat_policy(_REMAT_POLICIES[cfg.remat]), prevent_cse=False)
             return body
 
-        runs = self.ops.layer_runs(cfg.num_layers)
-        if len(runs) == 1:
-            x_btd, _ = jax.lax.scan(make_body(self.ops), x_btd, layer_state)
-        else:  # ops that differ by layer (e.g. the first/last layers kept in bf16): one scan per run
-            for start, stop, ops in runs:
-                x_btd, _ = jax.lax.scan(make_body(ops), x_btd, jax.tree.map(lambda v: v[start:stop], layer_state))
+        aux: dict = {}
+        if not cfg.moe.enabled:
+            graphdef, layer_state = nnx.split(self.blocks)
+            runs = self.ops.layer_runs(cfg.num_layers)
+            if len(runs) == 1:
+                x_btd, _ = jax.lax.scan(make_body(graphdef, self.ops), x_btd, layer_state)
+            else:  # ops that differ by layer (e.g. the first/last layers kept in bf16): one scan per run
+                for start, stop, ops in runs:
+                    x_btd, _ = jax.lax.scan(make_body(graphdef, ops), x_btd,
+                                            jax.tree.map(lambda v: v[start:stop], layer_state))
+        else:
+            x_btd, aux = self._moe_stack(x_btd, make_body)
         x_btd = constrain(self.final_norm(x_btd), ("batch", "seq", "act_embed"))  # SP: gather, as in Block
         w_dv = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
         logits = project("btd,dv->btv", x_btd, w_dv.astype(dt), self.ops, out_dtype=jnp.float32)
-        return constrain(logits, ("batch", "seq", "act_vocab"))
+        return constrain(logits, ("batch", "seq", "act_vocab")), aux
+
+    def _moe_stack(self, x_btd: jax.Array, make_body) -> tuple[jax.Array, dict]:
+        """The layers as one scan over groups of `moe.every_n_layers`: n-1 dense layers (a scan of
+        their own), then an MoE layer. Returns the residual stream and the aux terms (see `forward`)."""
+        n = self.cfg.moe.every_n_layers
+        moe_graph, moe_state = nnx.split(self.moe_blocks)
+        moe_body = make_body(moe_graph, self.ops)
+        dense = None
+        if n > 1:
+            dense_graph, dense_state = nnx.split(self.blocks)
+            dense_body = make_body(dense_graph, self.ops)
+            dense = jax.tree.map(lambda v: v.reshape(-1, n - 1, *v.shape[1:]), dense_state)
+
+        def group(x_btd: jax.Array, states: tuple) -> tuple[jax.Array, dict]:
+            dense_g, moe_g = states
+            if dense_g is not None:
+                x_btd, _ = jax.lax.scan(dense_body, x_btd, dense_g)
+            return moe_body(x_btd, moe_g)
+
+        x_btd, per_layer = jax.lax.scan(group, x_btd, (dense, moe_state))
+        loss = per_layer.pop("loss").sum()
+        return x_btd, {"loss": loss, "metrics": {k: v.mean() for k, v in per_layer.items()}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,3 +173,10 @@ def apply(graphdef: nnx.GraphDef, params: dict, tokens_bt: jax.Array, positions_
     """Logits [B, T, V] float32 of the model `graphdef` with parameters `params` and model state
     `state` (plain dicts; `state` None: the model keeps none)."""
     return nnx.merge(graphdef, params, state or {})(tokens_bt, positions_bt, segment_ids_bt)
+
+
+def apply_with_aux(graphdef: nnx.GraphDef, params: dict, tokens_bt: jax.Array, positions_bt: jax.Array,
+                   segment_ids_bt: jax.Array | None = None, state: dict | None = None) -> tuple[jax.Array, dict]:
+    """`apply` that also returns the model's auxiliary terms (`Transformer.forward`: {} or
+    {"loss": scalar to add to the objective, "metrics": {name: scalar}})."""
+    return nnx.merge(graphdef, params, state or {}).forward(tokens_bt, positions_bt, segment_ids_bt)

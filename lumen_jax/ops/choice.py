@@ -13,6 +13,9 @@ trace time where it runs. What is decided:
   which XLA:CPU runs faster (docs/PERFORMANCE.md, CPU section). Everything else (partitioned
   programs, GPUs, the model traced outside the trainer, e.g. the planner's probe) keeps the plain
   formulations.
+- `moe_exchange`: how a mixture of experts' rows cross the `expert` mesh axis
+  (`parallel/expert.py`): `ragged` (`ragged_all_to_all`, only the rows) on GPU, `padded`
+  (`all_to_all` of worst-case buffers) elsewhere: XLA:CPU does not implement the ragged op.
 - `fp8`: which layer types' projections run fp8 matmuls (`model.fp8`); `layer_runs` splits the
   layer stack into runs of equal setting (the first and last layers can stay in bf16).
 
@@ -40,6 +43,7 @@ class Ops:
     flash_blocks: flash_lib.BlockSizes | None = None  # flash: tiles; None: the kernel's default
     interpret: bool = False  # flash: Pallas's interpreter (the only mode on CPU)
     cpu: bool = False  # the ops/cpu.py formulations (the trainer's step on one CPU device)
+    moe_exchange: str = "padded"  # padded | ragged: MoE rows over the `expert` axis (parallel/expert.py)
     fp8: Fp8Config = Fp8Config()  # model.fp8
     fp8_types: tuple[str, ...] = ()  # layer types with fp8 projections in some layer
     fp8_on: bool = True  # False inside a run of layers kept in the compute dtype (`layer_runs`)
@@ -101,4 +105,5 @@ def choose(model: ModelConfig, devices: Sequence[Any]) -> Ops:
         blocks = flash_lib.BlockSizes.default(h, devices[0]).with_overrides(model.flash_block_q,
                                                                           model.flash_block_kv)
     return Ops.plain(model, attention=attention, flash_blocks=blocks, interpret=interpret,
-                     cpu=platform == "cpu" and len(devices) == 1, note=note)
+                     cpu=platform == "cpu" and len(devices) == 1, note=note,
+                     moe_exchange="ragged" if platform == "gpu" else "padded")

@@ -7,14 +7,15 @@ Megatron sequence parallelism is on:
 ==============  =====================  ==========================================================
 logical axis    mesh axes              why
 ==============  =====================  ==========================================================
-batch           (data, fsdp)           data parallelism; FSDP/ZeRO shards the batch like DP (minus
-                                       the step's replica axes inside its per-replica vmap)
+batch           (data, fsdp, expert)   data parallelism; FSDP/ZeRO and expert parallelism shard the batch like DP
+                                       (minus the step's replica axes inside its per-replica vmap)
 seq             context                context parallelism splits every sequence
 act_seq         (context, tensor)      residual stream between blocks under sequence parallelism
                 context                ... and without it
 vocab           tensor                 vocab-parallel embedding and logits (Megatron)
 heads/kv_heads  tensor                 column split of Q/K/V, row split of the attention output
-mlp             tensor                 column split of MLP-in, row split of MLP-out
+mlp             tensor                 column split of MLP-in, row split of MLP-out (each expert's too)
+experts         expert                 MoE: each device of the `expert` axis holds num_experts/E experts
 embed           fsdp (params)          ZeRO-3: parameters sharded over `fsdp`
                 fsdp (optimizer)       ZeRO-1/2/3: optimizer state always sharded
                 fsdp (gradients)       ZeRO-2/3: gradients reduce-scattered
@@ -62,11 +63,12 @@ class Rules:
             "heads": "tensor",
             "kv_heads": "tensor",
             "mlp": "tensor",
+            "experts": "expert",
             "head_dim": None,
             "norm": None,
             "layers": None,
             # activation axes
-            "batch": tuple(a for a in ("data", "fsdp") if a not in self.replica_axes) or None,
+            "batch": tuple(a for a in ("data", "fsdp", "expert") if a not in self.replica_axes) or None,
             "seq": "context",
             "act_seq": ("context", "tensor") if self.sequence_parallel else "context",
             "act_embed": None,

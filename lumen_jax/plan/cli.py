@@ -179,9 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.against_xla and attention is None and cfg.model.attention == "auto":
             attention = "xla"  # what the step compiled on CPU runs
         kwargs = {"attention": attention, "efficiency": args.efficiency, "memory_fraction": args.memory_fraction}
-        if args.search:  # the search picks the mesh: check everything else on one device
+        if args.search:  # the search picks the mesh (but `expert`): check everything else on that axis alone
             one = dataclasses.replace(cfg.mesh, data=1, fsdp=1, context=1, tensor=1)
-            validate(cfg.replace(mesh=one, train=dataclasses.replace(cfg.train, micro_batches=1)), 1)
+            validate(cfg.replace(mesh=one, train=dataclasses.replace(cfg.train, micro_batches=1)), max(one.expert, 1))
             if args.pipeline < 1 or args.devices % args.pipeline:
                 raise ConfigError(f"--pipeline {args.pipeline} must be >= 1 and divide "
                                   f"--devices {args.devices}")

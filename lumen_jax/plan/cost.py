@@ -118,7 +118,8 @@ def bubble_fraction(stages: int, microbatches: int, interleave: int = 1) -> floa
 
 
 _WIRE = {"all-reduce": lambda g: 2 * (g - 1) / g, "all-gather": lambda g: (g - 1) / g,
-         "reduce-scatter": lambda g: (g - 1) / g, "send/recv": lambda g: 1.0}
+         "reduce-scatter": lambda g: (g - 1) / g, "send/recv": lambda g: 1.0,
+         "all-to-all": lambda g: (g - 1) / g}  # the rows bound for the other G-1 devices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,4 +251,23 @@ def collectives(model: ModelConfig, layout: Layout, hw: Hardware, seq_len: int, 
         add("context", "all-gather", "K/V per layer (again in the backward unless saved)", kv, m * layers * fwd, False)
         add("context", "reduce-scatter", "dK/dV per layer", kv, m * layers, False)
     add("pipeline", "send/recv", "stage activations and gradients", row, 2 * m, False)
+    _expert_collectives(model, layout, add, tokens, grads, per_layer - 4)
     return out
+
+
+def _expert_collectives(model: ModelConfig, layout: Layout, add, tokens: float, grads: float, redo: int) -> None:
+    """expert (model.moe): each MoE layer sends every token's top_k rows [tokens*k, D] to the experts'
+    devices and back, forward and backward (and again when the backward recomputes the layer: `redo`
+    2), balanced routing assumed (the GPU's ragged exchange sends only the rows); the batch is split
+    over `expert` too, so the gradients of the weights outside the experts are all-reduced over it."""
+    moe = model.moe
+    if not moe.enabled:
+        return
+    m, c = layout.micro_batches, compute_bytes(model)
+    moe_layers = -(-(model.num_layers // moe.every_n_layers) // layout.pipeline)
+    rows = tokens * moe.top_k * model.d_model * c
+    add("expert", "all-to-all", f"token rows to the experts and back, {4 + redo}/MoE layer", rows,
+        m * moe_layers * (4 + redo), False)
+    counts = flops.param_counts(model)
+    add("expert", "all-reduce", "fp32 gradients outside the experts", grads * (1 - counts["experts"] / counts["total"]),
+        m, True)

@@ -125,7 +125,8 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     model, seq = cfg.model, cfg.data.seq_len
     remat = model.remat if remat is None else remat
     attention = planned_attention(model) if attention is None else attention
-    micro_batch = cfg.data.global_batch_size // (layout.mesh.data * layout.mesh.fsdp * layout.micro_batches)
+    micro_batch = cfg.data.global_batch_size // (layout.mesh.data * layout.mesh.fsdp * layout.mesh.expert
+                                                * layout.micro_batches)
     tokens = cfg.data.global_batch_size * seq
     peak = hw.peak(model.compute_dtype)
     # Under context parallelism the step waits for the busiest device's share of the score square.
@@ -165,10 +166,11 @@ def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, to
     sizes that divide the sequence; every fsdp x data split of the rest; sequence parallelism on
     and off; the remat policies in `SEARCH_REMATS`; and per-device micro-batches of 1, 2, 4, ...
     sequences; over fsdp, (ZeRO-3) `mesh.fsdp_regather` both ways and, with several micro-batches,
-    `mesh.fsdp_grad_reduce` both ways. The ZeRO stage and the pipeline depth stay as given.
+    `mesh.fsdp_grad_reduce` both ways. The ZeRO stage, the pipeline depth and `mesh.expert` stay as given.
     """
     m, seq, batch = cfg.model, cfg.data.seq_len, cfg.data.global_batch_size
-    per_stage = num_devices // pipeline
+    ep = max(cfg.mesh.expert, 1)  # the expert axis splits the batch like data: in `rest`'s batch split
+    per_stage = num_devices // pipeline // ep
     found = []
     for tp in _divisors(per_stage):
         if tp > hw.devices_per_node or any(x % tp for x in (m.num_heads, m.num_kv_heads, m.ffn_dim,
@@ -179,21 +181,21 @@ def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, to
                 continue
             rest = per_stage // (tp * cp)
             for fsdp in _divisors(rest):
-                if m.d_model % fsdp or batch % rest:
+                if m.d_model % fsdp or batch % (rest * ep):
                     continue
                 for sp in ((False, True) if tp > 1 and seq % (cp * tp) == 0 else (False,)):
                     for mb in (2 ** i for i in range(12)):
-                        if batch % (rest * mb):
+                        if batch % (rest * ep * mb):
                             break
                         mesh = dataclasses.replace(cfg.mesh, data=rest // fsdp, fsdp=fsdp, context=cp,
                                                    tensor=tp, sequence_parallel=sp)
-                        accumulate = batch // (rest * mb) > 1 and fsdp > 1
+                        accumulate = batch // (rest * ep * mb) > 1 and fsdp > 1
                         for reduce, regather in itertools.product(
                                 COMM_OPTIONS["fsdp_grad_reduce"] if accumulate else (mesh.fsdp_grad_reduce,),
                                 COMM_OPTIONS["fsdp_regather"] if fsdp > 1 and mesh.zero_stage == 3
                                 else (mesh.fsdp_regather,)):
                             layout = Layout(dataclasses.replace(mesh, fsdp_grad_reduce=reduce, fsdp_regather=regather),
-                                            pipeline=pipeline, micro_batches=batch // (rest * mb))
+                                            pipeline=pipeline, micro_batches=batch // (rest * ep * mb))
                             for remat in SEARCH_REMATS:
                                 plan = predict(cfg, layout, hw, remat=remat, **predict_kwargs)
                                 if plan.fits:

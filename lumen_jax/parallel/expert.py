@@ -1,0 +1,163 @@
+"""Expert parallelism: every token to its experts' devices over the `expert` mesh axis and back.
+
+`dispatch` runs per device (`shard.per_device`): each device holds a slice of the tokens (the batch
+is split over `data`, `fsdp` and `expert`, the sequence over `context`) and `num_experts / E` of
+the experts (E = the `expert` axis; each expert's hidden width split over `tensor`). Per device:
+
+1. The token-expert assignments [n*k] are sorted by expert, stably, so within an expert the
+   earliest tokens of this device's slice (its *dispatch group*) come first. With a capacity C an
+   expert keeps the first C assignments of the group and drops the rest (they add nothing: the
+   token passes through the residual). Dropless: C = n*k, nothing is dropped.
+2. The rows go to the device of their expert: `padded` (any backend; XLA:CPU has no ragged
+   collective) scatters them into a [E, S, D] buffer, S = the most rows one device can be sent,
+   and exchanges it with `all_to_all`; `ragged` (GPU) sends only the rows with
+   `jax.lax.ragged_all_to_all`, after an all-gather of the row counts.
+3. The receiving device sorts what it got by its local expert and runs the SwiGLU experts as grouped
+   matmuls (`jax.lax.ragged_dot`), then the rows travel back the same way.
+4. Each token adds its experts' outputs with the router weights (float32); under `tensor` the
+   partial sums of the row-split down projections are summed over `tensor`.
+
+Both exchanges move the same rows to the same places, so they give the same result; dropless
+results do not depend on the mesh, capacity drops do (C is counted per device's slice).
+Shape letters: B batch, T sequence, D d_model, F expert ffn dim (local), K top-k, X experts (local),
+N = B*T tokens, A = N*K assignments, R rows received.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from lumen_jax.parallel import shard
+
+EXCHANGES = ("padded", "ragged")
+_TOKENS = ("batch", "seq", "act_embed")
+_CHOICES = ("batch", "seq", None)
+_W_IN = ("experts", "embed", "mlp")
+_W_OUT = ("experts", "mlp", "embed")
+
+
+def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float | None) -> int:
+    """Assignments one expert keeps out of a dispatch group of `tokens` tokens (None: all of them)."""
+    if capacity_factor is None:
+        return tokens * top_k
+    return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
+
+
+def _sort_by_expert(ids_a: jax.Array, num_experts: int, cap: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(order [A]: kept assignments grouped by expert in token order, dropped ones last; kept [A];
+    kept rows per expert [E])."""
+    a = ids_a.shape[0]
+    first = jnp.argsort(ids_a, stable=True)
+    counts = jnp.zeros((num_experts,), jnp.int32).at[ids_a].add(1)
+    starts = jnp.cumsum(counts) - counts
+    rank = jnp.arange(a, dtype=jnp.int32) - starts[ids_a[first]]  # place within its expert, by token order
+    kept = jnp.zeros((a,), bool).at[first].set(rank < cap)
+    order = jnp.argsort(jnp.where(kept, ids_a, num_experts), stable=True)
+    return order, kept, jnp.minimum(counts, cap)
+
+
+def _experts(x_rd: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+             w_down: jax.Array) -> jax.Array:
+    """SwiGLU experts over rows grouped by expert (`group_sizes` [X]; rows past their sum give 0)."""
+    dt = x_rd.dtype
+    gate = jax.lax.ragged_dot(x_rd, w_gate.astype(dt), group_sizes)
+    up = jax.lax.ragged_dot(x_rd, w_up.astype(dt), group_sizes)
+    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down.astype(dt), group_sizes)
+
+
+def _experts_unsorted(x_rd: jax.Array, local_r: jax.Array, weights: tuple[jax.Array, ...]) -> jax.Array:
+    """`_experts` of rows in arrival order, `local_r` their local expert (X: padding, gives 0)."""
+    x_local = weights[0].shape[0]
+    order = jnp.argsort(local_r, stable=True)
+    sizes = jnp.zeros((x_local,), jnp.int32).at[local_r].add(1, mode="drop")
+    y = _experts(x_rd[order], sizes, *weights)
+    return jnp.zeros_like(y).at[order].set(y)
+
+
+def _padded(rows_ad: jax.Array, key_a: jax.Array, dev_counts: jax.Array, ep: int, x_local: int, slots: int,
+            weights: tuple[jax.Array, ...]) -> jax.Array:
+    """Rows (sorted, grouped by device) -> experts -> back, through fixed-size `all_to_all` buffers."""
+    a, d = rows_ad.shape
+    dev_starts = jnp.cumsum(dev_counts) - dev_counts
+    dest = key_a // x_local  # dropped rows (key = E) get dest = ep: out of bounds, not sent
+    slot = jnp.arange(a, dtype=jnp.int32) - dev_starts[jnp.minimum(dest, ep - 1)]
+    send = jnp.zeros((ep, slots, d), rows_ad.dtype).at[dest, slot].set(rows_ad, mode="drop")
+    send_e = jnp.full((ep, slots), x_local, jnp.int32).at[dest, slot].set(key_a - dest * x_local, mode="drop")
+    recv = jax.lax.all_to_all(send, "expert", 0, 0)  # [source device, slot, D]
+    recv_e = jax.lax.all_to_all(send_e, "expert", 0, 0)
+    out = _experts_unsorted(recv.reshape(ep * slots, d), recv_e.reshape(-1), weights)
+    back = jax.lax.all_to_all(out.reshape(ep, slots, d), "expert", 0, 0)
+    return back.at[dest, slot].get(mode="fill", fill_value=0)
+
+
+def _ragged(rows_ad: jax.Array, key_a: jax.Array, dev_counts: jax.Array, ep: int, x_local: int, slots: int,
+            weights: tuple[jax.Array, ...]) -> jax.Array:
+    """As `_padded`, sending only the rows (`jax.lax.ragged_all_to_all`; not on XLA:CPU)."""
+    a, d = rows_ad.shape
+    me = jax.lax.axis_index("expert")
+    dev_starts = jnp.cumsum(dev_counts) - dev_counts
+    counts = jax.lax.all_gather(dev_counts, "expert")  # [source, destination]
+    starts = jax.lax.all_gather(dev_starts, "expert")
+    recv_sizes = counts[:, me]
+    at_receiver = (jnp.cumsum(counts, axis=0) - counts)[me]  # where my rows start in each receiver's buffer
+    recv_starts = jnp.cumsum(recv_sizes) - recv_sizes
+    local_e = key_a - jnp.minimum(key_a // x_local, ep - 1) * x_local
+    exchange = lambda x, out: jax.lax.ragged_all_to_all(  # noqa: E731
+        x, out, dev_starts, dev_counts, at_receiver, recv_sizes, axis_name="expert")
+    recv = exchange(rows_ad, jnp.zeros((ep * slots, d), rows_ad.dtype))
+    recv_e = exchange(local_e, jnp.full((ep * slots,), x_local, jnp.int32))
+    out = _experts_unsorted(recv, recv_e, weights)
+    return jax.lax.ragged_all_to_all(out, jnp.zeros((a, d), out.dtype), recv_starts, recv_sizes,
+                                     starts[:, me], dev_counts, axis_name="expert")
+
+
+def dispatch(x_btd: jax.Array, ids_btk: jax.Array, weights_btk: jax.Array, w_gate_xdf: jax.Array,
+             w_up_xdf: jax.Array, w_down_xfd: jax.Array, *, capacity_factor: float | None,
+             exchange: str = "padded") -> tuple[jax.Array, jax.Array]:
+    """The routed experts' combined output for each token (see the module docstring).
+
+    Args:
+      x_btd: the (normed) tokens [B, T, D] in the compute dtype.
+      ids_btk: each token's experts [B, T, K] (int32, global expert ids, distinct per token).
+      weights_btk: their router weights [B, T, K] (float32).
+      w_gate_xdf, w_up_xdf, w_down_xfd: the experts' SwiGLU weights [E, D, F], [E, D, F], [E, F, D].
+      capacity_factor: None (dropless) or the factor of `capacity`.
+      exchange: padded | ragged (how rows cross the `expert` axis).
+
+    Returns:
+      (y [B, T, D] in x's dtype, kept [B, T, K]: which assignments an expert took).
+    """
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange={exchange!r}; expected one of {EXCHANGES}")
+    num_experts = w_gate_xdf.shape[0]
+
+    def local(x_btd, ids_btk, weights_btk, w_gate, w_up, w_down):
+        b, t, d = x_btd.shape
+        k = ids_btk.shape[-1]
+        ep, tp = shard.mesh_axis_size("expert"), shard.mesh_axis_size("tensor")
+        x_local = w_gate.shape[0]
+        cap = capacity(b * t, k, num_experts, capacity_factor)
+        ids_a = ids_btk.reshape(-1).astype(jnp.int32)
+        order, kept_a, kept_counts = _sort_by_expert(ids_a, num_experts, cap)
+        rows = x_btd.reshape(b * t, d)[order // k]
+        weights = (w_gate, w_up, w_down)
+        if ep == 1:  # sorted rows are already grouped by expert: no exchange
+            y_sorted = _experts(rows, kept_counts, *weights)
+        else:
+            key = jnp.where(kept_a, ids_a, num_experts)[order]
+            slots = min(b * t * k, x_local * cap)  # the most rows one device can be sent by one other
+            move = _padded if exchange == "padded" else _ragged
+            y_sorted = move(rows, key, kept_counts.reshape(ep, x_local).sum(1), ep, x_local, slots, weights)
+        y_akd = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(b * t, k, d)
+        gate = (weights_btk.reshape(b * t, k) * kept_a.reshape(b * t, k)).astype(jnp.float32)
+        y_nd = jnp.einsum("nk,nkd->nd", gate, y_akd.astype(jnp.float32))
+        if tp > 1:
+            y_nd = jax.lax.psum(y_nd, "tensor")
+        return y_nd.reshape(b, t, d).astype(x_btd.dtype), kept_a.reshape(b, t, k)
+
+    return shard.per_device(local, in_axes=(_TOKENS, _CHOICES, _CHOICES, _W_IN, _W_IN, _W_OUT),
+                            out_axes=(_TOKENS, _CHOICES))(x_btd, ids_btk, weights_btk, w_gate_xdf, w_up_xdf,
+                                                           w_down_xfd)
