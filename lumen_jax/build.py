@@ -112,7 +112,7 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
     stats = mesh.devices.flat[0].memory_stats() or {}  # None on CPU: nothing to check against
     check_kept_weights_fit(cfg.model, Layout(dataclasses.replace(cfg.mesh, **dict(mesh.shape)),
                                              micro_batches=cfg.train.micro_batches), stats.get("bytes_limit"))
-    plan = comm.gradient_plan(cfg.mesh, cfg.train.micro_batches, mesh, rules, names)
+    plan = comm.gradient_plan(cfg.mesh, cfg.train.micro_batches, mesh, rules, names, ops.per_replica(cfg.model))
     pin = lambda specs: functools.partial(  # noqa: E731
         jax.lax.with_sharding_constraint, shardings=jax.tree.map(named, specs, is_leaf=is_spec))
     placement = step_lib.Placement(grads=pin(rules.tree_specs(names, "grads")), weights=pin(plan.weight_specs),

@@ -51,8 +51,9 @@ def gpu_xla_flags(cfg: Config) -> tuple[str, ...]:
         return tuple(choice.split())
     shards = max(cfg.mesh.tensor, 1)
     compute = 4 if cfg.model.compute_dtype == "float32" else 2
-    layer_weights = param_counts(cfg.model)["layer_matmul"] * compute // shards
-    layer_grads = param_counts(cfg.model)["layer_matmul"] * (4 if cfg.mesh.reduce_dtype == "float32" else 2) // shards
+    layer = param_counts(cfg.model)["layer_matmul"]  # a float with experts (the active share)
+    layer_weights = int(layer * compute // shards)
+    layer_grads = int(layer * (4 if cfg.mesh.reduce_dtype == "float32" else 2) // shards)
     return GPU_OVERLAP_FLAGS + (
         f"--xla_gpu_all_gather_combine_threshold_bytes={layer_weights}",
         f"--xla_gpu_reduce_scatter_combine_threshold_bytes={layer_grads}",

@@ -168,8 +168,13 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
         x = x.reshape(r, x.shape[0] // (r * m), m, *x.shape[1:])
         return jnp.moveaxis(x, 2, 0)
 
-    replica_grad = jax.vmap(grad_fn, in_axes=(None, None, 0, None, None, None, None),
-                            spmd_axis_name=placement.replica_axes or None)
+    if r > 1:
+        replica_grad = jax.vmap(grad_fn, in_axes=(None, None, 0, None, None, None, None),
+                                spmd_axis_name=placement.replica_axes)
+    else:  # one group: no vmap (ops without a batching rule, e.g. ragged_dot, run as they are)
+        def replica_grad(*args: Any) -> Any:
+            one = jax.tree.map(lambda x: x[0], args[2])
+            return jax.tree.map(lambda x: x[None], grad_fn(*args[:2], one, *args[3:]))
 
     def accumulate(carry: tuple[dict, jax.Array, dict], mb: Batch) -> tuple[tuple[dict, jax.Array, dict], dict]:
         grads, ce, state_acc = carry

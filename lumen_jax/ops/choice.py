@@ -64,6 +64,13 @@ class Ops:
             return "fp8" if self.fp8_on else "fp8_kept"
         return "token_grad" if self.cpu else "einsum"
 
+    def per_replica(self, model: ModelConfig) -> bool:
+        """Whether the model's ops run under the train step's replica `vmap` (gradients reduced once
+        per step, parallel/communication.py). Not with experts: `jax.lax.ragged_dot` has no batching
+        rule for a vmapped axis other than 0 on jax 0.10.2 ("ragged_dot vmap over any dim but 0 - NYI"),
+        so an MoE model reduces its gradients every micro-batch."""
+        return model.moe.num_experts == 0
+
     def weight_dtype(self, names: tuple[str | None, ...], compute_dtype: str) -> str:
         """The dtype the train step casts a parameter with logical axes `names` to while it is still
         sharded, before any gather ("": kept float32): `compute_dtype`, except norm scales (norms

@@ -46,7 +46,8 @@ def _without(spec: P, axes: tuple[str, ...]) -> tuple:
     return tuple(out)
 
 
-def gradient_plan(cfg: MeshConfig, micro_batches: int, mesh: Mesh, rules: Rules, names: Any) -> GradientPlan:
+def gradient_plan(cfg: MeshConfig, micro_batches: int, mesh: Mesh, rules: Rules, names: Any,
+                  per_replica: bool = True) -> GradientPlan:
     """The shardings for `cfg` on `mesh` (see the module docstring).
 
     Args:
@@ -55,9 +56,11 @@ def gradient_plan(cfg: MeshConfig, micro_batches: int, mesh: Mesh, rules: Rules,
       mesh: the trainer's mesh.
       rules: the run's logical -> mesh axis rules.
       names: {path: logical axis names} of the parameters.
+      per_replica: whether the model's ops run under the replica vmap (`Ops.per_replica`); if not,
+        micro-batch gradients are reduced where XLA puts it, every micro-batch.
     """
     candidates = ("data", "fsdp") if cfg.fsdp_grad_reduce == "once" else ("data",)
-    axes = tuple(a for a in candidates if mesh.shape[a] > 1) if micro_batches > 1 else ()
+    axes = tuple(a for a in candidates if mesh.shape[a] > 1) if micro_batches > 1 and per_replica else ()
     is_names = lambda x: isinstance(x, tuple)  # noqa: E731
     gathered = ("fsdp",) if cfg.fsdp_regather == "per_step" else ()
     weights = jax.tree.map(lambda n: P(*_without(rules.spec(n, "params"), gathered)), names, is_leaf=is_names)

@@ -195,7 +195,9 @@ def collectives(model: ModelConfig, layout: Layout, hw: Hardware, seq_len: int, 
     dt = {2: "bf16", 4: "fp32"}[gather]
     red = F32_BYTES if mesh.reduce_dtype == "float32" else 2
     red_dt = {2: "bf16", 4: "fp32"}[red]
-    grad_calls = 1 if mesh.fsdp_grad_reduce == "once" else m
+    # An MoE model reduces every micro-batch (Ops.per_replica: ragged_dot cannot run under the replica vmap).
+    per_replica = model.moe.num_experts == 0
+    grad_calls = 1 if mesh.fsdp_grad_reduce == "once" and per_replica else m
     grads = state_bytes(model, layout)["grads"] * red / F32_BYTES
     if mesh.zero_stage >= 3:
         if mesh.fsdp_regather == "per_step":
@@ -205,7 +207,7 @@ def collectives(model: ModelConfig, layout: Layout, hw: Hardware, seq_len: int, 
                 2 * m, True)
             add("fsdp", "all-gather", f"{dt} embedding and logits weights (hoisted)",
                 (weights - layer_weights) * gather / F32_BYTES, 1, True)
-    joint = mesh.fsdp_grad_reduce == "once" and m > 1 and mesh.data > 1 and mesh.fsdp > 1
+    joint = mesh.fsdp_grad_reduce == "once" and m > 1 and mesh.data > 1 and mesh.fsdp > 1 and per_replica
     if joint:  # the step's one reduction spans both batch axes: full-size sums over data x fsdp
         add("data+fsdp", "all-reduce", f"{red_dt} gradients, once per step", weights * red / F32_BYTES, 1, True)
     elif mesh.zero_stage >= 3:
@@ -216,7 +218,8 @@ def collectives(model: ModelConfig, layout: Layout, hw: Hardware, seq_len: int, 
             add("fsdp", kind, f"{red_dt} gradients", weights * red / F32_BYTES, grad_calls, True)
         add("fsdp", "all-gather", "updated fp32 weights", weights, 1, True)
     if not joint:
-        add("data", "all-reduce", f"{red_dt} gradients, once per step", grads, 1, True)
+        add("data", "all-reduce", f"{red_dt} gradients" + (", once per step" if per_replica else ""), grads,
+            1 if per_replica else m, True)
     row = tokens * model.d_model * c
     # Per layer, as the compiled program runs them: the two row-parallel outputs in the forward, and
     # in the backward the input gradient of every column-parallel projection reduced on its own
