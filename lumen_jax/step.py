@@ -202,9 +202,13 @@ def train_step(state: TrainState, batch: Batch, sc: StepConfig,
     updates, opt_state = sc.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     # What is written must be finite, not only what was read: an update can overflow (a huge lr)
-    # with a finite loss and gradient norm. One norm of the updates (a reduction the size of the
-    # parameters) sees any inf/NaN among them; the new parameters are old + update.
-    update_norm = optax.tree.norm(updates)
+    # with a finite loss and gradient norm. One norm of the updates sees any inf/NaN among them (the
+    # new parameters are old + update). It is taken from a second computation of the updates behind
+    # an optimization barrier, so XLA neither stores the updates to select on them later (a
+    # parameter-sized temporary) nor merges the two: the norm is a fused reduction and each update
+    # is still written straight into its parameter.
+    probe, _ = sc.tx.update(*jax.lax.optimization_barrier((grads, state.opt_state, state.params)))
+    update_norm = optax.tree.norm(probe)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
 

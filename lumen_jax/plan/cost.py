@@ -254,7 +254,7 @@ def collectives(model: ModelConfig, layout: Layout, hw: Hardware, seq_len: int, 
         add("context", "all-gather", "K/V per layer (again in the backward unless saved)", kv, m * layers * fwd, False)
         add("context", "reduce-scatter", "dK/dV per layer", kv, m * layers, False)
     add("pipeline", "send/recv", "stage activations and gradients", row, 2 * m, False)
-    _expert_collectives(model, layout, add, tokens, grads, per_layer - 4)
+    _expert_collectives(model, layout, add, tokens, grads, 2 if redo else 0)
     return out
 
 
