@@ -80,14 +80,13 @@ def parse_flags(flags: Any) -> dict[str, Any]:
 
 
 def overlap_flags(a: argparse.Namespace, cfg: Any) -> dict[str, Any] | None:
-    """HOOK for issue 13 (communication overlap): the flags of (b)'s second run. `--overlap-flags`
-    wins; else `runtime.xla_gpu_flags` of the config when RuntimeConfig has that field (it does not
-    yet on this branch: the key is issue 13's to define); None: no second run."""
+    """The flags of (b)'s second run: `--overlap-flags` wins; else the config's `runtime.xla_gpu_flags`
+    (default `overlap`) as `runtime.gpu_xla_flags` resolves it for that config; None: no second run
+    (`runtime.xla_gpu_flags=none`)."""
     if a.overlap_flags is not None:
         return parse_flags(a.overlap_flags) or None
-    if "xla_gpu_flags" in {f.name for f in dataclasses.fields(cfg.runtime)}:
-        return parse_flags(cfg.runtime.xla_gpu_flags) or None
-    return None
+    from lumen_jax import runtime
+    return parse_flags(list(runtime.gpu_xla_flags(cfg))) or None
 
 
 # --------------------------------------------------------------------------------------------------

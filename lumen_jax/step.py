@@ -232,5 +232,5 @@ def train_step(state: TrainState, batch: Batch, sc: StepConfig,
 def eval_loss(params: dict, model_state: dict, batch: Batch, sc: StepConfig) -> tuple[jax.Array, jax.Array]:
     """(summed token cross-entropy, token count) of a batch: the loss `train_step` reports, without gradients."""
     one = jnp.ones((), jnp.float32)
-    _, ce_sum = _micro_loss(params, model_state, batch, one, one, sc)
+    _, (ce_sum, _) = _micro_loss(params, model_state, batch, one, one, sc, 1)
     return ce_sum, batch["loss_mask"].astype(jnp.float32).sum()

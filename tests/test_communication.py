@@ -69,29 +69,34 @@ def test_fsdp_weight_gathers(option, grows):
     assert (four >= 2 * one) if grows else (abs(four - one) <= 0.05 * one), message
 
 
-def _constraint_types(text: str) -> list[tuple[str, str]]:
-    """(sharding, element type) of every sharding constraint in a lowered (StableHLO) program."""
-    return re.findall(r"sdy\.sharding_constraint %\S+ <@mesh, (\[[^>]*\])> : tensor<[0-9x]*x(\w+)>", text)
+def _constraints(text: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """(sharding, shape, element type) of every sharding constraint in a lowered (StableHLO) program."""
+    found = re.findall(r"sdy\.sharding_constraint %\S+ <@mesh, (\[[^>]*\])> : tensor<([0-9x]*)x(\w+)>", text)
+    return [(spec, tuple(int(d) for d in dims.split("x") if d), t) for spec, dims, t in found]
 
 
 @pytest.mark.parametrize("regather", ["per_micro_batch", "per_step"])
 def test_weights_are_cast_to_bf16_while_sharded(regather):
-    """The program casts the weights to bfloat16 before any gather: every weight's constraint (its
-    fsdp-sharded form, or the gathered one under per_step) holds bfloat16. (XLA:CPU then runs every
-    bf16 collective in f32, so the compiled CPU program cannot show the bf16 bytes: JAX_NOTES.md.)"""
+    """The program casts the weights to bfloat16 before any gather: every weight (norm scales aside)
+    has a bfloat16 sharding constraint of its shape, fsdp-sharded (per_micro_batch) or gathered
+    (per_step). (XLA:CPU then runs every bf16 collective in f32, so the compiled CPU program cannot
+    show the bf16 bytes: JAX_NOTES.md.)"""
     from lumen_jax.build import build
-    from lumen_jax.data import BATCH_KEYS
+    from lumen_jax.plan.compiled import abstract_step_args
     from lumen_jax.parallel.mesh import make_mesh
 
     cfg = _cfg(2, "bfloat16", fsdp=8, fsdp_regather=regather)
     trainer = build(cfg, make_mesh({a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}))
-    batch = {k: jax.ShapeDtypeStruct((32, 32), np.float32 if k == "loss_mask" else np.int32,
-                                     sharding=trainer.batch_sharding) for k in BATCH_KEYS}
-    text = trainer.step.lower(jax.eval_shape(trainer.init), batch).as_text()
-    weights = [t for spec, t in _constraint_types(text) if ('"fsdp"' in spec) == (regather == "per_micro_batch")]
-    leaves = [p for p in jax.tree.leaves(trainer.param_names, is_leaf=lambda x: isinstance(x, tuple))
-              if "norm" not in p]
-    assert weights.count("bf16") >= len(leaves), (regather, weights)
+    text = trainer.step.lower(*abstract_step_args(trainer, cfg)).as_text()
+    want_sharded = regather == "per_micro_batch"
+    bf16 = {shape for spec, shape, t in _constraints(text) if t == "bf16" and ('"fsdp"' in spec) == want_sharded}
+    shapes = jax.eval_shape(trainer.init).params
+    names = trainer.param_names
+    weights = [(jax.tree_util.keystr(path), leaf.shape) for (path, leaf), n in zip(
+        jax.tree_util.tree_leaves_with_path(shapes), jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple)))
+        if "norm" not in n]
+    missing = [name for name, shape in weights if tuple(shape) not in bf16]
+    assert weights and not missing, f"{regather}: no bf16 constraint of the weight's shape for {missing}"
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +128,7 @@ def test_gpu_overlap_flags_reach_xla(tmp_path):
     """`runtime.xla_gpu_flags=overlap` is in XLA_FLAGS before the backend starts, XLA accepts every
     flag (an unknown one aborts the process) and its debug options hold them (XLA parses GPU flags
     on any machine, so a CPU process shows them)."""
+    import os
     import subprocess
     import sys
 
@@ -136,7 +142,8 @@ import jax
 jax.jit(lambda x: x + 1).lower(1.0).compile(compiler_options={{"xla_dump_to": {str(tmp_path)!r}}})
 print(open(glob.glob({str(tmp_path)!r} + "/*debug_options")[0]).read())
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "XLA_FLAGS": ""}  # not the flags an in-process run of this session left there
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     from lumen_jax import runtime
     from lumen_jax.config import Config

@@ -346,7 +346,7 @@ def test_micro_batches_combine_histories_by_max():
     _, _, whole, _ = jax.jit(lambda b: step_lib.loss_grads_and_state(params, fresh, b, 1.0, sc2))(batch)
     tokens = batch["loss_mask"].sum()  # each micro-batch's loss is divided by the whole batch's tokens
     micro = jax.jit(lambda h: jax.grad(step_lib._micro_loss, argnums=1, has_aux=True)(params, fresh, h, tokens,
-                                                                                     1.0, sc1)[0])
+                                                                                     1.0, sc1, 2)[0])
     parts = [micro(h) for h in halves]
     for w, a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(parts[0]), jax.tree.leaves(parts[1])):
         np.testing.assert_allclose(np.asarray(w), np.maximum(a, b), rtol=1e-6)

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from lumen_jax.config import RuntimeConfig
+from lumen_jax.config import Config, RuntimeConfig
 
 PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu_check.py")
 _spec = importlib.util.spec_from_file_location("gpu_check", PATH)
@@ -33,16 +33,12 @@ def test_overlap_flags_hook():
         "xla_a": True, "xla_b": False, "xla_c": 4, "xla_d": "x"}
     assert gpu_check.parse_flags(["--xla_a", "--xla_c=4"]) == {"xla_a": True, "xla_c": 4}
 
-    @dataclasses.dataclass(frozen=True)
-    class WithFlags:  # RuntimeConfig once issue 13 adds the key
-        xla_gpu_flags: tuple = ("--xla_gpu_enable_latency_hiding_scheduler=true",)
-
-    cfg = lambda runtime: type("Cfg", (), {"runtime": runtime})  # noqa: E731
     none = gpu_check.parse_args([])
-    assert gpu_check.overlap_flags(none, cfg(RuntimeConfig())) == (
-        {"xla_gpu_enable_latency_hiding_scheduler": True} if "xla_gpu_flags" in
-        {f.name for f in dataclasses.fields(RuntimeConfig)} else None)
-    assert gpu_check.overlap_flags(none, cfg(WithFlags())) == {"xla_gpu_enable_latency_hiding_scheduler": True}
+    default = gpu_check.overlap_flags(none, Config())  # runtime.xla_gpu_flags=overlap
+    assert default["xla_gpu_enable_latency_hiding_scheduler"] is True
+    assert default["xla_gpu_all_reduce_combine_threshold_bytes"] == 32 * 2**20
+    off = Config().replace(runtime=dataclasses.replace(RuntimeConfig(), xla_gpu_flags="none"))
+    assert gpu_check.overlap_flags(none, off) is None
     given = gpu_check.parse_args(["--overlap-flags=--xla_x=1"])
     assert gpu_check.overlap_flags(given, cfg(WithFlags())) == {"xla_x": 1}
 
@@ -73,7 +69,7 @@ def test_zero_budget_pass_writes_the_json_and_the_tables(tmp_path, capsys):
     result = json.load(open(out + ".json"))
     notes = {r.get("note") for r in result["attention"]} | {r.get("note") for r in result["model"]}
     assert notes == {"skipped (budget)", "n/a (GPU only)"}  # cuDNN: GPU only; the rest: no time left
-    assert [r["recipe"] for r in result["model"]] == ["none", "delayed", "current"]  # no overlap flags yet
+    assert [r["recipe"] for r in result["model"]] == ["none", "none", "delayed", "current"]  # bf16 without and with the overlap flags
     md = open(out + ".md").read()
     assert "| L | B | causal | impl | mode |" in md and "| recipe | overlap flags |" in md and "(d) verdict" in md
     assert all(v.startswith("dry run on CPU, not a measurement") for v in result["verdict"])

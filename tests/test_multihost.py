@@ -27,7 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 HEARTBEAT_S = 10  # distributed.heartbeat_timeout_s in the runs below: the documented bound on stopping
 # 8 steps of the tiny model; the schedule is pinned to 8 steps so shorter legs of a resumed run agree.
-COMMON = ["--config", "configs/tiny.yaml", "mesh.fsdp=8", "optim.decay_steps=8", "log.every_steps=1",
+COMMON = ["--config", "configs/tiny.yaml", "mesh.fsdp=8", "optim.decay_steps=8", "optim.warmup_steps=4", "log.every_steps=1",
           "log.progress=false", "log.tensorboard=false", "checkpoint.every_steps=2",
           f"distributed.heartbeat_timeout_s={HEARTBEAT_S}"]
 RTOL = 1e-5  # float32 (tiny.yaml computes in float32); gloo may add up in another order than one process
@@ -196,7 +196,7 @@ def test_batch_share_follows_the_mesh():
     assert [D.batch_share(sharding(fsdp8), 16, 128, p, by_half) for p in (0, 1)] == [(0, 2), (1, 2)]
     # tensor across the two processes: both hold every row, so both read the whole batch
     tp_across = make_mesh(dict(data=1, fsdp=4, context=1, tensor=2))
-    by_tensor = lambda d: int(np.argwhere(tp_across.devices == d)[0][3])  # noqa: E731
+    by_tensor = lambda d: int(np.argwhere(tp_across.devices == d)[0][-1])  # noqa: E731 - tensor: the last axis
     assert [D.batch_share(sharding(tp_across), 16, 128, p, by_tensor) for p in (0, 1)] == [(0, 1), (0, 1)]
     with pytest.raises(ConfigError, match="not one block"):
         D.batch_share(sharding(fsdp8), 16, 128, 0, lambda d: d.id % 2)

@@ -286,13 +286,19 @@ def test_collectives_of_a_70b_step():
     layout = plan.layout_from_config(cfg, 1024)
     comms = {(c.axis, c.kind, c.what.split(",")[0]): c for c in plan.collectives(
         cfg.model, layout, H100, 8192, 1, "full")}
-    weights = 4 * flops.param_counts(cfg.model)["total"] / 8  # fp32, one tensor shard
-    gather = comms[("fsdp", "all-gather", "fp32 weights")]
-    assert gather.calls == 4 and gather.payload_bytes == pytest.approx(weights, rel=1e-3)
+    counts = flops.param_counts(cfg.model)
+    layers = 2 * counts["layer_matmul"] * cfg.model.num_layers / 8  # bf16 (gathered in the compute dtype), one tensor shard
+    gather = comms[("fsdp", "all-gather", "bf16 layer weights")]
+    assert gather.calls == 2 * 4 and gather.payload_bytes == pytest.approx(layers, rel=1e-3)  # fwd + bwd per micro-batch
     assert gather.overlapped and gather.link == "ib"
+    hoisted = comms[("fsdp", "all-gather", "bf16 embedding and logits weights (hoisted)")]
+    assert hoisted.calls == 1
+    assert comms[("fsdp", "reduce-scatter", "fp32 gradients")].calls == 4  # every_micro_batch
     tensor = comms[("tensor", "all-reduce", "activations")]
     assert tensor.payload_bytes == 8192 * 8192 * 2  # [tokens, D] in bf16
-    assert tensor.calls == 4 * (6 * 80 + 2)  # 2 fwd + 2 bwd + 2 recompute per layer, embedding, logits
+    # per layer 2 fwd + 5 bwd (q, k, v; gate, up reduced separately, as XLA runs them) + 2 recompute;
+    # embedding, logits
+    assert tensor.calls == 4 * (9 * 80 + 2)
     assert not tensor.overlapped and tensor.link == "nvlink"
 
 
@@ -351,7 +357,7 @@ def test_cli_against_xla():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     check = json.loads(proc.stdout)["against_xla"]
-    assert set(check) == {"flops_predicted", "flops_compiled", "bytes_predicted", "bytes_compiled"}
+    assert set(check) == {"flops_predicted", "flops_compiled", "bytes_predicted", "bytes_compiled", "collectives"}
     assert check["bytes_predicted"] == pytest.approx(check["bytes_compiled"], rel=BYTES_RTOL)
     assert check["flops_predicted"] == pytest.approx(check["flops_compiled"], rel=FLOPS_RTOL)
 

@@ -62,7 +62,7 @@ def test_tiny_yaml_trains(tmp_path, mesh):
         saved = json.load(f)
     assert saved["train"]["steps"] == 40 and saved["name"] == "tiny"
     if mesh:
-        assert "mesh data=1 fsdp=4 context=1 tensor=2" in proc.stdout
+        assert "mesh data=1 fsdp=4 expert=1 context=1 tensor=2" in proc.stdout
         # auto is resolved once, when the step is built, and the start-up line says how
         assert "attention=auto: xla (flash runs on GPU; this is cpu)" in proc.stdout, proc.stdout
     else:
@@ -132,7 +132,7 @@ def test_vocab_smaller_than_the_tokenizer_exits_2_before_anything_is_written(tmp
     from lumen_jax import train as train_cli
     run_dir = tmp_path / "run"
     rc = train_cli.main(["--config", os.path.join(REPO, "configs/tiny.yaml"), f"train.run_dir={run_dir}",
-                         "model.vocab_size=200", "train.steps=1", "runtime.cpu_devices=0",
+                         "model.vocab_size=200", "train.steps=1", "optim.warmup_steps=0", "runtime.cpu_devices=0",
                          "runtime.compilation_cache_dir=", "log.progress=false"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == EXIT_BAD_INPUT

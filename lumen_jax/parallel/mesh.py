@@ -41,11 +41,11 @@ def make_mesh(shape: dict[str, int], devices: Sequence[jax.Device] | None = None
 
 
 def hybrid_device_grid(shape: dict[str, int], devices: Sequence[Any], across_nodes: dict[str, int]) -> np.ndarray:
-    """Devices arranged [data, fsdp, context, tensor]; along each axis the across-node index is the outer
+    """Devices arranged along AXES (data, fsdp, expert, context, tensor); along each axis the across-node index is the outer
     part (index = node_part * in_node + in_node_part), so the in-node part stays on one node's links.
 
     A node is a device's slice_index (GPUs: the host or NVLink domain); on CPU, a process.
     """
-    in_node = tuple(shape[a] // across_nodes[a] for a in AXES)
-    return mesh_utils.create_hybrid_device_mesh(in_node, tuple(across_nodes[a] for a in AXES), devices,
+    in_node = tuple(shape.get(a, 1) // across_nodes.get(a, 1) for a in AXES)  # an axis left out has size 1
+    return mesh_utils.create_hybrid_device_mesh(in_node, tuple(across_nodes.get(a, 1) for a in AXES), devices,
                                                 process_is_granule=devices[0].platform == "cpu")
