@@ -153,13 +153,13 @@ def test_nodes_go_to_the_outermost_axes_unless_told():
     devices = [_fake_device(i, i // 4) for i in range(8)]  # 2 nodes x 4 GPUs
     auto = DistributedConfig()
     assert D.across_nodes(auto, dict(data=1, fsdp=8, context=1, tensor=1), devices) == \
-        dict(data=1, fsdp=2, context=1, tensor=1)
+        dict(data=1, fsdp=2, expert=1, context=1, tensor=1)
     assert D.across_nodes(auto, dict(data=2, fsdp=2, context=1, tensor=2), devices) == \
-        dict(data=2, fsdp=1, context=1, tensor=1)
+        dict(data=2, fsdp=1, expert=1, context=1, tensor=1)
     told = DistributedConfig(across_nodes_tensor=2)
     assert D.across_nodes(told, dict(data=1, fsdp=4, context=1, tensor=2), devices)["tensor"] == 2
     assert D.across_nodes(auto, dict(data=1, fsdp=8, context=1, tensor=1), devices[:4]) == \
-        dict(data=1, fsdp=1, context=1, tensor=1)
+        dict(data=1, fsdp=1, expert=1, context=1, tensor=1)
 
 
 def test_mesh_that_does_not_fit_the_nodes_is_named():
@@ -180,9 +180,9 @@ def test_hybrid_grid_keeps_the_in_node_part_on_one_node(platform):
     devices = [_fake_device(i, i // 4, platform) for i in range(8)]
     grid = hybrid_device_grid(dict(data=1, fsdp=4, context=1, tensor=2), devices,
                               dict(data=1, fsdp=2, context=1, tensor=1))
-    assert grid.shape == (1, 4, 1, 2)
+    assert grid.shape == (1, 4, 1, 1, 2)  # data, fsdp, expert, context, tensor
     nodes = np.vectorize(lambda d: d.process_index)(grid)
-    assert nodes[0, :, 0, :].tolist() == [[0, 0], [0, 0], [1, 1], [1, 1]]  # fsdp's outer half crosses nodes
+    assert nodes[0, :, 0, 0, :].tolist() == [[0, 0], [0, 0], [1, 1], [1, 1]]  # fsdp's outer half crosses nodes
 
 
 # --------------------------------------------------------------------------------------------------
