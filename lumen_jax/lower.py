@@ -10,7 +10,7 @@ runs: nothing is compiled or allocated. The report (`--json` for a machine):
 - custom calls: the Pallas/Triton kernels by name (`flash_fwd`, `flash_bwd_dkv`, `flash_bwd_dq`)
   and any other target, with how often each runs per step (the layer scan counted);
 - fp8 dots (dots with fp8 operands, which the GPU compiler turns into cuBLASLt fp8 GEMMs);
-- collectives by kind, count and bytes per step: the ones the program states (`shard_map`); the
+- collectives by kind, count and bytes per step: the ones the program states (its per-device regions, parallel/); the
   SPMD partitioner adds the rest when compiling (`--partitioned` compiles the same step for
   XLA:CPU on the same mesh and counts those);
 - the largest arrays, and those shaped [.., T, T] (attention scores) for the sequence length T;
@@ -163,7 +163,7 @@ def format_report(report: dict) -> str:
         lines.append("  none")
     f8 = report["fp8_dots"]
     lines += ["", f"fp8 dots: {f8['instructions']} in the module, {f8['per_step']} per step", ""]
-    for title, key in (("collectives the program states (shard_map)", "collectives"),
+    for title, key in (("collectives the program states (per-device regions)", "collectives"),
                        ("collectives after the SPMD partitioner (the step compiled for XLA:CPU, per device)",
                         "collectives_partitioned")):
         if key not in report:
@@ -175,7 +175,7 @@ def format_report(report: dict) -> str:
         if not report[key]:
             lines.append("  none")
         lines.append("")
-    lines.append("largest arrays (global shapes outside shard_map, per shard inside it)")
+    lines.append("largest arrays (global shapes outside per-device regions, per shard inside them)")
     for a in report["largest_arrays"]:
         lines.append(f"  {a['bytes'] / 2**20:10.2f} MiB  {a['shape']:40s} x{a['instructions']:<4d} e.g. {a['example']}")
     t = report["seq_len"]

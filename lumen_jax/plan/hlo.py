@@ -2,7 +2,7 @@
 reviewer looks for before a GPU run (kernels, fp8 dots, collectives, the largest arrays).
 
 Works on both kinds of text JAX gives: a lowered module (`lowered.as_text(dialect="hlo")`, before
-the SPMD partitioner: shapes are global outside `shard_map` and per shard inside it) and a compiled
+the SPMD partitioner: shapes are global outside per-device (manual) regions and per shard inside them) and a compiled
 one (`compiled.as_text()`, per device). `python -m lumen_jax.lower` prints what `summarize` finds;
 tests/test_lower.py asserts on it.
 
@@ -212,7 +212,7 @@ class Collective:
     kind: str
     instructions: int
     per_step: int
-    bytes_per_step: int  # result bytes x executions (per device in a compiled or shard_map'd program)
+    bytes_per_step: int  # result bytes x executions (per device in a compiled program or a manual region)
 
 
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))? "
@@ -257,7 +257,7 @@ def group_size(i: Instr) -> int | None:
 def collectives(module: Module) -> list[Collective]:
     """Collectives by kind (`-start`/`-done` pairs of async collectives counted once, at the start).
 
-    Collectives over groups of one device move nothing (a `shard_map` transpose sums cotangents
+    Collectives over groups of one device move nothing (a manual region's transpose sums cotangents
     over mesh axes of size 1; XLA drops them): they are left out.
     """
     out = []
@@ -277,7 +277,7 @@ def _payload(i: Instr) -> int:
 def largest_arrays(module: Module, top: int = 8) -> list[tuple[Instr, int]]:
     """The `top` largest distinct result shapes of instructions that compute, each as (the first
     instruction with it, how many have it). Parameters, constants, tuples and loop/call wrappers,
-    which only pass their operands on, are left out, and so are tuples (a kernel's or a shard_map's
+    which only pass their operands on, are left out, and so are tuples (a kernel's or a manual region's
     several results: their arrays appear where they are used)."""
     passive = {"parameter", "constant", "tuple", "get-tuple-element", "while", "call", "conditional",
                "bitcast", "copy-start", "copy-done", "opt-barrier"}
