@@ -109,7 +109,8 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
                                                             is_leaf=is_spec))
     batch_sh = named(rules.spec(BATCH_AXES))
     batch_shardings = {k: batch_sh for k in BATCH_KEYS}
-    stats = mesh.devices.flat[0].memory_stats() or {}  # None on CPU: nothing to check against
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]  # memory_stats: addressable only
+    stats = (local[0].memory_stats() or {}) if cfg.mesh.fsdp_regather == "per_step" else {}  # None on CPU
     check_kept_weights_fit(cfg.model, Layout(dataclasses.replace(cfg.mesh, **dict(mesh.shape)),
                                              micro_batches=cfg.train.micro_batches), stats.get("bytes_limit"))
     plan = comm.gradient_plan(cfg.mesh, cfg.train.micro_batches, mesh, rules, names, ops.per_replica(cfg.model))
