@@ -10,10 +10,12 @@ with `console()`, the stderr of before. A write to the log that fails (the disk 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
-from typing import IO, Iterator
+import traceback
+from typing import IO, Any, Iterator
 
 LOG_NAME = "library.log"
 _console: list[IO[str]] = []  # the terminal's stderr while library_output is active
@@ -69,3 +71,15 @@ def library_output(run_dir: str, name: str = "") -> Iterator[None]:
         for h, stream in zip(handlers, previous):
             h.setStream(stream)
         log.close()
+        # Orbax's asyncio loops are collected later, often at interpreter exit ("Event loop is closed"):
+        # those unraisable exceptions go to the same log, not after our one-line error on the terminal.
+        sys.unraisablehook = functools.partial(_log_unraisable, log.path)
+
+
+def _log_unraisable(path: str, unraisable: Any) -> None:
+    try:
+        with open(path, "a") as f:
+            f.write(f"{unraisable.err_msg or 'Exception ignored in'}: {unraisable.object!r}\n")
+            traceback.print_exception(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback, file=f)
+    except OSError:
+        pass  # the disk is full: dropped, like every write to the log
