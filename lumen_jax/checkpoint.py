@@ -183,9 +183,15 @@ class Checkpointer:
         """The error for the write of step `_in_flight`, after removing its temporary folder."""
         step, self._in_flight = self._in_flight, None
         if jax.process_index() == 0:
-            for name in os.listdir(self.directory):
-                if name.startswith(f"{step}.orbax-checkpoint-tmp"):
+            # Orbax's writer threads can still be touching the folder when the failure reaches us (seen:
+            # the folder back after one removal): remove until it stays gone, for up to 2 s.
+            for _ in range(20):
+                left = [n for n in os.listdir(self.directory) if n.startswith(f"{step}.orbax-checkpoint-tmp")]
+                if not left:
+                    break
+                for name in left:
                     shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+                time.sleep(0.1)
         committed = [s for s in committed_steps(self.directory) if s != step]
         last = f"step {committed[-1]}" if committed else "none"
         text = " ".join(str(e).split())

@@ -74,6 +74,9 @@ def library_output(run_dir: str, name: str = "") -> Iterator[None]:
         # Orbax's asyncio loops are collected later, often at interpreter exit ("Event loop is closed"):
         # those unraisable exceptions go to the same log, not after our one-line error on the terminal.
         sys.unraisablehook = functools.partial(_log_unraisable, log.path)
+        late = logging.getLogger("asyncio")  # "Task exception was never retrieved", logged at collection
+        late.handlers = [logging.FileHandler(log.path, delay=True)]
+        late.propagate = False
 
 
 def _log_unraisable(path: str, unraisable: Any) -> None:
