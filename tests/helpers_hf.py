@@ -1,6 +1,8 @@
 """A small random Hugging Face Llama (transformers, CPU torch) and a run directory's logits, for the
 converter and generation tests. torch is imported only inside these functions."""
 
+import os
+
 import jax
 import numpy as np
 
@@ -27,6 +29,15 @@ def make_hf(path: str, tied: bool, max_shard_size: str | None = None) -> str:
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kw)
     return path
+
+
+def imported(root: str, tied: bool, name: str) -> tuple[str, str]:
+    """(HF dir, run dir): a small random Llama written with transformers under `root`, converted with from-hf."""
+    from lumen_jax.convert.__main__ import main as convert
+
+    hf_dir = make_hf(os.path.join(root, "hf"), tied=tied)
+    assert convert(["from-hf", "--hf-dir", hf_dir, "--out", os.path.join(root, name)]) == 0
+    return hf_dir, os.path.join(root, name)
 
 
 def hf_logits(hf_dir: str, tokens: np.ndarray) -> np.ndarray:

@@ -12,13 +12,13 @@ import sys
 import jax
 import numpy as np
 import pytest
+
+import helpers_hf
 import yaml
 
-from helpers_hf import make_hf
 from lumen_jax import weights
 from lumen_jax.config import ConfigError, to_dict, validate
 from lumen_jax.config_files import load_config
-from lumen_jax.convert.__main__ import main as convert
 from lumen_jax.evaluate import evaluate, main as evaluate_cli
 from lumen_jax.model import abstract_model
 
@@ -29,10 +29,7 @@ DATA = {"builtin_max_bytes": 300_000, "seq_len": 32, "global_batch_size": 8, "ev
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    root = tmp_path_factory.mktemp("eval")
-    hf_dir = make_hf(str(root / "hf"), tied=True)
-    assert convert(["from-hf", "--hf-dir", hf_dir, "--out", str(root / "imported")]) == 0
-    return hf_dir, str(root / "imported")
+    return helpers_hf.imported(str(tmp_path_factory.mktemp("eval")), tied=True, name="imported")
 
 
 @pytest.mark.heavy

@@ -5,9 +5,10 @@ import jax
 import numpy as np
 import pytest
 
-from helpers_hf import FP32_RTOL, hf_greedy, make_hf
+import helpers_hf
+
+from helpers_hf import FP32_RTOL, hf_greedy
 from lumen_jax import weights
-from lumen_jax.convert.__main__ import main as convert
 from lumen_jax.generate import ONE_DEVICE, Generator, Sampling, main as generate
 from lumen_jax.model import apply
 
@@ -17,10 +18,7 @@ NEW = 8
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gen")
-    hf_dir = make_hf(str(root / "hf"), tied=False)
-    assert convert(["from-hf", "--hf-dir", hf_dir, "--out", str(root / "run")]) == 0
-    return hf_dir, str(root / "run")
+    return helpers_hf.imported(str(tmp_path_factory.mktemp("gen")), tied=False, name="run")
 
 
 def greedy_without_cache(loaded, prompt: list[int], new: int, with_logits: bool = False):
