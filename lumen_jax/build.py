@@ -24,6 +24,7 @@ from lumen_jax.ops import projection
 from lumen_jax.ops.choice import Ops, choose
 from lumen_jax.optim import make_optimizer, schedule
 from lumen_jax.parallel import context as context_lib
+from lumen_jax.parallel.pipeline_step import Pipeline
 from lumen_jax.parallel.rules import Rules, activate
 from lumen_jax import step as step_lib
 
@@ -79,7 +80,10 @@ def build(cfg: Config, mesh: Mesh) -> Trainer:
                              dynamic_loss_scale=fp16,
                              loss_scale_growth_interval=cfg.optim.loss_scale_growth_interval,
                              fresh_state=jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), model.state),
-                             state_combine=model.state_combine)
+                             state_combine=model.state_combine,
+                             pipeline=Pipeline.create(mesh, cfg.model, cfg.mesh.pipeline_schedule, cfg.train.micro_batches,
+                                                      cfg.mesh.pipeline_virtual_stages)
+                             if mesh.shape["pipeline"] > 1 else None)
     named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     param_sh = jax.tree.map(named, rules.tree_specs(names, "params"), is_leaf=is_spec)

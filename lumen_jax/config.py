@@ -90,6 +90,7 @@ class MeshConfig:
 
     data: int = 1
     fsdp: int = -1
+    pipeline: int = 1  # stages: the layer stack cut into `pipeline` parts of equal depth
     context: int = 1
     tensor: int = 1
     sequence_parallel: bool = False  # Megatron SP: norms/residual sharded along sequence over `tensor`
@@ -98,9 +99,13 @@ class MeshConfig:
     context_parallel: str = "ring"
     # zigzag: context device i holds chunks i and 2C-1-i (equal causal work) | contiguous: chunk i
     context_balance: str = "zigzag"
+    # pipeline > 1: gpipe | 1f1b | interleaved | zero_bubble (lumen_jax/parallel/pipeline.py); its
+    # micro-batches are train.micro_batches
+    pipeline_schedule: str = "1f1b"
+    pipeline_virtual_stages: int = 1  # interleaved: chunks of layers per device
 
-    # The mesh axes, the one list of their names (the planner adds `pipeline` outside them).
-    AXES: typing.ClassVar[tuple[str, ...]] = ("data", "fsdp", "context", "tensor")
+    # The mesh axes, the one list of their names, outermost to innermost (Llama 3's order: see README).
+    AXES: typing.ClassVar[tuple[str, ...]] = ("data", "fsdp", "pipeline", "context", "tensor")
 
     def shape(self, num_devices: int) -> dict[str, int]:
         """Resolve -1 against `num_devices`; raises ConfigError when the product does not match."""
@@ -128,7 +133,7 @@ class MeshConfig:
             desc = "x".join(f"{a}={s}" for a, s in sizes.items())
             raise ConfigError(
                 f"mesh {desc} has {fixed} devices but {num_devices} are available; make the product "
-                f"of mesh.data*mesh.fsdp*mesh.context*mesh.tensor equal {num_devices} or set one axis to -1")
+                f"of {'*'.join('mesh.' + a for a in self.AXES)} equal {num_devices} or set one axis to -1")
         return sizes
 
 
@@ -227,6 +232,7 @@ class DistributedConfig:
     # nodes go to the outermost axes they divide (data, then fsdp, ...).
     across_nodes_data: int = 1
     across_nodes_fsdp: int = 1
+    across_nodes_pipeline: int = 1
     across_nodes_context: int = 1
     across_nodes_tensor: int = 1
 
@@ -257,6 +263,7 @@ class Config:
 
 SCHEDULES = ("cosine", "linear", "constant")
 ZERO_STAGES = (1, 2, 3)
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")  # lumen_jax.parallel.pipeline.SCHEDULES
 DATA_SOURCES = ("builtin", "files")
 PLATFORMS = ("", "cpu", "gpu", "cuda", "rocm", "tpu")
 
@@ -273,6 +280,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "mesh.zero_stage": ZERO_STAGES,
     "mesh.context_parallel": CONTEXT_PARALLEL,
     "mesh.context_balance": CONTEXT_BALANCE,
+    "mesh.pipeline_schedule": PIPELINE_SCHEDULES,
     "data.source": DATA_SOURCES,
     "runtime.platform": PLATFORMS,
     "runtime.malloc": ("reuse", "default"),
@@ -462,7 +470,7 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("data.seq_len", ">=", 1), ("data.global_batch_size", ">=", 1), ("data.builtin_max_bytes", ">=", 1),
     ("data.num_workers", ">=", 0),
     ("train.steps", ">=", 1), ("train.micro_batches", ">=", 1), ("train.max_nonfinite_steps", ">=", 1),
-    ("train.sdc_check_every", ">=", 0),
+    ("train.sdc_check_every", ">=", 0), ("mesh.pipeline_virtual_stages", ">=", 1),
     ("checkpoint.every_steps", ">=", 0), ("checkpoint.every_minutes", ">=", 0), ("checkpoint.keep", ">=", 1),
     ("checkpoint.keep_every", ">=", 0),
     ("log.every_steps", ">=", 1),
@@ -479,6 +487,34 @@ def _divisors(n: int, limit: int) -> str:
     return ", ".join(str(d) for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
+def _pipeline_checks(cfg: Config, p: int) -> list[tuple[bool, str]]:
+    """mesh.pipeline with its schedule (lumen_jax/parallel/pipeline.py). With one stage every
+    schedule is the same m forward-backward passes in a row (gradient accumulation): ignored."""
+    mesh, m, layers = cfg.mesh, cfg.train.micro_batches, cfg.model.num_layers
+    v = mesh.pipeline_virtual_stages
+    chunks = p * v
+    return [
+        (v == 1 or mesh.pipeline_schedule == "interleaved",
+         f"mesh.pipeline_virtual_stages={v} is for mesh.pipeline_schedule=interleaved, not "
+         f"{mesh.pipeline_schedule}; set mesh.pipeline_virtual_stages=1 or mesh.pipeline_schedule=interleaved"),
+        (p == 1 or layers % chunks == 0,
+         f"model.num_layers={layers} is not divisible by mesh.pipeline={p}"
+         + (f"*mesh.pipeline_virtual_stages={v}={chunks}" if v > 1 else "")
+         + f"; every stage holds the same number of layers, so use a multiple of {chunks} layers "
+         f"or a mesh.pipeline among the divisors of {layers}"),
+        (p == 1 or mesh.pipeline_schedule == "gpipe" or m >= p,
+         f"mesh.pipeline_schedule={mesh.pipeline_schedule} needs train.micro_batches={m} >= mesh.pipeline={p} "
+         f"(each stage keeps up to {p} micro-batches in flight); raise train.micro_batches to {p} or more "
+         "or use mesh.pipeline_schedule=gpipe"),
+        (p == 1 or mesh.pipeline_schedule != "interleaved" or m % p == 0,
+         f"mesh.pipeline_schedule=interleaved needs train.micro_batches={m} divisible by mesh.pipeline={p} "
+         f"(micro-batches go through the chunks in groups of {p}); use a multiple of {p}"),
+        (p == 1 or cfg.model.fp8.recipe == "none",
+         f"model.fp8.recipe={cfg.model.fp8.recipe} with mesh.pipeline={p}: fp8 scaling state does not travel "
+         "through pipeline stages yet; set model.fp8.recipe=none or mesh.pipeline=1"),
+    ]
+
+
 def validate(cfg: Config, num_devices: int) -> dict[str, int]:
     """Checks `cfg` against itself and `num_devices` before any mesh or array exists.
 
@@ -488,7 +524,7 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
       num_devices: devices the mesh will span (all processes together).
 
     Returns:
-      The resolved mesh shape {data, fsdp, context, tensor} (a -1 axis filled in).
+      The resolved mesh shape {data, fsdp, pipeline, context, tensor} (a -1 axis filled in).
 
     Raises:
       ConfigError: the first problem found, in one line naming the key, the value, the rule and a fix.
@@ -541,6 +577,7 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         (cp == 1 or mesh.context_balance != "zigzag" or d.seq_len % (2 * cp) == 0,
          f"mesh.context_balance=zigzag cuts data.seq_len={d.seq_len} into 2*mesh.context={2 * cp} chunks; "
          f"use a multiple of {2 * cp} or mesh.context_balance=contiguous"),
+        *_pipeline_checks(cfg, shape["pipeline"]),
         (d.source != "files" or bool(d.paths),
          "data.source='files' but data.paths=[] is empty; set data.paths=[glob, ...] "
          "or data.source=builtin"),

@@ -23,6 +23,7 @@ from flax import nnx, struct
 
 from lumen_jax.model import apply
 from lumen_jax.ops import state as state_lib
+from lumen_jax.parallel import pipeline_step
 
 Batch = dict[str, jax.Array]
 
@@ -54,6 +55,8 @@ class StepConfig:
     # micro-batches combine its next values (`ops.state.ModelState.combine`).
     fresh_state: dict = dataclasses.field(default_factory=dict, compare=False)
     state_combine: dict = dataclasses.field(default_factory=dict, compare=False)
+    # mesh.pipeline > 1: the stages and schedule (parallel/pipeline_step.py); None: no pipeline
+    pipeline: pipeline_step.Pipeline | None = None
 
 
 def init_state(params: dict, tx: optax.GradientTransformation, loss_scale: float,
@@ -100,6 +103,9 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
     stays on that device (no resharding before the scan). Gradients add up over micro-batches; the
     model state's next values combine by each variable's rule (`sc.state_combine`).
     """
+    if sc.pipeline is not None:  # the model state's next value is the current one (no fp8 with a pipeline)
+        loss, grads = pipeline_step.loss_and_grads(sc.pipeline, sc.graphdef, params, batch, scale, sc.z_loss)
+        return loss, constrain_grads(grads), model_state
     total_tokens = jnp.maximum(batch["loss_mask"].astype(jnp.float32).sum(), 1.0)
     grad_fn = jax.grad(_micro_loss, argnums=(0, 1), has_aux=True)
     m = sc.micro_batches

@@ -17,7 +17,8 @@ mlp             tensor                 column split of MLP-in, row split of MLP-
 embed           fsdp (params)          ZeRO-3: parameters sharded over `fsdp`
                 fsdp (optimizer)       ZeRO-1/2/3: optimizer state always sharded
                 fsdp (gradients)       ZeRO-2/3: gradients reduce-scattered
-head_dim, norm, layers, act_embed -> replicated
+layers          pipeline               the stacked blocks cut into pipeline stages
+head_dim, norm, act_embed -> replicated
 ==============  =====================  ==========================================================
 
 Activation constraints are applied with `constrain(x, names)`; it is a no-op outside `activate`,
@@ -60,7 +61,7 @@ class Rules:
             "mlp": "tensor",
             "head_dim": None,
             "norm": None,
-            "layers": None,
+            "layers": "pipeline",
             # activation axes
             "batch": ("data", "fsdp"),
             "seq": "context",
@@ -113,4 +114,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if active is None:
         return x
     mesh, rules = active
+    inner = jax.sharding.get_abstract_mesh()
+    if not inner.empty and inner.manual_axes:  # inside a shard_map over some axes (pipeline stages)
+        mesh = inner
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(names)))

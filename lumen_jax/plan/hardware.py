@@ -9,7 +9,7 @@ from lumen_jax import metrics
 from lumen_jax.config import Config, ConfigError, MeshConfig, ModelConfig, validate
 
 # Outermost -> innermost (innermost: in a node): the planner's pipeline stages around the mesh axes.
-AXES = ("pipeline", *MeshConfig.AXES)
+AXES = ("pipeline", *(a for a in MeshConfig.AXES if a != "pipeline"))
 
 
 @dataclasses.dataclass(frozen=True)
