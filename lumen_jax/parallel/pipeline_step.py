@@ -165,7 +165,7 @@ def loss_and_grads(pipe: Pipeline, graphdef: Any, params: dict, batch: dict, sca
                 _, vjp = jax.vjp(lambda c, o: stage_fn(c, o, x_in, mb, v, total_tokens, scale)[:2], chunk, other)
                 return zeros_act, zeros_act, add(acc, *vjp((g_out, g_obj))), ce_acc
 
-            branches = (idle, forward, input_grad if sched.split_backward else backward, weight_grad)
+            branches = (idle, forward, input_grad, weight_grad) if sched.split_backward else (idle, forward, backward)
             y, dx, acc, ce_acc = jax.lax.switch(kind, branches)
             y = jax.lax.ppermute(y, AXIS, [(i, (i + 1) % p) for i in range(p)])
             dx = jax.lax.ppermute(dx, AXIS, [(i, (i - 1) % p) for i in range(p)])
