@@ -565,6 +565,7 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         (m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor,
          f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be > model.rope_low_freq_factor="
          f"{m.rope_low_freq_factor} for rope_scaling=llama3; raise the high or lower the low factor"),
+        *_pipeline_checks(cfg, shape["pipeline"]),
         (d.global_batch_size % batch_shards == 0,
          f"data.global_batch_size={d.global_batch_size} is not divisible by mesh.data*mesh.fsdp*"
          f"train.micro_batches={shape['data']}*{shape['fsdp']}*{cfg.train.micro_batches}={batch_shards}; "
@@ -577,7 +578,6 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         (cp == 1 or mesh.context_balance != "zigzag" or d.seq_len % (2 * cp) == 0,
          f"mesh.context_balance=zigzag cuts data.seq_len={d.seq_len} into 2*mesh.context={2 * cp} chunks; "
          f"use a multiple of {2 * cp} or mesh.context_balance=contiguous"),
-        *_pipeline_checks(cfg, shape["pipeline"]),
         (d.source != "files" or bool(d.paths),
          "data.source='files' but data.paths=[] is empty; set data.paths=[glob, ...] "
          "or data.source=builtin"),
