@@ -487,11 +487,11 @@ def _divisors(n: int, limit: int) -> str:
     return ", ".join(str(d) for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
-def _pipeline_checks(cfg: Config, p: int) -> list[tuple[bool, str]]:
+def _pipeline_checks(cfg: Config, shape: dict[str, int]) -> list[tuple[bool, str]]:
     """mesh.pipeline with its schedule (lumen_jax/parallel/pipeline.py). With one stage every
     schedule is the same m forward-backward passes in a row (gradient accumulation): ignored."""
     mesh, m, layers = cfg.mesh, cfg.train.micro_batches, cfg.model.num_layers
-    v = mesh.pipeline_virtual_stages
+    p, v = shape["pipeline"], mesh.pipeline_virtual_stages
     chunks = p * v
     return [
         (v == 1 or mesh.pipeline_schedule == "interleaved",
@@ -509,6 +509,10 @@ def _pipeline_checks(cfg: Config, p: int) -> list[tuple[bool, str]]:
         (p == 1 or mesh.pipeline_schedule != "interleaved" or m % p == 0,
          f"mesh.pipeline_schedule=interleaved needs train.micro_batches={m} divisible by mesh.pipeline={p} "
          f"(micro-batches go through the chunks in groups of {p}); use a multiple of {p}"),
+        (p == 1 or shape["tensor"] == 1 or shape["data"] * shape["fsdp"] == 1,
+         f"mesh.pipeline={p} with mesh.tensor={shape['tensor']} and mesh.data*mesh.fsdp="
+         f"{shape['data'] * shape['fsdp']}: XLA's SPMD partitioner fails on tensor and batch sharding together "
+         "inside the pipeline's shard_map (jaxlib 0.10.2); use mesh.tensor=1, or mesh.data=mesh.fsdp=1"),
         (p == 1 or cfg.model.fp8.recipe == "none",
          f"model.fp8.recipe={cfg.model.fp8.recipe} with mesh.pipeline={p}: fp8 scaling state does not travel "
          "through pipeline stages yet; set model.fp8.recipe=none or mesh.pipeline=1"),
@@ -565,7 +569,7 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         (m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor,
          f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be > model.rope_low_freq_factor="
          f"{m.rope_low_freq_factor} for rope_scaling=llama3; raise the high or lower the low factor"),
-        *_pipeline_checks(cfg, shape["pipeline"]),
+        *_pipeline_checks(cfg, shape),
         (d.global_batch_size % batch_shards == 0,
          f"data.global_batch_size={d.global_batch_size} is not divisible by mesh.data*mesh.fsdp*"
          f"train.micro_batches={shape['data']}*{shape['fsdp']}*{cfg.train.micro_batches}={batch_shards}; "

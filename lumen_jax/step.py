@@ -155,4 +155,6 @@ def train_step(state: TrainState, batch: Batch, sc: StepConfig,
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": sc.lr_schedule(state.step),
                "loss_scale": state.loss_scale, "skipped": (~finite).astype(jnp.int32),
                "tokens": batch["loss_mask"].astype(jnp.float32).sum()}
+    if sc.pipeline is not None:  # the idle fraction of the schedule's table (parallel/pipeline.py)
+        metrics["pipeline_bubble"] = jnp.asarray(sc.pipeline.schedule.bubble(), jnp.float32)
     return new_state, metrics

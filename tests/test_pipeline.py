@@ -2,6 +2,10 @@
 for every schedule at pipeline=2 and 4, config checks, and 1F1B's memory bound in compiled bytes."""
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -11,6 +15,7 @@ from lumen_jax.build import build
 from lumen_jax.config import ConfigError, MeshConfig, validate
 from lumen_jax.parallel.mesh import make_mesh
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = BASE.replace(model=dataclasses.replace(BASE.model, num_layers=8))
 M = 4  # micro-batches: 4 rows each
 
@@ -53,6 +58,7 @@ def _check(**changes):
     (dict(pipeline=2, pipeline_virtual_stages=2),
      "mesh.pipeline_virtual_stages=2 is for mesh.pipeline_schedule=interleaved, not 1f1b"),
     (dict(pipeline=2, pipeline_schedule="pipedream"), "mesh.pipeline_schedule"),
+    (dict(pipeline=2, tensor=2), "mesh.pipeline=2 with mesh.tensor=2 and mesh.data*mesh.fsdp=2"),
 ])
 def test_config_errors(changes, message):
     with pytest.raises(ConfigError) as e:
@@ -87,3 +93,27 @@ def test_1f1b_memory_bound_holds_in_compiled_bytes():
     figures = f"temp bytes 1f1b m=8/16: {one[8]}/{one[16]}, gpipe m=8/16: {gpipe[8]}/{gpipe[16]}"
     assert one[16] <= 1.10 * one[8], figures
     assert gpipe[16] - gpipe[8] >= 8 * 4 * 256 * 64 * 4, figures  # at least 8 more [4, 256, 64] fp32 stage inputs
+
+
+def _train(*overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lumen_jax.train", "--config", "configs/tiny.yaml", *overrides],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.heavy
+def test_train_cli_reports_the_bubble(tmp_path):
+    run_dir = str(tmp_path / "run")
+    proc = _train("model.num_layers=4", "mesh.pipeline=2", "mesh.pipeline_schedule=1f1b", "train.micro_batches=2",
+                  "train.steps=2", "log.every_steps=1", "log.tensorboard=false", "log.progress=false",
+                  f"train.run_dir={run_dir}")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    assert [r["pipeline_bubble"] for r in rows] == [pytest.approx(1 / 3)] * 2  # (P-1)/(m+P-1), P=m=2
+
+
+def test_train_cli_bad_pipeline_is_one_line(tmp_path):
+    proc = _train("model.num_layers=6", "mesh.pipeline=4", f"train.run_dir={tmp_path / 'run'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "model.num_layers=6 is not divisible by mesh.pipeline=4" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
