@@ -8,11 +8,13 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
-from helpers_run import BASE, batches, run, assert_same_run, with_mesh
+from helpers_run import BASE, FP32_RTOL, batches, run, assert_same_run, with_mesh
 from lumen_jax.build import build
-from lumen_jax.config import ConfigError, MeshConfig, validate
+from lumen_jax.checkpoint import Checkpointer
+from lumen_jax.config import CheckpointConfig, ConfigError, MeshConfig, validate
 from lumen_jax.parallel.mesh import make_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,3 +119,44 @@ def test_train_cli_bad_pipeline_is_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "model.num_layers=6 is not divisible by mesh.pipeline=4" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+def _trainer(stages: int):
+    cfg = with_mesh(CFG, micro_batches=M, pipeline=stages)
+    return build(cfg, make_mesh({a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}, jax.devices()[:stages]))
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("first,then", [(4, 1), (1, 4)])
+def test_checkpoint_moves_between_pipeline_depths(reference, tmp_path, first, then):
+    """One step at pipeline=`first`, saved, restored at pipeline=`then`: the next two steps' losses
+    are the uninterrupted run's."""
+    writer = _trainer(first)
+    data = batches(CFG)
+    state, _ = writer.step(writer.init(), writer.shard_batch(data[0]))
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig())
+    ckpt.save(1, state, {})
+    ckpt.wait()
+    ckpt.close()
+    reader = _trainer(then)
+    state = Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig()).restore_latest(reader.abstract_state()).state
+    for got, sh in zip(jax.tree.leaves(state.params), jax.tree.leaves(reader.state_shardings.params)):
+        assert got.sharding == sh
+    losses = []
+    for batch in data[1:]:
+        state, m = reader.step(state, reader.shard_batch(batch))
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, reference["losses"][1:], rtol=FP32_RTOL)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_planner_reads_mesh_pipeline_and_the_table_bubble(schedule):
+    from lumen_jax import plan
+    from lumen_jax.parallel import pipeline
+
+    cfg = with_mesh(CFG, micro_batches=8, pipeline=4, fsdp=2, pipeline_schedule=schedule)
+    cfg = cfg.replace(data=dataclasses.replace(cfg.data, global_batch_size=16))
+    layout = plan.layout_from_config(cfg, 8)
+    assert (layout.pipeline, layout.mesh.fsdp, layout.num_devices) == (4, 2, 8)
+    got = plan.predict(cfg, layout, plan.DEVICES["h100"]).bubble
+    assert got == pytest.approx(pipeline.build(schedule, 4, 8).bubble())

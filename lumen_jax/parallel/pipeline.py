@@ -34,6 +34,7 @@ tick on every stage in lock-step, so a tick lasts as long as its slowest action.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
@@ -97,6 +98,12 @@ def bubble_formula(name: str, stages: int, micro_batches: int, virtual: int = 1)
     p, m = stages, micro_batches
     work = {"gpipe": m, "1f1b": m, "interleaved": virtual * m, "zero_bubble": 3 * m}[name]
     return (p - 1) / (work + p - 1)
+
+
+@functools.lru_cache(maxsize=256)
+def table_bubble(name: str, stages: int, micro_batches: int, virtual: int = 1) -> float:
+    """`build(...).bubble()`: the figure the metrics report, for the planner (cached)."""
+    return build(name, stages, micro_batches, virtual).bubble()
 
 
 # --------------------------------------------------------------------------------------------------
