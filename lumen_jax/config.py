@@ -509,10 +509,6 @@ def _pipeline_checks(cfg: Config, shape: dict[str, int]) -> list[tuple[bool, str
         (p == 1 or mesh.pipeline_schedule != "interleaved" or m % p == 0,
          f"mesh.pipeline_schedule=interleaved needs train.micro_batches={m} divisible by mesh.pipeline={p} "
          f"(micro-batches go through the chunks in groups of {p}); use a multiple of {p}"),
-        (p == 1 or shape["tensor"] == 1 or shape["data"] * shape["fsdp"] == 1,
-         f"mesh.pipeline={p} with mesh.tensor={shape['tensor']} and mesh.data*mesh.fsdp="
-         f"{shape['data'] * shape['fsdp']}: XLA's SPMD partitioner fails on tensor and batch sharding together "
-         "inside the pipeline's shard_map (jaxlib 0.10.2); use mesh.tensor=1, or mesh.data=mesh.fsdp=1"),
         (p == 1 or cfg.model.fp8.recipe == "none",
          f"model.fp8.recipe={cfg.model.fp8.recipe} with mesh.pipeline={p}: fp8 scaling state does not travel "
          "through pipeline stages yet; set model.fp8.recipe=none or mesh.pipeline=1"),

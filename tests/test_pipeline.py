@@ -60,7 +60,6 @@ def _check(**changes):
     (dict(pipeline=2, pipeline_virtual_stages=2),
      "mesh.pipeline_virtual_stages=2 is for mesh.pipeline_schedule=interleaved, not 1f1b"),
     (dict(pipeline=2, pipeline_schedule="pipedream"), "mesh.pipeline_schedule"),
-    (dict(pipeline=2, tensor=2), "mesh.pipeline=2 with mesh.tensor=2 and mesh.data*mesh.fsdp=2"),
 ])
 def test_config_errors(changes, message):
     with pytest.raises(ConfigError) as e:
@@ -93,8 +92,11 @@ def test_1f1b_memory_bound_holds_in_compiled_bytes():
     one = {m: _temp_bytes("1f1b", m) for m in (8, 16)}
     gpipe = {m: _temp_bytes("gpipe", m) for m in (8, 16)}
     figures = f"temp bytes 1f1b m=8/16: {one[8]}/{one[16]}, gpipe m=8/16: {gpipe[8]}/{gpipe[16]}"
-    assert one[16] <= 1.10 * one[8], figures
-    assert gpipe[16] - gpipe[8] >= 8 * 4 * 256 * 64 * 4, figures  # at least 8 more [4, 256, 64] fp32 stage inputs
+    slot = 4 * 256 * 64 * 4  # one stashed stage input [4, 256, 64] fp32
+    # The rest of the step (the recomputed stage's residuals) dwarfs the stash at these sizes, so
+    # besides the 10% the growth is bounded in slots: 1F1B's only growth is the batch itself.
+    assert one[16] <= 1.10 * one[8] and one[16] - one[8] < 2 * slot, figures
+    assert gpipe[16] - gpipe[8] >= 8 * slot, figures  # 8 more micro-batches stashed
 
 
 def _train(*overrides: str) -> subprocess.CompletedProcess:

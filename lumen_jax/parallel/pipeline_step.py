@@ -82,6 +82,10 @@ class Pipeline:
 
 def _objective(logits_btv: jax.Array, mb: dict, z_loss: float) -> tuple[jax.Array, jax.Array]:
     """(summed objective, summed cross-entropy) of one micro-batch, as `step._micro_loss`."""
+    # The whole vocabulary on each device for the loss: XLA's SPMD partitioner (jaxlib 0.10.2) fails
+    # a check on the cross-entropy of vocab-sharded logits inside this shard_map when the batch is
+    # sharded too (data or fsdp with tensor); the last stage holds [B, T, V] of one micro-batch.
+    logits_btv = constrain(logits_btv, ("batch", "seq", None))
     mask = mb["loss_mask"].astype(jnp.float32)
     ce_sum = (optax.softmax_cross_entropy_with_integer_labels(logits_btv, mb["targets"]) * mask).sum()
     if not z_loss:
