@@ -41,6 +41,14 @@ def test_pipeline_matches_single_device(reference, schedule, stages, virtual):
     assert_same_run(got, reference, f"pipeline={stages} {schedule} V={virtual}")
 
 
+@pytest.mark.heavy
+@pytest.mark.parametrize("mesh", [dict(fsdp=2, tensor=2, sequence_parallel=True), dict(data=2, context=2)],
+                         ids=["fsdp2-tensor2-sp", "data2-context2"])
+def test_pipeline_composes_with_the_other_axes(reference, mesh):
+    cfg = with_mesh(CFG, micro_batches=M, pipeline=2, pipeline_schedule="1f1b", **mesh)
+    assert_same_run(run(cfg, jax.devices()), reference, f"pipeline=2 {mesh}")
+
+
 def _check(**changes):
     mesh = {k: v for k, v in changes.items() if k in {f.name for f in dataclasses.fields(MeshConfig)}}
     cfg = with_mesh(CFG, micro_batches=changes.get("micro_batches", M), **{"fsdp": -1, **mesh})
