@@ -62,6 +62,15 @@ class Pipeline:
             pipeline.build(schedule, mesh.shape[AXIS], micro_batches, virtual)))
 
     @property
+    def uniform(self) -> bool:
+        """Whether every stage computes every branch of a tick and selects its own (True when another
+        mesh axis is > 1). Stages take different branches in the same tick; the collectives GSPMD
+        puts inside a branch (tensor, fsdp, data, context) then run on some devices only, and
+        XLA:CPU's collectives wait for every device of the program (a rendezvous timeout, seen
+        with fsdp=2 tensor=2). Selecting costs a forward and a backward per tick on every stage."""
+        return any(size > 1 for axis, size in self.mesh.shape.items() if axis != AXIS)
+
+    @property
     def schedule(self) -> pipeline.Schedule:
         return self.program.schedule
 
@@ -78,6 +87,21 @@ class Pipeline:
         if v == 1:
             return blocks
         return jax.tree.map(lambda a: a.reshape(p, v, -1, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape), blocks)
+
+
+def _cond(pred: jax.Array, true_fn, false_fn, uniform: bool):
+    """`lax.cond`, or with `uniform` both sides computed and one selected: every device then runs
+    the same collectives (see `Pipeline.uniform`)."""
+    if not uniform:
+        return jax.lax.cond(pred, true_fn, false_fn)
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), true_fn(), false_fn())
+
+
+def _switch(index: jax.Array, branches, uniform: bool):
+    if not uniform:
+        return jax.lax.switch(index, branches)
+    outs = [b() for b in branches]
+    return jax.tree.map(lambda *xs: jnp.select([index == i for i in range(len(xs))], xs), *outs)
 
 
 def _objective(logits_btv: jax.Array, mb: dict, z_loss: float) -> tuple[jax.Array, jax.Array]:
@@ -103,6 +127,7 @@ def loss_and_grads(pipe: Pipeline, graphdef: Any, params: dict, batch: dict, sca
     prog, sched = pipe.program, pipe.schedule
     p, v_count, m = sched.stages, sched.virtual, sched.micro_batches
     last_v = p * v_count - 1
+    uniform = pipe.uniform
     total_tokens = jnp.maximum(batch["loss_mask"].astype(jnp.float32).sum(), 1.0)
     mbs = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1), batch)
     rows = np.asarray(prog.rows, np.int32)  # [ticks, P, columns]
@@ -115,13 +140,13 @@ def loss_and_grads(pipe: Pipeline, graphdef: Any, params: dict, batch: dict, sca
                  scale: jax.Array):
         """Virtual stage v on one micro-batch: (output activation, scaled objective, cross-entropy)."""
         model = merge(graphdef, {**other, BLOCKS: chunk})
-        x_btd = jax.lax.cond(v == 0, lambda: model.embed_tokens(mb["inputs"]).astype(dt), lambda: x_btd)
+        x_btd = _cond(v == 0, lambda: model.embed_tokens(mb["inputs"]).astype(dt), lambda: x_btd, uniform)
         y_btd = model.run_layers(x_btd, mb["positions"], mb["segment_ids"]).astype(dt)
 
         def loss():
             obj, ce = _objective(model.logits(y_btd), mb, z_loss)
             return obj * scale / total_tokens, ce
-        obj, ce = jax.lax.cond(v == last_v, loss, lambda: (jnp.zeros((), jnp.float32),) * 2)
+        obj, ce = _cond(v == last_v, loss, lambda: (jnp.zeros((), jnp.float32),) * 2, uniform)
         return y_btd, obj, ce
 
     def local(blocks: dict, other: dict, mbs: dict, total_tokens: jax.Array,
@@ -170,7 +195,7 @@ def loss_and_grads(pipe: Pipeline, graphdef: Any, params: dict, batch: dict, sca
                 return zeros_act, zeros_act, add(acc, *vjp((g_out, g_obj))), ce_acc
 
             branches = (idle, forward, input_grad, weight_grad) if sched.split_backward else (idle, forward, backward)
-            y, dx, acc, ce_acc = jax.lax.switch(kind, branches)
+            y, dx, acc, ce_acc = _switch(kind, branches, uniform)
             y = jax.lax.ppermute(y, AXIS, [(i, (i + 1) % p) for i in range(p)])
             dx = jax.lax.ppermute(dx, AXIS, [(i, (i - 1) % p) for i in range(p)])
             x_buf = constrain(x_buf.at[rx_slot].set(y), _ACT)
