@@ -56,8 +56,8 @@ class Transformer(nnx.Module):
         x_btd = self.embed_tokens(tokens_bt)
         return self.logits(self.run_layers(x_btd, positions_bt, segment_ids_bt))
 
-    # The three parts of `__call__`, also run one by one by pipeline stages (the first embeds, each
-    # runs its slice of the stacked blocks, the last makes the logits).
+    # The three parts of `__call__`, also run one by one when the stack is cut into stages (the
+    # first embeds, each runs its slice of the stacked blocks, the last makes the logits).
 
     def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
         """Token embeddings [B, T, D] in the compute dtype."""
@@ -69,7 +69,7 @@ class Transformer(nnx.Module):
 
     def run_layers(self, x_btd: jax.Array, positions_bt: jax.Array,
                    segment_ids_bt: jax.Array | None = None) -> jax.Array:
-        """The stacked blocks this module holds (all `num_layers`, or a pipeline stage's slice)."""
+        """The stacked blocks this module holds (all `num_layers`, or one stage's slice of them)."""
         cfg = self.cfg
         inv_freq = rope_frequencies(cfg)
         graphdef, layer_state = nnx.split(self.blocks)
@@ -147,7 +147,7 @@ def init_params(cfg: ModelConfig, seed: int, ops: Ops | None = None) -> dict:
 
 def merge(graphdef: nnx.GraphDef, params: dict, state: dict | None = None) -> Transformer:
     """The model with parameters `params` (plain dicts; the blocks may be a slice of the stack, as
-    a pipeline stage holds), to call its parts (`embed_tokens`, `run_layers`, `logits`)."""
+    a stage of a cut stack holds), to call its parts (`embed_tokens`, `run_layers`, `logits`)."""
     return nnx.merge(graphdef, params, state or {})
 
 
