@@ -75,15 +75,15 @@ def build(cfg: Config, mesh: Mesh) -> Trainer:
     names = model.param_names
     tx = make_optimizer(cfg.optim, cfg.train.steps, names)
     fp16 = cfg.model.compute_dtype == "float16"
+    pipe = (Pipeline.create(mesh, cfg.model, cfg.mesh.pipeline_schedule, cfg.train.micro_batches,
+                            cfg.mesh.pipeline_virtual_stages) if mesh.shape["pipeline"] > 1 else None)
     sc = step_lib.StepConfig(graphdef=model.graphdef, tx=tx, lr_schedule=schedule(cfg.optim, cfg.train.steps),
                              micro_batches=cfg.train.micro_batches, z_loss=cfg.optim.z_loss,
                              dynamic_loss_scale=fp16,
                              loss_scale_growth_interval=cfg.optim.loss_scale_growth_interval,
                              fresh_state=jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), model.state),
                              state_combine=model.state_combine,
-                             pipeline=Pipeline.create(mesh, cfg.model, cfg.mesh.pipeline_schedule, cfg.train.micro_batches,
-                                                      cfg.mesh.pipeline_virtual_stages)
-                             if mesh.shape["pipeline"] > 1 else None)
+                             pipeline=pipe)
     named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     param_sh = jax.tree.map(named, rules.tree_specs(names, "params"), is_leaf=is_spec)

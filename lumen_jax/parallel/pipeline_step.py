@@ -209,7 +209,8 @@ def loss_and_grads(pipe: Pipeline, graphdef: Any, params: dict, batch: dict, sca
 
     blocks_spec = jax.tree.map(lambda _: P(AXIS), params[BLOCKS])
     other_spec = jax.tree.map(lambda _: P(), others)
-    run = jax.shard_map(local, mesh=pipe.mesh, in_specs=(blocks_spec, other_spec, jax.tree.map(lambda _: P(), mbs), P(), P()),
+    mbs_spec = jax.tree.map(lambda _: P(), mbs)
+    run = jax.shard_map(local, mesh=pipe.mesh, in_specs=(blocks_spec, other_spec, mbs_spec, P(), P()),
                         out_specs=(P(), blocks_spec, other_spec), axis_names={AXIS}, check_vma=False)
     ce, d_blocks, d_other = run(pipe.to_stages(params[BLOCKS]), others, mbs, total_tokens,
                                 jnp.asarray(scale, jnp.float32))

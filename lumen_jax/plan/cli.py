@@ -103,7 +103,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--config", help="YAML or gin file (configs/*.yaml)")
     p.add_argument("--devices", type=int, required=True, help="devices the run will use")
     p.add_argument("--device", default="h100", choices=sorted(DEVICES), help="accelerator (default h100)")
-    p.add_argument("--pipeline", type=int, default=1, help="plan this many pipeline stages around the config's mesh (the trainer's are mesh.pipeline)")
+    p.add_argument("--pipeline", type=int, default=1, help="plan this many pipeline stages around the config's mesh "
+                   "(the trainer's stages are mesh.pipeline)")
     p.add_argument("--pipeline-microbatches", type=int, default=0,
                    help="micro-batches per step through the pipeline (default train.micro_batches)")
     p.add_argument("--attention", choices=("xla", "flash"),
