@@ -267,6 +267,7 @@ def across_nodes(cfg: DistributedConfig, shape: Mapping[str, int], devices: Sequ
     Raises:
       ConfigError: the nodes and the mesh do not fit, with the node layout in the message.
     """
+    shape = {a: shape.get(a, 1) for a in AXES}  # an axis left out has size 1
     nodes: dict[int, list[Any]] = {}
     for d in devices:
         nodes.setdefault(node_of(d), []).append(d)
