@@ -24,6 +24,7 @@ from lumen_jax.ops import projection
 from lumen_jax.ops.choice import Ops, choose
 from lumen_jax.optim import make_optimizer, schedule
 from lumen_jax.parallel import communication as comm, context as context_lib
+from lumen_jax.parallel.pipeline_step import Pipeline
 from lumen_jax.parallel.rules import Rules, activate
 from lumen_jax.plan.hardware import Layout
 from lumen_jax.plan.memory import check_kept_weights_fit
@@ -79,6 +80,8 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
     names = model.param_names
     tx = make_optimizer(cfg.optim, cfg.train.steps, names)
     fp16 = cfg.model.compute_dtype == "float16"
+    pipe = (Pipeline.create(mesh, cfg.model, cfg.mesh.pipeline_schedule, cfg.train.micro_batches,
+                            cfg.mesh.pipeline_virtual_stages) if mesh.shape["pipeline"] > 1 else None)
     sc = step_lib.StepConfig(graphdef=model.graphdef, tx=tx, lr_schedule=schedule(cfg.optim, cfg.train.steps),
                              micro_batches=cfg.train.micro_batches, z_loss=cfg.optim.z_loss,
                              dynamic_loss_scale=fp16,
@@ -87,7 +90,7 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
                              state_combine=model.state_combine,
                              weight_dtypes=jax.tree.map(lambda n: ops.weight_dtype(n, cfg.model.compute_dtype),
                                                         names, is_leaf=lambda x: isinstance(x, tuple)),
-                             reduce_dtype=cfg.mesh.reduce_dtype)
+                             reduce_dtype=cfg.mesh.reduce_dtype, pipeline=pipe)
     named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     param_sh = jax.tree.map(named, rules.tree_specs(names, "params"), is_leaf=is_spec)
@@ -113,7 +116,9 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
     stats = (local[0].memory_stats() or {}) if cfg.mesh.fsdp_regather == "per_step" else {}  # None on CPU
     check_kept_weights_fit(cfg.model, Layout(dataclasses.replace(cfg.mesh, **dict(mesh.shape)),
                                              micro_batches=cfg.train.micro_batches), stats.get("bytes_limit"))
-    plan = comm.gradient_plan(cfg.mesh, cfg.train.micro_batches, mesh, rules, names, ops.per_replica(cfg.model))
+    # The pipelined step walks its own micro-batches (parallel/pipeline_step.py): no replica groups.
+    plan = comm.gradient_plan(cfg.mesh, cfg.train.micro_batches, mesh, rules, names,
+                              ops.per_replica(cfg.model) and pipe is None)
     pin = lambda specs: functools.partial(  # noqa: E731
         jax.lax.with_sharding_constraint, shardings=jax.tree.map(named, specs, is_leaf=is_spec))
     placement = step_lib.Placement(grads=pin(rules.tree_specs(names, "grads")), weights=pin(plan.weight_specs),

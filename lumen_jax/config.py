@@ -118,6 +118,7 @@ class MeshConfig:
 
     data: int = 1
     fsdp: int = -1
+    pipeline: int = 1  # stages: the layer stack cut into `pipeline` parts of equal depth
     expert: int = 1  # expert parallelism: groups of model.moe experts on different devices (shards the batch too)
     context: int = 1
     tensor: int = 1
@@ -137,8 +138,13 @@ class MeshConfig:
     fsdp_regather: str = "per_micro_batch"
     reduce_dtype: str = "float32"  # dtype of the gradient reductions (float32 | bfloat16)
 
-    # The mesh axes, the one list of their names (the planner adds `pipeline` outside them).
-    AXES: typing.ClassVar[tuple[str, ...]] = ("data", "fsdp", "expert", "context", "tensor")
+    # pipeline > 1: gpipe | 1f1b | interleaved | zero_bubble (lumen_jax/parallel/pipeline.py); its
+    # micro-batches are train.micro_batches
+    pipeline_schedule: str = "1f1b"
+    pipeline_virtual_stages: int = 1  # interleaved: chunks of layers per device
+
+    # The mesh axes, the one list of their names, outermost to innermost (Llama 3's order: see README).
+    AXES: typing.ClassVar[tuple[str, ...]] = ("data", "fsdp", "pipeline", "expert", "context", "tensor")
 
     def shape(self, num_devices: int) -> dict[str, int]:
         """Resolve -1 against `num_devices`; raises ConfigError when the product does not match."""
@@ -274,6 +280,7 @@ class DistributedConfig:
     # nodes go to the outermost axes they divide (data, then fsdp, ...).
     across_nodes_data: int = 1
     across_nodes_fsdp: int = 1
+    across_nodes_pipeline: int = 1
     across_nodes_expert: int = 1
     across_nodes_context: int = 1
     across_nodes_tensor: int = 1
@@ -305,6 +312,7 @@ class Config:
 
 SCHEDULES = ("cosine", "linear", "constant")
 ZERO_STAGES = (1, 2, 3)
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")  # lumen_jax.parallel.pipeline.SCHEDULES
 DATA_SOURCES = ("builtin", "files")
 PLATFORMS = ("", "cpu", "gpu", "cuda", "rocm", "tpu")
 
@@ -325,6 +333,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "mesh.fsdp_grad_reduce": ("every_micro_batch", "once"),
     "mesh.fsdp_regather": ("per_micro_batch", "per_step"),
     "mesh.reduce_dtype": ("float32", "bfloat16"),
+    "mesh.pipeline_schedule": PIPELINE_SCHEDULES,
     "data.source": DATA_SOURCES,
     "runtime.platform": PLATFORMS,
     "runtime.malloc": ("reuse", "default"),
@@ -522,7 +531,7 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("data.num_workers", ">=", 0), ("data.eval_share", ">=", 0), ("data.eval_share", "<", 1),
     ("train.eval_every", ">=", 0), ("train.eval_batches", ">=", 1),
     ("train.steps", ">=", 1), ("train.micro_batches", ">=", 1), ("train.max_nonfinite_steps", ">=", 1),
-    ("train.sdc_check_every", ">=", 0),
+    ("train.sdc_check_every", ">=", 0), ("mesh.pipeline_virtual_stages", ">=", 1),
     ("checkpoint.every_steps", ">=", 0), ("checkpoint.every_minutes", ">=", 0), ("checkpoint.keep", ">=", 1),
     ("checkpoint.keep_every", ">=", 0),
     ("log.every_steps", ">=", 1),
@@ -579,6 +588,37 @@ def _moe_checks(m: ModelConfig, shape: dict[str, int]) -> list[tuple[bool, str]]
     ]
 
 
+def _pipeline_checks(cfg: Config, shape: dict[str, int]) -> list[tuple[bool, str]]:
+    """mesh.pipeline with its schedule (lumen_jax/parallel/pipeline.py). With one stage every
+    schedule is the same m forward-backward passes in a row (gradient accumulation): ignored."""
+    mesh, m, layers = cfg.mesh, cfg.train.micro_batches, cfg.model.num_layers
+    p, v = shape["pipeline"], mesh.pipeline_virtual_stages
+    chunks = p * v
+    return [
+        (v == 1 or mesh.pipeline_schedule == "interleaved",
+         f"mesh.pipeline_virtual_stages={v} is for mesh.pipeline_schedule=interleaved, not "
+         f"{mesh.pipeline_schedule}; set mesh.pipeline_virtual_stages=1 or mesh.pipeline_schedule=interleaved"),
+        (p == 1 or layers % chunks == 0,
+         f"model.num_layers={layers} is not divisible by mesh.pipeline={p}"
+         + (f"*mesh.pipeline_virtual_stages={v}={chunks}" if v > 1 else "")
+         + f"; every stage holds the same number of layers, so use a multiple of {chunks} layers "
+         f"or a mesh.pipeline among the divisors of {layers}"),
+        (p == 1 or mesh.pipeline_schedule == "gpipe" or m >= p,
+         f"mesh.pipeline_schedule={mesh.pipeline_schedule} needs train.micro_batches={m} >= mesh.pipeline={p} "
+         f"(each stage keeps up to {p} micro-batches in flight); raise train.micro_batches to {p} or more "
+         "or use mesh.pipeline_schedule=gpipe"),
+        (p == 1 or mesh.pipeline_schedule != "interleaved" or m % p == 0,
+         f"mesh.pipeline_schedule=interleaved needs train.micro_batches={m} divisible by mesh.pipeline={p} "
+         f"(micro-batches go through the chunks in groups of {p}); use a multiple of {p}"),
+        (p == 1 or cfg.model.fp8.recipe == "none",
+         f"model.fp8.recipe={cfg.model.fp8.recipe} with mesh.pipeline={p}: fp8 scaling state does not travel "
+         "through pipeline stages yet; set model.fp8.recipe=none or mesh.pipeline=1"),
+        (p == 1 or not cfg.model.moe.enabled,
+         f"model.moe.num_experts={cfg.model.moe.num_experts} with mesh.pipeline={p}: mixture-of-experts layers "
+         "do not run in pipeline stages yet; set mesh.pipeline=1 or model.moe.num_experts=0"),
+    ]
+
+
 def validate(cfg: Config, num_devices: int) -> dict[str, int]:
     """Checks `cfg` against itself and `num_devices` before any mesh or array exists.
 
@@ -588,7 +628,7 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
       num_devices: devices the mesh will span (all processes together).
 
     Returns:
-      The resolved mesh shape {data, fsdp, context, tensor} (a -1 axis filled in).
+      The resolved mesh shape {data, fsdp, pipeline, context, tensor} (a -1 axis filled in).
 
     Raises:
       ConfigError: the first problem found, in one line naming the key, the value, the rule and a fix.
@@ -637,6 +677,7 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
          f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be > model.rope_low_freq_factor="
          f"{m.rope_low_freq_factor} for rope_scaling=llama3; raise the high or lower the low factor"),
         *_moe_checks(m, shape),
+        *_pipeline_checks(cfg, shape),
         (d.global_batch_size % batch_shards == 0,
          f"data.global_batch_size={d.global_batch_size} is not divisible by mesh.data*mesh.fsdp*mesh.expert*"
          f"train.micro_batches={shape['data']}*{shape['fsdp']}*{ep}*{cfg.train.micro_batches}={batch_shards}; "

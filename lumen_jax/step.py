@@ -24,6 +24,7 @@ from flax import nnx, struct
 
 from lumen_jax.model import apply_with_aux
 from lumen_jax.ops import state as state_lib
+from lumen_jax.parallel import pipeline_step
 
 Batch = dict[str, jax.Array]
 
@@ -58,6 +59,8 @@ class StepConfig:
     # Per parameter, the dtype its compute copy is cast to before the weights are gathered ("": kept).
     weight_dtypes: dict = dataclasses.field(default_factory=dict, compare=False)
     reduce_dtype: str = "float32"  # micro-batch gradient sums and their once-per-step reduction
+    # mesh.pipeline > 1: the stages and schedule (parallel/pipeline_step.py); None: no pipeline
+    pipeline: pipeline_step.Pipeline | None = None
 
 
 def init_state(params: dict, tx: optax.GradientTransformation, loss_scale: float,
@@ -153,6 +156,10 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
     so each device's slice of the batch stays on that device. The model state's next values
     combine by each variable's rule (`sc.state_combine`), across micro-batches and replicas.
     """
+    if sc.pipeline is not None:  # the model state's next value is the current one (no fp8 with a pipeline)
+        loss, grads = pipeline_step.loss_and_grads(sc.pipeline, sc.graphdef, params, batch, scale, sc.z_loss,
+                                                   lambda w: compute_weights(w, sc))
+        return loss, placement.grads(grads), model_state, {}
     total_tokens = jnp.maximum(batch["loss_mask"].astype(jnp.float32).sum(), 1.0)
     weights = placement.weights(compute_weights(params, sc))
     grad_fn = jax.grad(_micro_loss, argnums=(0, 1), has_aux=True)
@@ -226,6 +233,8 @@ def train_step(state: TrainState, batch: Batch, sc: StepConfig,
     metrics = {"loss": loss, "grad_norm": grad_norm, "update_norm": update_norm, "lr": sc.lr_schedule(state.step),
                "loss_scale": state.loss_scale, "skipped": (~finite).astype(jnp.int32),
                "tokens": batch["loss_mask"].astype(jnp.float32).sum(), **aux_metrics}
+    if sc.pipeline is not None:  # the idle fraction of the schedule's table (parallel/pipeline.py)
+        metrics["pipeline_bubble"] = jnp.asarray(sc.pipeline.schedule.bubble(), jnp.float32)
     return new_state, metrics
 
 

@@ -82,7 +82,7 @@ def test_tiny_values():
     assert (d.seq_len, d.global_batch_size, TINY.train.steps) == (128, 16, 100)
     assert TINY.runtime.cpu_devices == 8 and TINY.mesh.fsdp == -1
     assert TINY.optim.lr == 3e-3 and isinstance(TINY.optim.lr, float) and TINY.optim.warmup_steps == 10
-    assert validate(TINY, 8) == {"data": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}
+    assert validate(TINY, 8) == {"data": 1, "fsdp": 8, "pipeline": 1, "expert": 1, "context": 1, "tensor": 1}
 
 
 def test_llama_presets_shapes():
@@ -276,9 +276,9 @@ def test_round_trip():
 
 def test_mesh_minus_one_resolution():
     assert validate(TINY, 8)["fsdp"] == 8
-    assert validate(with_(TINY, mesh=dict(data=2)), 8) == {"data": 2, "fsdp": 4, "expert": 1, "context": 1, "tensor": 1}
+    assert validate(with_(TINY, mesh=dict(data=2)), 8) == {"data": 2, "fsdp": 4, "pipeline": 1, "expert": 1, "context": 1, "tensor": 1}
     cfg = with_(TINY, mesh=dict(fsdp=2, tensor=-1))
-    assert validate(cfg, 4) == {"data": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
+    assert validate(cfg, 4) == {"data": 1, "fsdp": 2, "pipeline": 1, "expert": 1, "context": 1, "tensor": 2}
     assert "at most one axis may be -1" in error(validate, with_(TINY, mesh=dict(data=-1)), 8)
     assert "mesh.fsdp=-1 cannot fill 8 devices" in error(validate, with_(TINY, mesh=dict(tensor=3)), 8)
     assert "mesh.tensor=0" in error(validate, with_(TINY, mesh=dict(tensor=0)), 8)

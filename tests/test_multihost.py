@@ -153,26 +153,26 @@ def test_nodes_go_to_the_outermost_axes_unless_told():
     devices = [_fake_device(i, i // 4) for i in range(8)]  # 2 nodes x 4 GPUs
     auto = DistributedConfig()
     assert D.across_nodes(auto, dict(data=1, fsdp=8, context=1, tensor=1), devices) == \
-        dict(data=1, fsdp=2, expert=1, context=1, tensor=1)
+        dict(data=1, fsdp=2, pipeline=1, expert=1, context=1, tensor=1)
     assert D.across_nodes(auto, dict(data=2, fsdp=2, context=1, tensor=2), devices) == \
-        dict(data=2, fsdp=1, expert=1, context=1, tensor=1)
+        dict(data=2, fsdp=1, pipeline=1, expert=1, context=1, tensor=1)
     told = DistributedConfig(across_nodes_tensor=2)
     assert D.across_nodes(told, dict(data=1, fsdp=4, context=1, tensor=2), devices)["tensor"] == 2
     assert D.across_nodes(auto, dict(data=1, fsdp=8, context=1, tensor=1), devices[:4]) == \
-        dict(data=1, fsdp=1, expert=1, context=1, tensor=1)
+        dict(data=1, fsdp=1, pipeline=1, expert=1, context=1, tensor=1)
 
 
 def test_mesh_that_does_not_fit_the_nodes_is_named():
     devices = [_fake_device(i, i // 4, "cpu") for i in range(8)]
     with pytest.raises(ConfigError) as e:
-        D.across_nodes(DistributedConfig(across_nodes_fsdp=4), dict(data=1, fsdp=8, context=1, tensor=1), devices)
+        D.across_nodes(DistributedConfig(across_nodes_fsdp=4), dict(data=1, fsdp=8, pipeline=1, context=1, tensor=1), devices)
     assert str(e.value) == ("distributed.across_nodes_fsdp=4 = 4 nodes, but the job has 2 node(s) with 4 cpu "
                             "device(s) each; make the product of distributed.across_nodes_* equal 2 (or leave "
                             "them all 1 to choose automatically)")
     with pytest.raises(ConfigError, match="every node must bring the same number of devices"):
-        D.across_nodes(DistributedConfig(), dict(data=1, fsdp=6, context=1, tensor=1), devices[:6])
+        D.across_nodes(DistributedConfig(), dict(data=1, fsdp=6, pipeline=1, context=1, tensor=1), devices[:6])
     three = [_fake_device(i, i // 2) for i in range(6)]  # 3 nodes of 2: only tensor=3 can cross them
-    assert D.across_nodes(DistributedConfig(), dict(data=1, fsdp=2, context=1, tensor=3), three)["tensor"] == 3
+    assert D.across_nodes(DistributedConfig(), dict(data=1, fsdp=2, pipeline=1, context=1, tensor=3), three)["tensor"] == 3
 
 
 @pytest.mark.parametrize("platform", ["gpu", "cpu"])
@@ -180,7 +180,7 @@ def test_hybrid_grid_keeps_the_in_node_part_on_one_node(platform):
     devices = [_fake_device(i, i // 4, platform) for i in range(8)]
     grid = hybrid_device_grid(dict(data=1, fsdp=4, context=1, tensor=2), devices,
                               dict(data=1, fsdp=2, context=1, tensor=1))
-    assert grid.shape == (1, 4, 1, 1, 2)  # data, fsdp, expert, context, tensor
+    assert grid.shape == (1, 4, 1, 1, 1, 2)  # data, fsdp, pipeline, expert, context, tensor
     nodes = np.vectorize(lambda d: d.process_index)(grid)
     assert nodes[0, :, 0, 0, :].tolist() == [[0, 0], [0, 0], [1, 1], [1, 1]]  # fsdp's outer half crosses nodes
 
@@ -191,7 +191,7 @@ def test_hybrid_grid_keeps_the_in_node_part_on_one_node(platform):
 
 def test_batch_share_follows_the_mesh():
     sharding = lambda mesh: NamedSharding(mesh, P(("data", "fsdp"), "context"))  # noqa: E731
-    fsdp8 = make_mesh(dict(data=1, fsdp=8, context=1, tensor=1))
+    fsdp8 = make_mesh(dict(data=1, fsdp=8, pipeline=1, context=1, tensor=1))
     by_half = lambda d: d.id // 4  # noqa: E731 - devices 0-3 are process 0, 4-7 process 1
     assert [D.batch_share(sharding(fsdp8), 16, 128, p, by_half) for p in (0, 1)] == [(0, 2), (1, 2)]
     # tensor across the two processes: both hold every row, so both read the whole batch

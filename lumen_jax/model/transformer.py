@@ -66,12 +66,25 @@ class Transformer(nnx.Module):
                 segment_ids_bt: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """(logits [B, T, V] float32, aux): aux {} for a dense model; with MoE layers {"loss": the
         weighted sum of their auxiliary losses, "metrics": {name: scalar, averaged over layers}}."""
-        cfg = self.cfg
-        dt = jnp.dtype(cfg.compute_dtype)
+        x_btd, aux = self.run_layers(self.embed_tokens(tokens_bt), positions_bt, segment_ids_bt)
+        return self.logits(x_btd), aux
+
+    # The three parts of `forward`, also run one by one when the stack is cut into pipeline stages
+    # (the first embeds, each runs its slice of the stacked blocks, the last makes the logits).
+
+    def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
+        """Token embeddings [B, T, D] in the compute dtype."""
+        dt = jnp.dtype(self.cfg.compute_dtype)
         # Gather the table's `embed` shards first (the FSDP all-gather): a lookup from a table
         # sharded along `embed` into a batch-sharded output has no efficient partitioning.
         table_vd = constrain(self.embed[...].astype(dt), ("act_vocab", "act_embed"))
-        x_btd = constrain(jnp.take(table_vd, tokens_bt, axis=0), ("batch", "act_seq", "act_embed"))
+        return constrain(jnp.take(table_vd, tokens_bt, axis=0), ("batch", "act_seq", "act_embed"))
+
+    def run_layers(self, x_btd: jax.Array, positions_bt: jax.Array,
+                   segment_ids_bt: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """The stacked blocks this module holds (all `num_layers`, or one pipeline stage's slice of
+        them): (residual stream, aux as in `forward`)."""
+        cfg = self.cfg
         inv_freq = rope_frequencies(cfg)
 
         def make_body(graphdef: nnx.GraphDef, ops: Ops):
@@ -82,22 +95,25 @@ class Transformer(nnx.Module):
                 return jax.checkpoint(body, policy=remat_policy(_REMAT_POLICIES[cfg.remat]), prevent_cse=False)
             return body
 
-        aux: dict = {}
-        if not cfg.moe.enabled:
-            graphdef, layer_state = nnx.split(self.blocks)
-            runs = self.ops.layer_runs(cfg.num_layers)
-            if len(runs) == 1:
-                x_btd, _ = jax.lax.scan(make_body(graphdef, self.ops), x_btd, layer_state)
-            else:  # ops that differ by layer (e.g. the first/last layers kept in bf16): one scan per run
-                for start, stop, ops in runs:
-                    x_btd, _ = jax.lax.scan(make_body(graphdef, ops), x_btd,
-                                            jax.tree.map(lambda v: v[start:stop], layer_state))
-        else:
-            x_btd, aux = self._moe_stack(x_btd, make_body)
+        if cfg.moe.enabled:
+            return self._moe_stack(x_btd, make_body)
+        graphdef, layer_state = nnx.split(self.blocks)
+        runs = self.ops.layer_runs(cfg.num_layers)
+        if len(runs) == 1:
+            x_btd, _ = jax.lax.scan(make_body(graphdef, self.ops), x_btd, layer_state)
+        else:  # ops that differ by layer (e.g. the first/last layers kept in bf16): one scan per run
+            for start, stop, ops in runs:
+                x_btd, _ = jax.lax.scan(make_body(graphdef, ops), x_btd,
+                                        jax.tree.map(lambda v: v[start:stop], layer_state))
+        return x_btd, {}
+
+    def logits(self, x_btd: jax.Array) -> jax.Array:
+        """Final norm and the output projection: logits [B, T, V] float32."""
+        dt = jnp.dtype(self.cfg.compute_dtype)
         x_btd = constrain(self.final_norm(x_btd), ("batch", "seq", "act_embed"))  # SP: gather, as in Block
-        w_dv = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
+        w_dv = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
         logits = project("btd,dv->btv", x_btd, w_dv.astype(dt), self.ops, out_dtype=jnp.float32)
-        return constrain(logits, ("batch", "seq", "act_vocab")), aux
+        return constrain(logits, ("batch", "seq", "act_vocab"))
 
     def _moe_stack(self, x_btd: jax.Array, make_body) -> tuple[jax.Array, dict]:
         """The layers as one scan over groups of `moe.every_n_layers`: n-1 dense layers (a scan of
@@ -168,15 +184,21 @@ def init_params(cfg: ModelConfig, seed: int, ops: Ops | None = None) -> dict:
     return init(cfg, seed, ops)[0]
 
 
+def merge(graphdef: nnx.GraphDef, params: dict, state: dict | None = None) -> Transformer:
+    """The model with parameters `params` (plain dicts; the blocks may be a slice of the stack, as
+    a stage of a cut stack holds), to call its parts (`embed_tokens`, `run_layers`, `logits`)."""
+    return nnx.merge(graphdef, params, state or {})
+
+
 def apply(graphdef: nnx.GraphDef, params: dict, tokens_bt: jax.Array, positions_bt: jax.Array,
           segment_ids_bt: jax.Array | None = None, state: dict | None = None) -> jax.Array:
     """Logits [B, T, V] float32 of the model `graphdef` with parameters `params` and model state
     `state` (plain dicts; `state` None: the model keeps none)."""
-    return nnx.merge(graphdef, params, state or {})(tokens_bt, positions_bt, segment_ids_bt)
+    return merge(graphdef, params, state)(tokens_bt, positions_bt, segment_ids_bt)
 
 
 def apply_with_aux(graphdef: nnx.GraphDef, params: dict, tokens_bt: jax.Array, positions_bt: jax.Array,
                    segment_ids_bt: jax.Array | None = None, state: dict | None = None) -> tuple[jax.Array, dict]:
     """`apply` that also returns the model's auxiliary terms (`Transformer.forward`: {} or
     {"loss": scalar to add to the objective, "metrics": {name: scalar}})."""
-    return nnx.merge(graphdef, params, state or {}).forward(tokens_bt, positions_bt, segment_ids_bt)
+    return merge(graphdef, params, state).forward(tokens_bt, positions_bt, segment_ids_bt)

@@ -19,7 +19,8 @@ experts         expert                 MoE: each device of the `expert` axis hol
 embed           fsdp (params)          ZeRO-3: parameters sharded over `fsdp`
                 fsdp (optimizer)       ZeRO-1/2/3: optimizer state always sharded
                 fsdp (gradients)       ZeRO-2/3: gradients reduce-scattered
-head_dim, norm, layers, act_embed -> replicated
+layers          pipeline               the stacked blocks cut into pipeline stages
+head_dim, norm, act_embed -> replicated
 ==============  =====================  ==========================================================
 
 Activation constraints are applied with `constrain(x, names)`; it is a no-op outside `activate`,
@@ -66,7 +67,7 @@ class Rules:
             "experts": "expert",
             "head_dim": None,
             "norm": None,
-            "layers": None,
+            "layers": "pipeline",
             # activation axes
             "batch": tuple(a for a in ("data", "fsdp", "expert") if a not in self.replica_axes) or None,
             "seq": "context",
@@ -119,4 +120,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if active is None:
         return x
     mesh, rules = active
+    inner = jax.sharding.get_abstract_mesh()
+    if not inner.empty and inner.manual_axes:  # inside a shard_map over some axes (pipeline stages)
+        mesh = inner
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(names)))

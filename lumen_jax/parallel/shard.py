@@ -51,8 +51,12 @@ def per_device(fn: Callable[..., Any], in_axes: Sequence[Names], out_axes: Any) 
             return fn(*full)
 
         out_specs = jax.tree.map(rules.spec, out_axes, is_leaf=_is_names)
+        extra = {}
+        inner = jax.sharding.get_abstract_mesh()
+        if not inner.empty and inner.manual_axes:  # inside a pipeline stage: the other axes only
+            mesh, extra = inner, {"axis_names": set(inner.axis_names) - set(inner.manual_axes)}
         return jax.shard_map(local, mesh=mesh, in_specs=tuple(rules.spec(in_axes[i]) for i in present),
-                             out_specs=out_specs, check_vma=False)(*(args[i] for i in present))
+                             out_specs=out_specs, check_vma=False, **extra)(*(args[i] for i in present))
     return run
 
 

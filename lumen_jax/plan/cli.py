@@ -111,7 +111,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--config", help="YAML or gin file (configs/*.yaml)")
     p.add_argument("--devices", type=int, required=True, help="devices the run will use")
     p.add_argument("--device", default="h100", choices=sorted(DEVICES), help="accelerator (default h100)")
-    p.add_argument("--pipeline", type=int, default=1, help="pipeline stages (planning only: not executed yet)")
+    p.add_argument("--pipeline", type=int, default=1, help="plan this many pipeline stages around the config's mesh "
+                   "(the trainer's stages are mesh.pipeline)")
     p.add_argument("--pipeline-microbatches", type=int, default=0,
                    help="micro-batches per step through the pipeline (default train.micro_batches)")
     p.add_argument("--attention", choices=("xla", "flash"),
@@ -166,8 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.against_xla:  # before anything starts JAX (the planner's probe traces the model)
             if args.search or args.pipeline != 1:
-                raise ConfigError("--against-xla compiles one layout of the trainer, which has no pipeline "
-                                  "stages yet; drop --search and --pipeline")
+                raise ConfigError("--against-xla compiles the config's own layout; drop --search and --pipeline "
+                                  "(set mesh.pipeline to compile pipeline stages)")
             emulate_cpu_devices(args.devices)
         cfg = load_config(args.config, args.overrides)
         hw = hardware_from_args(args)

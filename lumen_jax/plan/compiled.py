@@ -67,11 +67,11 @@ def compile_step(cfg: Config, layout: Layout) -> Any:
     (sharded) state and batch. Returns the `jax.stages.Compiled`.
 
     Raises:
-      ConfigError: the layout has pipeline stages (the trainer has none yet) or more devices than JAX has.
+      ConfigError: the layout plans pipeline stages the config lacks (`--pipeline`) or more devices than JAX has.
     """
-    if layout.pipeline != 1:
-        raise ConfigError(f"--pipeline {layout.pipeline}: the trainer's step has no pipeline stages yet, "
-                          "so it cannot be compiled; compare without --pipeline")
+    if layout.pipeline != layout.mesh.pipeline:
+        raise ConfigError(f"--pipeline {layout.pipeline} plans stages the config does not run; compile with "
+                          f"mesh.pipeline={layout.pipeline} instead of --pipeline")
     devices = jax.devices()[:layout.num_devices]
     if len(devices) < layout.num_devices:
         raise ConfigError(f"the layout needs {layout.num_devices} devices but JAX has {jax.device_count()}")

@@ -9,7 +9,7 @@ from lumen_jax import metrics
 from lumen_jax.config import Config, ConfigError, MeshConfig, ModelConfig, validate
 
 # Outermost -> innermost (innermost: in a node): the planner's pipeline stages around the mesh axes.
-AXES = ("pipeline", *MeshConfig.AXES)
+AXES = ("pipeline", *(a for a in MeshConfig.AXES if a != "pipeline"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +65,15 @@ class Layout:
 
 def layout_from_config(cfg: Config, num_devices: int, pipeline: int = 1,
                        pipeline_microbatches: int | None = None) -> Layout:
-    """Validates `cfg` on `num_devices // pipeline` devices per stage and returns the layout."""
+    """Validates `cfg` on `num_devices // pipeline` devices per stage and returns the layout. With
+    `pipeline` 1 the stages are the config's `mesh.pipeline` (validated on all the devices)."""
     if pipeline < 1 or num_devices % pipeline:
         raise ConfigError(f"--pipeline {pipeline} must be >= 1 and divide --devices {num_devices}")
     m = pipeline_microbatches or cfg.train.micro_batches
     cfg = cfg.replace(train=dataclasses.replace(cfg.train, micro_batches=m))
+    if pipeline == 1:
+        shape = validate(cfg, num_devices)
+        return Layout(dataclasses.replace(cfg.mesh, **shape), pipeline=shape["pipeline"], micro_batches=m)
     shape = validate(cfg, num_devices // pipeline)
     return Layout(dataclasses.replace(cfg.mesh, **shape), pipeline=pipeline, micro_batches=m)
 

@@ -103,10 +103,9 @@ def _state_bytes(model: ModelConfig, layout: Layout) -> tuple[tuple[str, int], .
         stage, first, last = 0, 0, 0
         for path, shape, names in leaves:
             count = 1
-            for dim, name, axes in zip(shape, names, rules.spec(names, kind)):
+            for dim, axes in zip(shape, rules.spec(names, kind)):
+                # `layers` maps to `pipeline` in the rules: each stage holds ceil(L / p) layers
                 group = math.prod(layout.size(a) for a in ((axes,) if isinstance(axes, str) else axes or ()))
-                if name == "layers":
-                    group *= layout.pipeline
                 count *= -(-dim // group)
             if names[0] == "layers":
                 stage += count

@@ -8,6 +8,7 @@ from typing import Any
 
 from lumen_jax import flops
 from lumen_jax.config import ATTENTION_IMPLS, Config, ModelConfig
+from lumen_jax.parallel import pipeline as pipeline_lib
 from lumen_jax.plan.cost import (Collective, bubble_fraction, collectives, context_score_fraction,
                                  planned_flops_per_token)
 from lumen_jax.plan.hardware import Hardware, Layout
@@ -137,7 +138,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     compute_s = hw_per_token * tokens / layout.num_devices / (peak * efficiency)
     busy = (max(compute_s, sum(c.seconds for c in comms if c.overlapped))
             + sum(c.seconds for c in comms if not c.overlapped))
-    bubble = bubble_fraction(layout.pipeline, layout.micro_batches) if layout.pipeline > 1 else 0.0
+    bubble = _bubble(layout)
     return Plan(layout=layout, remat=remat, micro_batch=micro_batch, attention=attention,
                 state={**state_bytes(model, layout), **communication_bytes(model, layout)},
                 fp8=fp8_bytes(model, layout, micro_batch * seq / layout.mesh.context),
@@ -156,6 +157,18 @@ COMM_OPTIONS = {"fsdp_grad_reduce": ("every_micro_batch", "once"), "fsdp_regathe
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _bubble(layout: Layout) -> float:
+    """The idle fraction of the schedule's table, as the trainer's `pipeline_bubble` metric reports
+    it (parallel/pipeline.py); the 1F1B formula where the schedule cannot run these sizes."""
+    p, m, mesh = layout.pipeline, layout.micro_batches, layout.mesh
+    if p == 1:
+        return 0.0
+    v = mesh.pipeline_virtual_stages if mesh.pipeline_schedule == "interleaved" else 1
+    if pipeline_lib.check_shape(mesh.pipeline_schedule, p, m, v) is None:
+        return pipeline_lib.table_bubble(mesh.pipeline_schedule, p, m, v)
+    return bubble_fraction(p, m)
 
 
 def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, top: int = 5,

@@ -1,0 +1,340 @@
+"""Pipeline schedules as static tables: tick x stage -> forward, backward, weight-gradient or idle.
+
+The layer stack is cut into P stages (P devices along the `pipeline` mesh axis), or into P*V
+chunks for the interleaved schedule: device s holds chunks c = 0..V-1, which are the *virtual*
+stages v = c*P + s (non-contiguous layers, Narayanan et al. 2021). A micro-batch's forward visits
+the virtual stages 0, 1, ..., P*V-1 and its backward the reverse. One tick is one action of one
+(virtual) stage on one micro-batch:
+
+- `F` forward of micro-batch `mb` through chunk `chunk`; its output goes to the next virtual stage
+  (usable there from the next tick on).
+- `B` backward: in `gpipe`, `1f1b` and `interleaved` the whole backward (input and weight
+  gradients); in `zero_bubble` the input gradient only, which is on the critical path.
+- `W` the weight gradient of a `B` done earlier (`zero_bubble` only; ZB-H1, Qi et al. 2023).
+
+The tables are built by pure functions that walk each stage's program in order (a stage idles
+while its next action waits for its inputs), and checked by `validate`. `bubble` is the idle
+fraction of (tick, stage) slots, the figure the metrics report as `pipeline_bubble`:
+
+=============  ==============================  ===========================================
+schedule       bubble of the table             activations a stage keeps (micro-batches)
+=============  ==============================  ===========================================
+gpipe          (P-1) / (m+P-1)                 m
+1f1b           (P-1) / (m+P-1)                 P - s (at most P, whatever m is)
+interleaved    (P-1) / (V*m+P-1)               about P*V + P - 2s - 1 chunk inputs (m % P == 0)
+zero_bubble    (P-1) / (3m+P-1)                at most P (ticks are a third of a stage's work)
+=============  ==============================  ===========================================
+
+A tick of `gpipe`/`1f1b` counts a forward and a whole backward as one tick each, a tick of
+`zero_bubble` a forward, an input-gradient and a weight-gradient pass each: the formulas are those
+of the papers with equal forward and backward times. The executor (`pipeline_step.py`) runs every
+tick on every stage in lock-step, so a tick lasts as long as its slowest action.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+F, B, W = "F", "B", "W"
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    kind: str  # F | B | W
+    mb: int  # micro-batch
+    chunk: int = 0  # which of the device's V chunks (interleaved); virtual stage chunk * P + stage
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A static schedule: `table[tick][stage]` is an `Action` or None (idle)."""
+
+    name: str
+    stages: int  # P
+    micro_batches: int  # m
+    virtual: int  # V (1 unless interleaved)
+    table: tuple[tuple[Action | None, ...], ...]
+
+    @property
+    def ticks(self) -> int:
+        return len(self.table)
+
+    @property
+    def split_backward(self) -> bool:
+        return any(a is not None and a.kind == W for row in self.table for a in row)
+
+    def virtual_stage(self, stage: int, chunk: int) -> int:
+        return chunk * self.stages + stage
+
+    def bubble(self) -> float:
+        """Idle fraction of the table's (tick, stage) slots."""
+        idle = sum(a is None for row in self.table for a in row)
+        return idle / (self.ticks * self.stages)
+
+    def in_flight(self) -> list[int]:
+        """Per stage, the most (micro-batch, chunk) inputs held at once: from their forward until
+        their last backward action (B, or W when the backward is split)."""
+        last = W if self.split_backward else B
+        peaks = []
+        for s in range(self.stages):
+            held = peak = 0
+            for row in self.table:
+                a = row[s]
+                if a is not None and a.kind == F:
+                    held += 1
+                    peak = max(peak, held)
+                elif a is not None and a.kind == last:
+                    held -= 1
+            peaks.append(peak)
+        return peaks
+
+
+def bubble_formula(name: str, stages: int, micro_batches: int, virtual: int = 1) -> float:
+    """The bubble the papers give for `name` (equal forward/backward times); `Schedule.bubble` of the
+    tables built here equals it."""
+    p, m = stages, micro_batches
+    work = {"gpipe": m, "1f1b": m, "interleaved": virtual * m, "zero_bubble": 3 * m}[name]
+    return (p - 1) / (work + p - 1)
+
+
+@functools.lru_cache(maxsize=256)
+def table_bubble(name: str, stages: int, micro_batches: int, virtual: int = 1) -> float:
+    """`build(...).bubble()`: the figure the metrics report, for the planner (cached)."""
+    return build(name, stages, micro_batches, virtual).bubble()
+
+
+# --------------------------------------------------------------------------------------------------
+# Building: each stage's program, walked in order
+# --------------------------------------------------------------------------------------------------
+
+def _ready(a: Action, s: int, p: int, v_total: int, done: dict, tick: int) -> bool:
+    """Whether `a` of stage `s` may run at `tick`: its inputs were produced at an earlier tick."""
+    v = a.chunk * p + s
+    before = lambda key: done.get(key, tick) < tick  # noqa: E731
+    if a.kind == F:
+        return v == 0 or before((F, v - 1, a.mb))
+    if a.kind == B:
+        return before((F, v, a.mb)) and (v == v_total - 1 or before((B, v + 1, a.mb)))
+    return before((B, v, a.mb))
+
+
+def _walk(p: int, v_total: int, next_action: Callable[[int, dict, int], Action | None],
+          total: int) -> tuple[tuple[Action | None, ...], ...]:
+    done: dict = {}
+    table = []
+    while len(done) < total:
+        if len(table) > 4 * total + 4:
+            raise RuntimeError("pipeline schedule does not progress (a bug in its program)")
+        tick = len(table)
+        row = tuple(next_action(s, done, tick) for s in range(p))
+        for s, a in enumerate(row):
+            if a is not None:
+                done[(a.kind, a.chunk * p + s, a.mb)] = tick
+        table.append(row)
+    return tuple(table)
+
+
+def _in_order(p: int, v: int, programs: list[list[Action]]) -> tuple[tuple[Action | None, ...], ...]:
+    """Each stage runs its program in order, idling while the next action is not ready."""
+    pos = [0] * p
+
+    def next_action(s: int, done: dict, tick: int) -> Action | None:
+        if pos[s] < len(programs[s]) and _ready(programs[s][pos[s]], s, p, p * v, done, tick):
+            pos[s] += 1
+            return programs[s][pos[s] - 1]
+        return None
+    return _walk(p, v, next_action, sum(map(len, programs)))
+
+
+def _one_f_one_b(forwards: list[tuple[int, int]], backwards: list[tuple[int, int]], warmup: int) -> list[Action]:
+    """`warmup` forwards, then alternate one forward and one backward, then the remaining backwards."""
+    n = len(forwards)
+    warmup = min(warmup, n)
+    prog = [Action(F, *forwards[i]) for i in range(warmup)]
+    for i in range(n - warmup):
+        prog += [Action(F, *forwards[warmup + i]), Action(B, *backwards[i])]
+    return prog + [Action(B, *backwards[i]) for i in range(n - warmup, n)]
+
+
+def _zero_bubble(p: int, m: int) -> tuple[tuple[Action | None, ...], ...]:
+    """ZB-H1: forwards first (at most P - s waiting for their B, P waiting for their W), then input
+    gradients, and a deferred weight gradient wherever the stage would otherwise idle."""
+    next_f, next_b = [0] * p, [0] * p
+    pending_w: list[list[int]] = [[] for _ in range(p)]
+
+    def next_action(s: int, done: dict, tick: int) -> Action | None:
+        waiting_b = next_f[s] - next_b[s]
+        held = waiting_b + len(pending_w[s])
+        f = Action(F, next_f[s])
+        if next_f[s] < m and waiting_b < p - s and held < p and _ready(f, s, p, p, done, tick):
+            next_f[s] += 1
+            return f
+        b = Action(B, next_b[s])
+        if next_b[s] < m and _ready(b, s, p, p, done, tick):
+            next_b[s] += 1
+            pending_w[s].append(b.mb)
+            return b
+        if pending_w[s]:
+            return Action(W, pending_w[s].pop(0))
+        return None
+    return _walk(p, 1, next_action, 3 * p * m)
+
+
+def check_shape(name: str, stages: int, micro_batches: int, virtual: int = 1) -> str | None:
+    """Why (`name`, P, m, V) cannot be scheduled, in words; None when it can."""
+    if name not in SCHEDULES:
+        return f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}"
+    if stages < 1 or micro_batches < 1 or virtual < 1:
+        return f"stages={stages}, micro_batches={micro_batches}, virtual={virtual} must all be >= 1"
+    if name != "interleaved" and virtual != 1:
+        return f"virtual stages ({virtual}) are for the interleaved schedule only, not {name}"
+    if name != "gpipe" and stages > 1 and micro_batches < stages:
+        return f"{name} needs at least as many micro-batches as stages ({micro_batches} < {stages})"
+    if name == "interleaved" and micro_batches % stages:
+        return f"interleaved needs micro-batches ({micro_batches}) divisible by stages ({stages})"
+    return None
+
+
+def build(name: str, stages: int, micro_batches: int, virtual: int = 1) -> Schedule:
+    """The table of schedule `name` for P = `stages`, m = `micro_batches`, V = `virtual`.
+
+    Raises:
+      ValueError: the combination cannot be scheduled (`check_shape`).
+    """
+    problem = check_shape(name, stages, micro_batches, virtual)
+    if problem:
+        raise ValueError(problem)
+    p, m, v = stages, micro_batches, virtual
+    order = [(i, 0) for i in range(m)]
+    if name == "gpipe":
+        programs = [[Action(F, i) for i in range(m)] + [Action(B, i) for i in range(m)] for _ in range(p)]
+        table = _in_order(p, 1, programs)
+    elif name == "1f1b":
+        table = _in_order(p, 1, [_one_f_one_b(order, order, p - s - 1) for s in range(p)])
+    elif name == "interleaved":
+        # Megatron's order: micro-batches in groups of P, each group through chunk 0, 1, ... (forward)
+        # and V-1, ..., 0 (backward); device s warms up with 2(P-s-1) + (V-1)P forwards.
+        fwd = [(g * p + j, c) for g in range(m // p) for c in range(v) for j in range(p)]
+        bwd = [(g * p + j, v - 1 - c) for g in range(m // p) for c in range(v) for j in range(p)]
+        table = _in_order(p, v, [_one_f_one_b(fwd, bwd, 2 * (p - s - 1) + (v - 1) * p) for s in range(p)])
+    else:
+        table = _zero_bubble(p, m)
+    return Schedule(name=name, stages=p, micro_batches=m, virtual=v, table=table)
+
+
+def validate(schedule: Schedule) -> list[str]:
+    """Every broken rule of `schedule`, in words ([] when valid): each (virtual stage, micro-batch)
+    has one F and one B (and one W when split) in that order, on the device that holds the chunk;
+    an F follows the previous virtual stage's F of the same micro-batch, a B the next one's B."""
+    p, v_total = schedule.stages, schedule.stages * schedule.virtual
+    at: dict = {}
+    problems = []
+    for tick, row in enumerate(schedule.table):
+        if len(row) != p:
+            problems.append(f"tick {tick} has {len(row)} entries for {p} stages")
+        for s, a in enumerate(row):
+            if a is None:
+                continue
+            key = (a.kind, a.chunk * p + s, a.mb)
+            if not (0 <= a.mb < schedule.micro_batches and 0 <= a.chunk < schedule.virtual):
+                problems.append(f"tick {tick} stage {s}: {a} is out of range")
+            if key in at:
+                problems.append(f"{a} on stage {s} runs twice (ticks {at[key]} and {tick})")
+            at[key] = tick
+    kinds = (F, B, W) if schedule.split_backward else (F, B)
+    for v in range(v_total):
+        for mb in range(schedule.micro_batches):
+            ticks = {k: at.get((k, v, mb)) for k in kinds}
+            missing = [k for k, t in ticks.items() if t is None]
+            if missing:
+                problems.append(f"virtual stage {v} micro-batch {mb} lacks {'/'.join(missing)}")
+                continue
+            if not ticks[F] < ticks[B]:
+                problems.append(f"virtual stage {v} micro-batch {mb}: B at tick {ticks[B]} not after F at {ticks[F]}")
+            if W in ticks and not ticks[B] < ticks[W]:
+                problems.append(f"virtual stage {v} micro-batch {mb}: W at tick {ticks[W]} not after B at {ticks[B]}")
+            if v > 0 and at.get((F, v - 1, mb), 1 << 30) >= ticks[F]:
+                problems.append(f"virtual stage {v} micro-batch {mb}: F at tick {ticks[F]} before its input")
+            if v < v_total - 1 and at.get((B, v + 1, mb), 1 << 30) >= ticks[B]:
+                problems.append(f"virtual stage {v} micro-batch {mb}: B at tick {ticks[B]} before its cotangent")
+    return problems
+
+
+def render(schedule: Schedule) -> str:
+    """The table as text, one line per tick (`F3` forward of micro-batch 3, `B3.1` chunk 1, `..` idle)."""
+    def cell(a: Action | None) -> str:
+        if a is None:
+            return ".."
+        return f"{a.kind}{a.mb}" + (f".{a.chunk}" if schedule.virtual > 1 else "")
+    return "\n".join(" ".join(f"{cell(a):>5}" for a in row) for row in schedule.table)
+
+
+# --------------------------------------------------------------------------------------------------
+# What the executor walks: actions with buffer slots
+# --------------------------------------------------------------------------------------------------
+
+IDLE, FORWARD, BACKWARD, WEIGHTS = 0, 1, 2, 3
+_CODE = {F: FORWARD, B: BACKWARD, W: WEIGHTS}
+# Columns of `Program.rows`: the action, its micro-batch and chunk, the stash slots it reads, and the
+# slots where the activation (from stage s-1) and the cotangent (from stage s+1) arriving at the end
+# of the tick are written. A slot index equal to the buffer's size is the scratch slot (nothing kept).
+COLUMNS = ("kind", "mb", "chunk", "x_slot", "g_slot", "recv_x_slot", "recv_g_slot")
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """`rows[tick][stage]`: one tuple of `COLUMNS` per stage; buffers of `x_slots` stage inputs and
+    `g_slots` output cotangents per device (plus one scratch slot each)."""
+
+    schedule: Schedule
+    rows: tuple[tuple[tuple[int, ...], ...], ...]
+    x_slots: int
+    g_slots: int
+
+
+def program(schedule: Schedule) -> Program:
+    """Assign buffer slots to `schedule`: a stage's input is kept from its arrival until its last
+    backward action (B, or W when split), its output cotangent likewise; freed slots are reused.
+    The first virtual stage embeds its tokens (no input kept), the last starts the backward from
+    the loss (no cotangent kept)."""
+    p, v_total = schedule.stages, schedule.stages * schedule.virtual
+    last_kind = W if schedule.split_backward else B
+    rows = [[[_CODE[a.kind] if a else IDLE, a.mb if a else 0, a.chunk if a else 0, -1, -1, -1, -1]
+             for a in row] for row in schedule.table]
+    sizes = []
+    for buf, (read_col, recv_col) in enumerate(((3, 5), (4, 6))):
+        free: list[list[int]] = [[] for _ in range(p)]
+        used, slot_of = [0] * p, {}
+        for tick, row in enumerate(schedule.table):
+            for s, a in enumerate(row):  # reads, then frees after the last use
+                if a is None:
+                    continue
+                key = (s, a.chunk * p + s, a.mb)
+                if key in slot_of:
+                    rows[tick][s][read_col] = slot_of[key]
+                    if a.kind == last_kind:
+                        free[s].append(slot_of.pop(key))
+            for s, a in enumerate(row):  # what this action sends arrives at the neighbour
+                if a is None or (buf == 0 and a.kind != F) or (buf == 1 and a.kind != B):
+                    continue
+                v = a.chunk * p + s + (1 if buf == 0 else -1)
+                if not 0 <= v < v_total:
+                    continue
+                r = v % p
+                if free[r]:
+                    slot = min(free[r])
+                    free[r].remove(slot)
+                else:
+                    slot, used[r] = used[r], used[r] + 1
+                slot_of[(r, v, a.mb)] = slot
+                rows[tick][r][recv_col] = slot
+        sizes.append(max(used))
+    for row in rows:
+        for r in row:
+            for col, size in ((3, sizes[0]), (5, sizes[0]), (4, sizes[1]), (6, sizes[1])):
+                r[col] = size if r[col] < 0 else r[col]
+    return Program(schedule=schedule, rows=tuple(tuple(map(tuple, row)) for row in rows),
+                   x_slots=sizes[0], g_slots=sizes[1])

@@ -1,0 +1,76 @@
+"""Pipeline schedule tables (pure Python): valid for a grid of P, m and V, and their bubble is the
+papers' formula; 1F1B and zero-bubble hold at most P micro-batches whatever m is."""
+
+import dataclasses
+
+import pytest
+
+from lumen_jax.parallel import pipeline
+
+GRID = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 4, 8, 12, 16, 32)]
+
+
+def shapes(name: str):
+    for p, m in GRID:
+        for v in ((1, 2, 3) if name == "interleaved" else (1,)):
+            if pipeline.check_shape(name, p, m, v) is None:
+                yield p, m, v
+
+
+@pytest.mark.parametrize("name", pipeline.SCHEDULES)
+def test_tables_valid_and_bubble_is_the_formula(name):
+    seen = 0
+    for p, m, v in shapes(name):
+        s = pipeline.build(name, p, m, v)
+        assert pipeline.validate(s) == [], f"{name} P={p} m={m} V={v}:\n{pipeline.render(s)}"
+        assert s.bubble() == pytest.approx(pipeline.bubble_formula(name, p, m, v), abs=1e-12), \
+            f"{name} P={p} m={m} V={v}:\n{pipeline.render(s)}"
+        seen += 1
+    assert seen >= 15
+
+
+def test_issue_figures():
+    assert pipeline.build("1f1b", 8, 8).bubble() == pytest.approx(7 / 15)  # 47%
+    assert pipeline.build("gpipe", 8, 64).bubble() == pytest.approx(7 / 71)  # 10%
+    one = pipeline.build("1f1b", 4, 16).bubble()
+    assert pipeline.build("zero_bubble", 4, 16).bubble() < one / 2.5  # about a third
+    assert pipeline.build("interleaved", 4, 16, 2).bubble() < one
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zero_bubble"])
+def test_memory_bound_does_not_grow_with_m(name):
+    for p in (2, 4, 8):
+        peaks = {m: max(pipeline.build(name, p, m).in_flight()) for m in (p, 2 * p, 4 * p)}
+        assert set(peaks.values()) == {p}, f"{name} P={p}: in flight {peaks}"
+    assert pipeline.build("1f1b", 4, 16).in_flight() == [4, 3, 2, 1]
+    assert max(pipeline.build("gpipe", 4, 16).in_flight()) == 16
+
+
+def test_validate_catches_broken_tables():
+    good = pipeline.build("1f1b", 2, 2)
+    rows = [list(r) for r in good.table]
+    # swap stage 1's first forward and first backward: B before F, and before stage 0's F
+    first_f = next(t for t, r in enumerate(rows) if r[1] is not None and r[1].kind == "F")
+    first_b = next(t for t, r in enumerate(rows) if r[1] is not None and r[1].kind == "B")
+    rows[first_f][1], rows[first_b][1] = rows[first_b][1], rows[first_f][1]
+    bad = dataclasses.replace(good, table=tuple(map(tuple, rows)))
+    assert any("not after F" in p for p in pipeline.validate(bad))
+    dropped = dataclasses.replace(good, table=good.table[:-1])
+    assert any("lacks B" in p for p in pipeline.validate(dropped))
+    early = [list(r) for r in good.table]
+    was = next(t for t, r in enumerate(early) if r[1] == pipeline.Action("F", 1))
+    early[0][1], early[was][1] = early[was][1], None  # stage 1 runs micro-batch 1 before stage 0 made it
+    assert any("before its input" in p for p in pipeline.validate(
+        dataclasses.replace(good, table=tuple(map(tuple, early)))))
+
+
+@pytest.mark.parametrize("name,p,m,v,words", [
+    ("1f1b", 4, 2, 1, "at least as many micro-batches"),
+    ("interleaved", 2, 3, 2, "divisible by stages"),
+    ("gpipe", 2, 4, 2, "interleaved schedule only"),
+    ("pipedream", 2, 4, 1, "unknown pipeline schedule"),
+])
+def test_check_shape(name, p, m, v, words):
+    assert words in pipeline.check_shape(name, p, m, v)
+    with pytest.raises(ValueError, match=words):
+        pipeline.build(name, p, m, v)
