@@ -65,7 +65,7 @@ def run_recipe(args: argparse.Namespace, recipe: str, compiler_options: dict | N
 
     from lumen_jax import flops, metrics
     from lumen_jax.build import build
-    from lumen_jax.config import validate
+    from lumen_jax.config_checks import validate
     from lumen_jax.config_files import load_config
     from lumen_jax.parallel.mesh import make_mesh
     from lumen_jax.plan.compiled import compiled_bytes  # arguments + outputs + temporaries - aliases

@@ -175,7 +175,7 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
 
     Returns:
       The Config, named after the file's stem ("default" when path is None). Not yet checked
-      against a device count: call `lumen_jax.config.validate` for that.
+      against a device count: call `lumen_jax.config_checks.validate` for that.
     """
     raw: dict[str, Any] = {}
     name = "default"

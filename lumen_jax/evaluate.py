@@ -120,7 +120,8 @@ def evaluate(run_dir: str, step: int | None, which: str, batches: int | None,
 
     from lumen_jax import weights
     from lumen_jax.build import build
-    from lumen_jax.config import from_dict, to_dict, validate
+    from lumen_jax.config import from_dict, to_dict
+    from lumen_jax.config_checks import validate
     from lumen_jax.config_files import apply_overrides
     from lumen_jax.parallel.mesh import make_mesh
 

@@ -32,7 +32,8 @@ import traceback
 import types
 from typing import Any, Sequence
 
-from lumen_jax.config import Config, ConfigError, MeshConfig, validate
+from lumen_jax.config import Config, ConfigError, MeshConfig
+from lumen_jax.config_checks import validate
 from lumen_jax.config_files import load_config
 from lumen_jax.plan import hlo
 

@@ -24,7 +24,8 @@ import sys
 import traceback
 from typing import Sequence
 
-from lumen_jax.config import Config, ConfigError, suggest_key, to_dict, validate, warnings
+from lumen_jax.config import Config, ConfigError, suggest_key, to_dict
+from lumen_jax.config_checks import validate, warnings
 from lumen_jax.config_files import load_config
 
 EXIT_OK, EXIT_BUG, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_CORRUPTION, EXIT_PREEMPTED = 0, 1, 2, 3, 4, 75

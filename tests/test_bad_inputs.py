@@ -14,7 +14,7 @@ import pytest
 
 from helpers_faults import REPO, RUN_STEPS, args, fill, snapshot, tmpfs, trained_run
 from lumen_jax import train as train_cli
-from lumen_jax.config import warnings
+from lumen_jax.config_checks import warnings
 from lumen_jax.config_files import load_config
 
 

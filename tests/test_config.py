@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from lumen_jax import config as C
-from lumen_jax.config import Config, ConfigError, from_dict, to_dict, validate
+from lumen_jax.config import Config, ConfigError, from_dict, to_dict
+from lumen_jax.config_checks import validate
 from lumen_jax.config_files import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,7 +17,8 @@ import helpers_hf
 import yaml
 
 from lumen_jax import weights
-from lumen_jax.config import ConfigError, to_dict, validate
+from lumen_jax.config import ConfigError, to_dict
+from lumen_jax.config_checks import validate
 from lumen_jax.config_files import load_config
 from lumen_jax.evaluate import evaluate, main as evaluate_cli
 from lumen_jax.model import abstract_model

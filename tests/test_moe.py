@@ -14,7 +14,8 @@ from helpers_data import packed_batch
 from helpers_run import BASE, assert_same_run, run, with_mesh
 from lumen_jax import flops
 from lumen_jax.build import build
-from lumen_jax.config import ConfigError, MoeConfig, from_dict, to_dict, validate
+from lumen_jax.config import ConfigError, MoeConfig, from_dict, to_dict
+from lumen_jax.config_checks import validate
 from lumen_jax.model import param_shapes_and_names
 from lumen_jax.ops import moe as moe_ops
 from lumen_jax.parallel import expert

@@ -19,7 +19,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lumen_jax import distributed as D
-from lumen_jax.config import ConfigError, DistributedConfig, validate
+from lumen_jax.config import ConfigError, DistributedConfig
+from lumen_jax.config_checks import validate
 from lumen_jax.config_files import load_config
 from lumen_jax.parallel.mesh import hybrid_device_grid, make_mesh
 

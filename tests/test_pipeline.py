@@ -14,7 +14,8 @@ import pytest
 from helpers_run import BASE, FP32_RTOL, batches, run, assert_same_run, with_mesh
 from lumen_jax.build import build
 from lumen_jax.checkpoint import Checkpointer
-from lumen_jax.config import CheckpointConfig, ConfigError, MeshConfig, validate
+from lumen_jax.config import CheckpointConfig, ConfigError, MeshConfig
+from lumen_jax.config_checks import validate
 from lumen_jax.parallel.mesh import make_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

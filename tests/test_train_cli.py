@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from lumen_jax.config import ConfigError, validate
+from lumen_jax.config import ConfigError
+from lumen_jax.config_checks import validate
 from lumen_jax.config_files import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,7 +63,7 @@ def test_tiny_yaml_trains(tmp_path, mesh):
         saved = json.load(f)
     assert saved["train"]["steps"] == 40 and saved["name"] == "tiny"
     if mesh:
-        assert "mesh data=1 fsdp=4 expert=1 context=1 tensor=2" in proc.stdout
+        assert "mesh data=1 fsdp=4 pipeline=1 expert=1 context=1 tensor=2" in proc.stdout
         # auto is resolved once, when the step is built, and the start-up line says how
         assert "attention=auto: xla (flash runs on GPU; this is cpu)" in proc.stdout, proc.stdout
     else:

@@ -10,7 +10,8 @@ import sys
 from typing import Sequence
 
 from lumen_jax import flops
-from lumen_jax.config import Config, ConfigError, RuntimeConfig, validate
+from lumen_jax.config import Config, ConfigError, RuntimeConfig
+from lumen_jax.config_checks import validate
 from lumen_jax.config_files import load_config
 from lumen_jax.plan.hardware import DEVICES, Hardware, layout_from_config
 from lumen_jax.plan.predict import Plan, predict, search

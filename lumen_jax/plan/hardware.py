@@ -6,7 +6,8 @@ import dataclasses
 import math
 
 from lumen_jax import metrics
-from lumen_jax.config import Config, ConfigError, MeshConfig, ModelConfig, validate
+from lumen_jax.config import Config, ConfigError, MeshConfig, ModelConfig
+from lumen_jax.config_checks import validate
 
 # Outermost -> innermost (innermost: in a node): the planner's pipeline stages around the mesh axes.
 AXES = ("pipeline", *(a for a in MeshConfig.AXES if a != "pipeline"))
