@@ -19,7 +19,9 @@ activations move one stage on and the cotangents one stage back with `ppermute`.
   on at once), W the vjp with respect to the weights, run later in ticks that would idle.
 
 Gradients of a stage's blocks add up locally over micro-batches; those of the replicated
-parameters are summed over `pipeline` once at the end. The other mesh axes (data, fsdp, context,
+parameters are summed over `pipeline` once at the end. With replica groups (`data`, and `fsdp`
+under `fsdp_grad_reduce=once`: `communication.gradient_plan`) the tick loop runs once per group
+under a `vmap`, so the data-parallel reduction also happens once, after the last tick. The other mesh axes (data, fsdp, context,
 tensor) stay automatic inside the `shard_map`, so the model's sharding constraints work as without
 a pipeline. The loss equals one big batch: every micro-batch's objective is divided by the token
 count of the whole batch, as in `step.loss_grads_and_state`.
@@ -35,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from lumen_jax.config import ModelConfig
 from lumen_jax.model.transformer import merge
@@ -118,15 +120,6 @@ def _objective(logits_btv: jax.Array, mb: dict, z_loss: float) -> tuple[jax.Arra
     return ce_sum + z_loss * (jnp.square(log_z) * mask).sum(), ce_sum
 
 
-def _pin_replicas(tree: Any, axes: tuple[str, ...]) -> Any:
-    """Each [R, ...] leaf's replica axis sharded over the mesh axes `axes` (the rest left to XLA), so
-    the tick loop's sums stay one per replica group, unreduced (inside the shard_map: its mesh)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    pin = lambda a: jax.lax.with_sharding_constraint(  # noqa: E731
-        a, NamedSharding(mesh, P(axes, *[P.UNCONSTRAINED] * (a.ndim - 1))))
-    return jax.tree.map(pin, tree)
-
-
 def loss_and_grads(pipe: Pipeline, graphdef: Any, params: dict, batch: dict, scale: jax.Array,
                    z_loss: float, cast: Callable[[dict], dict] = lambda w: w, replicas: int = 1,
                    replica_axes: tuple[str, ...] = ()) -> tuple[jax.Array, dict]:
@@ -138,9 +131,9 @@ def loss_and_grads(pipe: Pipeline, graphdef: Any, params: dict, batch: dict, sca
     to a stage's float32 slice where it is used, so the gradients stay float32.
     `replicas`, `replica_axes`: the replica groups of the communication plan (`step.Placement`).
     With R > 1 the tick loop runs under `jax.vmap` over R (`spmd_axis_name=replica_axes`): each
-    group keeps its own stash and gradient sums ([R, ...], sharded over the replica axes) and the
-    R sums are added once, after the last tick, instead of a reduction over the replica axes in
-    every tick's backward.
+    group keeps its own stash and gradient sums ([R, ...]; the vmap's constraints put R on the
+    replica axes) and the R sums are added once, after the last tick, instead of a reduction over
+    the replica axes in every tick's backward (docs/COMMUNICATION.md).
     """
     prog, sched = pipe.program, pipe.schedule
     p, v_count, m, r = sched.stages, sched.virtual, sched.micro_batches, replicas
@@ -228,8 +221,8 @@ def loss_and_grads(pipe: Pipeline, graphdef: Any, params: dict, batch: dict, sca
             body = lambda carry, rows_t: tick(carry, rows_t, mbs)  # noqa: E731
         else:  # one stash and one gradient sum per replica group (carry [R, ...]), see the docstring
             per_replica = jax.vmap(tick, in_axes=(0, None, 0), spmd_axis_name=replica_axes)
-            body = lambda carry, rows_t: (_pin_replicas(per_replica(carry, rows_t, mbs)[0], replica_axes), None)  # noqa: E731
-            carry = _pin_replicas(jax.tree.map(lambda a: jnp.zeros((r, *a.shape), a.dtype), carry), replica_axes)
+            body = lambda carry, rows_t: per_replica(carry, rows_t, mbs)  # noqa: E731
+            carry = jax.tree.map(lambda a: jnp.zeros((r, *a.shape), a.dtype), carry)
         (_, _, (d_blocks, d_other), ce), _ = jax.lax.scan(body, carry, jnp.asarray(rows))
         if r > 1:  # the replica groups' sums added: the step's one reduction over the replica axes
             d_blocks, d_other, ce = jax.tree.map(lambda a: a.sum(0), (d_blocks, d_other, ce))
