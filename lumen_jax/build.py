@@ -116,9 +116,8 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
     stats = (local[0].memory_stats() or {}) if cfg.mesh.fsdp_regather == "per_step" else {}  # None on CPU
     check_kept_weights_fit(cfg.model, Layout(dataclasses.replace(cfg.mesh, **dict(mesh.shape)),
                                              micro_batches=cfg.train.micro_batches), stats.get("bytes_limit"))
-    # The pipelined step walks its own micro-batches (parallel/pipeline_step.py): no replica groups.
-    plan = comm.gradient_plan(cfg.mesh, cfg.train.micro_batches, mesh, rules, names,
-                              ops.per_replica(cfg.model) and pipe is None)
+    plan = comm.gradient_plan(cfg.mesh, cfg.train.micro_batches, mesh, rules, names, ops.per_replica(cfg.model),
+                              pipelined=pipe is not None)
     pin = lambda specs: functools.partial(  # noqa: E731
         jax.lax.with_sharding_constraint, shardings=jax.tree.map(named, specs, is_leaf=is_spec))
     placement = step_lib.Placement(grads=pin(rules.tree_specs(names, "grads")), weights=pin(plan.weight_specs),

@@ -158,7 +158,8 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
     """
     if sc.pipeline is not None:  # the model state's next value is the current one (no fp8 with a pipeline)
         loss, grads = pipeline_step.loss_and_grads(sc.pipeline, sc.graphdef, params, batch, scale, sc.z_loss,
-                                                   lambda w: compute_weights(w, sc))
+                                                   lambda w: compute_weights(w, sc), placement.replicas,
+                                                   placement.replica_axes)
         return loss, placement.grads(grads), model_state, {}
     total_tokens = jnp.maximum(batch["loss_mask"].astype(jnp.float32).sum(), 1.0)
     weights = placement.weights(compute_weights(params, sc))

@@ -46,6 +46,28 @@ def test_data_parallel_gradients_cross_once_per_step():
 
 
 @pytest.mark.heavy
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_pipelined_data_parallel_gradients_cross_once_per_step(schedule):
+    """pipeline=2 x data=4, 4 micro-batches: the data-axis gradient reduction of the compiled step is
+    one reduction of a device's gradients (its stage's blocks and the replicated embedding, norm and
+    output), not one per tick (1f1b has 10 ticks here; before: 7.7 times the gradient bytes per step,
+    zero_bubble 10 times)."""
+    from lumen_jax.build import build
+    from lumen_jax.parallel.mesh import make_mesh
+    from lumen_jax.plan.compiled import abstract_step_args
+
+    cfg = _cfg(4, data=4, pipeline=2, pipeline_schedule=schedule)
+    shape = {a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}
+    trainer = build(cfg, make_mesh(shape))
+    compiled = trainer.step.lower(*abstract_step_args(trainer, cfg)).compile()
+    got = _bytes(hlo.on_mesh(hlo.parse(compiled.as_text()), shape), "data")
+    params = jax.eval_shape(trainer.init).params
+    grads = sum(int(np.prod(sh.shard_shape(p.shape))) * p.dtype.itemsize
+                for p, sh in zip(jax.tree.leaves(params), jax.tree.leaves(trainer.state_shardings.params)))
+    assert abs(got - grads) <= 0.05 * grads, f"{schedule}: data reduction bytes per step {got}, gradients {grads}"
+
+
+@pytest.mark.heavy
 @pytest.mark.parametrize("option,kinds,grows", [
     ("every_micro_batch", ("all-reduce", "reduce-scatter"), True),  # the sharded accumulator: once per micro-batch
     ("once", ("all-reduce", "reduce-scatter"), False),

@@ -43,10 +43,12 @@ def test_pipeline_matches_single_device(reference, schedule, stages, virtual):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("mesh", [dict(fsdp=2, tensor=2, sequence_parallel=True), dict(data=2, context=2)],
-                         ids=["fsdp2-tensor2-sp", "data2-context2"])
+@pytest.mark.parametrize("mesh", [dict(fsdp=2, tensor=2, sequence_parallel=True), dict(data=2, context=2),
+                                  dict(data=2, fsdp=2, fsdp_grad_reduce="once", pipeline_schedule="zero_bubble")],
+                         ids=["fsdp2-tensor2-sp", "data2-context2", "data2-fsdp2-once-zero_bubble"])
 def test_pipeline_composes_with_the_other_axes(reference, mesh):
-    cfg = with_mesh(CFG, micro_batches=M, pipeline=2, pipeline_schedule="1f1b", **mesh)
+    """With data (and fsdp under fsdp_grad_reduce=once) the ticks run once per replica group (R = 2, 4)."""
+    cfg = with_mesh(CFG, micro_batches=M, pipeline=2, **{"pipeline_schedule": "1f1b", **mesh})
     assert_same_run(run(cfg, jax.devices()), reference, f"pipeline=2 {mesh}")
 
 

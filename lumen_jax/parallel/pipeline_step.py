@@ -19,9 +19,11 @@ activations move one stage on and the cotangents one stage back with `ppermute`.
   on at once), W the vjp with respect to the weights, run later in ticks that would idle.
 
 Gradients of a stage's blocks add up locally over micro-batches; those of the replicated
-parameters are summed over `pipeline` once at the end. The other mesh axes (data, fsdp, context,
-tensor) stay automatic inside the `shard_map`, so the model's sharding constraints work as without
-a pipeline. The loss equals one big batch: every micro-batch's objective is divided by the token
+parameters are summed over `pipeline` once at the end. With replica groups (`data`, and `fsdp`
+under `fsdp_grad_reduce=once`: `communication.gradient_plan`) the tick loop runs once per group
+under a `vmap`, so the data-parallel reduction also happens once, after the last tick. The other
+mesh axes (data, fsdp, context, tensor) stay automatic inside the `shard_map`, so the model's
+sharding constraints work as without a pipeline. The loss equals one big batch: every micro-batch's objective is divided by the token
 count of the whole batch, as in `step.loss_grads_and_state`.
 Shape letters: M micro-batches, B rows per micro-batch, T sequence, D d_model, S stash slots.
 """
@@ -119,22 +121,32 @@ def _objective(logits_btv: jax.Array, mb: dict, z_loss: float) -> tuple[jax.Arra
 
 
 def loss_and_grads(pipe: Pipeline, graphdef: Any, params: dict, batch: dict, scale: jax.Array,
-                   z_loss: float, cast: Callable[[dict], dict] = lambda w: w) -> tuple[jax.Array, dict]:
+                   z_loss: float, cast: Callable[[dict], dict] = lambda w: w, replicas: int = 1,
+                   replica_axes: tuple[str, ...] = ()) -> tuple[jax.Array, dict]:
     """(mean token cross-entropy of `batch`, float32 gradients of the scaled objective), pipelined.
 
-    Micro-batch i takes rows i, i+M, i+2M, ... of the batch, as the non-pipelined accumulation.
+    Micro-batch i takes rows i, i+M, i+2M, ... of the batch (of each replica group's rows when
+    `replicas` > 1), as the non-pipelined accumulation.
     `cast`: the parameters -> the weights the model computes with (`step.compute_weights`), applied
     to a stage's float32 slice where it is used, so the gradients stay float32.
+    `replicas`, `replica_axes`: the replica groups of the communication plan (`step.Placement`).
+    With R > 1 the tick loop runs under `jax.vmap` over R (`spmd_axis_name=replica_axes`): each
+    group keeps its own stash and gradient sums ([R, ...]; the vmap's constraints put R on the
+    replica axes) and the R sums are added once, after the last tick, instead of a reduction over
+    the replica axes in every tick's backward (docs/COMMUNICATION.md).
     """
     prog, sched = pipe.program, pipe.schedule
-    p, v_count, m = sched.stages, sched.virtual, sched.micro_batches
+    p, v_count, m, r = sched.stages, sched.virtual, sched.micro_batches, replicas
     last_v = p * v_count - 1
     uniform = pipe.uniform
     total_tokens = jnp.maximum(batch["loss_mask"].astype(jnp.float32).sum(), 1.0)
-    mbs = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1), batch)
+    if r == 1:  # [B, ...] -> [M, B/M, ...]
+        mbs = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1), batch)
+    else:  # [B, ...] -> [R, M, B/(R M), ...]: each group's micro-batches from its own rows
+        mbs = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(r, x.shape[0] // (r * m), m, *x.shape[1:]), 1, 2), batch)
     rows = np.asarray(prog.rows, np.int32)  # [ticks, P, columns]
     dt = jnp.dtype(pipe.model.compute_dtype)
-    b, t = batch["inputs"].shape[0] // m, batch["inputs"].shape[1]
+    b, t = batch["inputs"].shape[0] // (m * r), batch["inputs"].shape[1]
     act_shape = (b, t, pipe.model.d_model)
     others = {k: val for k, val in params.items() if k != BLOCKS}
 
@@ -160,7 +172,7 @@ def loss_and_grads(pipe: Pipeline, graphdef: Any, params: dict, batch: dict, sca
         g_buf = constrain(jnp.zeros((prog.g_slots + 1, *act_shape), dt), _ACT)
         acc0 = (jax.tree.map(jnp.zeros_like, blocks), jax.tree.map(jnp.zeros_like, other))
 
-        def tick(carry, rows_t):
+        def tick(carry, rows_t, mbs):
             x_buf, g_buf, acc, ce_acc = carry
             kind, mb_i, chunk_i, x_slot, g_slot, rx_slot, rg_slot = (rows_t[stage, c] for c in range(7))
             v = chunk_i * p + stage
@@ -205,7 +217,15 @@ def loss_and_grads(pipe: Pipeline, graphdef: Any, params: dict, batch: dict, sca
             return (x_buf, g_buf, acc, ce_acc), None
 
         carry = (x_buf, g_buf, acc0, jnp.zeros((), jnp.float32))
-        (_, _, (d_blocks, d_other), ce), _ = jax.lax.scan(tick, carry, jnp.asarray(rows))
+        if r == 1:
+            body = lambda carry, rows_t: tick(carry, rows_t, mbs)  # noqa: E731
+        else:  # one stash and one gradient sum per replica group (carry [R, ...]), see the docstring
+            per_replica = jax.vmap(tick, in_axes=(0, None, 0), spmd_axis_name=replica_axes)
+            body = lambda carry, rows_t: per_replica(carry, rows_t, mbs)  # noqa: E731
+            carry = jax.tree.map(lambda a: jnp.zeros((r, *a.shape), a.dtype), carry)
+        (_, _, (d_blocks, d_other), ce), _ = jax.lax.scan(body, carry, jnp.asarray(rows))
+        if r > 1:  # the replica groups' sums added: the step's one reduction over the replica axes
+            d_blocks, d_other, ce = jax.tree.map(lambda a: a.sum(0), (d_blocks, d_other, ce))
         d_blocks = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), d_blocks)
         return jax.lax.psum(ce, AXIS), d_blocks, jax.lax.psum(d_other, AXIS)
 
