@@ -33,7 +33,8 @@ from cpu_throughput import synthetic_batch  # noqa: E402
 
 from lumen_jax import flops  # noqa: E402
 from lumen_jax.build import build  # noqa: E402
-from lumen_jax.config import MeshConfig, MoeConfig, validate  # noqa: E402
+from lumen_jax.config import MeshConfig, MoeConfig  # noqa: E402
+from lumen_jax.config_checks import validate  # noqa: E402
 from lumen_jax.config_files import load_config  # noqa: E402
 from lumen_jax.parallel.mesh import make_mesh  # noqa: E402
 
