@@ -372,7 +372,8 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     `saved` = layers x (tokens x `saved_bytes_per_token` + the weight copies a layer keeps).
     Without a pipeline the layers are all of them. With one (`parallel/pipeline_step.py`), a
     backward action is its own vjp of one chunk (L / (P*V) layers) from its stashed input, so the
-    per-layer residuals exist for that chunk and micro-batch only; on top the stage keeps the
+    per-layer residuals exist for that chunk and micro-batch only (twice for zero_bubble with
+    uniform ticks, `Layout.uniform`: its B and W branches both run); on top the stage keeps the
     stashes of the chosen schedule (`Layout.schedule`): x_slots + 1 stage inputs and g_slots + 1
     output cotangents of [tokens, D] in the compute dtype (`pipeline.stash_slots`: m for GPipe,
     about P for 1F1B and zero_bubble, more for interleaved). `working` = tokens x the sum of
@@ -389,8 +390,12 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     layers = -(-model.num_layers // (layout.pipeline * virtual))
     parts = working_bytes_per_token(model, layout, seq_len, remat, attention)
     widths = _widths(model, layout, seq_len)
-    stash = 0.0
+    stash, vjps = 0.0, 1
     if pipelined:
+        # Uniform ticks compute every branch: zero_bubble's B and W then hold their vjps' residuals
+        # together (a one-layer chunk has no layer loop left after XLA's simplification, and CSE
+        # merges the two recomputed forwards: measured).
+        vjps = 2 if layout.uniform and name == "zero_bubble" and layers > 1 else 1
         x_slots, g_slots = pipeline_lib.stash_slots(name, layout.pipeline, layout.micro_batches, virtual)
         stash = (x_slots + g_slots + 2) * tokens * widths["D"] * c
         parts["logits"] *= layout.mesh.tensor  # gathered for the loss: V, not V / t, wide
@@ -406,7 +411,7 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     grad_copies = (PIPELINE_GRAD_COPIES if pipelined
                    else GRAD_ACCUMULATION_COPIES if layout.micro_batches > 1 else 0.0)
     return Activations(
-        saved=layers * per_layer + stash, working=tokens * sum(parts.values()),
+        saved=vjps * layers * per_layer + stash, working=tokens * sum(parts.values()),
         phase=max(parts, key=parts.get), buffers=grad_copies * grads,
         inputs=BATCH_ARRAYS * 4 * tokens * layout.micro_batches, host=layers * tokens * host)
 
