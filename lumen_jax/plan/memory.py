@@ -265,12 +265,11 @@ CONTEXT_BACKWARD_ROWS["offload_dots"] = CONTEXT_BACKWARD_ROWS["dots_with_no_batc
 LOGIT_ROWS = 1.74  # fp32 logits (and their gradient) per token, V/t wide, alive with the layer backward
 TP_PARTIAL_SUMS = 3  # row-parallel matmul outputs: full-width partial sums before the all-reduce
 GRAD_ACCUMULATION_COPIES = 2  # micro-batches > 1: the gradient sum carried through the loop + this micro-batch's
-# With pipeline stages: the stage's gradient sums carried through the scan over ticks, the sums a
-# backward branch returns, the vjp's own gradients, and (uniform ticks, `Layout.uniform`) every
-# branch's sums before the select, in copies of the device's gradients (its blocks + the replicated
-# embedding, norm and logits weights). XLA's buffer assignment of the compiled CPU step shows 5.5-5.7
-# such copies live at the peak; 6.3 is fitted to 8 compiled steps (docs/PLANNING.md, section 2).
-PIPELINE_GRAD_COPIES = 6.3
+# Pipeline stages with uniform ticks (`Layout.uniform`) under zero_bubble: every stage computes
+# B's and W's vjps in each tick and holds both residual sets; B's (the weights are constants: no
+# matmul inputs kept for weight gradients) measured about half the full set (0.48 of a chunk's
+# residuals on top, compiled CPU step, docs/PLANNING.md "Pipeline stages").
+ZERO_BUBBLE_UNIFORM_RESIDUALS = 1.5
 BATCH_ARRAYS = 5  # inputs, targets, segment_ids, positions, loss_mask: 4 bytes each per token
 
 
@@ -372,14 +371,16 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     `saved` = layers x (tokens x `saved_bytes_per_token` + the weight copies a layer keeps).
     Without a pipeline the layers are all of them. With one (`parallel/pipeline_step.py`), a
     backward action is its own vjp of one chunk (L / (P*V) layers) from its stashed input, so the
-    per-layer residuals exist for that chunk and micro-batch only (twice for zero_bubble with
-    uniform ticks, `Layout.uniform`: its B and W branches both run); on top the stage keeps the
+    per-layer residuals exist for that chunk and micro-batch only (`ZERO_BUBBLE_UNIFORM_RESIDUALS`
+    times that for zero_bubble with uniform ticks, `Layout.uniform`: its B and W branches both
+    run); on top the stage keeps the
     stashes of the chosen schedule (`Layout.schedule`): x_slots + 1 stage inputs and g_slots + 1
     output cotangents of [tokens, D] in the compute dtype (`pipeline.stash_slots`: m for GPipe,
     about P for 1F1B and zero_bubble, more for interleaved). `working` = tokens x the sum of
     `working_bytes_per_token`'s parts (`phase` names the largest; with a pipeline the last stage's
     logits are gathered over the vocabulary). `buffers` = the gradient-accumulation loop's copies of
-    the (sharded) gradients when micro-batches > 1 (`PIPELINE_GRAD_COPIES` with a pipeline).
+    the (sharded) gradients when micro-batches > 1 (none with a pipeline, but interleaved's
+    reordered copy of the blocks and their gradients).
     `inputs` = the batch arrays of the whole step.
     """
     remat = model.remat if remat is None else remat
@@ -390,12 +391,13 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     layers = -(-model.num_layers // (layout.pipeline * virtual))
     parts = working_bytes_per_token(model, layout, seq_len, remat, attention)
     widths = _widths(model, layout, seq_len)
-    stash, vjps = 0.0, 1
+    stash, vjps = 0.0, 1.0
     if pipelined:
         # Uniform ticks compute every branch: zero_bubble's B and W then hold their vjps' residuals
         # together (a one-layer chunk has no layer loop left after XLA's simplification, and CSE
         # merges the two recomputed forwards: measured).
-        vjps = 2 if layout.uniform and name == "zero_bubble" and layers > 1 else 1
+        if layout.uniform and name == "zero_bubble" and layers > 1:
+            vjps = ZERO_BUBBLE_UNIFORM_RESIDUALS
         x_slots, g_slots = pipeline_lib.stash_slots(name, layout.pipeline, layout.micro_batches, virtual)
         stash = (x_slots + g_slots + 2) * tokens * widths["D"] * c
         parts["logits"] *= layout.mesh.tensor  # gathered for the loss: V, not V / t, wide
@@ -408,11 +410,18 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     per_layer = tokens * saved_bytes_per_token(model, layout, seq_len, remat, attention) + copies
     grads = state_bytes(model, layout)["grads"]
     host = _bytes(residuals.counts(host=True) - residuals.counts(), widths, c)
-    grad_copies = (PIPELINE_GRAD_COPIES if pipelined
-                   else GRAD_ACCUMULATION_COPIES if layout.micro_batches > 1 else 0.0)
+    # The pipelined step sums gradients in the scan carry over ticks, in place of the accumulation
+    # loop's copies (measured: no copy beyond the gradients themselves). Interleaved reorders the
+    # stage's blocks device-major and back (`Pipeline.to_stages`): a copy of their parameters and
+    # of their gradients.
+    buffers = GRAD_ACCUMULATION_COPIES * grads if layout.micro_batches > 1 and not pipelined else 0.0
+    if pipelined and virtual > 1:
+        counts_all = flops.param_counts(model)
+        blocks = model.num_layers * (counts_all["layer_matmul"] + 2 * model.d_model) / counts_all["total"]
+        buffers = 2 * blocks * grads
     return Activations(
         saved=vjps * layers * per_layer + stash, working=tokens * sum(parts.values()),
-        phase=max(parts, key=parts.get), buffers=grad_copies * grads,
+        phase=max(parts, key=parts.get), buffers=buffers,
         inputs=BATCH_ARRAYS * 4 * tokens * layout.micro_batches, host=layers * tokens * host)
 
 
