@@ -140,9 +140,9 @@ def test_pipeline_plan_follows_the_schedule_table():
     chunk = one.saved - (x_slots + g_slots + 2) * slot  # 2 layers' residuals of one micro-batch
     assert chunk == 2 * 128 * plan.saved_bytes_per_token(
         load_config("configs/tiny.yaml", PIPELINE).model, plans["1f1b"].layout, 128, "none")
-    # zero_bubble with uniform ticks (data=2) runs B's and W's vjps in every tick: both residual sets
-    assert plans["zero_bubble"].activations.saved == pytest.approx(
-        one.saved + (plan.memory.ZERO_BUBBLE_UNIFORM_RESIDUALS - 1) * chunk)
+    # zero_bubble with uniform ticks (data=2) runs B's and W's vjps in every tick: both residual
+    # sets, B's about half the full one (measured 0.48 of a chunk on top: docs/PLANNING.md)
+    assert plans["zero_bubble"].activations.saved == pytest.approx(one.saved + 0.5 * chunk)
     assert gpipe.buffers == one.buffers == 0  # the gradient sums live in the scan carry
     assert plans["interleaved"].activations.buffers > 0  # its reordered copy of the blocks
     model = load_config("configs/tiny.yaml", PIPELINE).model
