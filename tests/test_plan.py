@@ -86,13 +86,14 @@ PIPELINE = ["mesh.fsdp=1", "mesh.data=2", "mesh.pipeline=2", "model.num_layers=4
 
 @pytest.fixture(scope="module")
 def pipeline_steps():
-    """{schedule: (plan, compiled bytes)} at m=8: 1f1b and gpipe."""
+    """{schedule: (plan, `against_xla` check)} at m=8: 1f1b and gpipe."""
     out = {}
     for schedule in ("1f1b", "gpipe"):
-        cfg = load_config("configs/tiny.yaml", [*PIPELINE, "train.micro_batches=8", f"mesh.pipeline_schedule={schedule}"])
+        cfg = load_config("configs/tiny.yaml",
+                          [*PIPELINE, "train.micro_batches=8", f"mesh.pipeline_schedule={schedule}"])
         layout = plan.layout_from_config(cfg, 4)
         p = plan.predict(cfg, layout, H100)
-        out[schedule] = p, against_xla(cfg, p, compile_step(cfg, layout)).bytes_compiled
+        out[schedule] = p, against_xla(cfg, p, compile_step(cfg, layout))
     return out
 
 
@@ -100,18 +101,22 @@ def pipeline_steps():
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipeline_bytes_match_the_compiled_step(pipeline_steps, schedule):
     """The planner's bytes of a pipelined step (`memory.activation_bytes`: the schedule's stash from
-    its table, one chunk's residuals of one micro-batch, the stage's gradient copies) against XLA's."""
-    p, compiled = pipeline_steps[schedule]
-    predicted = p.bytes_per_device["total"]
+    its table, one chunk's residuals of one micro-batch) against XLA's, and the FLOPs of one tick
+    (the compiler counts the scan over ticks once: a forward and a backward with its recompute)."""
+    p, check = pipeline_steps[schedule]
+    predicted, compiled = p.bytes_per_device["total"], check.bytes_compiled
     assert predicted == pytest.approx(compiled, rel=BYTES_RTOL), (
         f"{schedule}: predicted {predicted:,.0f} B, XLA {compiled:,.0f} B ({predicted / compiled - 1:+.1%})")
+    assert check.flops_predicted == pytest.approx(check.flops_compiled, rel=FLOPS_RTOL), (
+        f"{schedule}: predicted {check.flops_predicted:,.0f} FLOPs, XLA {check.flops_compiled:,.0f} "
+        f"({check.flops_predicted / check.flops_compiled - 1:+.1%})")
 
 
 @pytest.mark.heavy
 def test_pipeline_stash_is_the_schedules(pipeline_steps):
     """GPipe stashes all m stage inputs, 1F1B P: the planned difference is the compiled one (6 slots
     of [1, 128, 64] fp32 at m=8)."""
-    (p1, c1), (pg, cg) = pipeline_steps["1f1b"], pipeline_steps["gpipe"]
+    (p1, c1), (pg, cg) = ((p, c.bytes_compiled) for p, c in (pipeline_steps["1f1b"], pipeline_steps["gpipe"]))
     planned = pg.bytes_per_device["total"] - p1.bytes_per_device["total"]
     assert planned == pytest.approx(cg - c1, rel=BYTES_RTOL), f"planned +{planned:,.0f} B, XLA +{cg - c1:,.0f} B"
     assert cg - c1 >= 6 * 1 * 128 * 64 * 4
