@@ -195,7 +195,9 @@ def _run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str, stop: Stop
 
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     flops = flops_lib.flops_per_token(cfg.model, cfg.data.seq_len)
-    hw_flops = flops_lib.hardware_flops_per_token(cfg.model, cfg.data.seq_len)
+    staged = trainer.mesh.shape.get("pipeline", 1) > 1  # its backward recomputes each stage's forward
+    hw_flops = flops_lib.hardware_flops_per_token(cfg.model, cfg.data.seq_len,
+                                                  pipeline_schedule=cfg.mesh.pipeline_schedule if staged else None)
     peaks = metrics_lib.model_peaks(cfg.model, jax.devices())
 
     t0 = time.perf_counter()

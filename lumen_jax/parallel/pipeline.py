@@ -106,6 +106,14 @@ def table_bubble(name: str, stages: int, micro_batches: int, virtual: int = 1) -
     return build(name, stages, micro_batches, virtual).bubble()
 
 
+@functools.lru_cache(maxsize=256)
+def stash_slots(name: str, stages: int, micro_batches: int, virtual: int = 1) -> tuple[int, int]:
+    """(`x_slots`, `g_slots`) of `program(build(...))`: the stage inputs and output cotangents the
+    executor's stash holds per device (each buffer has one scratch slot more), for the planner (cached)."""
+    prog = program(build(name, stages, micro_batches, virtual))
+    return prog.x_slots, prog.g_slots
+
+
 # --------------------------------------------------------------------------------------------------
 # Building: each stage's program, walked in order
 # --------------------------------------------------------------------------------------------------

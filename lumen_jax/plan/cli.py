@@ -98,10 +98,11 @@ def format_against_xla(check, devices: int) -> str:
 
 
 def format_search(plans: Sequence[Plan]) -> str:
-    """One line per candidate, best first: mesh, remat, sequences per micro-batch (b), micro-batches (m)."""
-    head = (f"{'rank':>4s}  {'mesh':48s}{'remat':34s}{'b':>3s}{'m':>5s}{'GB':>8s}{'step s':>9s}"
+    """One line per candidate, best first: mesh (with the pipeline schedule), remat, sequences per
+    micro-batch (b), micro-batches (m)."""
+    head = (f"{'rank':>4s}  {'mesh':62s}{'remat':34s}{'b':>3s}{'m':>5s}{'GB':>8s}{'step s':>9s}"
             f"{'tokens/s':>12s}{'MFU':>7s}")
-    rows = [f"{i + 1:4d}  {p.layout.describe():48s}{p.remat:34s}{p.micro_batch:3d}{p.layout.micro_batches:5d}"
+    rows = [f"{i + 1:4d}  {p.layout.describe():62s}{p.remat:34s}{p.micro_batch:3d}{p.layout.micro_batches:5d}"
             f"{p.bytes_per_device['total'] / 1e9:8.1f}{p.step_time_s:9.3f}{p.tokens_per_s:12,.0f}{p.mfu:7.1%}"
             for i, p in enumerate(plans)]
     return "\n".join([head, *rows]) if rows else "no candidate fits"
@@ -181,12 +182,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.against_xla and attention is None and cfg.model.attention == "auto":
             attention = "xla"  # what the step compiled on CPU runs
         kwargs = {"attention": attention, "efficiency": args.efficiency, "memory_fraction": args.memory_fraction}
-        if args.search:  # the search picks the mesh (but `expert`): check everything else on that axis alone
-            one = dataclasses.replace(cfg.mesh, data=1, fsdp=1, context=1, tensor=1)
+        if args.search:  # the search picks the mesh (but `expert`) and the schedule: check everything else
+            one = dataclasses.replace(cfg.mesh, data=1, fsdp=1, context=1, tensor=1, pipeline=1)
             validate(cfg.replace(mesh=one, train=dataclasses.replace(cfg.train, micro_batches=1)), max(one.expert, 1))
             if args.pipeline < 1 or args.devices % args.pipeline:
                 raise ConfigError(f"--pipeline {args.pipeline} must be >= 1 and divide "
                                   f"--devices {args.devices}")
+            stages = args.pipeline if args.pipeline > 1 else cfg.mesh.pipeline
+            if args.devices % stages or cfg.model.num_layers % stages:
+                raise ConfigError(f"mesh.pipeline={stages} must divide --devices {args.devices} and "
+                                  f"model.num_layers={cfg.model.num_layers}")
             plans = search(cfg, args.devices, hw, pipeline=args.pipeline, top=args.top, **kwargs)
             text = (json.dumps([p.to_json() for p in plans], indent=2) if args.json else format_search(plans))
         else:

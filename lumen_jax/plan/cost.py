@@ -20,7 +20,9 @@ from lumen_jax.plan.memory import STATE_BYTES, computed_score_fraction, recomput
 # pair's output and log-sum-exp and, in the backward, the sums of its dq, dk, dv (fitted to the
 # compiled ring and all-gather steps at C = 2, 4, 8). Used only for the compiler comparison; MFU
 # counts matmuls alone.
-ELEMENTWISE_OPS = {"score": 19, "embed": 58, "logit": 9, "param": 36, "pair": 16}
+# With uniform pipeline ticks, per local parameter, the select among the branches' gradient sums
+# and their adds in the one counted tick ("tick_param", fitted to 7 compiled pipelined steps).
+ELEMENTWISE_OPS = {"score": 19, "embed": 58, "logit": 9, "param": 36, "pair": 16, "tick_param": 50}
 
 
 def context_score_fraction(context: int, balance: str = "zigzag", attention: str = "flash") -> float:
@@ -45,10 +47,12 @@ def planned_flops_per_token(model: ModelConfig, layout: Layout, seq_len: int, re
     """`flops.hardware_flops_per_token` of a run on `layout`, with what the backward pass re-runs
     read off the model's residuals (`memory.recomputes`: the projections unless the policy saves
     one, the attention core unless it saves scores or, under context parallelism, the ring's
-    residuals) instead of assumed per policy. `score_fraction` as there."""
+    residuals) instead of assumed per policy, and, with pipeline stages, the stage forward each
+    backward action recomputes (`Layout.schedule`). `score_fraction` as there."""
     mesh = layout.mesh
     return flops.hardware_flops_per_token(model, seq_len, remat, score_fraction=score_fraction, context=mesh.context,
-                                          recomputes=recomputes(remat, mesh.context, mesh.context_parallel))
+                                          recomputes=recomputes(remat, mesh.context, mesh.context_parallel),
+                                          pipeline_schedule=layout.schedule[0] if layout.pipeline > 1 else None)
 
 
 def flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, *,
@@ -97,8 +101,27 @@ def compiled_flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, 
     counted: the whole square), the all-gather attention is a `lax.scan` over the C devices' chunks
     (its body once: 1 of C). Each counted pair adds `ELEMENTWISE_OPS["pair"]` ops per element of its
     query chunk's output.
+
+    With pipeline stages the compiler counts the scan over ticks once: one tick of one stage, which
+    runs its chunk (one layer counted, as above) on the micro-batch's local rows (not 1/P of
+    them). With uniform ticks (`Layout.uniform`) every branch is computed: a forward and a backward
+    (zero_bubble: B and W) with the stage forward each backward recomputes; otherwise the
+    `lax.switch` counts its largest branch, the backward (the forward of the tick left out).
     """
     micro_batch = global_batch // layout.micro_batches
+    if layout.pipeline > 1:
+        flat = dataclasses.replace(layout, pipeline=1, mesh=dataclasses.replace(layout.mesh, pipeline=1))
+        one = dataclasses.replace(model, num_layers=1)
+        fraction = computed_score_fraction(seq_len)
+        staged = (planned_flops_per_token(one, layout, seq_len, model.remat, score_fraction=fraction)
+                  - planned_flops_per_token(one, flat, seq_len, model.remat, score_fraction=fraction))
+        if not layout.uniform:  # the switch's largest branch: the backward, without the tick's forward
+            staged -= 2.0 * flops.param_counts(one)["matmul"] + flops.attention_forward_flops_per_token(
+                one, seq_len, causal=False) * fraction
+        tokens = micro_batch * seq_len / flat.num_devices
+        selects = ELEMENTWISE_OPS["tick_param"] * state_bytes(model, layout)["params"] / STATE_BYTES["params"]
+        return (compiled_flops_per_device(model, flat, seq_len, global_batch) + staged * tokens
+                + (selects if layout.uniform else 0.0))
     mesh = layout.mesh
     if mesh.context == 1:
         return flops_per_device(model, layout, seq_len, micro_batch, causal=False, layers=1, elementwise=True)

@@ -8,9 +8,11 @@ import math
 from lumen_jax import metrics
 from lumen_jax.config import Config, ConfigError, MeshConfig, ModelConfig
 from lumen_jax.config_checks import validate
+from lumen_jax.parallel import pipeline as pipeline_lib
 
-# Outermost -> innermost (innermost: in a node): the planner's pipeline stages around the mesh axes.
-AXES = ("pipeline", *(a for a in MeshConfig.AXES if a != "pipeline"))
+# Outermost -> innermost (innermost: in a node), the trainer's mesh order (`MeshConfig.AXES`): planned
+# pipeline stages (`--pipeline`) sit where `mesh.pipeline` does, inside data and fsdp.
+AXES = MeshConfig.AXES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +60,29 @@ class Layout:
     def size(self, axis: str) -> int:
         return self.pipeline if axis == "pipeline" else getattr(self.mesh, axis)
 
+    @property
+    def schedule(self) -> tuple[str, int]:
+        """(name, V) of the pipeline schedule this layout runs: `mesh.pipeline_schedule` (V =
+        `mesh.pipeline_virtual_stages` for interleaved), or gpipe where that schedule cannot run these
+        P and m (planned `--pipeline` stages around a config with fewer micro-batches than stages)."""
+        mesh = self.mesh
+        v = mesh.pipeline_virtual_stages if mesh.pipeline_schedule == "interleaved" else 1
+        if pipeline_lib.check_shape(mesh.pipeline_schedule, self.pipeline, self.micro_batches, v) is None:
+            return mesh.pipeline_schedule, v
+        return "gpipe", 1
+
+    @property
+    def uniform(self) -> bool:
+        """Whether the pipelined step computes every branch of a tick on every stage (another mesh
+        axis > 1; `parallel.pipeline_step.Pipeline.uniform`)."""
+        return self.pipeline > 1 and any(self.size(a) > 1 for a in AXES if a != "pipeline")
+
     def describe(self) -> str:
         parts = [f"{a}={self.size(a)}" for a in AXES if self.size(a) > 1 or a in ("data", "fsdp")]
         comm = [v for v in (self.mesh.fsdp_grad_reduce, self.mesh.fsdp_regather) if v in ("once", "per_step")]
-        return " ".join(parts + (["sp"] if self.mesh.sequence_parallel else []) + comm)
+        name, v = self.schedule
+        stages = [f"{name}" + (f" V={v}" if v > 1 else "")] if self.pipeline > 1 else []
+        return " ".join(parts + (["sp"] if self.mesh.sequence_parallel else []) + comm + stages)
 
 
 def layout_from_config(cfg: Config, num_devices: int, pipeline: int = 1,

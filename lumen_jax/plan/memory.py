@@ -22,6 +22,7 @@ from lumen_jax import flops
 from lumen_jax.config import ConfigError, MeshConfig, ModelConfig
 from lumen_jax.model import apply, param_shapes_and_names
 from lumen_jax.ops.choice import Ops
+from lumen_jax.parallel import pipeline as pipeline_lib
 from lumen_jax.parallel import rules as rules_lib
 from lumen_jax.parallel.rules import Rules
 from lumen_jax.plan.hardware import Layout, compute_bytes
@@ -52,8 +53,9 @@ def state_bytes(model: ModelConfig, layout: Layout) -> dict[str, int]:
 
     Each leaf's `PartitionSpec` comes from `Rules(zero_stage, sequence_parallel).tree_specs` of the
     layout's mesh section (the table the trainer uses); a dim split over mesh axes of total size g holds ceil(dim / g) per device.
-    With a pipeline, the stacked `layers` axis is split over stages (ceil(L / p) per stage) and the
-    worst stage also holds the embedding (first stage) or the final norm and logits (last stage).
+    With a pipeline, the stacked `layers` axis is split over stages (ceil(L / p) per stage); the
+    embedding, final norm and logits weights are replicated over the stages (every stage of the
+    pipelined step holds them, `parallel/pipeline_step.py`), so each device holds them all.
     """
     return dict(_state_bytes(_shape_key(model), dataclasses.replace(layout, micro_batches=1)))
 
@@ -100,20 +102,15 @@ def _state_bytes(model: ModelConfig, layout: Layout) -> tuple[tuple[str, int], .
     leaves = _param_leaves(model)
     out = {}
     for kind, nbytes in STATE_BYTES.items():
-        stage, first, last = 0, 0, 0
-        for path, shape, names in leaves:
+        total = 0
+        for _, shape, names in leaves:
             count = 1
             for dim, axes in zip(shape, rules.spec(names, kind)):
                 # `layers` maps to `pipeline` in the rules: each stage holds ceil(L / p) layers
                 group = math.prod(layout.size(a) for a in ((axes,) if isinstance(axes, str) else axes or ()))
                 count *= -(-dim // group)
-            if names[0] == "layers":
-                stage += count
-            elif "embed" in path and "lm_head" not in path:
-                first += count
-            else:
-                last += count
-        out[kind] = nbytes * (stage + (max(first, last) if layout.pipeline > 1 else first + last))
+            total += count
+        out[kind] = nbytes * total
     return tuple(out.items())
 
 
@@ -268,6 +265,11 @@ CONTEXT_BACKWARD_ROWS["offload_dots"] = CONTEXT_BACKWARD_ROWS["dots_with_no_batc
 LOGIT_ROWS = 1.74  # fp32 logits (and their gradient) per token, V/t wide, alive with the layer backward
 TP_PARTIAL_SUMS = 3  # row-parallel matmul outputs: full-width partial sums before the all-reduce
 GRAD_ACCUMULATION_COPIES = 2  # micro-batches > 1: the gradient sum carried through the loop + this micro-batch's
+# Pipeline stages with uniform ticks (`Layout.uniform`) under zero_bubble: every stage computes
+# B's and W's vjps in each tick and holds both residual sets; B's (the weights are constants: no
+# matmul inputs kept for weight gradients) measured about half the full set (0.48 of a chunk's
+# residuals on top, compiled CPU step, docs/PLANNING.md "Pipeline stages").
+ZERO_BUBBLE_UNIFORM_RESIDUALS = 1.5
 BATCH_ARRAYS = 5  # inputs, targets, segment_ids, positions, loss_mask: 4 bytes each per token
 
 
@@ -276,6 +278,7 @@ class Activations:
     """Per-device activation bytes of one step (worst pipeline stage)."""
 
     saved: float  # residuals kept for the backward pass: every local layer, every in-flight micro-batch
+    # (pipeline: the stashed stage inputs and cotangents + one chunk's residuals of one micro-batch)
     working: float  # the largest transient working set (`phase`)
     phase: str  # the largest part of the working set (scores, recompute, partial_sums, kv, logits)
     buffers: float  # gradient-accumulation buffers (micro-batches > 1)
@@ -365,18 +368,39 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
                      remat: str | None = None, attention: str = "xla") -> Activations:
     """Activation memory of one device for micro-batches of `micro_batch` sequences per device.
 
-    `saved` = layers per stage x in-flight micro-batches x (tokens x `saved_bytes_per_token` + the
-    weight copies a layer keeps), where a 1F1B pipeline keeps min(p, m) micro-batches in flight on
-    its first stage. `working` = tokens x the sum of `working_bytes_per_token`'s parts (`phase`
-    names the largest). `buffers` = the gradient-accumulation loop's copies of the (sharded)
-    gradients when micro-batches > 1. `inputs` = the batch arrays of the whole step.
+    `saved` = layers x (tokens x `saved_bytes_per_token` + the weight copies a layer keeps).
+    Without a pipeline the layers are all of them. With one (`parallel/pipeline_step.py`), a
+    backward action is its own vjp of one chunk (L / (P*V) layers) from its stashed input, so the
+    per-layer residuals exist for that chunk and micro-batch only (`ZERO_BUBBLE_UNIFORM_RESIDUALS`
+    times that for zero_bubble with uniform ticks, `Layout.uniform`: its B and W branches both
+    run); on top the stage keeps the
+    stashes of the chosen schedule (`Layout.schedule`): x_slots + 1 stage inputs and g_slots + 1
+    output cotangents of [tokens, D] in the compute dtype (`pipeline.stash_slots`: m for GPipe,
+    about P for 1F1B and zero_bubble, more for interleaved). `working` = tokens x the sum of
+    `working_bytes_per_token`'s parts (`phase` names the largest; with a pipeline the last stage's
+    logits are gathered over the vocabulary). `buffers` = the gradient-accumulation loop's copies of
+    the (sharded) gradients when micro-batches > 1 (none with a pipeline, but interleaved's
+    reordered copy of the blocks and their gradients).
+    `inputs` = the batch arrays of the whole step.
     """
     remat = model.remat if remat is None else remat
     c = compute_bytes(model)
     tokens = micro_batch * seq_len / layout.mesh.context
-    layers = -(-model.num_layers // layout.pipeline)
-    in_flight = min(layout.pipeline, layout.micro_batches)
+    pipelined = layout.pipeline > 1
+    name, virtual = layout.schedule
+    layers = -(-model.num_layers // (layout.pipeline * virtual))
     parts = working_bytes_per_token(model, layout, seq_len, remat, attention)
+    widths = _widths(model, layout, seq_len)
+    stash, vjps = 0.0, 1.0
+    if pipelined:
+        # Uniform ticks compute every branch: zero_bubble's B and W then hold their vjps' residuals
+        # together (a one-layer chunk has no layer loop left after XLA's simplification, and CSE
+        # merges the two recomputed forwards: measured).
+        if layout.uniform and name == "zero_bubble" and layers > 1:
+            vjps = ZERO_BUBBLE_UNIFORM_RESIDUALS
+        x_slots, g_slots = pipeline_lib.stash_slots(name, layout.pipeline, layout.micro_batches, virtual)
+        stash = (x_slots + g_slots + 2) * tokens * widths["D"] * c
+        parts["logits"] *= layout.mesh.tensor  # gathered for the loss: V, not V / t, wide
     counts = flops.param_counts(model)
     # A layer casts its fp32 weights to the compute dtype and may keep the casts for the backward:
     # counted as gathered (split only by tensor parallelism). In fp32 the cast is the weight itself.
@@ -385,12 +409,20 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
               if model.compute_dtype != "float32" else 0.0)
     per_layer = tokens * saved_bytes_per_token(model, layout, seq_len, remat, attention) + copies
     grads = state_bytes(model, layout)["grads"]
-    host = _bytes(residuals.counts(host=True) - residuals.counts(), _widths(model, layout, seq_len), c)
+    host = _bytes(residuals.counts(host=True) - residuals.counts(), widths, c)
+    # The pipelined step sums gradients in the scan carry over ticks, in place of the accumulation
+    # loop's copies (measured: no copy beyond the gradients themselves). Interleaved reorders the
+    # stage's blocks device-major and back (`Pipeline.to_stages`): a copy of their parameters and
+    # of their gradients.
+    buffers = GRAD_ACCUMULATION_COPIES * grads if layout.micro_batches > 1 and not pipelined else 0.0
+    if pipelined and virtual > 1:
+        counts_all = flops.param_counts(model)
+        blocks = model.num_layers * (counts_all["layer_matmul"] + 2 * model.d_model) / counts_all["total"]
+        buffers = 2 * blocks * grads
     return Activations(
-        saved=layers * in_flight * per_layer, working=tokens * sum(parts.values()),
-        phase=max(parts, key=parts.get),
-        buffers=GRAD_ACCUMULATION_COPIES * grads if layout.micro_batches > 1 else 0.0,
-        inputs=BATCH_ARRAYS * 4 * tokens * layout.micro_batches, host=layers * in_flight * tokens * host)
+        saved=vjps * layers * per_layer + stash, working=tokens * sum(parts.values()),
+        phase=max(parts, key=parts.get), buffers=buffers,
+        inputs=BATCH_ARRAYS * 4 * tokens * layout.micro_batches, host=layers * tokens * host)
 
 
 FP8_OPERANDS_PER_MATMUL = 3  # the input, the weight and the output gradient each get a scale

@@ -7,9 +7,9 @@ import itertools
 from typing import Any
 
 from lumen_jax import flops
-from lumen_jax.config import ATTENTION_IMPLS, Config, ModelConfig
+from lumen_jax.config import ATTENTION_IMPLS, Config, MeshConfig, ModelConfig
 from lumen_jax.parallel import pipeline as pipeline_lib
-from lumen_jax.plan.cost import (Collective, bubble_fraction, collectives, context_score_fraction,
+from lumen_jax.plan.cost import (Collective, collectives, context_score_fraction,
                                  planned_flops_per_token)
 from lumen_jax.plan.hardware import Hardware, Layout
 from lumen_jax.plan.memory import Activations, activation_bytes, communication_bytes, fp8_bytes, state_bytes
@@ -160,15 +160,24 @@ def _divisors(n: int) -> list[int]:
 
 
 def _bubble(layout: Layout) -> float:
-    """The idle fraction of the schedule's table, as the trainer's `pipeline_bubble` metric reports
-    it (parallel/pipeline.py); the 1F1B formula where the schedule cannot run these sizes."""
-    p, m, mesh = layout.pipeline, layout.micro_batches, layout.mesh
-    if p == 1:
+    """The idle fraction of the schedule's table (`Layout.schedule`), as the trainer's
+    `pipeline_bubble` metric reports it (parallel/pipeline.py)."""
+    if layout.pipeline == 1:
         return 0.0
-    v = mesh.pipeline_virtual_stages if mesh.pipeline_schedule == "interleaved" else 1
-    if pipeline_lib.check_shape(mesh.pipeline_schedule, p, m, v) is None:
-        return pipeline_lib.table_bubble(mesh.pipeline_schedule, p, m, v)
-    return bubble_fraction(p, m)
+    name, v = layout.schedule
+    return pipeline_lib.table_bubble(name, layout.pipeline, layout.micro_batches, v)
+
+
+def _schedules(model: ModelConfig, mesh: MeshConfig, stages: int, micro_batches: int) -> list[MeshConfig]:
+    """`mesh` with each pipeline schedule that can run `stages` x `micro_batches` (interleaved with
+    V=2 where the layers divide into 2 * stages chunks); `mesh` alone without a pipeline."""
+    if stages == 1:
+        return [mesh]
+    out = []
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)):
+        if model.num_layers % (stages * v) == 0 and pipeline_lib.check_shape(name, stages, micro_batches, v) is None:
+            out.append(dataclasses.replace(mesh, pipeline=stages, pipeline_schedule=name, pipeline_virtual_stages=v))
+    return out
 
 
 def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, top: int = 5,
@@ -179,9 +188,12 @@ def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, to
     sizes that divide the sequence; every fsdp x data split of the rest; sequence parallelism on
     and off; the remat policies in `SEARCH_REMATS`; and per-device micro-batches of 1, 2, 4, ...
     sequences; over fsdp, (ZeRO-3) `mesh.fsdp_regather` both ways and, with several micro-batches,
-    `mesh.fsdp_grad_reduce` both ways. The ZeRO stage, the pipeline depth and `mesh.expert` stay as given.
+    `mesh.fsdp_grad_reduce` both ways; with pipeline stages (`pipeline`, else `mesh.pipeline`) every
+    schedule that can run them (`_schedules`: its bubble and stash from its table). The ZeRO stage,
+    the pipeline depth and `mesh.expert` stay as given.
     """
     m, seq, batch = cfg.model, cfg.data.seq_len, cfg.data.global_batch_size
+    pipeline = pipeline if pipeline > 1 else cfg.mesh.pipeline
     ep = max(cfg.mesh.expert, 1)  # the expert axis splits the batch like data: in `rest`'s batch split
     per_stage = num_devices // pipeline // ep
     found = []
@@ -207,11 +219,13 @@ def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, to
                                 COMM_OPTIONS["fsdp_grad_reduce"] if accumulate else (mesh.fsdp_grad_reduce,),
                                 COMM_OPTIONS["fsdp_regather"] if fsdp > 1 and mesh.zero_stage == 3
                                 else (mesh.fsdp_regather,)):
-                            layout = Layout(dataclasses.replace(mesh, fsdp_grad_reduce=reduce, fsdp_regather=regather),
-                                            pipeline=pipeline, micro_batches=batch // (rest * ep * mb))
-                            for remat in SEARCH_REMATS:
-                                plan = predict(cfg, layout, hw, remat=remat, **predict_kwargs)
-                                if plan.fits:
-                                    found.append(plan)
+                            steps = batch // (rest * ep * mb)
+                            comm = dataclasses.replace(mesh, fsdp_grad_reduce=reduce, fsdp_regather=regather)
+                            for staged in _schedules(m, comm, pipeline, steps):
+                                layout = Layout(staged, pipeline=pipeline, micro_batches=steps)
+                                for remat in SEARCH_REMATS:
+                                    plan = predict(cfg, layout, hw, remat=remat, **predict_kwargs)
+                                    if plan.fits:
+                                        found.append(plan)
     found.sort(key=lambda p: (-round(p.mfu, 4), p.bytes_per_device["total"]))
     return found[:top]
