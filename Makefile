@@ -20,8 +20,11 @@ install: $(VENV)/.installed
 train: install
 	$(BIN)/python -m lumen_jax.train --config $(CONFIG) $(ARGS)
 
+# Two pytest workers (the machine's two cores), a test file's tests on one worker (its module fixtures computed once).
+TEST_WORKERS ?= 2
+
 test: install
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .cache

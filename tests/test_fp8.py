@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from conftest import FAST_RUN
 from lumen_jax.ops import fp8
 
 FORMATS = [fp8.E4M3, fp8.E5M2]
@@ -272,7 +273,7 @@ def _train(fp8_cfg: Fp8Config, batches: dict) -> tuple[np.ndarray, step_lib.Trai
     run = jax.jit(lambda state, bs: jax.lax.scan(lambda s, b: step_lib.train_step(s, b, sc), state, bs))
     state = tr.init()
     lowered = run.lower(state, batches)
-    state, metrics = lowered.compile()(state, batches)
+    state, metrics = lowered.compile(compiler_options=FAST_RUN)(state, batches)  # 1,200 steps: optimized code
     return np.asarray(metrics["loss"]), state, lowered.as_text(dialect="hlo")
 
 

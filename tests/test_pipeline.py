@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from helpers_run import BASE, FP32_RTOL, batches, run, assert_same_run, with_mesh
+from lumen_jax import flops
 from lumen_jax.build import build
 from lumen_jax.checkpoint import Checkpointer
-from lumen_jax.config import CheckpointConfig, ConfigError, MeshConfig
+from lumen_jax.config import CheckpointConfig, ConfigError, MeshConfig, from_dict
 from lumen_jax.config_checks import validate
 from lumen_jax.parallel.mesh import make_mesh
 
@@ -125,6 +126,13 @@ def test_train_cli_reports_the_bubble(tmp_path):
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     assert [r["pipeline_bubble"] for r in rows] == [pytest.approx(1 / 3)] * 2  # (P-1)/(m+P-1), P=m=2
+    # HFU counts the stage forward each backward recomputes (1f1b: one per micro-batch), MFU does not.
+    with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
+        cfg = from_dict(json.load(f))
+    model, seq = cfg.model, cfg.data.seq_len
+    ratio = flops.hardware_flops_per_token(model, seq, pipeline_schedule="1f1b") / flops.flops_per_token(model, seq)
+    assert ratio > flops.hardware_flops_per_token(model, seq) / flops.flops_per_token(model, seq)
+    assert [r["hfu"] / r["mfu"] for r in rows] == [pytest.approx(ratio, rel=1e-6)] * 2
 
 
 def test_train_cli_bad_pipeline_is_one_line(tmp_path):
