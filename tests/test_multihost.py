@@ -183,7 +183,7 @@ def test_hybrid_grid_keeps_the_in_node_part_on_one_node(platform):
                               dict(data=1, fsdp=2, context=1, tensor=1))
     assert grid.shape == (1, 4, 1, 1, 1, 2)  # data, fsdp, pipeline, expert, context, tensor
     nodes = np.vectorize(lambda d: d.process_index)(grid)
-    assert nodes[0, :, 0, 0, :].tolist() == [[0, 0], [0, 0], [1, 1], [1, 1]]  # fsdp's outer half crosses nodes
+    assert nodes[0, :, 0, 0, 0, :].tolist() == [[0, 0], [0, 0], [1, 1], [1, 1]]  # fsdp's outer half crosses nodes
 
 
 # --------------------------------------------------------------------------------------------------

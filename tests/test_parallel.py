@@ -46,19 +46,20 @@ def test_micro_batches_equal_one_big_batch(reference):
 
 
 # Golden table: the exact PartitionSpec of every parameter (leading axis = stacked layers).
+# The stacked `layers` axis is split over `pipeline` (size 1 here: the stages of a pipelined run).
 GOLDEN_FSDP4_TP2 = {
     "embed": P("tensor", "fsdp"),
     "lm_head": P("fsdp", "tensor"),
     "final_norm/scale": P(None),
-    "blocks/attn/wq": P(None, "fsdp", "tensor", None),
-    "blocks/attn/wk": P(None, "fsdp", "tensor", None),
-    "blocks/attn/wv": P(None, "fsdp", "tensor", None),
-    "blocks/attn/wo": P(None, "tensor", None, "fsdp"),
-    "blocks/attn_norm/scale": P(None, None),
-    "blocks/mlp/w_gate": P(None, "fsdp", "tensor"),
-    "blocks/mlp/w_up": P(None, "fsdp", "tensor"),
-    "blocks/mlp/w_down": P(None, "tensor", "fsdp"),
-    "blocks/mlp_norm/scale": P(None, None),
+    "blocks/attn/wq": P("pipeline", "fsdp", "tensor", None),
+    "blocks/attn/wk": P("pipeline", "fsdp", "tensor", None),
+    "blocks/attn/wv": P("pipeline", "fsdp", "tensor", None),
+    "blocks/attn/wo": P("pipeline", "tensor", None, "fsdp"),
+    "blocks/attn_norm/scale": P("pipeline", None),
+    "blocks/mlp/w_gate": P("pipeline", "fsdp", "tensor"),
+    "blocks/mlp/w_up": P("pipeline", "fsdp", "tensor"),
+    "blocks/mlp/w_down": P("pipeline", "tensor", "fsdp"),
+    "blocks/mlp_norm/scale": P("pipeline", None),
 }
 # ZeRO-1: parameters replicated over fsdp (only tensor splits remain); optimizer state as ZeRO-3.
 GOLDEN_ZERO1_PARAMS = {k: P(*(None if a == "fsdp" else a for a in v)) for k, v in GOLDEN_FSDP4_TP2.items()}
