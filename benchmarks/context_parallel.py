@@ -26,8 +26,9 @@ import time
 
 from cpu_throughput import synthetic_batch
 
-from lumen_jax.config import (CONTEXT_PARALLEL, Config, DataConfig, MeshConfig, ModelConfig,
-                              RuntimeConfig, TrainConfig, validate)
+from lumen_jax.config import (CONTEXT_PARALLEL, Config, DataConfig, MeshConfig, ModelConfig, RuntimeConfig,
+                              TrainConfig)
+from lumen_jax.config_checks import validate
 
 MODEL = ModelConfig(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=172, vocab_size=512,
                     compute_dtype="float32")

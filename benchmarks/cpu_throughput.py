@@ -37,8 +37,9 @@ import statistics
 import sys
 import time
 
-from lumen_jax.config import (ATTENTION_IMPLS, REMAT_POLICIES, Config, DataConfig, MeshConfig,
-                              ModelConfig, OptimConfig, RuntimeConfig, TrainConfig, validate)
+from lumen_jax.config import (ATTENTION_IMPLS, REMAT_POLICIES, Config, DataConfig, MeshConfig, ModelConfig,
+                              OptimConfig, RuntimeConfig, TrainConfig)
+from lumen_jax.config_checks import validate
 
 # The named shape: d_model 256, 4 layers, 4 heads, 2 kv heads, ffn 688, vocab 4096, fp32.
 SHAPE = ModelConfig(d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=688, vocab_size=4096,

@@ -21,7 +21,8 @@ import time
 from cpu_throughput import synthetic_batch
 
 from lumen_jax.config import (PIPELINE_SCHEDULES, Config, DataConfig, MeshConfig, ModelConfig, RuntimeConfig,
-                              TrainConfig, validate)
+                              TrainConfig)
+from lumen_jax.config_checks import validate
 
 MODEL = ModelConfig(d_model=64, num_layers=8, num_heads=4, num_kv_heads=2, ffn_dim=172, vocab_size=512,
                     compute_dtype="float32")
