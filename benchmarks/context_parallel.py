@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
-import time
 
-from cpu_throughput import synthetic_batch
+from cpu_throughput import compile_step, median_step_ms
 
 from lumen_jax.config import (CONTEXT_PARALLEL, Config, DataConfig, MeshConfig, ModelConfig, RuntimeConfig,
                               TrainConfig)
@@ -77,23 +75,13 @@ def main(argv: list[str] | None = None) -> int:
             cfg = config(a, seq_len, c)
             shape = validate(cfg, c)
             trainer = build(cfg, make_mesh(shape, jax.devices()[:c]))
-            t0 = time.perf_counter()
-            state = trainer.init()
-            batch = trainer.shard_batch(synthetic_batch(cfg))
-            compiled = trainer.step.lower(state, batch).compile()
-            compile_s = time.perf_counter() - t0
+            compiled, state, batch, compile_s = compile_step(trainer, cfg)
             mem = compiled.memory_analysis()
             total = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
                      - mem.alias_size_in_bytes)
             step_ms = tokens_s = float("nan")
             if total * c < a.max_run_gib * 2**30:
-                state, _ = jax.block_until_ready(compiled(state, batch))
-                times = []
-                for _ in range(a.steps):
-                    t = time.perf_counter()
-                    state, _ = jax.block_until_ready(compiled(state, batch))
-                    times.append(time.perf_counter() - t)
-                step_ms = statistics.median(times) * 1e3
+                step_ms = median_step_ms(compiled, state, batch, a.steps)
                 tokens_s = seq_len / (step_ms / 1e3)
             print(f"{seq_len:>7} {c:>3} {total / 2**30:>11.3f} {mem.argument_size_in_bytes / 2**20:>7.1f}M "
                   f"{mem.temp_size_in_bytes / 2**20:>7.1f}M {compile_s:>10.1f} {step_ms:>10.0f} "

@@ -112,6 +112,28 @@ def timed(fn, *args) -> tuple[float, float, object]:
     return time.perf_counter() - wall, cpu_seconds() - cpu, out
 
 
+def compile_step(trainer, cfg: Config) -> tuple[object, object, dict, float]:
+    """(compiled train step, fresh state, a synthetic sharded batch, seconds to init and compile)."""
+    t0 = time.perf_counter()
+    state = trainer.init()
+    batch = trainer.shard_batch(synthetic_batch(cfg))
+    compiled = trainer.step.lower(state, batch).compile()
+    return compiled, state, batch, time.perf_counter() - t0
+
+
+def median_step_ms(compiled, state, batch: dict, steps: int) -> float:
+    """Median wall milliseconds of `steps` steps after one warm-up step."""
+    import jax
+
+    state, _ = jax.block_until_ready(compiled(state, batch))
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        state, _ = jax.block_until_ready(compiled(state, batch))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
 def xla_flops(compiled) -> float:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost

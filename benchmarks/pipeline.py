@@ -15,10 +15,8 @@ bubble are the figures that transfer. Results and commands: docs/PERFORMANCE.md.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
-from cpu_throughput import synthetic_batch
+from cpu_throughput import compile_step, median_step_ms
 
 from lumen_jax.config import (PIPELINE_SCHEDULES, Config, DataConfig, MeshConfig, ModelConfig, RuntimeConfig,
                               TrainConfig)
@@ -72,22 +70,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{schedule:>12} {m:>3}  skipped: {e}")
                 continue
             trainer = build(cfg, make_mesh(shape))
-            t0 = time.perf_counter()
-            state = trainer.init()
-            batch = trainer.shard_batch(synthetic_batch(cfg))
-            compiled = trainer.step.lower(state, batch).compile()
-            compile_s = time.perf_counter() - t0
+            compiled, state, batch, compile_s = compile_step(trainer, cfg)
             temp = compiled.memory_analysis().temp_size_in_bytes
-            state, _ = jax.block_until_ready(compiled(state, batch))
-            times = []
-            for _ in range(a.steps):
-                t = time.perf_counter()
-                state, _ = jax.block_until_ready(compiled(state, batch))
-                times.append(time.perf_counter() - t)
+            step_ms = median_step_ms(compiled, state, batch, a.steps)
             prog = trainer.step_cfg.pipeline.program
             v = prog.schedule.virtual
             print(f"{schedule:>12} {m:>3} {temp / 2**20:>9.2f} {prog.x_slots:>6} {compile_s:>10.1f} "
-                  f"{statistics.median(times) * 1e3:>9.0f} {prog.schedule.bubble():>7.3f} "
+                  f"{step_ms:>9.0f} {prog.schedule.bubble():>7.3f} "
                   f"{pipeline.bubble_formula(schedule, a.stages, m, v):>8.3f}", flush=True)
             del state, batch, compiled, trainer
     return 0
