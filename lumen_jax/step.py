@@ -75,8 +75,8 @@ def _micro_loss(params: dict, model_state: dict, mb: Batch, total_tokens: jax.Ar
     """(scaled objective / total_tokens, (summed cross-entropy, the model's aux metrics)) of one micro-batch.
 
     The model's auxiliary loss (`model.apply_with_aux`: a mean over the micro-batch) enters the
-    objective divided by `pieces`, the micro-batches times the replica groups that each compute one. Its gradient with respect to `model_state`
-    is the state's next value (ops/state.py).
+    objective divided by `pieces`, the micro-batches times the replica groups that each compute one.
+    Its gradient with respect to `model_state` is the state's next value (ops/state.py).
     """
     logits_btv, aux = apply_with_aux(sc.graphdef, params, mb["inputs"], mb["positions"], mb["segment_ids"],
                                      model_state)
@@ -156,7 +156,7 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
     so each device's slice of the batch stays on that device. The model state's next values
     combine by each variable's rule (`sc.state_combine`), across micro-batches and replicas.
     """
-    if sc.pipeline is not None:  # the model state's next value is the current one (no fp8 with a pipeline)
+    if sc.pipeline is not None:  # the model state's next value is the current one (config refuses stateful ops here)
         loss, grads = pipeline_step.loss_and_grads(sc.pipeline, sc.graphdef, params, batch, scale, sc.z_loss,
                                                    lambda w: compute_weights(w, sc), placement.replicas,
                                                    placement.replica_axes)

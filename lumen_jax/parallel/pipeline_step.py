@@ -23,8 +23,9 @@ parameters are summed over `pipeline` once at the end. With replica groups (`dat
 under `fsdp_grad_reduce=once`: `communication.gradient_plan`) the tick loop runs once per group
 under a `vmap`, so the data-parallel reduction also happens once, after the last tick. The other
 mesh axes (data, fsdp, context, tensor) stay automatic inside the `shard_map`, so the model's
-sharding constraints work as without a pipeline. The loss equals one big batch: every micro-batch's objective is divided by the token
-count of the whole batch, as in `step.loss_grads_and_state`.
+sharding constraints work as without a pipeline. The loss equals one big batch: every
+micro-batch's objective is divided by the token count of the whole batch, as in
+`step.loss_grads_and_state`.
 Shape letters: M micro-batches, B rows per micro-batch, T sequence, D d_model, S stash slots.
 """
 
