@@ -23,6 +23,7 @@ import optax
 from flax import nnx, struct
 
 from lumen_jax.model import apply_with_aux
+from lumen_jax.model.loss import token_objective
 from lumen_jax.ops import state as state_lib
 from lumen_jax.parallel import pipeline_step
 
@@ -80,12 +81,7 @@ def _micro_loss(params: dict, model_state: dict, mb: Batch, total_tokens: jax.Ar
     """
     logits_btv, aux = apply_with_aux(sc.graphdef, params, mb["inputs"], mb["positions"], mb["segment_ids"],
                                      model_state)
-    mask = mb["loss_mask"].astype(jnp.float32)
-    ce_sum = (optax.softmax_cross_entropy_with_integer_labels(logits_btv, mb["targets"]) * mask).sum()
-    objective = ce_sum
-    if sc.z_loss:
-        log_z = jax.nn.logsumexp(logits_btv, axis=-1)
-        objective = objective + sc.z_loss * (jnp.square(log_z) * mask).sum()
+    objective, ce_sum = token_objective(logits_btv, mb["targets"], mb["loss_mask"], sc.z_loss)
     objective = objective * scale / total_tokens
     if "loss" in aux:
         objective = objective + aux["loss"] * scale / pieces

@@ -37,10 +37,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from lumen_jax.config import ModelConfig
+from lumen_jax.model.loss import token_objective
 from lumen_jax.model.transformer import merge
 from lumen_jax.parallel import pipeline
 from lumen_jax.parallel.rules import constrain
@@ -113,12 +113,7 @@ def _objective(logits_btv: jax.Array, mb: dict, z_loss: float) -> tuple[jax.Arra
     # a check on the cross-entropy of vocab-sharded logits inside this shard_map when the batch is
     # sharded too (data or fsdp with tensor); the last stage holds [B, T, V] of one micro-batch.
     logits_btv = constrain(logits_btv, ("batch", "seq", None))
-    mask = mb["loss_mask"].astype(jnp.float32)
-    ce_sum = (optax.softmax_cross_entropy_with_integer_labels(logits_btv, mb["targets"]) * mask).sum()
-    if not z_loss:
-        return ce_sum, ce_sum
-    log_z = jax.nn.logsumexp(logits_btv, axis=-1)
-    return ce_sum + z_loss * (jnp.square(log_z) * mask).sum(), ce_sum
+    return token_objective(logits_btv, mb["targets"], mb["loss_mask"], z_loss)
 
 
 def loss_and_grads(pipe: Pipeline, graphdef: Any, params: dict, batch: dict, scale: jax.Array,
