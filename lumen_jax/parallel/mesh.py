@@ -1,4 +1,5 @@
-"""Config -> `jax.sharding.Mesh` with axes (data, fsdp, pipeline, expert, context, tensor), outermost to innermost.
+"""Config -> `jax.sharding.Mesh` with axes (data, fsdp, pipeline, expert, context, tensor),
+outermost to innermost.
 
 Axis types are **Auto** on purpose: parameters and batches get explicit `NamedSharding`s at the jit
 boundary and activations are pinned with `with_sharding_constraint` (see `rules.constrain`); the
@@ -32,19 +33,18 @@ def make_mesh(shape: dict[str, int], devices: Sequence[jax.Device] | None = None
     `across_nodes` {axis: k}: k slices of the axis lie across nodes, shape[axis] / k inside a node
     (see `hybrid_device_grid`); None or all 1: one node.
     """
-    shape = {a: shape.get(a, 1) for a in AXES}  # an axis left out has size 1
-    sizes = tuple(shape[a] for a in AXES)
+    sizes = tuple(shape.get(a, 1) for a in AXES)  # an axis left out has size 1
     types = (AxisType.Auto,) * len(AXES)
-    across_nodes = {a: (across_nodes or {}).get(a, 1) for a in AXES}
-    if all(across_nodes[a] == 1 for a in AXES):
+    if not across_nodes or all(across_nodes.get(a, 1) == 1 for a in AXES):
         return jax.make_mesh(sizes, AXES, axis_types=types, devices=devices)
     grid = hybrid_device_grid(shape, list(jax.devices() if devices is None else devices), across_nodes)
     return Mesh(grid, AXES, axis_types=types)
 
 
 def hybrid_device_grid(shape: dict[str, int], devices: Sequence[Any], across_nodes: dict[str, int]) -> np.ndarray:
-    """Devices arranged along AXES (data, fsdp, pipeline, expert, context, tensor); along each axis the across-node index is the outer
-    part (index = node_part * in_node + in_node_part), so the in-node part stays on one node's links.
+    """Devices arranged along AXES (data, fsdp, pipeline, expert, context, tensor); along each axis
+    the across-node index is the outer part (index = node_part * in_node + in_node_part), so the
+    in-node part stays on one node's links.
 
     A node is a device's slice_index (GPUs: the host or NVLink domain); on CPU, a process.
     """
