@@ -19,15 +19,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lumen_jax.runtime import set_cpu_xla_flags  # noqa: E402
+from lumen_jax.runtime.process import set_cpu_xla_flags  # noqa: E402
 
 set_cpu_xla_flags()
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from lumen_jax.build import build  # noqa: E402
-from lumen_jax.checkpoint import Checkpointer  # noqa: E402
+from lumen_jax.train.build import build  # noqa: E402
+from lumen_jax.checkpoint.manager import Checkpointer  # noqa: E402
 from lumen_jax.config import CheckpointConfig, Config, MeshConfig, ModelConfig  # noqa: E402
 from lumen_jax.parallel.mesh import make_mesh  # noqa: E402
 

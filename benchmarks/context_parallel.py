@@ -26,7 +26,7 @@ from cpu_throughput import compile_step, median_step_ms
 
 from lumen_jax.config import (CONTEXT_PARALLEL, Config, DataConfig, MeshConfig, ModelConfig, RuntimeConfig,
                               TrainConfig)
-from lumen_jax.config_checks import validate
+from lumen_jax.config.checks import validate
 
 MODEL = ModelConfig(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=172, vocab_size=512,
                     compute_dtype="float32")
@@ -60,10 +60,10 @@ def config(a: argparse.Namespace, seq_len: int, c: int) -> Config:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    from lumen_jax import runtime
+    from lumen_jax.runtime import process as runtime
     runtime.configure(config(a, a.seq_lens[0], 1).runtime)
     import jax
-    from lumen_jax.build import build
+    from lumen_jax.train.build import build
     from lumen_jax.parallel.mesh import make_mesh
 
     print(f"{jax.devices()[0].device_kind} x{jax.device_count()}; strategy={a.strategy} "

@@ -8,9 +8,9 @@ one CPU device, compiles the step ahead of time (`.lower().compile()`), warms it
 document per row (segment_ids 1, positions 0..T-1, loss_mask 1), the same batch every step, so no
 host data work is timed.
 
-Model FLOPs are `lumen_jax.flops.flops_per_token`: 6 x matmul parameters + 3 x the causal half of
+Model FLOPs are `lumen_jax.metrics.flops.flops_per_token`: 6 x matmul parameters + 3 x the causal half of
 the attention forward; the embedding lookup, norms, softmax, loss and optimizer count nothing (see
-docs/FLOPS.md). The peak is `lumen_jax.metrics.measure_cpu_matmul_peak`: the best FLOP/s of a
+docs/FLOPS.md). The peak is `lumen_jax.metrics.mfu.measure_cpu_matmul_peak`: the best FLOP/s of a
 jitted n x n float32 matmul, n = --peak-n.
 
 The machine is shared: another process on one of the two cores halves both the step and the peak.
@@ -39,7 +39,7 @@ import time
 
 from lumen_jax.config import (ATTENTION_IMPLS, REMAT_POLICIES, Config, DataConfig, MeshConfig, ModelConfig,
                               OptimConfig, RuntimeConfig, TrainConfig)
-from lumen_jax.config_checks import validate
+from lumen_jax.config.checks import validate
 
 # The named shape: d_model 256, 4 layers, 4 heads, 2 kv heads, ffn 688, vocab 4096, fp32.
 SHAPE = ModelConfig(d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=688, vocab_size=4096,
@@ -143,14 +143,14 @@ def xla_flops(compiled) -> float:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     cfg = make_config(a)
-    from lumen_jax import runtime
+    from lumen_jax.runtime import process as runtime
     runtime.configure(cfg.runtime)  # runtime.malloc=reuse applies keep_freed_memory
 
     import jax
-    from lumen_jax import flops
-    from lumen_jax import metrics as metrics_lib
-    from lumen_jax import step as step_lib
-    from lumen_jax.build import build
+    from lumen_jax.metrics import flops
+    from lumen_jax.metrics import mfu as metrics_lib
+    from lumen_jax.train import step as step_lib
+    from lumen_jax.train.build import build
     from lumen_jax.parallel.mesh import make_mesh
 
     mesh_shape = validate(cfg, jax.device_count())

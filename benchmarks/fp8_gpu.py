@@ -63,10 +63,11 @@ def run_recipe(args: argparse.Namespace, recipe: str, compiler_options: dict | N
     import jax
     import numpy as np
 
-    from lumen_jax import flops, metrics
-    from lumen_jax.build import build
-    from lumen_jax.config_checks import validate
-    from lumen_jax.config_files import load_config
+    from lumen_jax.metrics import flops
+    from lumen_jax.metrics import mfu as metrics
+    from lumen_jax.train.build import build
+    from lumen_jax.config.checks import validate
+    from lumen_jax.config.files import load_config
     from lumen_jax.parallel.mesh import make_mesh
     from lumen_jax.plan.compiled import compiled_bytes  # arguments + outputs + temporaries - aliases
 

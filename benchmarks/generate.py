@@ -18,16 +18,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lumen_jax.runtime import set_cpu_xla_flags  # noqa: E402
+from lumen_jax.runtime.process import set_cpu_xla_flags  # noqa: E402
 
 set_cpu_xla_flags()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from lumen_jax import weights  # noqa: E402
+from lumen_jax.checkpoint import weights  # noqa: E402
 from lumen_jax.config import Config, ModelConfig  # noqa: E402
-from lumen_jax.config_files import load_config  # noqa: E402
-from lumen_jax.flops import param_counts  # noqa: E402
+from lumen_jax.config.files import load_config  # noqa: E402
+from lumen_jax.metrics.flops import param_counts  # noqa: E402
 from lumen_jax.generate import ONE_DEVICE, Generator, Sampling  # noqa: E402
 from lumen_jax.model import abstract_model, init_params  # noqa: E402
 from lumen_jax.parallel.mesh import make_mesh  # noqa: E402

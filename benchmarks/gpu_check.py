@@ -85,7 +85,7 @@ def overlap_flags(a: argparse.Namespace, cfg: Any) -> dict[str, Any] | None:
     (`runtime.xla_gpu_flags=none`)."""
     if a.overlap_flags is not None:
         return parse_flags(a.overlap_flags) or None
-    from lumen_jax import runtime
+    from lumen_jax.runtime import process as runtime
     return parse_flags(list(runtime.gpu_xla_flags(cfg))) or None
 
 
@@ -255,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    from lumen_jax.config_files import load_config
+    from lumen_jax.config.files import load_config
 
     start = time.perf_counter()
     deadline = start + a.budget_s

@@ -31,11 +31,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_throughput import synthetic_batch  # noqa: E402
 
-from lumen_jax import flops  # noqa: E402
-from lumen_jax.build import build  # noqa: E402
+from lumen_jax.metrics import flops  # noqa: E402
+from lumen_jax.train.build import build  # noqa: E402
 from lumen_jax.config import MeshConfig, MoeConfig  # noqa: E402
-from lumen_jax.config_checks import validate  # noqa: E402
-from lumen_jax.config_files import load_config  # noqa: E402
+from lumen_jax.config.checks import validate  # noqa: E402
+from lumen_jax.config.files import load_config  # noqa: E402
 from lumen_jax.parallel.mesh import make_mesh  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

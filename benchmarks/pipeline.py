@@ -20,7 +20,7 @@ from cpu_throughput import compile_step, median_step_ms
 
 from lumen_jax.config import (PIPELINE_SCHEDULES, Config, DataConfig, MeshConfig, ModelConfig, RuntimeConfig,
                               TrainConfig)
-from lumen_jax.config_checks import validate
+from lumen_jax.config.checks import validate
 
 MODEL = ModelConfig(d_model=64, num_layers=8, num_heads=4, num_kv_heads=2, ffn_dim=172, vocab_size=512,
                     compute_dtype="float32")
@@ -50,11 +50,11 @@ def config(a: argparse.Namespace, schedule: str, m: int) -> Config:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    from lumen_jax import runtime
+    from lumen_jax.runtime import process as runtime
     runtime.configure(config(a, a.schedules[0], a.micro_batches[0]).runtime)
     import jax
-    from lumen_jax.build import build
-    from lumen_jax.parallel import pipeline
+    from lumen_jax.train.build import build
+    from lumen_jax.parallel.pipeline import schedule as pipeline
     from lumen_jax.parallel.mesh import make_mesh
 
     print(f"{jax.devices()[0].device_kind} x{jax.device_count()}; pipeline={a.stages} data={8 // a.stages}; "

@@ -36,8 +36,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # run as a script from anywhere: lumen_jax.config (no JAX import) is needed
 
 from lumen_jax.config import ConfigError  # noqa: E402
-from lumen_jax.config_files import load_config  # noqa: E402
-from lumen_jax.train import parse_args as parse_train_args, run_dir_for  # noqa: E402
+from lumen_jax.config.files import load_config  # noqa: E402
+from lumen_jax.train.cli import parse_args as parse_train_args, run_dir_for  # noqa: E402
 
 
 def free_port() -> int:

@@ -224,7 +224,7 @@ def _cpu_devices(overrides: Sequence[str]) -> list[str]:
         import jax
 
         from lumen_jax.config import from_dict
-        from lumen_jax.config_files import apply_overrides
+        from lumen_jax.config.files import apply_overrides
         jax.config.update("jax_num_cpu_devices", from_dict(apply_overrides({}, cpu[-1:])).runtime.cpu_devices)
     return [o for o in overrides if o not in cpu]
 
@@ -234,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lumen_jax.data import DataError
     try:
         sampling = _check(args)
-        from lumen_jax import weights
+        from lumen_jax.checkpoint import weights
         from lumen_jax.data import build_tokenizer
         from lumen_jax.model import abstract_model
 

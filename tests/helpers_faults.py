@@ -10,7 +10,7 @@ import hashlib
 import os
 import subprocess
 
-from lumen_jax import train as train_cli
+from lumen_jax.train import cli as train_cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_STEPS = 2

@@ -6,7 +6,7 @@ import os
 import jax
 import numpy as np
 
-from lumen_jax import weights
+from lumen_jax.checkpoint import weights
 from lumen_jax.model import abstract_model, apply
 
 FP32_RTOL = 1e-5

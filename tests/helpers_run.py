@@ -9,7 +9,7 @@ import optax
 
 from conftest import assert_tree_close
 from helpers_data import packed_batch
-from lumen_jax.build import build
+from lumen_jax.train.build import build
 from lumen_jax.config import Config, DataConfig, MeshConfig, ModelConfig, OptimConfig, TrainConfig
 from lumen_jax.parallel.mesh import make_mesh
 

@@ -1,7 +1,7 @@
 """Bad inputs, table-driven: each is one line on stderr naming the key or path, exit code 2, and the
 existing run directory byte-identical afterwards.
 
-The CLI's function (`lumen_jax.train.main`) runs in-process: every case is rejected before anything
+The CLI's function (`lumen_jax.train.cli.main`) runs in-process: every case is rejected before anything
 compiles. Only a platform this machine lacks needs a subprocess (JAX's platform is chosen once per
 process). The run directory every case points at is one tiny trained run shared by the module.
 """
@@ -13,9 +13,9 @@ import sys
 import pytest
 
 from helpers_faults import REPO, RUN_STEPS, args, fill, snapshot, tmpfs, trained_run
-from lumen_jax import train as train_cli
-from lumen_jax.config_checks import warnings
-from lumen_jax.config_files import load_config
+from lumen_jax.train import cli as train_cli
+from lumen_jax.config.checks import warnings
+from lumen_jax.config.files import load_config
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def places(tmp_path_factory):
 def _inject_faults(monkeypatch, places):
     """Where no tmpfs could be mounted: the same call (the run directory's probe write) fails as they would."""
     import errno
-    from lumen_jax import rundir
+    from lumen_jax.runtime import rundir
 
     real = rundir.os.fsync
 

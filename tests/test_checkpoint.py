@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from helpers_data import packed_batch
-from lumen_jax import train as train_cli
-from lumen_jax.build import build
-from lumen_jax.checkpoint import Checkpointer
-from lumen_jax.checksums import nonfinite_paths
+from lumen_jax.train import cli as train_cli
+from lumen_jax.train.build import build
+from lumen_jax.checkpoint.manager import Checkpointer
+from lumen_jax.runtime.checksums import nonfinite_paths
 from lumen_jax.config import CheckpointConfig, Config, MeshConfig, ModelConfig
 from lumen_jax.parallel.mesh import make_mesh
 from lumen_jax.parallel.sdc import find_divergent_replicas
@@ -164,7 +164,7 @@ def test_maybe_save_decides_when_a_save_is_due(tmp_path):
 
 
 def test_nonfinite_guard_counts_one_step_late_and_raises_in_a_row():
-    from lumen_jax.loop import Diverged, NonFiniteGuard
+    from lumen_jax.train.loop import Diverged, NonFiniteGuard
     guard = NonFiniteGuard(3, "/ckpts")
     for step, skipped in enumerate([0, 1, 1, 0, 1, 1], start=1):
         guard.after_step(step, {"skipped": np.int32(skipped)})
@@ -176,7 +176,7 @@ def test_nonfinite_guard_counts_one_step_late_and_raises_in_a_row():
 
 
 def test_fault_hooks_only_with_the_variable(tmp_path, monkeypatch):
-    from lumen_jax.loop import fault_hooks
+    from lumen_jax.train.loop import fault_hooks
     monkeypatch.delenv("LUMEN_FAULT_SIGKILL_AFTER_STEPS", raising=False)
     monkeypatch.delenv("LUMEN_FAULT_PROCESS", raising=False)
     assert fault_hooks(str(tmp_path)) == []
@@ -224,7 +224,7 @@ def test_sdc_check_names_the_perturbed_replica():
 def _as_process_0_of_several(monkeypatch) -> None:
     """train.main ends as process 0 of a multi-process run does: it records its exit code in
     events.jsonl (what the supervisor trusts over a launcher's), then leaves (here: SystemExit)."""
-    from lumen_jax import distributed
+    from lumen_jax.runtime import distributed
 
     def leave(code: int):
         raise SystemExit(code)
@@ -241,7 +241,7 @@ def test_sdc_check_in_a_real_run_exits_4_and_records_it(tmp_path, capsys, monkey
     """data=4 fsdp=2: one of the 4 replicas of an lm_head shard goes bad after step 3 (its arithmetic,
     say); the check every 2 steps finds it at step 4, names the device (the majority of its replica
     group disagrees with it), and the run stops with exit code 4."""
-    from lumen_jax import build as build_lib
+    from lumen_jax.train import build as build_lib
     real_build, bad = build_lib.build, []
 
     def build_with_a_bad_replica(cfg, mesh):

@@ -52,7 +52,7 @@ def test_pipelined_data_parallel_gradients_cross_once_per_step(schedule):
     one reduction of a device's gradients (its stage's blocks and the replicated embedding, norm and
     output), not one per tick (1f1b has 10 ticks here; before: 7.7 times the gradient bytes per step,
     zero_bubble 10 times)."""
-    from lumen_jax.build import build
+    from lumen_jax.train.build import build
     from lumen_jax.parallel.mesh import make_mesh
     from lumen_jax.plan.compiled import abstract_step_args
 
@@ -103,7 +103,7 @@ def test_weights_are_cast_to_bf16_while_sharded(regather):
     has a bfloat16 sharding constraint of its shape, fsdp-sharded (per_micro_batch) or gathered
     (per_step). (XLA:CPU then runs every bf16 collective in f32, so the compiled CPU program cannot
     show the bf16 bytes: JAX_NOTES.md.)"""
-    from lumen_jax.build import build
+    from lumen_jax.train.build import build
     from lumen_jax.plan.compiled import abstract_step_args
     from lumen_jax.parallel.mesh import make_mesh
 
@@ -156,7 +156,7 @@ def test_gpu_overlap_flags_reach_xla(tmp_path):
 
     code = f"""
 import glob
-from lumen_jax import runtime
+from lumen_jax.runtime import process as runtime
 from lumen_jax.config import Config, RuntimeConfig
 cfg = Config()
 runtime.configure(RuntimeConfig(cpu_devices=1, compilation_cache_dir="", platform="cpu"), runtime.gpu_xla_flags(cfg))
@@ -167,7 +167,7 @@ print(open(glob.glob({str(tmp_path)!r} + "/*debug_options")[0]).read())
     env = {**os.environ, "XLA_FLAGS": ""}  # not the flags an in-process run of this session left there
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    from lumen_jax import runtime
+    from lumen_jax.runtime import process as runtime
     from lumen_jax.config import Config
 
     flags = runtime.gpu_xla_flags(Config())
@@ -203,7 +203,7 @@ def test_kept_weights_that_do_not_fit_are_a_config_error():
     """per_step keeps llama3_70b's gathered bf16 weights (17.6 GB per device on fsdp=128, tensor=8):
     a device of 10 GB cannot hold them (one line, before anything compiles); 80 GB can."""
     from lumen_jax.config import ConfigError
-    from lumen_jax.config_files import load_config
+    from lumen_jax.config.files import load_config
     from lumen_jax.plan.memory import check_kept_weights_fit
 
     import os

@@ -16,8 +16,8 @@ import yaml
 
 from lumen_jax import config as C
 from lumen_jax.config import Config, ConfigError, from_dict, to_dict
-from lumen_jax.config_checks import validate
-from lumen_jax.config_files import load_config
+from lumen_jax.config.checks import validate
+from lumen_jax.config.files import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -133,8 +133,8 @@ def test_gin_errors(tmp_path):
 
 
 def test_jax_not_imported():
-    code = ("import sys, lumen_jax.config; assert 'lumen_jax.config_files' not in sys.modules; "
-            "import lumen_jax.config_files as c; c.load_config('configs/tiny.gin'); assert 'jax' not in sys.modules")
+    code = ("import sys, lumen_jax.config; assert 'lumen_jax.config.files' not in sys.modules; "
+            "import lumen_jax.config.files as c; c.load_config('configs/tiny.gin'); assert 'jax' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
@@ -453,14 +453,14 @@ def test_moved_keys_are_errors_not_aliases(tmp_path, section, key, value, new):
 
 
 def test_moved_key_through_the_cli_exits_2(capsys):
-    from lumen_jax import train as train_cli
+    from lumen_jax.train import cli as train_cli
     rc = train_cli.main(["--config", cfg_path("tiny.yaml"), "optim.zero_stage=1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err == ["error: optim.zero_stage moved to mesh.zero_stage"]
 
 
 def test_fp8_error_through_the_cli_exits_2(capsys):
-    from lumen_jax import train as train_cli
+    from lumen_jax.train import cli as train_cli
     rc = train_cli.main(["--config", cfg_path("tiny.yaml"), "model.fp8.recipe=e5m2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "model.fp8.recipe='e5m2' is not one of the allowed values" in err[0]

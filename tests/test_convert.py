@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from helpers_hf import FP32_RTOL, TOKENS, hf_logits, make_hf, our_logits
-from lumen_jax import weights
+from lumen_jax.checkpoint import weights
 from lumen_jax.convert.__main__ import main as convert
 
 @pytest.fixture(scope="module")

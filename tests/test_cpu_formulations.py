@@ -13,7 +13,7 @@ import pytest
 
 from conftest import assert_tree_close
 from lumen_jax.config import REMAT_POLICIES, ModelConfig
-from lumen_jax.build import build
+from lumen_jax.train.build import build
 from lumen_jax.config import Config, MeshConfig
 from lumen_jax.model import apply, init_params, param_shapes_and_names
 from lumen_jax.ops.choice import Ops, choose

@@ -16,11 +16,11 @@ import pytest
 import helpers_hf
 import yaml
 
-from lumen_jax import weights
+from lumen_jax.checkpoint import weights
 from lumen_jax.config import ConfigError, to_dict
-from lumen_jax.config_checks import validate
-from lumen_jax.config_files import load_config
-from lumen_jax.evaluate import evaluate, main as evaluate_cli
+from lumen_jax.config.checks import validate
+from lumen_jax.config.files import load_config
+from lumen_jax.train.evaluate import evaluate, main as evaluate_cli
 from lumen_jax.model import abstract_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 
 from conftest import assert_tree_close
 from helpers_data import packed_batch
-from lumen_jax.build import build
+from lumen_jax.train.build import build
 from lumen_jax.config import ModelConfig
 from lumen_jax.kernels import flash_attention as fa
 from lumen_jax.kernels import flash_tiles

@@ -1,4 +1,4 @@
-"""The FLOP formulas of lumen_jax.flops against XLA's own count of the compiled train step.
+"""The FLOP formulas of lumen_jax.metrics.flops against XLA's own count of the compiled train step.
 
 What XLA counts (jax 0.10.2, CPU `cost_analysis()['flops']`), found while writing these tests:
 
@@ -19,10 +19,10 @@ import jax
 import pytest
 
 from helpers_data import packed_batch
-from lumen_jax import flops
-from lumen_jax.build import build
+from lumen_jax.metrics import flops
+from lumen_jax.train.build import build
 from lumen_jax.config import Config, MeshConfig
-from lumen_jax.config_files import load_config
+from lumen_jax.config.files import load_config
 from lumen_jax.parallel.mesh import make_mesh
 
 REL_TOL = 0.05

@@ -199,13 +199,13 @@ def test_hlo_check_finds_fp8_dots():
 # The model: per-layer flags, the train step, checkpoints
 # --------------------------------------------------------------------------------------------------
 
-from lumen_jax import step as step_lib  # noqa: E402
-from lumen_jax.build import build  # noqa: E402
+from lumen_jax.train import step as step_lib  # noqa: E402
+from lumen_jax.train.build import build  # noqa: E402
 from typing import Any  # noqa: E402
 
 from flax import struct  # noqa: E402
 
-from lumen_jax.checkpoint import Checkpointer  # noqa: E402
+from lumen_jax.checkpoint.manager import Checkpointer  # noqa: E402
 from lumen_jax.config import (CheckpointConfig, Config, DataConfig, Fp8Config, MeshConfig,  # noqa: E402
                               ModelConfig, OptimConfig, TrainConfig)
 from lumen_jax.ops.choice import Ops  # noqa: E402
@@ -355,7 +355,7 @@ def test_micro_batches_combine_histories_by_max():
 
 
 def test_mfu_against_the_fp8_and_the_bf16_peak():
-    from lumen_jax import metrics
+    from lumen_jax.metrics import mfu as metrics
     h100 = metrics.device_peak_flops("NVIDIA H100 80GB HBM3", "fp8")
     assert h100 == 1979e12 and metrics.device_peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
     m = metrics.StepMetrics.compute(1.0, 1000, 1, 1e12, 1e12, h100, 989e12)

@@ -8,7 +8,7 @@ import pytest
 import helpers_hf
 
 from helpers_hf import FP32_RTOL, hf_greedy
-from lumen_jax import weights
+from lumen_jax.checkpoint import weights
 from lumen_jax.generate import ONE_DEVICE, Generator, Sampling, main as generate
 from lumen_jax.model import apply
 

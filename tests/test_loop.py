@@ -9,7 +9,9 @@ import types
 
 import pytest
 
-from lumen_jax import checkpoint as checkpoint_lib, loop, train as train_cli
+from lumen_jax.checkpoint import manager as checkpoint_lib
+from lumen_jax.train import loop
+from lumen_jax.train import cli as train_cli
 
 IN_PROCESS = ["runtime.cpu_devices=0", "runtime.compilation_cache_dir=", "log.progress=false",
               "log.tensorboard=false"]

@@ -12,7 +12,9 @@ import jax.numpy as jnp
 import pytest
 
 from helpers_run import BASE, with_mesh
-from lumen_jax import flops, kernel_compile, lower
+from lumen_jax.metrics import flops
+from lumen_jax.plan import kernel_compile
+from lumen_jax.plan import lower
 from lumen_jax.config import MeshConfig
 from lumen_jax.kernels.flash_attention import BlockSizes, flash_attention
 from lumen_jax.plan import hlo

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lumen_jax import flops, metrics
+from lumen_jax.metrics import flops
+from lumen_jax.metrics import mfu as metrics, writers
 from lumen_jax.config import REMAT_POLICIES, ModelConfig
 
 SMALL = ModelConfig()  # d_model=64, layers=2, heads=4, kv_heads=2, ffn_dim=172, vocab=512
@@ -188,7 +189,7 @@ def _read_tb_scalars(path: str) -> dict[str, list[tuple[int, float]]]:
 
 def test_writer_jsonl_and_tensorboard(tmp_path):
     run_dir = str(tmp_path / "run")
-    with metrics.MetricsWriter(run_dir) as writer:
+    with writers.MetricsWriter(run_dir) as writer:
         writer.write(1, {"loss": jnp.float32(2.5), "lr": np.float64(3e-4), "tokens": np.int64(64)})
         writer.write(2, {"loss": jnp.array(1.25), "note": "hello", "mfu": 0.5})
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -205,7 +206,7 @@ def test_writer_jsonl_and_tensorboard(tmp_path):
 def test_writer_appends_on_resume_and_jsonl_only(tmp_path):
     run_dir = str(tmp_path)
     for step in (1, 2):
-        with metrics.MetricsWriter(run_dir, tensorboard=False) as writer:
+        with writers.MetricsWriter(run_dir, tensorboard=False) as writer:
             writer.write(step, {"loss": float(step)})
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         assert [json.loads(line)["step"] for line in f] == [1, 2]
@@ -214,7 +215,7 @@ def test_writer_appends_on_resume_and_jsonl_only(tmp_path):
 
 def test_disabled_writer_writes_nothing(tmp_path):
     run_dir = tmp_path / "run"
-    writer = metrics.MetricsWriter(str(run_dir), enabled=False)
+    writer = writers.MetricsWriter(str(run_dir), enabled=False)
     writer.write(1, {"loss": 1.0})
     writer.close()
     writer.close()
@@ -223,13 +224,13 @@ def test_disabled_writer_writes_nothing(tmp_path):
 
 def test_progress_enabled_and_disabled(capsys):
     # tqdm redraws at most every 0.1 s; closing the bar draws its last state, so that is what is read.
-    with metrics.Progress(10, enabled=True) as bar:
+    with writers.Progress(10, enabled=True) as bar:
         bar.update(3, {"loss": jnp.float32(1.5), "tokens_per_sec": 1234.0, "mfu": 0.42})
     shown = capsys.readouterr().err.split("\r")[-1]
     assert "3/10" in shown and "loss 1.5000" in shown and "1,234 tok/s" in shown and "MFU 42.0%" in shown, shown
-    with metrics.Progress(10, enabled=True) as bar:
+    with writers.Progress(10, enabled=True) as bar:
         bar.update(5, {"loss": math.nan})
     assert "5/10" in capsys.readouterr().err
-    with metrics.Progress(10, enabled=False) as bar:
+    with writers.Progress(10, enabled=False) as bar:
         bar.update(3, {"loss": 1.0})
     assert capsys.readouterr().err == ""

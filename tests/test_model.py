@@ -12,14 +12,14 @@ import pytest
 
 from conftest import assert_tree_close
 from helpers_data import packed_batch
-from lumen_jax import step as step_lib
-from lumen_jax.build import build
+from lumen_jax.train import step as step_lib
+from lumen_jax.train.build import build
 from lumen_jax.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
-from lumen_jax.flops import param_counts
+from lumen_jax.metrics.flops import param_counts
 from lumen_jax.model import apply, init_params, param_shapes_and_names
 from lumen_jax.model.layers import apply_rope, rope_frequencies
 from lumen_jax.ops.reference import reference
-from lumen_jax.optim import make_optimizer, schedule
+from lumen_jax.train.optim import make_optimizer, schedule
 from lumen_jax.parallel.mesh import make_mesh
 from helpers_run import BASE, assert_same_run, run, with_mesh
 

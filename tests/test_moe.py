@@ -12,10 +12,10 @@ from jax.sharding import NamedSharding
 
 from helpers_data import packed_batch
 from helpers_run import BASE, assert_same_run, run, with_mesh
-from lumen_jax import flops
-from lumen_jax.build import build
+from lumen_jax.metrics import flops
+from lumen_jax.train.build import build
 from lumen_jax.config import ConfigError, MoeConfig, from_dict, to_dict
-from lumen_jax.config_checks import validate
+from lumen_jax.config.checks import validate
 from lumen_jax.model import param_shapes_and_names
 from lumen_jax.ops import moe as moe_ops
 from lumen_jax.parallel import expert
@@ -230,7 +230,7 @@ def test_param_counts_count_active_experts():
 def test_checkpoint_reshards_across_expert_meshes(tmp_path):
     """Saved on expert=4,data=2, restored on expert=2,fsdp=2,tensor=2 and on one device: same values,
     the target shardings (expert weights split over the other `expert` axis size)."""
-    from lumen_jax.checkpoint import Checkpointer
+    from lumen_jax.checkpoint.manager import Checkpointer
     from lumen_jax.config import CheckpointConfig, MeshConfig
 
     def trainer(devices=None, **axes):

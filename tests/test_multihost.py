@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lumen_jax import distributed as D
+from lumen_jax.runtime import distributed as D
 from lumen_jax.config import ConfigError, DistributedConfig
-from lumen_jax.config_checks import validate
-from lumen_jax.config_files import load_config
+from lumen_jax.config.checks import validate
+from lumen_jax.config.files import load_config
 from lumen_jax.parallel.mesh import hybrid_device_grid, make_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,7 +12,7 @@ import pytest
 
 from lumen_jax.config import ModelConfig, OptimConfig
 from lumen_jax.model import init_params, param_shapes_and_names
-from lumen_jax.optim import decay_mask, make_optimizer, schedule
+from lumen_jax.train.optim import decay_mask, make_optimizer, schedule
 
 MODEL = ModelConfig(d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64, vocab_size=64,
                     compute_dtype="float32")

@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers_run import BASE, assert_same_run, run, with_mesh
-from lumen_jax.build import build
+from lumen_jax.train.build import build
 from lumen_jax.parallel.mesh import make_mesh
 
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from helpers_run import BASE, FP32_RTOL, batches, run, assert_same_run, with_mesh
-from lumen_jax import flops
-from lumen_jax.build import build
-from lumen_jax.checkpoint import Checkpointer
+from lumen_jax.metrics import flops
+from lumen_jax.train.build import build
+from lumen_jax.checkpoint.manager import Checkpointer
 from lumen_jax.config import CheckpointConfig, ConfigError, MeshConfig, from_dict
-from lumen_jax.config_checks import validate
+from lumen_jax.config.checks import validate
 from lumen_jax.parallel.mesh import make_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -173,7 +173,7 @@ def test_checkpoint_moves_between_pipeline_depths(reference, tmp_path, first, th
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
 def test_planner_reads_mesh_pipeline_and_the_table_bubble(schedule):
     from lumen_jax import plan
-    from lumen_jax.parallel import pipeline
+    from lumen_jax.parallel.pipeline import schedule as pipeline
 
     cfg = with_mesh(CFG, micro_batches=8, pipeline=4, fsdp=2, pipeline_schedule=schedule)
     cfg = cfg.replace(data=dataclasses.replace(cfg.data, global_batch_size=16))

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from lumen_jax.parallel import pipeline
+from lumen_jax.parallel.pipeline import schedule as pipeline
 
 GRID = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 4, 8, 12, 16, 32)]
 

@@ -17,10 +17,12 @@ import pytest
 from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import NamedSharding, PartitionSpec
 
-from lumen_jax import flops, metrics, plan
-from lumen_jax.build import build
+from lumen_jax.metrics import flops
+from lumen_jax.metrics import mfu as metrics
+from lumen_jax import plan
+from lumen_jax.train.build import build
 from lumen_jax.config import Fp8Config, MeshConfig, ModelConfig
-from lumen_jax.config_files import load_config
+from lumen_jax.config.files import load_config
 from lumen_jax.parallel.mesh import make_mesh
 from lumen_jax.plan.cli import main
 from lumen_jax.plan.compiled import against_xla, compile_step
@@ -126,7 +128,7 @@ def test_pipeline_plan_follows_the_schedule_table():
     """Stash slots, bubble and layout come from the schedule the trainer runs (`pipeline.program`);
     one chunk's residuals of one micro-batch; the embedding and logits weights are on every stage;
     HFU counts the stage recompute."""
-    from lumen_jax.parallel import pipeline
+    from lumen_jax.parallel.pipeline import schedule as pipeline
 
     slot = 1 * 128 * 64 * 4  # one [1, 128, 64] fp32 stage input at m=8 (16 rows / data=2 / 8)
     plans = {}
@@ -161,7 +163,7 @@ def test_pipeline_plan_follows_the_schedule_table():
 def test_search_ranks_pipeline_schedules(capsys):
     """--search with stages tries every schedule that can run them (interleaved with V=2 where the
     layers divide), each with its table's bubble; the schedule is in the JSON layout."""
-    from lumen_jax.parallel import pipeline
+    from lumen_jax.parallel.pipeline import schedule as pipeline
 
     assert main(["--config", "configs/tiny.yaml", "--devices", "2", "--search", "--top", "200", "--json",
                  "mesh.pipeline=2", "model.num_layers=4"]) == 0

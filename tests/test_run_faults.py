@@ -18,10 +18,10 @@ import pytest
 from helpers_data import packed_batch
 from helpers_faults import REPO, RUN_STEPS, args, snapshot, tmpfs, trained_run
 from helpers_run import BASE, with_mesh
-from lumen_jax import train as train_cli
-from lumen_jax.build import build
-from lumen_jax.checkpoint import Checkpointer, NonFiniteState
-from lumen_jax.checksums import nonfinite_paths
+from lumen_jax.train import cli as train_cli
+from lumen_jax.train.build import build
+from lumen_jax.checkpoint.manager import Checkpointer, NonFiniteState
+from lumen_jax.runtime.checksums import nonfinite_paths
 from lumen_jax.config import CheckpointConfig, OptimConfig
 from lumen_jax.parallel.mesh import make_mesh
 
@@ -111,7 +111,7 @@ def test_a_nonfinite_state_is_never_saved_nor_restored(one_device_trainer, tmp_p
     assert ckpt.steps() == [1]
     # As an earlier version would have: step 2 written with NaN (checksums of its own bits).
     import orbax.checkpoint as ocp
-    from lumen_jax.checksums import checksum_list
+    from lumen_jax.runtime.checksums import checksum_list
     ckpt._manager.save(2, args=ocp.args.Composite(state=ocp.args.StandardSave(poisoned), meta=ocp.args.JsonSave(
         {"checksums": checksum_list(poisoned)})), force=True)
     ckpt.wait()

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from lumen_jax.config import ConfigError
-from lumen_jax.config_checks import validate
-from lumen_jax.config_files import load_config
+from lumen_jax.config.checks import validate
+from lumen_jax.config.files import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 120
@@ -130,7 +130,7 @@ def test_mesh_error_names_the_axis_that_was_set():
 
 def test_vocab_smaller_than_the_tokenizer_exits_2_before_anything_is_written(tmp_path, capsys):
     """In process: the check runs after the data is opened, before the run directory is made."""
-    from lumen_jax import train as train_cli
+    from lumen_jax.train import cli as train_cli
     run_dir = tmp_path / "run"
     rc = train_cli.main(["--config", os.path.join(REPO, "configs/tiny.yaml"), f"train.run_dir={run_dir}",
                          "model.vocab_size=200", "train.steps=1", "optim.warmup_steps=0", "runtime.cpu_devices=0",

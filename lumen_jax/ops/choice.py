@@ -1,6 +1,6 @@
 """The one place that decides how each op runs: `choose(model, devices)` -> `Ops`, when the step is built.
 
-`lumen_jax.build` calls `choose` once, from the config and the devices of the mesh; the model
+`lumen_jax.train.build` calls `choose` once, from the config and the devices of the mesh; the model
 receives the `Ops` (a static part of its graph) and hands it to every op it calls, so no op asks at
 trace time where it runs. What is decided:
 

@@ -8,7 +8,7 @@ make model code carry `out_sharding=` on every ambiguous op (embedding lookup, r
 matmuls), which is mesh knowledge the model must not have.
 
 Across nodes each axis is split into an across-node and an in-node part (`across_nodes`, chosen by
-`lumen_jax.distributed.across_nodes`); `create_hybrid_device_mesh` keeps the in-node parts on NVLink.
+`lumen_jax.runtime.distributed.across_nodes`); `create_hybrid_device_mesh` keeps the in-node parts on NVLink.
 `jax.make_mesh` refuses devices from several slices (nodes), so a multi-node mesh is always hybrid.
 """
 

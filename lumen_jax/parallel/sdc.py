@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from lumen_jax.checksums import checksums
+from lumen_jax.runtime.checksums import checksums
 
 
 def _local_checksums(mesh: Mesh, tree: Any) -> list[np.ndarray]:

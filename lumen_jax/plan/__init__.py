@@ -14,7 +14,7 @@ XLA, and a worked 7B/70B example are in docs/PLANNING.md.
   section, plus pipeline stages and micro-batches).
 - `memory`: `state_bytes` (exact, from the parameter shapes and the sharding rules), `activation_bytes`.
 - `cost`: `flops_per_device`, `compiled_flops_per_device`, `bubble_fraction`, `collectives` per mesh
-  axis. FLOP counts per token are `lumen_jax.flops`'s (one count for the trainer and the planner).
+  axis. FLOP counts per token are `lumen_jax.metrics.flops`'s (one count for the trainer and the planner).
 - `predict`: `predict` -> `Plan` (bytes, FLOPs, step time, MFU, verdict), `search`.
 - `compiled`: `compile_step`, `against_xla`: the real step compiled on emulated CPU devices, XLA's
   bytes and FLOPs next to the plan's (`--against-xla`; imported on use: it loads the trainer).

@@ -9,10 +9,10 @@ import json
 import sys
 from typing import Sequence
 
-from lumen_jax import flops
+from lumen_jax.metrics import flops
 from lumen_jax.config import Config, ConfigError, RuntimeConfig
-from lumen_jax.config_checks import validate
-from lumen_jax.config_files import load_config
+from lumen_jax.config.checks import validate
+from lumen_jax.config.files import load_config
 from lumen_jax.plan.hardware import DEVICES, Hardware, layout_from_config
 from lumen_jax.plan.predict import Plan, predict, search
 
@@ -151,7 +151,7 @@ def emulate_cpu_devices(n: int, what: str = "--against-xla") -> None:
     """`n` emulated CPU devices, set before the JAX backend starts (`runtime.configure`), for `what`
     (`--against-xla` here, `python -m lumen_jax.lower`). When a caller has started JAX already, its
     CPU devices must suffice."""
-    from lumen_jax import runtime
+    from lumen_jax.runtime import process as runtime
 
     try:
         runtime.configure(RuntimeConfig(cpu_devices=n, platform="cpu", compilation_cache_dir="", malloc="default"))

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from lumen_jax.build import Trainer, build
+from lumen_jax.train.build import Trainer, build
 from lumen_jax.config import Config, ConfigError, MeshConfig
 from lumen_jax.data import BATCH_KEYS
 from lumen_jax.parallel.mesh import make_mesh
@@ -25,7 +25,7 @@ from lumen_jax.plan import hlo
 from lumen_jax.plan.cost import compiled_flops_per_device
 from lumen_jax.plan.hardware import Layout
 from lumen_jax.plan.predict import Plan
-from lumen_jax.step import TrainState
+from lumen_jax.train.step import TrainState
 
 
 @dataclasses.dataclass(frozen=True)

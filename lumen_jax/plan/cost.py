@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from lumen_jax import flops
+from lumen_jax.metrics import flops
 from lumen_jax.config import ModelConfig
 from lumen_jax.parallel import context as context_lib
 from lumen_jax.plan.hardware import AXES, Hardware, Layout, compute_bytes

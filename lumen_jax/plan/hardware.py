@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from lumen_jax import metrics
+from lumen_jax.metrics import mfu as metrics
 from lumen_jax.config import Config, ConfigError, MeshConfig, ModelConfig
-from lumen_jax.config_checks import validate
-from lumen_jax.parallel import pipeline as pipeline_lib
+from lumen_jax.config.checks import validate
+from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 
 # Outermost -> innermost (innermost: in a node), the trainer's mesh order (`MeshConfig.AXES`): planned
 # pipeline stages (`--pipeline`) sit where `mesh.pipeline` does, inside data and fsdp.

@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import print_saved_residuals
 
-from lumen_jax import flops
+from lumen_jax.metrics import flops
 from lumen_jax.config import ConfigError, MeshConfig, ModelConfig
 from lumen_jax.model import apply, param_shapes_and_names
 from lumen_jax.ops.choice import Ops
-from lumen_jax.parallel import pipeline as pipeline_lib
+from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.parallel import rules as rules_lib
 from lumen_jax.parallel.rules import Rules
 from lumen_jax.plan.hardware import Layout, compute_bytes

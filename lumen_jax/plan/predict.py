@@ -6,9 +6,9 @@ import dataclasses
 import itertools
 from typing import Any
 
-from lumen_jax import flops
+from lumen_jax.metrics import flops
 from lumen_jax.config import ATTENTION_IMPLS, Config, MeshConfig, ModelConfig
-from lumen_jax.parallel import pipeline as pipeline_lib
+from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.plan.cost import (Collective, collectives, context_score_fraction,
                                  planned_flops_per_token)
 from lumen_jax.plan.hardware import Hardware, Layout

@@ -23,13 +23,18 @@ from typing import Any, Callable, Iterator
 
 import jax
 
-from lumen_jax import distributed, flops as flops_lib, metrics as metrics_lib, resume, runlog, weights
-from lumen_jax.build import Trainer
-from lumen_jax.checkpoint import Checkpointer
+from lumen_jax.runtime import distributed
+from lumen_jax.metrics import flops as flops_lib
+from lumen_jax.metrics import mfu as metrics_lib, writers
+from lumen_jax.checkpoint import resume
+from lumen_jax.runtime import logs as runlog
+from lumen_jax.checkpoint import weights
+from lumen_jax.train.build import Trainer
+from lumen_jax.checkpoint.manager import Checkpointer
 from lumen_jax.config import Config, to_dict
 from lumen_jax.data import DataError
 from lumen_jax.parallel.sdc import find_divergent_replicas
-from lumen_jax.stopsignal import StopSignal
+from lumen_jax.runtime.signals import StopSignal
 
 
 class Preempted(Exception):
@@ -232,10 +237,10 @@ def _run(cfg: Config, trainer: Trainer, data: Iterator, run_dir: str, stop: Stop
     try:
         # A resumed attempt's rows carry its number (steps after the checkpoint are logged again);
         # TensorBoard drops the earlier attempt's events from the first replayed step on.
-        with metrics_lib.MetricsWriter(run_dir, jsonl=cfg.log.jsonl, tensorboard=cfg.log.tensorboard,
+        with writers.MetricsWriter(run_dir, jsonl=cfg.log.jsonl, tensorboard=cfg.log.tensorboard,
                                        enabled=is_main, attempt=attempt,
                                        purge_step=start + 1 if start else None) as writer, \
-                metrics_lib.Progress(cfg.train.steps, enabled=is_main and cfg.log.progress,
+                writers.Progress(cfg.train.steps, enabled=is_main and cfg.log.progress,
                                      initial_step=start) as progress:
             t_last, steps_since = time.perf_counter(), 0
             for step in range(start + 1, cfg.train.steps + 1):

@@ -34,9 +34,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from lumen_jax import runlog
-from lumen_jax.checksums import checksum_list, nonfinite_paths
-from lumen_jax.resume import committed_steps
+from lumen_jax.runtime import logs as runlog
+from lumen_jax.runtime.checksums import checksum_list, nonfinite_paths
+from lumen_jax.checkpoint.layout import committed_steps
 from lumen_jax.config import CheckpointConfig
 
 

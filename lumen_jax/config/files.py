@@ -1,7 +1,7 @@
 """Reading config files: YAML (with `base:`), gin, and dotted command-line overrides.
 
 `load_config` is the entry point. This module holds the file formats and imports the schema, the
-conversion and the validation from lumen_jax/config.py (which does not import this module). No JAX
+conversion and the validation from lumen_jax/config/schema.py (which does not import this module). No JAX
 import here either.
 """
 
@@ -175,7 +175,7 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
 
     Returns:
       The Config, named after the file's stem ("default" when path is None). Not yet checked
-      against a device count: call `lumen_jax.config_checks.validate` for that.
+      against a device count: call `lumen_jax.config.checks.validate` for that.
     """
     raw: dict[str, Any] = {}
     name = "default"

@@ -16,19 +16,17 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from lumen_jax import checkpoint
+from lumen_jax.checkpoint import manager as checkpoint
 from lumen_jax.config import Config
 from lumen_jax.data import BATCH_KEYS
 from lumen_jax.model import abstract_model, init as init_model
 from lumen_jax.ops import projection
 from lumen_jax.ops.choice import Ops, choose
-from lumen_jax.optim import make_optimizer, schedule
+from lumen_jax.train.optim import make_optimizer, schedule
 from lumen_jax.parallel import communication as comm, context as context_lib
-from lumen_jax.parallel.pipeline_step import Pipeline
+from lumen_jax.parallel.pipeline.executor import Pipeline
 from lumen_jax.parallel.rules import Rules, activate
-from lumen_jax.plan.hardware import Layout
-from lumen_jax.plan.memory import check_kept_weights_fit
-from lumen_jax import step as step_lib
+from lumen_jax.train import step as step_lib
 
 BATCH_AXES = ("batch", "seq")
 
@@ -112,10 +110,6 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
                                                             is_leaf=is_spec))
     batch_sh = named(rules.spec(BATCH_AXES))
     batch_shardings = {k: batch_sh for k in BATCH_KEYS}
-    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]  # memory_stats: addressable only
-    stats = (local[0].memory_stats() or {}) if cfg.mesh.fsdp_regather == "per_step" else {}  # None on CPU
-    check_kept_weights_fit(cfg.model, Layout(dataclasses.replace(cfg.mesh, **dict(mesh.shape)),
-                                             micro_batches=cfg.train.micro_batches), stats.get("bytes_limit"))
     plan = comm.gradient_plan(cfg.mesh, cfg.train.micro_batches, mesh, rules, names, ops.per_replica(cfg.model),
                               pipelined=pipe is not None)
     pin = lambda specs: functools.partial(  # noqa: E731

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Any, Callable
 
 import jax
 
+from lumen_jax.checkpoint.layout import committed_steps, meta_path
 from lumen_jax.config import Config, ConfigError, TrainConfig, show, to_dict
 
 # Model keys that change numerics only, never the state's arrays.
@@ -57,18 +57,9 @@ def _differs(key: str, old: Any, new: Any) -> bool:
     return old != new
 
 
-def committed_steps(checkpoint_dir: str) -> list[int]:
-    """The steps whose folder Orbax committed (renamed from its temporary name), ascending."""
-    try:
-        names = os.listdir(checkpoint_dir)
-    except OSError:
-        return []
-    return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(checkpoint_dir, n)))
-
-
 def _read_meta(checkpoint_dir: str, step: int) -> dict | None:
     try:
-        with open(os.path.join(checkpoint_dir, str(step), "meta", "metadata"), encoding="utf-8") as f:
+        with open(meta_path(checkpoint_dir, step), encoding="utf-8") as f:
             meta = json.load(f)
     except (OSError, ValueError):
         return None  # unreadable: the restore reports it and falls back

@@ -94,7 +94,7 @@ def _moe_checks(m: ModelConfig, shape: dict[str, int]) -> list[tuple[bool, str]]
 
 
 def _pipeline_checks(cfg: Config, shape: dict[str, int]) -> list[tuple[bool, str]]:
-    """mesh.pipeline with its schedule (lumen_jax/parallel/pipeline.py). With one stage every
+    """mesh.pipeline with its schedule (lumen_jax/parallel/pipeline/schedule.py). With one stage every
     schedule is the same m forward-backward passes in a row (gradient accumulation): ignored."""
     mesh, m, layers = cfg.mesh, cfg.train.micro_batches, cfg.model.num_layers
     p, v = shape["pipeline"], mesh.pipeline_virtual_stages

@@ -20,20 +20,14 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from lumen_jax.checksums import checksum_list
+from lumen_jax.checkpoint.layout import STATE, checkpoints_dir, committed_steps, item_dir, meta_path
 from lumen_jax.config import Config, ConfigError, from_dict, to_dict
-
-
-def checkpoints_dir(run_dir: str) -> str:
-    return os.path.join(os.path.abspath(run_dir), "checkpoints")
+from lumen_jax.runtime.checksums import checksum_list
 
 
 def steps(run_dir: str) -> list[int]:
-    """Committed checkpoint steps of `run_dir`, oldest first (folders named by a number)."""
-    d = checkpoints_dir(run_dir)
-    if not os.path.isdir(d):
-        return []
-    return sorted(int(n) for n in os.listdir(d) if n.isdigit() and os.path.isdir(os.path.join(d, n, "state")))
+    """Committed checkpoint steps of `run_dir` that hold their arrays, oldest first."""
+    return committed_steps(checkpoints_dir(run_dir), STATE)
 
 
 def resolve_step(run_dir: str, step: int | None, what: str = "--run-dir") -> int:
@@ -51,7 +45,7 @@ def resolve_step(run_dir: str, step: int | None, what: str = "--run-dir") -> int
 
 
 def _meta(run_dir: str, step: int) -> dict:
-    path = os.path.join(checkpoints_dir(run_dir), str(step), "meta", "metadata")
+    path = meta_path(checkpoints_dir(run_dir), step)
     try:
         with open(path) as f:
             return json.load(f)
@@ -98,7 +92,7 @@ def save_weights(run_dir: str, cfg: Config, params: dict, extra: dict | None = N
 def saved_shapes(run_dir: str, step: int) -> dict[str, tuple[int, ...]]:
     """{'a/b/c': shape} of the saved parameters at `step` (from Orbax's metadata; nothing is read)."""
     with _quiet_absl():
-        meta = ocp.PyTreeCheckpointer().metadata(os.path.join(checkpoints_dir(run_dir), str(step), "state"))
+        meta = ocp.PyTreeCheckpointer().metadata(item_dir(checkpoints_dir(run_dir), step, STATE))
     tree = getattr(meta, "item_metadata", meta)
     tree = getattr(tree, "tree", tree)
     flat = jax.tree_util.tree_flatten_with_path(tree["params"], is_leaf=lambda x: hasattr(x, "shape"))[0]
@@ -136,7 +130,7 @@ def load_params(run_dir: str, step: int, abstract_params: dict, source: str | No
     target = {"params": abstract_params}
     with _quiet_absl():  # Orbax warns that the item folder has no checkpoint metadata (the step folder has)
         restored = ocp.PyTreeCheckpointer().restore(
-        os.path.join(checkpoints_dir(run_dir), str(step), "state"),
+        item_dir(checkpoints_dir(run_dir), step, STATE),
             args=ocp.args.PyTreeRestore(item=target, partial_restore=True,
                                         restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
     return restored["params"]
@@ -172,7 +166,7 @@ class Loaded:
 
 def mesh_overrides(cfg: Config, overrides: Sequence[str], base: dict | None = None) -> Config:
     """`cfg` with its mesh section replaced by `base` (None: keep it) and the `mesh.*` overrides applied."""
-    from lumen_jax.config_files import apply_overrides
+    from lumen_jax.config.files import apply_overrides
 
     raw = to_dict(cfg)
     if base is not None:
@@ -228,7 +222,7 @@ def init_from(path: str, abstract_params: dict) -> dict:
     fix = "make the model section of the config match the weights'"
     if not steps(path) and any(os.path.isfile(os.path.join(path, f))
                                for f in ("model.safetensors", "model.safetensors.index.json")):
-        from lumen_jax.convert.__main__ import read_hf
+        from lumen_jax.convert.hf_dir import read_hf
         _, params = read_hf(path)
         got = {_key(p): tuple(v.shape) for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
         check_shapes(abstract_params, got, f"train.init_from={path!r}", fix)

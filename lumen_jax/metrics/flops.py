@@ -1,6 +1,6 @@
 """FLOP counts of the decoder: parameters, model FLOPs (the MFU numerator), hardware FLOPs (HFU).
 
-Pure arithmetic on `ModelConfig`, no JAX: the trainer's metrics (`lumen_jax.metrics`) and the
+Pure arithmetic on `ModelConfig`, no JAX: the trainer's metrics (`lumen_jax.metrics.mfu`) and the
 planner (`lumen_jax.plan`) both count with these functions. The formulas and the remat
 approximations are written out with a worked example in docs/FLOPS.md. Shape letters: V vocab,
 D d_model, L layers, N heads, K kv heads, H head_dim, F ffn_dim, S sequence length, C context size.

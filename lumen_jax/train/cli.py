@@ -25,8 +25,8 @@ import traceback
 from typing import Sequence
 
 from lumen_jax.config import Config, ConfigError, suggest_key, to_dict
-from lumen_jax.config_checks import validate, warnings
-from lumen_jax.config_files import load_config
+from lumen_jax.config.checks import validate, warnings
+from lumen_jax.config.files import load_config
 
 EXIT_OK, EXIT_BUG, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_CORRUPTION, EXIT_PREEMPTED = 0, 1, 2, 3, 4, 75
 
@@ -63,15 +63,18 @@ def train(cfg: Config, stop=None) -> dict:
     """Train `cfg` to `train.steps` (resuming from its run directory); returns the last metrics.
 
     `stop`: the `stopsignal.StopSignal` installed at start-up (None: the loop installs its own)."""
-    from lumen_jax import distributed, runtime
+    from lumen_jax.runtime import distributed
+    from lumen_jax.runtime import process as runtime
     runtime.configure(cfg.runtime, runtime.gpu_xla_flags(cfg))
     distributed.initialize(cfg.distributed)  # several processes: before anything touches a device
 
     import jax
-    from lumen_jax import loop, resume, rundir
-    from lumen_jax.build import build
+    from lumen_jax.train import loop
+    from lumen_jax.checkpoint import resume
+    from lumen_jax.runtime import rundir
+    from lumen_jax.train.build import build
     from lumen_jax.data import TrainData
-    from lumen_jax.evaluate import during_training
+    from lumen_jax.train.evaluate import during_training
     from lumen_jax.parallel.mesh import make_mesh
 
     num_devices = runtime.device_count(cfg.runtime)  # a platform this machine lacks: exit 2
@@ -85,6 +88,8 @@ def train(cfg: Config, stop=None) -> dict:
         rundir.prepare(run_dir)  # a file in its place, read-only, full: exit 2 before compiling
     trainer = build(cfg, make_mesh(mesh_shape, across_nodes=distributed.across_nodes(
         cfg.distributed, mesh_shape, jax.devices())))
+    if cfg.mesh.fsdp_regather == "per_step":
+        _check_kept_weights_fit(cfg, trainer.mesh)
     share, shares = distributed.batch_share(trainer.batch_sharding, cfg.data.global_batch_size, cfg.data.seq_len)
     data = TrainData(cfg.data, seed=cfg.train.seed, process_index=share, process_count=shares)
     if data.tokenizer.vocab_size > cfg.model.vocab_size:
@@ -98,15 +103,29 @@ def train(cfg: Config, stop=None) -> dict:
     return loop.run(cfg, trainer, data, run_dir, stop, during_training(cfg, trainer, share, shares))
 
 
+def _check_kept_weights_fit(cfg: Config, mesh) -> None:
+    """`mesh.fsdp_regather=per_step` keeps the gathered weights for the whole step: ConfigError when
+    they and the state exceed a device's memory (the planner's bytes; unknown on CPU: no check)."""
+    import dataclasses
+
+    import jax
+    from lumen_jax.plan.hardware import Layout
+    from lumen_jax.plan.memory import check_kept_weights_fit
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]  # memory_stats: addressable only
+    stats = local[0].memory_stats() or {}  # None on CPU
+    check_kept_weights_fit(cfg.model, Layout(dataclasses.replace(cfg.mesh, **dict(mesh.shape)),
+                                             micro_batches=cfg.train.micro_batches), stats.get("bytes_limit"))
+
+
 def _leave(cfg: Config | None, code: int) -> int:
     """The end of a failed multi-process run: process 0 records `code` in events.jsonl (a launcher such
     as srun reports the worst code of all processes; launch/supervise.py reads this one instead), then
     every process leaves without JAX's shutdown barrier (distributed.leave). One process: returns `code`."""
-    from lumen_jax import distributed
+    from lumen_jax.runtime import distributed
     if not distributed.is_multiprocess():
         return code
     import jax
-    from lumen_jax.loop import Events
+    from lumen_jax.train.loop import Events
     if cfg is not None and jax.process_index() == 0:
         try:
             os.makedirs(run_dir_for(cfg), exist_ok=True)
@@ -120,12 +139,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         cfg = load_config(args.config, args.overrides)
-        from lumen_jax import distributed  # no JAX import yet
+        from lumen_jax.runtime import distributed  # no JAX import yet
         single = distributed.resolve(cfg.distributed) is None
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
-    from lumen_jax.stopsignal import StopSignal
+    from lumen_jax.runtime.signals import StopSignal
     stop = StopSignal() if single else None  # from here on, SIGTERM during start-up exits 75 too
     try:
         return _main(cfg, args.config is None, stop)
@@ -135,29 +154,29 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(cfg: Config, no_config_file: bool, stop) -> int:
-    from lumen_jax.checkpoint import CheckpointError, NonFiniteState
+    from lumen_jax.checkpoint.manager import CheckpointError, NonFiniteState
     from lumen_jax.data import DataError
-    from lumen_jax.loop import CorruptionDetected, Diverged, Preempted
+    from lumen_jax.train.loop import CorruptionDetected, Diverged, Preempted
     codes = {ConfigError: EXIT_BAD_INPUT, DataError: EXIT_BAD_INPUT, CheckpointError: EXIT_BAD_INPUT,
              Diverged: EXIT_DIVERGED, NonFiniteState: EXIT_DIVERGED, CorruptionDetected: EXIT_CORRUPTION,
              Preempted: EXIT_PREEMPTED}
     try:
         if no_config_file:
-            print(f"lumen_jax: no --config given: training with the defaults of lumen_jax/config.py (every one "
+            print(f"lumen_jax: no --config given: training with the defaults of lumen_jax/config/schema.py (every one "
                   f"listed in configs/base.yaml) and your overrides, in {run_dir_for(cfg)}", flush=True)
         last = train(cfg, stop)
     except tuple(codes) as e:
         print(f"{'stopped' if isinstance(e, Preempted) else 'error'}: {e}", file=sys.stderr, flush=True)
         return _leave(cfg, codes[type(e)])
     except OSError as e:  # a metrics or events write on a full disk: the environment, not a bug
-        from lumen_jax.rundir import ENVIRONMENT_ERRNOS
+        from lumen_jax.runtime.rundir import ENVIRONMENT_ERRNOS
         if e.errno not in ENVIRONMENT_ERRNOS:
             raise
         print(f"error: writing {e.filename or 'the run directory'} failed ({e.strerror}); free disk space or "
               "fix permissions, then rerun to resume from the last checkpoint", file=sys.stderr, flush=True)
         return _leave(cfg, EXIT_BAD_INPUT)
     except Exception:
-        from lumen_jax import distributed
+        from lumen_jax.runtime import distributed
         if not distributed.is_multiprocess():
             raise
         traceback.print_exc()
@@ -167,7 +186,3 @@ def _main(cfg: Config, no_config_file: bool, stop) -> int:
     else:
         print(f"done: step {cfg.train.steps} loss {last['loss']:.4f}")
     return EXIT_OK
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,7 +4,7 @@ Each of the P devices along `pipeline` holds a stage: its slice of the stacked b
 `layers` axis of every block parameter is sharded over `pipeline`, `rules.py`), and, replicated,
 the embedding, final norm and output projection, which only the first and the last stage use.
 Every device runs the same program (SPMD): a `lax.scan` over the ticks of
-`pipeline.program(schedule)`; in each tick a device reads its row (by `axis_index`) and
+`schedule.program(...)`; in each tick a device reads its row (by `axis_index`) and
 `lax.switch`es to idle, forward, backward or weight-gradient of one micro-batch, then the
 activations move one stage on and the cotangents one stage back with `ppermute`.
 
@@ -42,7 +42,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from lumen_jax.config import ModelConfig
 from lumen_jax.model.loss import token_objective
 from lumen_jax.model.transformer import merge
-from lumen_jax.parallel import pipeline
+from lumen_jax.parallel.pipeline import schedule as tables
 from lumen_jax.parallel.rules import constrain
 
 AXIS = "pipeline"
@@ -56,13 +56,13 @@ class Pipeline:
 
     mesh: Mesh
     model: ModelConfig
-    program: pipeline.Program
+    program: tables.Program
 
     @classmethod
     def create(cls, mesh: Mesh, model: ModelConfig, schedule: str, micro_batches: int,
                virtual: int = 1) -> "Pipeline":
-        return cls(mesh=mesh, model=model, program=pipeline.program(
-            pipeline.build(schedule, mesh.shape[AXIS], micro_batches, virtual)))
+        return cls(mesh=mesh, model=model, program=tables.program(
+            tables.build(schedule, mesh.shape[AXIS], micro_batches, virtual)))
 
     @property
     def uniform(self) -> bool:
@@ -74,7 +74,7 @@ class Pipeline:
         return any(size > 1 for axis, size in self.mesh.shape.items() if axis != AXIS)
 
     @property
-    def schedule(self) -> pipeline.Schedule:
+    def schedule(self) -> tables.Schedule:
         return self.program.schedule
 
     def to_stages(self, blocks: Any) -> Any:

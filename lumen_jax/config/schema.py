@@ -5,7 +5,7 @@ No JAX import here: a config can be checked on any machine before a backend star
 A run is described by `Config` (model, mesh, optim, data, train, checkpoint, log, runtime,
 distributed). Every parallelism setting lives in `mesh`. Files in `configs/` are YAML mappings of
 the same shape; gin files bind the same dataclasses; command-line overrides are dotted
-(`optim.lr=3e-4`). Reading them is `lumen_jax.config_files.load_config` (that module imports this
+(`optim.lr=3e-4`). Reading them is `lumen_jax.config.files.load_config` (that module imports this
 one, never the other way round).
 Every problem is a `ConfigError` whose message names the key, the value and the fix.
 """
@@ -134,7 +134,7 @@ class MeshConfig:
     fsdp_regather: str = "per_micro_batch"
     reduce_dtype: str = "float32"  # dtype of the gradient reductions (float32 | bfloat16)
 
-    # pipeline > 1: gpipe | 1f1b | interleaved | zero_bubble (lumen_jax/parallel/pipeline.py); its
+    # pipeline > 1: gpipe | 1f1b | interleaved | zero_bubble (lumen_jax/parallel/pipeline/schedule.py); its
     # micro-batches are train.micro_batches
     pipeline_schedule: str = "1f1b"
     pipeline_virtual_stages: int = 1  # interleaved: chunks of layers per device
@@ -254,7 +254,7 @@ class RuntimeConfig:
     # CPU runs: reuse makes glibc keep freed memory, so XLA:CPU's per-step temporary buffer is not
     # unmapped and page-faulted in again every step (-15% CPU time); default leaves glibc as is.
     malloc: str = "reuse"
-    # XLA flags for GPUs, set before the backend starts (lumen_jax/runtime.py GPU_XLA_FLAGS): overlap
+    # XLA flags for GPUs, set before the backend starts (lumen_jax/runtime/process.py GPU_XLA_FLAGS): overlap
     # (latency-hiding scheduler, async and pipelined collectives, combine thresholds from the config) |
     # none (XLA's defaults) | any other string: literal flags. CPU runs ignore it.
     xla_gpu_flags: str = "overlap"
@@ -264,7 +264,7 @@ class RuntimeConfig:
 class DistributedConfig:
     """Several processes (one per node or per GPU) in one job: how they find each other, which devices
     each uses, and which mesh axes cross nodes. Unset fields come from the environment (SLURM,
-    JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID); see lumen_jax/distributed.py."""
+    JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID); see lumen_jax/runtime/distributed.py."""
 
     coordinator: str = ""  # host:port of process 0 ("": from the environment; none: a single process)
     num_processes: int = 0  # 0: from the environment, else 1
@@ -308,7 +308,7 @@ class Config:
 
 SCHEDULES = ("cosine", "linear", "constant")
 ZERO_STAGES = (1, 2, 3)
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")  # lumen_jax.parallel.pipeline.SCHEDULES
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")  # lumen_jax.parallel.pipeline.schedule.SCHEDULES
 DATA_SOURCES = ("builtin", "files")
 PLATFORMS = ("", "cpu", "gpu", "cuda", "rocm", "tpu")
 
@@ -501,3 +501,12 @@ def to_dict(cfg: Config) -> dict[str, Any]:
         return x
 
     return plain(dataclasses.asdict(cfg))
+
+# `from lumen_jax.config import ...` (the package re-exports these)
+__all__ = ["ConfigError", "ATTENTION_IMPLS", "CONTEXT_PARALLEL", "CONTEXT_BALANCE", "REMAT_POLICIES",
+           "COMPUTE_DTYPES", "ROPE_SCALINGS", "FP8_RECIPES", "FP8_LAYERS", "FP8_KEEP_BF16",
+           "MOE_ROUTERS", "Fp8Config", "MoeConfig", "ModelConfig", "MeshConfig", "OptimConfig",
+           "DataConfig", "TrainConfig", "CheckpointConfig", "LogConfig", "RuntimeConfig",
+           "DistributedConfig", "Config", "SCHEDULES", "ZERO_STAGES", "PIPELINE_SCHEDULES",
+           "DATA_SOURCES", "PLATFORMS", "CHOICES", "SECTIONS", "NESTED", "MOVED", "show", "suggest_key",
+           "unknown_section", "check_key", "from_dict", "to_dict"]

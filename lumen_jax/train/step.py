@@ -25,7 +25,7 @@ from flax import nnx, struct
 from lumen_jax.model import apply_with_aux
 from lumen_jax.model.loss import token_objective
 from lumen_jax.ops import state as state_lib
-from lumen_jax.parallel import pipeline_step
+from lumen_jax.parallel.pipeline import executor as pipeline_step
 
 Batch = dict[str, jax.Array]
 
@@ -95,7 +95,7 @@ def _identity(tree: Any) -> Any:
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Where the step's intermediate trees live on the mesh: sharding constraints from the caller
-    (`lumen_jax.build`), identity on one device. See `loss_grads_and_state` for what each pins."""
+    (`lumen_jax.train.build`), identity on one device. See `loss_grads_and_state` for what each pins."""
 
     grads: Callable[[Any], Any] = _identity  # the step's reduced gradients (mesh.zero_stage)
     weights: Callable[[Any], Any] = _identity  # the compute-dtype weights the micro-batches use

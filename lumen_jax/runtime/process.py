@@ -6,7 +6,7 @@ import ctypes
 import os
 
 from lumen_jax.config import Config, ConfigError, RuntimeConfig
-from lumen_jax.flops import param_counts
+from lumen_jax.metrics.flops import param_counts
 
 # XLA:CPU's concurrency-optimized scheduler lets one emulated device run two independent
 # collectives at once (e.g. an FSDP all-gather beside a gradient all-reduce). Each waits in a

@@ -1,0 +1,9 @@
+"""The run's configuration: frozen dataclasses, one per component (schema.py), read from YAML/gin
+files and dotted overrides (files.py), checked against a device count before any mesh exists
+(checks.py). No JAX import.
+
+The schema's names are the package's: `from lumen_jax.config import Config, ConfigError`.
+"""
+
+from lumen_jax.config.schema import *  # noqa: F401,F403  (schema.__all__)
+from lumen_jax.config.schema import __all__  # noqa: F401

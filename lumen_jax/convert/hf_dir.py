@@ -1,0 +1,81 @@
+"""A Hugging Face Llama directory read into our config and parameters: `config.json` and
+`model.safetensors` (or the shards its index names). Used by `convert from-hf` and by
+`train.init_from` of a Hugging Face directory (checkpoint/weights.py); the name and shape
+mapping is hf.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from lumen_jax.config import Config, DataConfig
+from lumen_jax.convert import hf
+
+INDEX = "model.safetensors.index.json"
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as e:
+        raise hf.ConvertError(f"{path}: cannot read ({e.strerror})") from None
+    except ValueError as e:
+        raise hf.ConvertError(f"{path}: not valid JSON ({e})") from None
+
+
+def _tensor_files(hf_dir: str) -> dict[str, str]:
+    """{tensor name: safetensors file} from the index or the single model.safetensors."""
+    index = os.path.join(hf_dir, INDEX)
+    if os.path.isfile(index):
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise hf.ConvertError(f"{index} has no weight_map; the index is damaged")
+        return {name: os.path.join(hf_dir, f) for name, f in weight_map.items()}
+    single = os.path.join(hf_dir, "model.safetensors")
+    if not os.path.isfile(single):
+        raise hf.ConvertError(f"--hf-dir={hf_dir!r} has neither model.safetensors nor {INDEX}; "
+                              "from-hf reads safetensors checkpoints (save with safe_serialization=True)")
+    from safetensors import safe_open
+    with safe_open(single, framework="numpy") as f:
+        return {name: single for name in f.keys()}
+
+
+def read_hf(hf_dir: str) -> tuple[Config, dict]:
+    """(the run config, our float32 parameter tree) of the HF Llama directory `hf_dir`."""
+    from safetensors import SafetensorError, safe_open
+
+    if not os.path.isdir(hf_dir):
+        raise hf.ConvertError(f"--hf-dir={hf_dir!r} is not a directory; give a Hugging Face model directory")
+    config = _read_json(os.path.join(hf_dir, "config.json"))
+    files = _tensor_files(hf_dir)
+    for path in sorted(set(files.values())):
+        if not os.path.isfile(path):
+            raise hf.ConvertError(f"{os.path.join(hf_dir, INDEX)} names {os.path.basename(path)}, which is missing")
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    if dtype is None:  # older configs: the first tensor's
+        with safe_open(next(iter(files.values())), framework="numpy") as f:
+            stored = str(f.get_slice(next(iter(f.keys()))).get_dtype())
+        dtype = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(stored, stored)
+    if dtype not in hf.DTYPES:
+        raise hf.ConvertError(f"config.json dtype={dtype!r} is not supported; use float32, bfloat16 or float16")
+    m = hf.model_config(config, hf.DTYPES[dtype])
+    handles: dict[str, object] = {}
+
+    def get(name: str) -> np.ndarray:
+        path = files[name]
+        try:
+            if path not in handles:
+                handles[path] = safe_open(path, framework="numpy")
+            return handles[path].get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise hf.ConvertError(f"{path}: cannot read tensor {name} ({e})") from None
+
+    params = hf.params_from_hf(get, set(files), m)
+    tokenizer = os.path.join(hf_dir, "tokenizer.json")
+    data = DataConfig(tokenizer=os.path.abspath(tokenizer)) if os.path.isfile(tokenizer) else DataConfig()
+    name = os.path.basename(os.path.normpath(hf_dir)) or "imported"
+    return Config(model=m, data=data, name=name), params
