@@ -86,7 +86,7 @@ def overlap_flags(a: argparse.Namespace, cfg: Any) -> dict[str, Any] | None:
     if a.overlap_flags is not None:
         return parse_flags(a.overlap_flags) or None
     from lumen_jax.runtime import process as runtime
-    return parse_flags(list(runtime.gpu_xla_flags(cfg))) or None
+    return parse_flags(list(runtime.gpu_xla_flags(cfg.runtime.xla_gpu_flags, cfg.model, cfg.mesh))) or None
 
 
 # --------------------------------------------------------------------------------------------------

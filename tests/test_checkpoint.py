@@ -164,7 +164,7 @@ def test_maybe_save_decides_when_a_save_is_due(tmp_path):
 
 
 def test_nonfinite_guard_counts_one_step_late_and_raises_in_a_row():
-    from lumen_jax.train.loop import Diverged, NonFiniteGuard
+    from lumen_jax.train.hooks import Diverged, NonFiniteGuard
     guard = NonFiniteGuard(3, "/ckpts")
     for step, skipped in enumerate([0, 1, 1, 0, 1, 1], start=1):
         guard.after_step(step, {"skipped": np.int32(skipped)})
@@ -176,7 +176,7 @@ def test_nonfinite_guard_counts_one_step_late_and_raises_in_a_row():
 
 
 def test_fault_hooks_only_with_the_variable(tmp_path, monkeypatch):
-    from lumen_jax.train.loop import fault_hooks
+    from lumen_jax.train.hooks import fault_hooks
     monkeypatch.delenv("LUMEN_FAULT_SIGKILL_AFTER_STEPS", raising=False)
     monkeypatch.delenv("LUMEN_FAULT_PROCESS", raising=False)
     assert fault_hooks(str(tmp_path)) == []

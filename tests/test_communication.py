@@ -159,7 +159,7 @@ import glob
 from lumen_jax.runtime import process as runtime
 from lumen_jax.config import Config, RuntimeConfig
 cfg = Config()
-runtime.configure(RuntimeConfig(cpu_devices=1, compilation_cache_dir="", platform="cpu"), runtime.gpu_xla_flags(cfg))
+runtime.configure(RuntimeConfig(cpu_devices=1, compilation_cache_dir="", platform="cpu"), runtime.gpu_xla_flags(cfg.runtime.xla_gpu_flags, cfg.model, cfg.mesh))
 import jax
 jax.jit(lambda x: x + 1).lower(1.0).compile(compiler_options={{"xla_dump_to": {str(tmp_path)!r}}})
 print(open(glob.glob({str(tmp_path)!r} + "/*debug_options")[0]).read())
@@ -170,13 +170,12 @@ print(open(glob.glob({str(tmp_path)!r} + "/*debug_options")[0]).read())
     from lumen_jax.runtime import process as runtime
     from lumen_jax.config import Config
 
-    flags = runtime.gpu_xla_flags(Config())
+    flags = runtime.gpu_xla_flags("overlap", Config().model, Config().mesh)
     assert len(flags) == len(runtime.GPU_OVERLAP_FLAGS) + 3
     for flag in flags:
         name, value = flag.lstrip("-").split("=")
         assert f"{name}: {value}" in out.stdout, f"{flag} did not reach XLA's debug options"
-    none = Config().replace(runtime=dataclasses.replace(Config().runtime, xla_gpu_flags="none"))
-    assert runtime.gpu_xla_flags(none) == ()
+    assert runtime.gpu_xla_flags("none", Config().model, Config().mesh) == ()
 
 
 @pytest.mark.heavy

@@ -10,7 +10,7 @@ import types
 import pytest
 
 from lumen_jax.checkpoint import manager as checkpoint_lib
-from lumen_jax.train import loop
+from lumen_jax.train import hooks
 from lumen_jax.train import cli as train_cli
 
 IN_PROCESS = ["runtime.cpu_devices=0", "runtime.compilation_cache_dir=", "log.progress=false",
@@ -42,14 +42,14 @@ def preempted_run(tmp_path_factory):
                                                              perf_counter=time.perf_counter))
     attempt = [1]
 
-    def hooks(_run_dir):
+    def fault_hooks(_run_dir):
         def after_step(step: int) -> None:
             clock[0] += 60.0
             if attempt[0] == 1 and step == SIGINT_AFTER:
                 os.kill(os.getpid(), signal.SIGINT)
         return [after_step]
 
-    mp.setattr(loop, "fault_hooks", hooks)
+    mp.setattr(hooks, "fault_hooks", fault_hooks)
     args = ["--config", "configs/tiny.yaml", f"train.run_dir={run_dir}", f"train.steps={STEPS}",
             "log.every_steps=1", "model.num_layers=3", "model.fp8.recipe=current",
             "checkpoint.every_minutes=1", "checkpoint.keep=2", "checkpoint.keep_every=3", *IN_PROCESS]

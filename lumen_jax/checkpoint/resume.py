@@ -20,7 +20,7 @@ from typing import Any, Callable
 import jax
 
 from lumen_jax.checkpoint.layout import committed_steps, meta_path
-from lumen_jax.config import Config, ConfigError, TrainConfig, show, to_dict
+from lumen_jax.config import ConfigError, TrainConfig, show
 
 # Model keys that change numerics only, never the state's arrays.
 _NUMERIC_MODEL_KEYS = frozenset({
@@ -71,14 +71,14 @@ def _fix() -> str:
     return "use a new train.run_dir" + (" or train.init_from" if init_from else "")
 
 
-def check(cfg: Config, checkpoint_dir: str, abstract_state: Any, run_dir: str,
+def check(config: dict, checkpoint_dir: str, abstract_state: Any, run_dir: str,
           check_data: Callable[[dict], None] | None = None) -> int | None:
-    """Raises ConfigError when the newest checkpoint in `checkpoint_dir` cannot resume under `cfg`.
+    """Raises ConfigError when the newest checkpoint in `checkpoint_dir` cannot resume under `config`.
 
     Args:
-      cfg: the new run's config.
+      config: the new run's resolved config as JSON (`config.to_dict`), as checkpoints record it.
       checkpoint_dir: `<run_dir>/checkpoints`.
-      abstract_state: the state `cfg` builds (shapes and dtypes; `Trainer.abstract_state()`).
+      abstract_state: the state the config builds (shapes and dtypes; `Trainer.abstract_state()`).
       run_dir: named in the messages.
       check_data: raises DataError when the checkpoint's data state does not fit the new data
         pipeline (`TrainData.check_state`).
@@ -90,13 +90,13 @@ def check(cfg: Config, checkpoint_dir: str, abstract_state: Any, run_dir: str,
     if not steps:
         return None
     step = steps[-1]
-    if cfg.train.steps < step:
-        raise ConfigError(f"train.steps={cfg.train.steps} is below step {step}, which train.run_dir={run_dir} "
+    if config["train"]["steps"] < step:
+        raise ConfigError(f"train.steps={config['train']['steps']} is below step {step}, which train.run_dir={run_dir} "
                           f"has already reached; set train.steps>={step} to continue, or {_fix()}")
     meta = next((m for m in (_read_meta(checkpoint_dir, s) for s in reversed(steps)) if m), None)
     if meta is None or not isinstance(meta.get("config"), dict):
         return step
-    old, new = _flat(meta["config"]), _flat(to_dict(cfg))
+    old, new = _flat(meta["config"]), _flat(config)
     data_state = meta.get("data")
     if check_data is not None and isinstance(data_state, dict) and "config" in data_state:
         check_data(data_state)

@@ -12,9 +12,9 @@ import functools
 import math
 import os
 import re
-from typing import Any
+from typing import Any, Callable, Iterator
 
-from lumen_jax.config import Config, ConfigError, MeshConfig, ModelConfig, from_dict, show, to_dict
+from lumen_jax.config import Config, ConfigError, MeshConfig, from_dict, show, to_dict
 
 # (key, comparison, bound): the range each number must lie in, checked before anything divides by it.
 _BOUNDS: tuple[tuple[str, str, float], ...] = (
@@ -65,63 +65,180 @@ def _divisors(n: int, limit: int) -> str:
     return ", ".join(str(d) for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
-def _moe_checks(m: ModelConfig, shape: dict[str, int]) -> list[tuple[bool, str]]:
+# A rule: (cfg, resolved mesh shape) -> (holds, message) pairs, checked in order. Each feature
+# registers its own with @rule; `validate` runs them in registration order, the first that fails
+# raises. A new feature adds a rule here, beside the others, and edits nothing else.
+Rule = Callable[[Config, dict[str, int]], Iterator[tuple[bool, str]]]
+RULES: list[Rule] = []
+
+
+def rule(fn: Rule) -> Rule:
+    RULES.append(fn)
+    return fn
+
+
+@rule
+def _model_shape(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
+    """The model's dimensions against each other and against tensor and fsdp."""
+    m, tp, n = cfg.model, shape["tensor"], math.prod(shape.values())
+    for k in ("num_heads", "num_kv_heads", "ffn_dim", "vocab_size"):
+        yield (getattr(m, k) % tp == 0,
+               f"mesh.tensor={tp} does not divide model.{k}={getattr(m, k)}; "
+               f"choose mesh.tensor among the divisors of {getattr(m, k)} ({_divisors(getattr(m, k), n)})")
+    yield (m.num_heads % m.num_kv_heads == 0,
+           f"model.num_kv_heads={m.num_kv_heads} does not divide model.num_heads={m.num_heads}; grouped-query "
+           f"attention needs num_kv_heads among the divisors of {m.num_heads} "
+           f"({_divisors(m.num_heads, m.num_heads)})")
+    yield (m.head_dim > 0 or m.d_model % m.num_heads == 0,
+           f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}, so model.head_dim=0 "
+           "cannot be derived; set model.head_dim explicitly or make d_model a multiple of num_heads")
+    yield (m.resolved_head_dim % 2 == 0 or (m.head_dim == 0 and m.d_model % m.num_heads),
+           (f"model.head_dim={m.head_dim}" if m.head_dim else
+            f"model.head_dim=0 derives d_model/num_heads={m.d_model}/{m.num_heads}={m.resolved_head_dim}, which")
+           + " must be even: RoPE rotates pairs of dimensions; set model.head_dim to an even value")
+    yield (m.d_model % shape["fsdp"] == 0,
+           f"mesh.fsdp={shape['fsdp']} does not divide model.d_model={m.d_model} (parameters and optimizer "
+           f"state are sharded along d_model over fsdp); choose mesh.fsdp among the divisors of {m.d_model} "
+           f"({_divisors(m.d_model, n)})")
+    for k in ("flash_block_q", "flash_block_kv"):
+        yield (getattr(m, k) == 0 or (getattr(m, k) >= 16 and getattr(m, k) & (getattr(m, k) - 1) == 0),
+               f"model.{k}={getattr(m, k)} must be 0 (tuned default) or a power of two >= 16; "
+               f"set model.{k} to 0, 16, 32, 64 or 128")
+    yield (m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor,
+           f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be > model.rope_low_freq_factor="
+           f"{m.rope_low_freq_factor} for rope_scaling=llama3; raise the high or lower the low factor")
+
+
+@rule
+def _moe(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
     """model.moe against the model and the mesh (an `expert` axis needs experts to place)."""
+    m = cfg.model
     moe, ep, tp = m.moe, shape["expert"], shape["tensor"]
     if not moe.enabled:
-        return [(ep == 1, f"mesh.expert={ep} needs a mixture of experts but model.moe.num_experts=0; "
-                          "set model.moe.num_experts to a multiple of mesh.expert or mesh.expert=1")]
-    return [
-        (moe.top_k <= moe.num_experts,
-         f"model.moe.top_k={moe.top_k} exceeds model.moe.num_experts={moe.num_experts}; "
-         f"choose top_k between 1 and {moe.num_experts}"),
-        (moe.num_experts % ep == 0,
-         f"mesh.expert={ep} does not divide model.moe.num_experts={moe.num_experts}; choose mesh.expert "
-         f"among the divisors of {moe.num_experts} ({_divisors(moe.num_experts, moe.num_experts)})"),
-        (moe.capacity_factor is None or moe.capacity_factor > 0,
-         f"model.moe.capacity_factor={show(moe.capacity_factor)} must be > 0; "
-         "use e.g. 1.25, or null for dropless"),
-        (m.num_layers % moe.every_n_layers == 0,
-         f"model.moe.every_n_layers={moe.every_n_layers} does not divide model.num_layers={m.num_layers}; "
-         f"choose it among the divisors of {m.num_layers} ({_divisors(m.num_layers, m.num_layers)})"),
-        (m.expert_ffn_dim % tp == 0,
-         f"mesh.tensor={tp} does not divide the experts' ffn dim {m.expert_ffn_dim} (model.moe.expert_ffn_dim, "
-         "0: model.ffn_dim); choose an expert_ffn_dim that is a multiple of mesh.tensor"),
-        (m.fp8.recipe == "none",
-         f"model.fp8.recipe={m.fp8.recipe!r} is not supported with model.moe (the experts' grouped "
-         "matmuls have no fp8 form); set model.fp8.recipe=none or model.moe.num_experts=0"),
-    ]
+        yield (ep == 1, f"mesh.expert={ep} needs a mixture of experts but model.moe.num_experts=0; "
+                        "set model.moe.num_experts to a multiple of mesh.expert or mesh.expert=1")
+        return
+    yield (moe.top_k <= moe.num_experts,
+           f"model.moe.top_k={moe.top_k} exceeds model.moe.num_experts={moe.num_experts}; "
+           f"choose top_k between 1 and {moe.num_experts}")
+    yield (moe.num_experts % ep == 0,
+           f"mesh.expert={ep} does not divide model.moe.num_experts={moe.num_experts}; choose mesh.expert "
+           f"among the divisors of {moe.num_experts} ({_divisors(moe.num_experts, moe.num_experts)})")
+    yield (moe.capacity_factor is None or moe.capacity_factor > 0,
+           f"model.moe.capacity_factor={show(moe.capacity_factor)} must be > 0; "
+           "use e.g. 1.25, or null for dropless")
+    yield (m.num_layers % moe.every_n_layers == 0,
+           f"model.moe.every_n_layers={moe.every_n_layers} does not divide model.num_layers={m.num_layers}; "
+           f"choose it among the divisors of {m.num_layers} ({_divisors(m.num_layers, m.num_layers)})")
+    yield (m.expert_ffn_dim % tp == 0,
+           f"mesh.tensor={tp} does not divide the experts' ffn dim {m.expert_ffn_dim} (model.moe.expert_ffn_dim, "
+           "0: model.ffn_dim); choose an expert_ffn_dim that is a multiple of mesh.tensor")
+    yield (m.fp8.recipe == "none",
+           f"model.fp8.recipe={m.fp8.recipe!r} is not supported with model.moe (the experts' grouped "
+           "matmuls have no fp8 form); set model.fp8.recipe=none or model.moe.num_experts=0")
 
 
-def _pipeline_checks(cfg: Config, shape: dict[str, int]) -> list[tuple[bool, str]]:
+@rule
+def _pipeline(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
     """mesh.pipeline with its schedule (lumen_jax/parallel/pipeline/schedule.py). With one stage every
     schedule is the same m forward-backward passes in a row (gradient accumulation): ignored."""
     mesh, m, layers = cfg.mesh, cfg.train.micro_batches, cfg.model.num_layers
     p, v = shape["pipeline"], mesh.pipeline_virtual_stages
     chunks = p * v
-    return [
-        (v == 1 or mesh.pipeline_schedule == "interleaved",
-         f"mesh.pipeline_virtual_stages={v} is for mesh.pipeline_schedule=interleaved, not "
-         f"{mesh.pipeline_schedule}; set mesh.pipeline_virtual_stages=1 or mesh.pipeline_schedule=interleaved"),
-        (p == 1 or layers % chunks == 0,
-         f"model.num_layers={layers} is not divisible by mesh.pipeline={p}"
-         + (f"*mesh.pipeline_virtual_stages={v}={chunks}" if v > 1 else "")
-         + f"; every stage holds the same number of layers, so use a multiple of {chunks} layers "
-         f"or a mesh.pipeline among the divisors of {layers}"),
-        (p == 1 or mesh.pipeline_schedule == "gpipe" or m >= p,
-         f"mesh.pipeline_schedule={mesh.pipeline_schedule} needs train.micro_batches={m} >= mesh.pipeline={p} "
-         f"(each stage keeps up to {p} micro-batches in flight); raise train.micro_batches to {p} or more "
-         "or use mesh.pipeline_schedule=gpipe"),
-        (p == 1 or mesh.pipeline_schedule != "interleaved" or m % p == 0,
-         f"mesh.pipeline_schedule=interleaved needs train.micro_batches={m} divisible by mesh.pipeline={p} "
-         f"(micro-batches go through the chunks in groups of {p}); use a multiple of {p}"),
-        (p == 1 or cfg.model.fp8.recipe == "none",
-         f"model.fp8.recipe={cfg.model.fp8.recipe} with mesh.pipeline={p}: fp8 scaling state does not travel "
-         "through pipeline stages yet; set model.fp8.recipe=none or mesh.pipeline=1"),
-        (p == 1 or not cfg.model.moe.enabled,
-         f"model.moe.num_experts={cfg.model.moe.num_experts} with mesh.pipeline={p}: mixture-of-experts layers "
-         "do not run in pipeline stages yet; set mesh.pipeline=1 or model.moe.num_experts=0"),
-    ]
+    yield (v == 1 or mesh.pipeline_schedule == "interleaved",
+           f"mesh.pipeline_virtual_stages={v} is for mesh.pipeline_schedule=interleaved, not "
+           f"{mesh.pipeline_schedule}; set mesh.pipeline_virtual_stages=1 or mesh.pipeline_schedule=interleaved")
+    yield (p == 1 or layers % chunks == 0,
+           f"model.num_layers={layers} is not divisible by mesh.pipeline={p}"
+           + (f"*mesh.pipeline_virtual_stages={v}={chunks}" if v > 1 else "")
+           + f"; every stage holds the same number of layers, so use a multiple of {chunks} layers "
+           f"or a mesh.pipeline among the divisors of {layers}")
+    yield (p == 1 or mesh.pipeline_schedule == "gpipe" or m >= p,
+           f"mesh.pipeline_schedule={mesh.pipeline_schedule} needs train.micro_batches={m} >= mesh.pipeline={p} "
+           f"(each stage keeps up to {p} micro-batches in flight); raise train.micro_batches to {p} or more "
+           "or use mesh.pipeline_schedule=gpipe")
+    yield (p == 1 or mesh.pipeline_schedule != "interleaved" or m % p == 0,
+           f"mesh.pipeline_schedule=interleaved needs train.micro_batches={m} divisible by mesh.pipeline={p} "
+           f"(micro-batches go through the chunks in groups of {p}); use a multiple of {p}")
+    yield (p == 1 or cfg.model.fp8.recipe == "none",
+           f"model.fp8.recipe={cfg.model.fp8.recipe} with mesh.pipeline={p}: fp8 scaling state does not travel "
+           "through pipeline stages yet; set model.fp8.recipe=none or mesh.pipeline=1")
+    yield (p == 1 or not cfg.model.moe.enabled,
+           f"model.moe.num_experts={cfg.model.moe.num_experts} with mesh.pipeline={p}: mixture-of-experts layers "
+           "do not run in pipeline stages yet; set mesh.pipeline=1 or model.moe.num_experts=0")
+
+
+@rule
+def _batch_and_sequence(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
+    """The global batch over the batch axes and micro-batches; the sequence over context (and tensor
+    with sequence parallelism)."""
+    d, mesh = cfg.data, cfg.mesh
+    tp, cp, ep = shape["tensor"], shape["context"], shape["expert"]
+    batch_shards = shape["data"] * shape["fsdp"] * ep * cfg.train.micro_batches
+    yield (d.global_batch_size % batch_shards == 0,
+           f"data.global_batch_size={d.global_batch_size} is not divisible by mesh.data*mesh.fsdp*mesh.expert*"
+           f"train.micro_batches={shape['data']}*{shape['fsdp']}*{ep}*{cfg.train.micro_batches}={batch_shards}; "
+           f"use a multiple of {batch_shards} or change the mesh or train.micro_batches")
+    yield (d.seq_len % cp == 0,
+           f"data.seq_len={d.seq_len} is not divisible by mesh.context={cp}; use a multiple of {cp}")
+    yield (not mesh.sequence_parallel or d.seq_len % (cp * tp) == 0,
+           f"mesh.sequence_parallel=true needs data.seq_len={d.seq_len} divisible by mesh.context*mesh.tensor="
+           f"{cp * tp}; use a multiple of {cp * tp} or set mesh.sequence_parallel=false")
+    yield (cp == 1 or mesh.context_balance != "zigzag" or d.seq_len % (2 * cp) == 0,
+           f"mesh.context_balance=zigzag cuts data.seq_len={d.seq_len} into 2*mesh.context={2 * cp} chunks; "
+           f"use a multiple of {2 * cp} or mesh.context_balance=contiguous")
+
+
+@rule
+def _schedule(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
+    """The learning-rate schedule's phases."""
+    o = cfg.optim
+    yield (o.decay_steps == 0 or o.schedule == "constant" or o.decay_steps > o.warmup_steps,
+           f"optim.decay_steps={o.decay_steps} ends the decay before optim.warmup_steps="
+           f"{o.warmup_steps} ends the warmup (both count from step 0); set optim.decay_steps above "
+           f"{o.warmup_steps}, or 0 to decay until train.steps")
+
+
+@rule
+def _data_source(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
+    d = cfg.data
+    yield (d.source == "files" or not d.paths,
+           f"data.paths={show(d.paths)} is set but data.source={d.source!r} ignores it; set data.source=files "
+           "to train on those files, or remove data.paths")
+    yield (d.source != "files" or bool(d.paths),
+           "data.source='files' but data.paths=[] is empty; set data.paths=[glob, ...] "
+           "or data.source=builtin")
+
+
+@rule
+def _distributed(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
+    """The process layout and the node split of the mesh axes."""
+    dist = cfg.distributed
+    yield (not dist.coordinator or bool(re.fullmatch(r"[^\s:]+:\d+|\[[0-9a-fA-F:]+\]:\d+", dist.coordinator)),
+           f"distributed.coordinator={dist.coordinator!r} must be host:port of process 0 (e.g. node001:61234)")
+    yield (dist.process_id < 0 or dist.num_processes == 0 or dist.process_id < dist.num_processes,
+           f"distributed.process_id={dist.process_id} must be below distributed.num_processes="
+           f"{dist.num_processes}; number processes 0..{dist.num_processes - 1}")
+    for a, n in dist.across_nodes().items():
+        yield (shape[a] % n == 0,
+               f"distributed.across_nodes_{a}={n} does not divide mesh.{a}={shape[a]}; the axis is split into "
+               f"across-node and in-node parts, so choose distributed.across_nodes_{a} among the divisors of "
+               f"{shape[a]} ({_divisors(shape[a], shape[a])})")
+
+
+@rule
+def _inputs(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
+    """What the run reads besides its config: held-out data, weights to start from, a tokenizer."""
+    d, t = cfg.data, cfg.train
+    yield (not t.eval_every or bool(d.eval_paths) or d.eval_share > 0,
+           f"train.eval_every={t.eval_every} needs held-out data: set data.eval_paths=[glob, ...] or "
+           "data.eval_share (e.g. 0.01), or train.eval_every=0")
+    yield (not t.init_from or os.path.isdir(t.init_from),
+           f"train.init_from={t.init_from!r} is not a directory; give a run directory or a Hugging Face "
+           "model directory")
+    yield (d.tokenizer == "byte" or os.path.isfile(d.tokenizer),
+           f"data.tokenizer={d.tokenizer!r} does not exist; give the path of a Hugging Face tokenizer.json "
+           "or use data.tokenizer=byte")
 
 
 def validate(cfg: Config, num_devices: int) -> dict[str, int]:
@@ -149,86 +266,11 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
                               f"set {key} to a value {op} {show(bound)}")
     if num_devices < 1:
         raise ConfigError(f"num_devices={num_devices} must be >= 1; no devices were found")
-
     shape = cfg.mesh.shape(num_devices)
-    m, d, mesh, dist = cfg.model, cfg.data, cfg.mesh, cfg.distributed
-    tp, cp, ep = shape["tensor"], shape["context"], shape["expert"]
-    batch_shards = shape["data"] * shape["fsdp"] * ep * cfg.train.micro_batches
-    checks: list[tuple[bool, str]] = [
-        *((getattr(m, k) % tp == 0,
-           f"mesh.tensor={tp} does not divide model.{k}={getattr(m, k)}; "
-           f"choose mesh.tensor among the divisors of {getattr(m, k)} ({_divisors(getattr(m, k), num_devices)})")
-          for k in ("num_heads", "num_kv_heads", "ffn_dim", "vocab_size")),
-        (m.num_heads % m.num_kv_heads == 0,
-         f"model.num_kv_heads={m.num_kv_heads} does not divide model.num_heads={m.num_heads}; grouped-query "
-         f"attention needs num_kv_heads among the divisors of {m.num_heads} "
-         f"({_divisors(m.num_heads, m.num_heads)})"),
-        (m.head_dim > 0 or m.d_model % m.num_heads == 0,
-         f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}, so model.head_dim=0 "
-         "cannot be derived; set model.head_dim explicitly or make d_model a multiple of num_heads"),
-        (m.resolved_head_dim % 2 == 0 or (m.head_dim == 0 and m.d_model % m.num_heads),
-         (f"model.head_dim={m.head_dim}" if m.head_dim else
-          f"model.head_dim=0 derives d_model/num_heads={m.d_model}/{m.num_heads}={m.resolved_head_dim}, which")
-         + " must be even: RoPE rotates pairs of dimensions; set model.head_dim to an even value"),
-        (m.d_model % shape["fsdp"] == 0,
-         f"mesh.fsdp={shape['fsdp']} does not divide model.d_model={m.d_model} (parameters and optimizer "
-         f"state are sharded along d_model over fsdp); choose mesh.fsdp among the divisors of {m.d_model} "
-         f"({_divisors(m.d_model, num_devices)})"),
-        *((getattr(m, k) == 0 or (getattr(m, k) >= 16 and getattr(m, k) & (getattr(m, k) - 1) == 0),
-           f"model.{k}={getattr(m, k)} must be 0 (tuned default) or a power of two >= 16; "
-           f"set model.{k} to 0, 16, 32, 64 or 128")
-          for k in ("flash_block_q", "flash_block_kv")),
-        (m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor,
-         f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be > model.rope_low_freq_factor="
-         f"{m.rope_low_freq_factor} for rope_scaling=llama3; raise the high or lower the low factor"),
-        *_moe_checks(m, shape),
-        *_pipeline_checks(cfg, shape),
-        (d.global_batch_size % batch_shards == 0,
-         f"data.global_batch_size={d.global_batch_size} is not divisible by mesh.data*mesh.fsdp*mesh.expert*"
-         f"train.micro_batches={shape['data']}*{shape['fsdp']}*{ep}*{cfg.train.micro_batches}={batch_shards}; "
-         f"use a multiple of {batch_shards} or change the mesh or train.micro_batches"),
-        (d.seq_len % cp == 0,
-         f"data.seq_len={d.seq_len} is not divisible by mesh.context={cp}; use a multiple of {cp}"),
-        (not mesh.sequence_parallel or d.seq_len % (cp * tp) == 0,
-         f"mesh.sequence_parallel=true needs data.seq_len={d.seq_len} divisible by mesh.context*mesh.tensor="
-         f"{cp * tp}; use a multiple of {cp * tp} or set mesh.sequence_parallel=false"),
-        (cp == 1 or mesh.context_balance != "zigzag" or d.seq_len % (2 * cp) == 0,
-         f"mesh.context_balance=zigzag cuts data.seq_len={d.seq_len} into 2*mesh.context={2 * cp} chunks; "
-         f"use a multiple of {2 * cp} or mesh.context_balance=contiguous"),
-        (cfg.optim.decay_steps == 0 or cfg.optim.schedule == "constant"
-         or cfg.optim.decay_steps > cfg.optim.warmup_steps,
-         f"optim.decay_steps={cfg.optim.decay_steps} ends the decay before optim.warmup_steps="
-         f"{cfg.optim.warmup_steps} ends the warmup (both count from step 0); set optim.decay_steps above "
-         f"{cfg.optim.warmup_steps}, or 0 to decay until train.steps"),
-        (d.source == "files" or not d.paths,
-         f"data.paths={show(d.paths)} is set but data.source={d.source!r} ignores it; set data.source=files "
-         "to train on those files, or remove data.paths"),
-        (d.source != "files" or bool(d.paths),
-         "data.source='files' but data.paths=[] is empty; set data.paths=[glob, ...] "
-         "or data.source=builtin"),
-        (not dist.coordinator or re.fullmatch(r"[^\s:]+:\d+|\[[0-9a-fA-F:]+\]:\d+", dist.coordinator),
-         f"distributed.coordinator={dist.coordinator!r} must be host:port of process 0 (e.g. node001:61234)"),
-        (dist.process_id < 0 or dist.num_processes == 0 or dist.process_id < dist.num_processes,
-         f"distributed.process_id={dist.process_id} must be below distributed.num_processes="
-         f"{dist.num_processes}; number processes 0..{dist.num_processes - 1}"),
-        *((shape[a] % n == 0,
-           f"distributed.across_nodes_{a}={n} does not divide mesh.{a}={shape[a]}; the axis is split into "
-           f"across-node and in-node parts, so choose distributed.across_nodes_{a} among the divisors of "
-           f"{shape[a]} ({_divisors(shape[a], shape[a])})")
-          for a, n in cfg.distributed.across_nodes().items()),
-        (not cfg.train.eval_every or bool(d.eval_paths) or d.eval_share > 0,
-         f"train.eval_every={cfg.train.eval_every} needs held-out data: set data.eval_paths=[glob, ...] or "
-         "data.eval_share (e.g. 0.01), or train.eval_every=0"),
-        (not cfg.train.init_from or os.path.isdir(cfg.train.init_from),
-         f"train.init_from={cfg.train.init_from!r} is not a directory; give a run directory or a Hugging Face "
-         "model directory"),
-        (d.tokenizer == "byte" or os.path.isfile(d.tokenizer),
-         f"data.tokenizer={d.tokenizer!r} does not exist; give the path of a Hugging Face tokenizer.json "
-         "or use data.tokenizer=byte"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
+    for check in RULES:
+        for ok, message in check(cfg, shape):
+            if not ok:
+                raise ConfigError(message)
     return shape
 
 

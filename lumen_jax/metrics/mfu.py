@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from lumen_jax.config import ModelConfig
+from lumen_jax.metrics import flops as flops_lib
 
 # --------------------------------------------------------------------------------------------------
 # Peak FLOP/s
@@ -180,3 +181,32 @@ class StepMetrics:
     def as_dict(self) -> dict[str, float]:
         """The non-None fields, for a writer."""
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclasses.dataclass(frozen=True)
+class Throughput:
+    """What turns a measured step time into tokens/s, MFU and HFU for one run."""
+
+    tokens_per_step: int  # the global batch's tokens, all micro-batches included
+    num_devices: int
+    flops_per_token: float  # model FLOPs (`flops.flops_per_token`)
+    hw_flops_per_token: float  # hardware FLOPs (`flops.hardware_flops_per_token`)
+    peaks: Peaks
+
+    @classmethod
+    def of(cls, model: ModelConfig, seq_len: int, global_batch_size: int, devices: Sequence[Any],
+           pipeline_schedule: str | None = None) -> "Throughput":
+        """The run's counts. `pipeline_schedule`: the schedule a pipelined step runs (its backward
+        recomputes each stage's forward: counted in HFU), None without a pipeline."""
+        return cls(tokens_per_step=global_batch_size * seq_len, num_devices=len(devices),
+                   flops_per_token=flops_lib.flops_per_token(model, seq_len),
+                   hw_flops_per_token=flops_lib.hardware_flops_per_token(
+                       model, seq_len, pipeline_schedule=pipeline_schedule),
+                   peaks=model_peaks(model, devices))
+
+    def measure(self, step_time_s: float) -> StepMetrics:
+        """StepMetrics of a step that took `step_time_s` seconds."""
+        return StepMetrics.compute(
+            step_time_s=step_time_s, tokens_per_step=self.tokens_per_step, num_devices=self.num_devices,
+            flops_per_token=self.flops_per_token, hw_flops_per_token=self.hw_flops_per_token,
+            peak_flops_per_device=self.peaks.per_device, bf16_peak_flops_per_device=self.peaks.bf16_per_device)

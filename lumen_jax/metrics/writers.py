@@ -81,11 +81,12 @@ class MetricsWriter:
 class Progress:
     """A tqdm bar showing step, loss, tokens/s and MFU; does nothing when disabled."""
 
-    def __init__(self, total_steps: int, enabled: bool = True, initial_step: int = 0) -> None:
+    def __init__(self, total_steps: int, enabled: bool = True, initial_step: int = 0, file: Any = None) -> None:
+        """`file`: where the bar is drawn (None: sys.stderr as it is now)."""
         from tqdm import tqdm
 
         self._bar = tqdm(total=total_steps, initial=initial_step, disable=not enabled,
-                         unit="step", dynamic_ncols=True)
+                         unit="step", dynamic_ncols=True, file=file)
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Moves the bar to `step` (steps completed) and shows the known metrics."""

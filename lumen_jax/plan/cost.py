@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 from lumen_jax.metrics import flops
 from lumen_jax.config import ModelConfig
@@ -177,31 +178,69 @@ def link_of(axis: str, layout: Layout, hw: Hardware) -> tuple[str, float]:
     return "ib", hw.ib_bytes_per_s
 
 
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """What every axis's collectives are counted from: one step of one layout."""
+
+    model: ModelConfig
+    layout: Layout
+    seq_len: int
+    micro_batch: int
+    remat: str
+
+    @property
+    def m(self) -> int:  # micro-batches per step
+        return self.layout.micro_batches
+
+    @property
+    def c(self) -> int:  # bytes of the compute dtype
+        return compute_bytes(self.model)
+
+    @property
+    def tokens(self) -> float:  # one micro-batch's tokens on one device along context
+        return self.micro_batch * self.seq_len / self.layout.mesh.context
+
+    @property
+    def layers(self) -> int:  # layers per pipeline stage
+        return -(-self.model.num_layers // self.layout.pipeline)
+
+    @property
+    def row(self) -> float:  # one micro-batch's activations [tokens, D] in the compute dtype
+        return self.tokens * self.model.d_model * self.c
+
+    @property
+    def per_replica(self) -> bool:
+        # An MoE model reduces every micro-batch (Ops.per_replica: ragged_dot cannot run under the replica vmap).
+        return self.model.moe.num_experts == 0
+
+    @property
+    def grads(self) -> float:  # one device's gradient bytes in mesh.reduce_dtype
+        return state_bytes(self.model, self.layout)["grads"] * _reduce_bytes(self.layout) / F32_BYTES
+
+    @property
+    def redo(self) -> bool:  # the backward recomputes the projections
+        return recomputes(self.remat, self.layout.mesh.context, self.layout.mesh.context_parallel)["projections"]
+
+
+def _reduce_bytes(layout: Layout) -> int:
+    return F32_BYTES if layout.mesh.reduce_dtype == "float32" else 2
+
+
+# Each mesh axis (or feature) registers the function that counts its collectives; `collectives`
+# runs them in order. Add = (axis, kind, what, payload bytes, calls per step, overlapped).
+Add = Callable[[str, str, str, float, float, bool], None]
+AXIS_COLLECTIVES: list[Callable[[StepShape, Add], None]] = []
+
+
+def counts_collectives(fn: Callable[[StepShape, Add], None]) -> Callable[[StepShape, Add], None]:
+    AXIS_COLLECTIVES.append(fn)
+    return fn
+
+
 def collectives(model: ModelConfig, layout: Layout, hw: Hardware, seq_len: int, micro_batch: int,
                 remat: str) -> list[Collective]:
-    """The collectives of one step per mesh axis (see docs/PLANNING.md for each count).
-
-    fsdp (docs/COMMUNICATION.md): ZeRO-3 gathers the weights in the compute dtype (float32 where
-    fp8 runs: it quantizes from the master copy); with `fsdp_regather=per_micro_batch` each layer's
-    weights are gathered in every micro-batch's forward and again in its backward, while the
-    embedding and logits weights (outside the layer loop, loop-invariant) are gathered once per step
-    as XLA hoists them; `per_step` gathers everything once. Gradients are reduce-scattered (ZeRO-2/3)
-    or all-reduced (ZeRO-1) in `mesh.reduce_dtype`, every micro-batch or, with
-    `fsdp_grad_reduce=once`, once per step. ZeRO-1/2 gather the updated fp32 weights once.
-    data: one all-reduce of the (ZeRO-sharded) gradients per step, whatever the micro-batches.
-    tensor: Megatron's two
-    all-reduces of [tokens, D] per layer forward and two backward (+2 when `full` recomputes the
-    layer; sequence parallelism turns each into an all-gather + reduce-scatter of the same bytes),
-    plus the vocab-parallel embedding and logits. context, `mesh.context_parallel: ring`: K/V
-    chunks hop C-1 times around the axis per layer forward (again when the backward recomputes the
-    forward), and in the backward K/V travel with the fp32 dK/dV accumulators, overlapping the
-    chunk computations; `allgather`: K/V all-gathered per layer (re-gathered in the backward unless
-    saved) and dK/dV reduce-scattered, exposed. pipeline: activations sent forward and gradients
-    back per micro-batch.
-    """
-    m, c, tp = layout.micro_batches, compute_bytes(model), layout.mesh.tensor
-    tokens = micro_batch * seq_len / layout.mesh.context
-    layers = -(-model.num_layers // layout.pipeline)
+    """The collectives of one step per mesh axis (see docs/PLANNING.md for each count), from every
+    registered counter (`counts_collectives`): fsdp and data, tensor, context, pipeline, expert."""
     out: list[Collective] = []
 
     def add(axis: str, kind: str, what: str, payload: float, calls: float, overlapped: bool) -> None:
@@ -210,18 +249,33 @@ def collectives(model: ModelConfig, layout: Layout, hw: Hardware, seq_len: int, 
             link, bw = link_of(axis.split("+")[0], layout, hw)
             out.append(Collective(axis, size, link, kind, what, payload, calls, overlapped, bw))
 
-    mesh = layout.mesh
+    step = StepShape(model, layout, seq_len, micro_batch, remat)
+    for count in AXIS_COLLECTIVES:
+        count(step, add)
+    return out
+
+
+@counts_collectives
+def _weights_and_gradients(s: StepShape, add: Add) -> None:
+    """fsdp and data (docs/COMMUNICATION.md): ZeRO-3 gathers the weights in the compute dtype (float32
+    where fp8 runs: it quantizes from the master copy); with `fsdp_regather=per_micro_batch` each
+    layer's weights are gathered in every micro-batch's forward and again in its backward, while the
+    embedding and logits weights (outside the layer loop, loop-invariant) are gathered once per step
+    as XLA hoists them; `per_step` gathers everything once. Gradients are reduce-scattered (ZeRO-2/3)
+    or all-reduced (ZeRO-1) in `mesh.reduce_dtype`, every micro-batch or, with
+    `fsdp_grad_reduce=once`, once per step. ZeRO-1/2 gather the updated fp32 weights once.
+    data: one all-reduce of the (ZeRO-sharded) gradients per step, whatever the micro-batches."""
+    model, layout, m, c = s.model, s.layout, s.m, s.c
+    mesh, tp = layout.mesh, layout.mesh.tensor
     unsharded = dataclasses.replace(layout, mesh=dataclasses.replace(mesh, data=1, fsdp=1))
     weights = state_bytes(model, unsharded)["params"]  # fp32, /tp, /pp
-    layer_weights = flops.param_counts(model)["layer_matmul"] * layers * F32_BYTES / tp  # the layer scan's
+    layer_weights = flops.param_counts(model)["layer_matmul"] * s.layers * F32_BYTES / tp  # the layer scan's
     gather = c if model.fp8.recipe == "none" else F32_BYTES
     dt = {2: "bf16", 4: "fp32"}[gather]
-    red = F32_BYTES if mesh.reduce_dtype == "float32" else 2
+    red = _reduce_bytes(layout)
     red_dt = {2: "bf16", 4: "fp32"}[red]
-    # An MoE model reduces every micro-batch (Ops.per_replica: ragged_dot cannot run under the replica vmap).
-    per_replica = model.moe.num_experts == 0
+    per_replica = s.per_replica
     grad_calls = 1 if mesh.fsdp_grad_reduce == "once" and per_replica else m
-    grads = state_bytes(model, layout)["grads"] * red / F32_BYTES
     if mesh.zero_stage >= 3:
         if mesh.fsdp_regather == "per_step":
             add("fsdp", "all-gather", f"{dt} weights, once per step (kept)", weights * gather / F32_BYTES, 1, True)
@@ -241,32 +295,48 @@ def collectives(model: ModelConfig, layout: Layout, hw: Hardware, seq_len: int, 
             add("fsdp", kind, f"{red_dt} gradients", weights * red / F32_BYTES, grad_calls, True)
         add("fsdp", "all-gather", "updated fp32 weights", weights, 1, True)
     if not joint:
-        add("data", "all-reduce", f"{red_dt} gradients" + (", once per step" if per_replica else ""), grads,
+        add("data", "all-reduce", f"{red_dt} gradients" + (", once per step" if per_replica else ""), s.grads,
             1 if per_replica else m, True)
-    row = tokens * model.d_model * c
+
+
+@counts_collectives
+def _tensor(s: StepShape, add: Add) -> None:
+    """tensor: Megatron's two all-reduces of [tokens, D] per layer forward and the backward's
+    (sequence parallelism turns each into an all-gather + reduce-scatter of the same bytes), plus
+    the vocab-parallel embedding and logits."""
+    model, m, layers, row = s.model, s.m, s.layers, s.row
     # Per layer, as the compiled program runs them: the two row-parallel outputs in the forward, and
     # in the backward the input gradient of every column-parallel projection reduced on its own
     # (q, k, v: 3; gate, up: 2) as XLA does not add them before the reduction (+2 when the backward
     # recomputes the projections).
-    redo = recomputes(remat, layout.mesh.context, layout.mesh.context_parallel)["projections"]
-    reductions = 2 + 5 + (2 if redo else 0)
-    if layout.mesh.sequence_parallel:
+    reductions = 2 + 5 + (2 if s.redo else 0)
+    if s.layout.mesh.sequence_parallel:
         # all-gathers: the two norm outputs in the forward, again for the weight gradients and as
         # the transposes of the two reduce-scatters in the backward; outside the layers the final
         # norm's output, the embedding's gradient and (once: loop-invariant) the vocab table for the lookup.
-        gathers = 2 + 4 + (2 if redo else 0)
+        gathers = 2 + 4 + (2 if s.redo else 0)
         add("tensor", "all-gather", f"activations, {gathers}/layer (sequence parallel)", row,
             m * (gathers * layers + 2), False)
         add("tensor", "all-gather", "vocab table for the embedding lookup (sequence parallel; hoisted)",
-            model.vocab_size * model.d_model * c, 1, False)
+            model.vocab_size * model.d_model * s.c, 1, False)
         add("tensor", "reduce-scatter", f"activations, {reductions}/layer (sequence parallel)", row,
             m * (reductions * layers + 1), False)
     else:  # + the vocab-parallel embedding lookup and the gradient into the logits
         add("tensor", "all-reduce", f"activations, {reductions}/layer", row, m * (reductions * layers + 2), False)
-    # context parallelism (`mesh.context_parallel`): each device holds S/C of every sequence.
+
+
+@counts_collectives
+def _context(s: StepShape, add: Add) -> None:
+    """context (`mesh.context_parallel`), each device holding S/C of every sequence: `ring`, K/V chunks
+    hop C-1 times around the axis per layer forward (again when the backward recomputes the
+    forward), and in the backward K/V travel with the fp32 dK/dV accumulators, overlapping the chunk
+    computations; `allgather`: K/V all-gathered per layer (re-gathered in the backward unless saved)
+    and dK/dV reduce-scattered, exposed."""
+    model, layout, m, layers, c = s.model, s.layout, s.m, s.layers, s.c
     cp, hops = layout.mesh.context_parallel, layout.mesh.context - 1
-    kv_chunk = 2 * micro_batch * seq_len / layout.mesh.context * model.num_kv_heads * model.resolved_head_dim / tp * c
-    fwd = 2 if recomputes(remat, layout.mesh.context, cp)["attention"] else 1  # the backward re-runs the exchange
+    kv_chunk = (2 * s.micro_batch * s.seq_len / layout.mesh.context * model.num_kv_heads * model.resolved_head_dim
+                / layout.mesh.tensor * c)
+    fwd = 2 if recomputes(s.remat, layout.mesh.context, cp)["attention"] else 1  # the backward re-runs the exchange
     if cp == "ring":  # K/V chunks hop C-1 times per layer forward; dK/dV (fp32) travel back with them
         add("context", "send/recv", "K/V chunks, C-1 ring hops per layer (forward, recompute)", kv_chunk,
             m * layers * hops * fwd, True)
@@ -276,24 +346,29 @@ def collectives(model: ModelConfig, layout: Layout, hw: Hardware, seq_len: int, 
         kv = kv_chunk * layout.mesh.context
         add("context", "all-gather", "K/V per layer (again in the backward unless saved)", kv, m * layers * fwd, False)
         add("context", "reduce-scatter", "dK/dV per layer", kv, m * layers, False)
-    add("pipeline", "send/recv", "stage activations and gradients", row, 2 * m, False)
-    _expert_collectives(model, layout, add, tokens, grads, 2 if redo else 0)
-    return out
 
 
-def _expert_collectives(model: ModelConfig, layout: Layout, add, tokens: float, grads: float, redo: int) -> None:
+@counts_collectives
+def _pipeline(s: StepShape, add: Add) -> None:
+    """pipeline: activations sent forward and gradients back per micro-batch."""
+    add("pipeline", "send/recv", "stage activations and gradients", s.row, 2 * s.m, False)
+
+
+@counts_collectives
+def _expert(s: StepShape, add: Add) -> None:
     """expert (model.moe): each MoE layer sends every token's top_k rows [tokens*k, D] to the experts'
-    devices and back, forward and backward (and again when the backward recomputes the layer: `redo`
-    2), balanced routing assumed (the GPU's ragged exchange sends only the rows); the batch is split
+    devices and back, forward and backward (and again when the backward recomputes the layer: 2
+    more), balanced routing assumed (the GPU's ragged exchange sends only the rows); the batch is split
     over `expert` too, so the gradients of the weights outside the experts are all-reduced over it."""
+    model, layout = s.model, s.layout
     moe = model.moe
     if not moe.enabled:
         return
-    m, c = layout.micro_batches, compute_bytes(model)
+    redo = 2 if s.redo else 0
     moe_layers = -(-(model.num_layers // moe.every_n_layers) // layout.pipeline)
-    rows = tokens * moe.top_k * model.d_model * c
+    rows = s.tokens * moe.top_k * model.d_model * s.c
     add("expert", "all-to-all", f"token rows to the experts and back, {4 + redo}/MoE layer", rows,
-        m * moe_layers * (4 + redo), False)
+        s.m * moe_layers * (4 + redo), False)
     counts = flops.param_counts(model)
-    add("expert", "all-reduce", "fp32 gradients outside the experts", grads * (1 - counts["experts"] / counts["total"]),
-        m, True)
+    add("expert", "all-reduce", "fp32 gradients outside the experts",
+        s.grads * (1 - counts["experts"] / counts["total"]), s.m, True)

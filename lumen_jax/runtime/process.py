@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-from lumen_jax.config import Config, ConfigError, RuntimeConfig
+from lumen_jax.config import ConfigError, MeshConfig, ModelConfig, RuntimeConfig
 from lumen_jax.metrics.flops import param_counts
 
 # XLA:CPU's concurrency-optimized scheduler lets one emulated device run two independent
@@ -40,20 +40,19 @@ GPU_OVERLAP_FLAGS = (
 GRADIENT_BUCKET_BYTES = 32 * 2**20  # all-reduce buckets "a few tens of MB", launched as they fill
 
 
-def gpu_xla_flags(cfg: Config) -> tuple[str, ...]:
-    """The XLA flags `runtime.xla_gpu_flags` asks for: `overlap` (GPU_OVERLAP_FLAGS and combine
-    thresholds of one layer's weights per device, so the next layer's weights arrive as one
+def gpu_xla_flags(choice: str, model: ModelConfig, mesh: MeshConfig) -> tuple[str, ...]:
+    """The XLA flags `runtime.xla_gpu_flags` (`choice`) asks for: `overlap` (GPU_OVERLAP_FLAGS and
+    combine thresholds of one layer's weights per device, so the next layer's weights arrive as one
     all-gather while this layer computes), `none`, or the literal flags of any other string."""
-    choice = cfg.runtime.xla_gpu_flags
     if choice == "none":
         return ()
     if choice != "overlap":
         return tuple(choice.split())
-    shards = max(cfg.mesh.tensor, 1)
-    compute = 4 if cfg.model.compute_dtype == "float32" else 2
-    layer = param_counts(cfg.model)["layer_matmul"]  # a float with experts (the active share)
+    shards = max(mesh.tensor, 1)
+    compute = 4 if model.compute_dtype == "float32" else 2
+    layer = param_counts(model)["layer_matmul"]  # a float with experts (the active share)
     layer_weights = int(layer * compute // shards)
-    layer_grads = int(layer * (4 if cfg.mesh.reduce_dtype == "float32" else 2) // shards)
+    layer_grads = int(layer * (4 if mesh.reduce_dtype == "float32" else 2) // shards)
     return GPU_OVERLAP_FLAGS + (
         f"--xla_gpu_all_gather_combine_threshold_bytes={layer_weights}",
         f"--xla_gpu_reduce_scatter_combine_threshold_bytes={layer_grads}",
@@ -91,7 +90,7 @@ def keep_freed_memory() -> bool:
 
 
 def configure(rc: RuntimeConfig, gpu_flags: tuple[str, ...] = ()) -> None:
-    """XLA flags (the CPU ones and `gpu_flags`, e.g. `gpu_xla_flags(cfg)`; XLA parses both on any
+    """XLA flags (the CPU ones and `gpu_flags`, e.g. `gpu_xla_flags(...)`; XLA parses both on any
     machine, each backend reads its own), emulated CPU device count, platform choice, the allocator
     of CPU runs and the persistent compilation cache.
 

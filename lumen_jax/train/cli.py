@@ -65,17 +65,19 @@ def train(cfg: Config, stop=None) -> dict:
     `stop`: the `stopsignal.StopSignal` installed at start-up (None: the loop installs its own)."""
     from lumen_jax.runtime import distributed
     from lumen_jax.runtime import process as runtime
-    runtime.configure(cfg.runtime, runtime.gpu_xla_flags(cfg))
+    runtime.configure(cfg.runtime, runtime.gpu_xla_flags(cfg.runtime.xla_gpu_flags, cfg.model, cfg.mesh))
     distributed.initialize(cfg.distributed)  # several processes: before anything touches a device
 
     import jax
-    from lumen_jax.train import loop
     from lumen_jax.checkpoint import resume
-    from lumen_jax.runtime import rundir
-    from lumen_jax.train.build import build
     from lumen_jax.data import TrainData
-    from lumen_jax.train.evaluate import during_training
+    from lumen_jax.metrics.flops import param_counts
+    from lumen_jax.metrics.mfu import Throughput
     from lumen_jax.parallel.mesh import make_mesh
+    from lumen_jax.runtime import rundir
+    from lumen_jax.train import loop
+    from lumen_jax.train.build import build
+    from lumen_jax.train.evaluate import during_training
 
     num_devices = runtime.device_count(cfg.runtime)  # a platform this machine lacks: exit 2
     if jax.process_count() > 1:  # every process's devices, before any mesh or compile
@@ -97,10 +99,16 @@ def train(cfg: Config, stop=None) -> dict:
                           f"vocabulary ({data.tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer!r}); "
                           f"set model.vocab_size>={data.tokenizer.vocab_size}")
     # Before anything in the run directory changes: does its checkpoint fit this config?
-    resume.check(cfg, os.path.join(run_dir, "checkpoints"), trainer.abstract_state(), run_dir, data.check_state)
+    config = to_dict(cfg)
+    resume.check(config, os.path.join(run_dir, "checkpoints"), trainer.abstract_state(), run_dir, data.check_state)
     if jax.process_index() == 0:
-        rundir.write_json(run_dir, "config.json", to_dict(cfg))
-    return loop.run(cfg, trainer, data, run_dir, stop, during_training(cfg, trainer, share, shares))
+        rundir.write_json(run_dir, "config.json", config)
+    staged = trainer.mesh.shape["pipeline"] > 1  # its backward recomputes each stage's forward (HFU)
+    spec = loop.RunSpec(train=cfg.train, checkpoint=cfg.checkpoint, log=cfg.log, config=config,
+                        param_count=param_counts(cfg.model)["total"],
+                        throughput=Throughput.of(cfg.model, cfg.data.seq_len, cfg.data.global_batch_size,
+                                                 jax.devices(), cfg.mesh.pipeline_schedule if staged else None))
+    return loop.run(trainer, data, run_dir, spec, stop, during_training(cfg.data, cfg.train, trainer, share, shares))
 
 
 def _check_kept_weights_fit(cfg: Config, mesh) -> None:
@@ -125,7 +133,7 @@ def _leave(cfg: Config | None, code: int) -> int:
     if not distributed.is_multiprocess():
         return code
     import jax
-    from lumen_jax.train.loop import Events
+    from lumen_jax.train.hooks import Events
     if cfg is not None and jax.process_index() == 0:
         try:
             os.makedirs(run_dir_for(cfg), exist_ok=True)
@@ -156,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(cfg: Config, no_config_file: bool, stop) -> int:
     from lumen_jax.checkpoint.manager import CheckpointError, NonFiniteState
     from lumen_jax.data import DataError
-    from lumen_jax.train.loop import CorruptionDetected, Diverged, Preempted
+    from lumen_jax.train.hooks import CorruptionDetected, Diverged, Preempted
     codes = {ConfigError: EXIT_BAD_INPUT, DataError: EXIT_BAD_INPUT, CheckpointError: EXIT_BAD_INPUT,
              Diverged: EXIT_DIVERGED, NonFiniteState: EXIT_DIVERGED, CorruptionDetected: EXIT_CORRUPTION,
              Preempted: EXIT_PREEMPTED}

@@ -20,7 +20,7 @@ import math
 import sys
 from typing import Any, Iterator, Sequence
 
-from lumen_jax.config import Config, ConfigError
+from lumen_jax.config import ConfigError, DataConfig, TrainConfig
 
 
 class Evaluator:
@@ -59,35 +59,34 @@ class Evaluator:
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": tokens}
 
 
-def eval_data(cfg: Config, which: str, process_index: int = 0, process_count: int = 1):
+def eval_data(data: DataConfig, seed: int, which: str, process_index: int = 0, process_count: int = 1):
     """A TrainData over the documents `which` names (eval | train | comma-separated globs), with a note
-    when `eval` falls back to the training data (none held out)."""
+    when `eval` falls back to the training data (none held out). `seed`: the run's `train.seed`."""
     from lumen_jax.data import TrainData
 
-    data_cfg, split, note = cfg.data, "eval", None
+    data_cfg, split, note = data, "eval", None
     if which == "train":
         split = "train"
     elif which != "eval":
-        data_cfg = dataclasses.replace(cfg.data, eval_paths=tuple(p for p in which.split(",") if p))
-    elif not cfg.data.eval_paths and not cfg.data.eval_share:
+        data_cfg = dataclasses.replace(data, eval_paths=tuple(p for p in which.split(",") if p))
+    elif not data.eval_paths and not data.eval_share:
         split = "train"
         note = "the run holds no documents out (data.eval_paths, data.eval_share): evaluating on its training data"
-    data = TrainData(data_cfg, seed=cfg.train.seed, process_index=process_index, process_count=process_count,
-                     split=split)
-    return data, note
+    loader = TrainData(data_cfg, seed=seed, process_index=process_index, process_count=process_count, split=split)
+    return loader, note
 
 
-def during_training(cfg: Config, trainer: Any, process_index: int, process_count: int):
+def during_training(data: DataConfig, train: TrainConfig, trainer: Any, process_index: int, process_count: int):
     """`evaluate(state) -> {eval_loss, eval_ppl, eval_tokens}` for the loop (`train.eval_every`), over the
     same first `train.eval_batches` held-out batches every time; None when `train.eval_every` is 0."""
-    if not cfg.train.eval_every:
+    if not train.eval_every:
         return None
     evaluator = Evaluator(trainer)
 
     def evaluate(state: Any) -> dict[str, float]:
-        held_out, _ = eval_data(cfg, "eval", process_index, process_count)
+        held_out, _ = eval_data(data, train.seed, "eval", process_index, process_count)
         try:
-            return evaluator(state.params, state.model_state, held_out, cfg.train.eval_batches)
+            return evaluator(state.params, state.model_state, held_out, train.eval_batches)
         finally:
             held_out.close()
 
@@ -135,7 +134,7 @@ def evaluate(run_dir: str, step: int | None, which: str, batches: int | None,
     if batches < 1:
         raise ConfigError(f"--batches={batches} must be >= 1")
     trainer = build(cfg, make_mesh(validate(cfg, jax.device_count())))
-    data, note = eval_data(cfg, which)
+    data, note = eval_data(cfg.data, cfg.train.seed, which)
     if note:
         print(f"note: {note}", file=sys.stderr, flush=True)
     params = weights.load_params(run_dir, step, trainer.abstract_state().params)
