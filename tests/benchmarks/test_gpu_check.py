@@ -4,18 +4,14 @@ tables, and one pass through every part with a zero budget (everything skipped, 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import os
 
 import pytest
 
+from helpers.paths import load_script
 from lumen_jax.config import Config, RuntimeConfig
 
-PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu_check.py")
-_spec = importlib.util.spec_from_file_location("gpu_check", PATH)
-gpu_check = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gpu_check)
+gpu_check = load_script("benchmarks/gpu_check.py")
 
 
 def test_arguments():

@@ -1,8 +1,8 @@
 """Checkpoints and fault tolerance: exact resume, reshard on restore, atomicity, corruption,
-preemption, the supervisor, the non-finite and silent-data-corruption guards."""
+preemption, a run under the supervisor, the non-finite and silent-data-corruption guards (the
+supervisor's own logic: tests/launch/test_supervise.py)."""
 
 import glob
-import importlib.util
 import json
 import os
 import shutil
@@ -16,47 +16,30 @@ import jax
 import numpy as np
 import pytest
 
-from helpers_data import packed_batch
+from helpers.data import packed_batch
+from helpers.meshes import mesh_shape, small_mesh
+from helpers.metrics import losses, read_metrics
+from helpers.paths import REPO
 from lumen_jax.train import cli as train_cli
 from lumen_jax.train.build import build
 from lumen_jax.checkpoint.manager import Checkpointer
 from lumen_jax.runtime.checksums import nonfinite_paths
 from lumen_jax.config import CheckpointConfig, Config, MeshConfig, ModelConfig
-from lumen_jax.parallel.mesh import make_mesh
 from lumen_jax.parallel.sdc import find_divergent_replicas
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = Config(model=ModelConfig(compute_dtype="float32"))
 IN_PROCESS = ["runtime.cpu_devices=0", "runtime.compilation_cache_dir=", "log.progress=false",
               "log.tensorboard=false"]
 
 
-def _load_supervisor():
-    spec = importlib.util.spec_from_file_location("supervise", os.path.join(REPO, "launch", "supervise.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["supervise"] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _mesh(**axes):
-    shape = {"data": 1, "fsdp": 1, "context": 1, "tensor": 1, **axes}
-    devices = jax.devices()[:int(np.prod(list(shape.values())))]
-    return shape, make_mesh(shape, devices)
+    shape = mesh_shape(**axes)
+    return shape, small_mesh(**shape)
 
 
 def _trainer(**axes):
     shape, mesh = _mesh(**axes)
     return build(CFG.replace(mesh=MeshConfig(**shape)), mesh)
-
-
-def _losses(run_dir: str) -> dict[int, float]:
-    out = {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            out[row["step"]] = row["loss"]  # a resumed run logs some steps again: the same values
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -296,8 +279,7 @@ def test_nonfinite_steps_in_a_row_stop_the_run(tmp_path, capsys, monkeypatch):
     assert restored.step == steps[-1] and nonfinite_paths(restored.state) == []
     # lr=1e30: the first update's norm already overflows float32 (issue 18's guard), so every step is
     # skipped; skipped_total counts the skipped steps before each row (one step late): 0, 1, 2.
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+    rows = read_metrics(run_dir)
     skipped = [int(r["skipped"]) for r in rows]
     assert skipped == [1] * len(rows) and len(rows) == 3, skipped
     assert [r["skipped_total"] for r in rows] == [sum(skipped[:k]) for k in range(len(rows))], rows
@@ -348,7 +330,7 @@ def test_sigkill_at_three_steps_resumes_bit_for_bit_under_the_supervisor(tmp_pat
     assert "goodput" in out.stdout
     goodput = float(out.stdout.split("goodput ")[1].split("%")[0])
     assert 0 < goodput < 100
-    want, got = _losses(reference), _losses(run_dir)
+    want, got = losses(reference), losses(run_dir)
     assert sorted(got) == list(range(1, 15))
     assert got == want  # bit for bit: JSON keeps every float exactly
     starts = [e["resume_step"] for e in map(json.loads, open(os.path.join(run_dir, "events.jsonl")))
@@ -376,50 +358,3 @@ def test_sigterm_writes_a_checkpoint_and_exits_75(tmp_path):
     assert "stopped by signal SIGTERM" in err
     steps = Checkpointer(os.path.join(run_dir, "checkpoints"), CheckpointConfig()).steps()
     assert len(steps) == 1 and f"after step {steps[0]};" in err
-
-
-def test_supervisor_accounting():
-    sup = _load_supervisor()
-    attempts = [sup.Attempt(pid=1, started=0.0, ended=10.0, returncode=-9),
-                sup.Attempt(pid=2, started=11.0, ended=21.0, returncode=0)]
-    events = ([{"pid": 1, "event": "start", "resume_step": 0, "time": 0.0}]
-              + [{"pid": 1, "event": "step", "step": s, "time": 2.0 + s} for s in range(1, 7)]
-              + [{"pid": 2, "event": "start", "resume_step": 4, "time": 11.0}]
-              + [{"pid": 2, "event": "step", "step": s, "time": 9.0 + s} for s in range(5, 11)])
-    interruptions, goodput = sup.account(attempts, events)
-    assert [(i.cause, i.steps_lost) for i in interruptions] == [("killed by SIGKILL", 2)]
-    assert interruptions[0].time_lost_s == pytest.approx(10.0 - 4 * 1.0)
-    assert goodput == pytest.approx((4 * 1.0 + 6 * 1.0) / 21.0)
-
-
-_CHILD = ("import os, sys; path, codes = sys.argv[1], sys.argv[2].split(','); "
-          "n = os.path.getsize(path) if os.path.exists(path) else 0; open(path, 'a').write('x'); "
-          "c = int(codes[n]); os.kill(os.getpid(), 9) if c < 0 else sys.exit(c)")
-
-
-@pytest.mark.parametrize("codes, max_restarts, want_delays", [
-    ([1, 75, 0], 5, [0.5, 1.0]),  # a crash and a preemption are restarted, with a doubling backoff
-    ([2], 5, []), ([3], 5, []), ([4], 5, []),  # bad input, diverged, corruption: running again won't help
-    ([1, -9, 75, 75, 0], 5, [0.5, 1.0, 2.0, 2.5]),  # the backoff stops doubling at max_backoff_s
-    ([1, 1, 1, 1], 2, [0.5, 1.0]),  # --max-restarts
-], ids=["1-75-0", "2", "3", "4", "capped", "max-restarts"])
-def test_supervisor_restarts_on_1_and_75_and_stops_on_2_3_4(codes, max_restarts, want_delays, tmp_path,
-                                                            monkeypatch, capsys):
-    """The real `supervise` loop over a child that exits with `codes` in turn (-9: SIGKILLs itself);
-    its sleeps are recorded, not slept."""
-    sup = _load_supervisor()
-    delays = []
-    monkeypatch.setattr(sup, "time", type("Clock", (), {"time": staticmethod(time.time),
-                                                        "sleep": staticmethod(delays.append)}))
-    counter = str(tmp_path / "attempts")
-    rc = sup.supervise([sys.executable, "-c", _CHILD, counter, ",".join(map(str, codes))], str(tmp_path),
-                       max_restarts=max_restarts, backoff_s=0.5, max_backoff_s=2.5)
-    attempts = 1 + len(want_delays)
-    assert os.path.getsize(counter) == attempts
-    assert delays == want_delays
-    last = codes[attempts - 1]
-    assert rc == (last if last >= 0 else 1)
-    out = capsys.readouterr()
-    assert f"supervise: {attempts} attempt(s), {attempts - (last in (0, 2, 3, 4))} interruption(s)" in out.out, out
-    if 75 in codes[:attempts - 1]:
-        assert "ended (preempted (exit 75, checkpoint written)); restarting" in out.err

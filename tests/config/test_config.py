@@ -14,12 +14,12 @@ import textwrap
 import pytest
 import yaml
 
+from helpers.paths import REPO as ROOT
 from lumen_jax import config as C
 from lumen_jax.config import Config, ConfigError, from_dict, to_dict
 from lumen_jax.config.checks import validate
 from lumen_jax.config.files import load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
 
 # Device counts each shipped file is sized for (see the comment at the top of each file).

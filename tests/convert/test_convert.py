@@ -11,7 +11,8 @@ import shutil
 import numpy as np
 import pytest
 
-from helpers_hf import FP32_RTOL, TOKENS, hf_logits, make_hf, our_logits
+from helpers.hf import TOKENS, hf_logits, make_hf, our_logits
+from helpers.tolerances import FP32_RTOL
 from lumen_jax.checkpoint import weights
 from lumen_jax.convert.__main__ import main as convert
 

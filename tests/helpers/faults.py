@@ -10,9 +10,9 @@ import hashlib
 import os
 import subprocess
 
+from helpers.paths import REPO
 from lumen_jax.train import cli as train_cli
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_STEPS = 2
 IN_PROCESS = ["runtime.cpu_devices=0", "runtime.compilation_cache_dir=", "log.progress=false",
               "log.tensorboard=false"]

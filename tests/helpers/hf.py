@@ -9,7 +9,6 @@ import numpy as np
 from lumen_jax.checkpoint import weights
 from lumen_jax.model import abstract_model, apply
 
-FP32_RTOL = 1e-5
 TOKENS = np.array([[5, 17, 60, 3, 88, 41, 12, 7, 93, 30, 2, 64, 19, 75, 8, 50, 33, 90, 1, 44]], np.int32)
 HF_KW = dict(vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=128,

@@ -1,5 +1,5 @@
 """A small fp32 config, meshes over it, and a 3-step run to compare (shared by the mesh, model and
-flash-attention tests)."""
+flash-attention tests); FAST_RUN, how a long-running program compiles."""
 
 import dataclasses
 
@@ -7,13 +7,16 @@ import jax
 import numpy as np
 import optax
 
-from conftest import assert_tree_close
-from helpers_data import packed_batch
+from helpers.data import packed_batch
+from helpers.meshes import mesh_config
+from helpers.tolerances import FP32_RTOL, assert_tree_close
 from lumen_jax.train.build import build
 from lumen_jax.config import Config, DataConfig, MeshConfig, ModelConfig, OptimConfig, TrainConfig
 from lumen_jax.parallel.mesh import make_mesh
 
-FP32_RTOL = 1e-5
+# conftest.py compiles the tests' programs at -O0 (they are tiny); a test that runs hundreds of steps
+# passes this as `compiler_options` instead.
+FAST_RUN = {"xla_backend_optimization_level": 3}
 STEPS = 3
 BASE = Config(
     model=ModelConfig(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=128,
@@ -27,7 +30,7 @@ BASE = Config(
 def with_mesh(cfg: Config, micro_batches: int = 1, **mesh) -> Config:
     """`cfg` on a mesh whose axes are 1 unless given; `mesh` may set any mesh field (zero_stage,
     sequence_parallel, context_parallel, ...)."""
-    return cfg.replace(mesh=MeshConfig(**{"data": 1, "fsdp": 1, "context": 1, "tensor": 1, **mesh}),
+    return cfg.replace(mesh=mesh_config(**mesh),
                        train=dataclasses.replace(cfg.train, micro_batches=micro_batches))
 
 

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from conftest import assert_tree_close
-from helpers_data import packed_batch
+from helpers.data import packed_batch
+from helpers.run import BASE, batches, with_mesh
+from helpers.tolerances import RTOL, assert_tree_close  # RTOL: by dtype
 from lumen_jax.train.build import build
 from lumen_jax.config import ModelConfig
 from lumen_jax.kernels import flash_attention as fa
@@ -32,10 +33,8 @@ from lumen_jax.ops import attention as ops
 from lumen_jax.ops.choice import Ops, choose
 from lumen_jax.ops.reference import reference
 from lumen_jax.parallel.mesh import make_mesh
-from helpers_run import BASE, batches, with_mesh
 
 INTERPRET = jax.default_backend() == "cpu"  # Pallas's interpreter is the only mode on CPU
-RTOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}  # by dtype, as tests/test_model.py
 # Several tiles per sequence, unequal query/key tiles, so tiling, causal skipping and the masked
 # tails are all exercised at test sizes.
 SMALL = BlockSizes(block_q=16, block_kv=32, block_q_dkv=16, block_kv_dkv=32, block_q_dq=32,

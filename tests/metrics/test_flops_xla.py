@@ -15,15 +15,12 @@ What XLA counts (jax 0.10.2, CPU `cost_analysis()['flops']`), found while writin
 
 import dataclasses
 
-import jax
-import pytest
-
-from helpers_data import packed_batch
+from helpers.data import packed_batch
+from helpers.meshes import one_device_mesh
 from lumen_jax.metrics import flops
 from lumen_jax.train.build import build
 from lumen_jax.config import Config, MeshConfig
 from lumen_jax.config.files import load_config
-from lumen_jax.parallel.mesh import make_mesh
 
 REL_TOL = 0.05
 BATCH, SEQ = 8, 128
@@ -39,7 +36,7 @@ def tiny_one_layer(remat: str) -> Config:
 
 def xla_flops(cfg: Config) -> dict[str, float]:
     """XLA's FLOPs of the whole train step and of the forward + backward alone, on one device."""
-    trainer = build(cfg, make_mesh({"data": 1, "fsdp": 1, "context": 1, "tensor": 1}, jax.devices()[:1]))
+    trainer = build(cfg, one_device_mesh())
     state = trainer.init()
     batch = trainer.shard_batch(packed_batch(BATCH, SEQ, cfg.model.vocab_size, seed=0))
     step = trainer.step.lower(state, batch).compile().cost_analysis()["flops"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
 import struct
@@ -13,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers.metrics import read_metrics
 from lumen_jax.metrics import flops
 from lumen_jax.metrics import mfu as metrics, writers
 from lumen_jax.config import REMAT_POLICIES, ModelConfig
@@ -192,8 +192,7 @@ def test_writer_jsonl_and_tensorboard(tmp_path):
     with writers.MetricsWriter(run_dir) as writer:
         writer.write(1, {"loss": jnp.float32(2.5), "lr": np.float64(3e-4), "tokens": np.int64(64)})
         writer.write(2, {"loss": jnp.array(1.25), "note": "hello", "mfu": 0.5})
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+    rows = read_metrics(run_dir)
     assert rows == [{"step": 1, "loss": 2.5, "lr": 3e-4, "tokens": 64},
                     {"step": 2, "loss": 1.25, "note": "hello", "mfu": 0.5}]
     events = glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))
@@ -208,8 +207,7 @@ def test_writer_appends_on_resume_and_jsonl_only(tmp_path):
     for step in (1, 2):
         with writers.MetricsWriter(run_dir, tensorboard=False) as writer:
             writer.write(step, {"loss": float(step)})
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        assert [json.loads(line)["step"] for line in f] == [1, 2]
+    assert [row["step"] for row in read_metrics(run_dir)] == [1, 2]
     assert not glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))
 
 

@@ -10,29 +10,22 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import assert_tree_close
-from helpers_data import packed_batch
+from helpers.data import packed_batch
+from helpers.meshes import one_device_mesh
+from helpers.run import BASE, assert_same_run, run, with_mesh
+from helpers.tolerances import BF16_RTOL, FP32_RTOL, assert_tree_close
 from lumen_jax.train import step as step_lib
 from lumen_jax.train.build import build
-from lumen_jax.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
+from lumen_jax.config import Config, ModelConfig, OptimConfig
 from lumen_jax.metrics.flops import param_counts
 from lumen_jax.model import apply, init_params, param_shapes_and_names
 from lumen_jax.model.layers import apply_rope, rope_frequencies
 from lumen_jax.ops.reference import reference
 from lumen_jax.train.optim import make_optimizer, schedule
-from lumen_jax.parallel.mesh import make_mesh
-from helpers_run import BASE, assert_same_run, run, with_mesh
 
-FP32_RTOL = 1e-5
-BF16_RTOL = 1e-2
-FP16_RTOL = 1e-2  # float16 has 3 more mantissa bits than bfloat16; the same bound is conservative
 
 TINY = ModelConfig(d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64, vocab_size=64,
                    compute_dtype="float32")
-
-
-def one_device_mesh():
-    return make_mesh({"data": 1, "fsdp": 1, "context": 1, "tensor": 1}, jax.devices()[:1])
 
 
 def batch_for(cfg: Config, seed: int = 0) -> dict:

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from helpers_data import packed_batch
-from helpers_run import BASE, assert_same_run, run, with_mesh
+from helpers.data import packed_batch
+from helpers.run import BASE, assert_same_run, run, with_mesh
 from lumen_jax.metrics import flops
 from lumen_jax.train.build import build
 from lumen_jax.config import ConfigError, MoeConfig, from_dict, to_dict

@@ -11,23 +11,22 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from conftest import assert_tree_close
+from helpers.meshes import small_mesh
+from helpers.tolerances import SAME_MATH_FP32_RTOL, assert_tree_close
 from lumen_jax.config import REMAT_POLICIES, ModelConfig
 from lumen_jax.train.build import build
 from lumen_jax.config import Config, MeshConfig
 from lumen_jax.model import apply, init_params, param_shapes_and_names
 from lumen_jax.ops.choice import Ops, choose
-from lumen_jax.parallel.mesh import make_mesh
 from lumen_jax.parallel.rules import Rules, activate
 
-FP32_RTOL = 1e-6  # same math, float32 rounding of a different summation order
 SHAPE = ModelConfig(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=96, vocab_size=128,
                     compute_dtype="float32")
 B, T = 2, 32
 
 
 def mesh_of(n: int):
-    return make_mesh({"data": 1, "fsdp": n, "context": 1, "tensor": 1}, jax.devices()[:n])
+    return small_mesh(fsdp=n)
 
 
 def batch(seed: int = 0, segments: bool = False) -> tuple[jax.Array, ...]:
@@ -71,8 +70,8 @@ def test_one_cpu_device_formulations_match_the_plain_ones(segments):
     args = batch(segments=segments)
     plain_loss, plain_grads = jax.jit(jax.value_and_grad(loss_fn(SHAPE)))(params, *args)
     cpu_loss, cpu_grads = jax.jit(traced(jax.value_and_grad(loss_fn(SHAPE, 1)), mesh_of(1)))(params, *args)
-    assert float(cpu_loss) == pytest.approx(float(plain_loss), rel=FP32_RTOL)
-    assert_tree_close(cpu_grads, plain_grads, FP32_RTOL, "gradients")
+    assert float(cpu_loss) == pytest.approx(float(plain_loss), rel=SAME_MATH_FP32_RTOL)
+    assert_tree_close(cpu_grads, plain_grads, SAME_MATH_FP32_RTOL, "gradients")
 
 
 @pytest.mark.parametrize("devices, expected", [(None, False), (1, True), (8, False)])

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import FAST_RUN
+from helpers.run import FAST_RUN
 from lumen_jax.ops import fp8
 
 FORMATS = [fp8.E4M3, fp8.E5M2]
@@ -210,17 +210,16 @@ from lumen_jax.config import (CheckpointConfig, Config, DataConfig, Fp8Config, M
                               ModelConfig, OptimConfig, TrainConfig)
 from lumen_jax.ops.choice import Ops  # noqa: E402
 from lumen_jax.ops.projection import project  # noqa: E402
-from lumen_jax.parallel.mesh import make_mesh  # noqa: E402
+from helpers.meshes import mesh_shape, small_mesh  # noqa: E402
 
 
 def _trainer(fp8_cfg: Fp8Config, num_layers: int = 3, compute_dtype: str = "bfloat16", steps: int = 300,
              seq_len: int = 64, batch: int = 8, **axes):
-    shape = {"data": 1, "fsdp": 1, "context": 1, "tensor": 1, **axes}
+    shape = mesh_shape(**axes)
     cfg = Config(model=ModelConfig(num_layers=num_layers, compute_dtype=compute_dtype, fp8=fp8_cfg),
                  mesh=MeshConfig(**shape), data=DataConfig(seq_len=seq_len, global_batch_size=batch),
                  optim=OptimConfig(lr=3e-3, warmup_steps=10), train=TrainConfig(steps=steps))
-    devices = jax.devices()[:int(np.prod(list(shape.values())))]
-    return build(cfg, make_mesh(shape, devices))
+    return build(cfg, small_mesh(**shape))
 
 
 def test_layer_mask_and_runs():
@@ -303,7 +302,7 @@ def _history_leaves(state):
 
 
 def test_delayed_state_is_replicated_and_survives_a_checkpoint_and_a_reshard(tmp_path):
-    from helpers_data import packed_batch
+    from helpers.data import packed_batch
     fp8_cfg = Fp8Config(recipe="delayed", amax_history=8)  # 3 layers: the middle one runs fp8
     tr = _trainer(fp8_cfg, compute_dtype="float32", batch=16, seq_len=128, steps=10, fsdp=4, tensor=2)
     batch = packed_batch(16, 128, 512, seed=0)
@@ -336,7 +335,7 @@ def test_delayed_state_is_replicated_and_survives_a_checkpoint_and_a_reshard(tmp
 
 
 def test_micro_batches_combine_histories_by_max():
-    from helpers_data import packed_batch
+    from helpers.data import packed_batch
     fp8_cfg = Fp8Config(recipe="delayed", amax_history=4, keep_bf16=())
     one = _trainer(fp8_cfg, num_layers=2, compute_dtype="float32", batch=8, steps=10)
     batch = packed_batch(8, 64, 512, seed=1)
@@ -366,16 +365,12 @@ def test_mfu_against_the_fp8_and_the_bf16_peak():
 
 
 def test_benchmark_script_imports_and_its_hlo_check_runs_on_cpu():
-    import importlib.util
-    import os
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "fp8_gpu.py")
-    spec = importlib.util.spec_from_file_location("fp8_gpu", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from helpers.paths import load_script
+    bench = load_script("benchmarks/fp8_gpu.py")
     assert bench.parse_args([]).recipes == "none,delayed,current"
     tr = _trainer(Fp8Config(recipe="delayed", amax_history=4), num_layers=3, compute_dtype="float32",
                   batch=2, seq_len=32, steps=10)
-    from helpers_data import packed_batch
+    from helpers.data import packed_batch
     compiled, pre = bench.hlo_fp8_gemms(tr, tr.init(), tr.shard_batch(packed_batch(2, 32, 512, seed=0)))
     assert compiled == 0  # XLA:CPU upcasts fp8 operands before its dots
     assert pre == 7 * 3  # the middle layer's 7 projections: forward, dgrad and wgrad each
@@ -437,7 +432,7 @@ def test_a_checkpoint_from_before_model_state_still_restores(recipe, tmp_path):
     fp8_cfg = Fp8Config(recipe=recipe, amax_history=4)
     tr = _trainer(fp8_cfg, compute_dtype="float32", batch=8, seq_len=32, steps=10, fsdp=8)
     state = tr.init()
-    from helpers_data import packed_batch
+    from helpers.data import packed_batch
     state, _ = tr.step(state, tr.shard_batch(packed_batch(8, 32, 512, seed=0)))  # histories no longer zero
     old_hist = fp8.to_legacy(jax.device_get(state.model_state), "projections")
     if recipe == "delayed":

@@ -6,13 +6,15 @@ loops around it (`lumen_jax.plan.hlo`).
 """
 
 import dataclasses
+import os
 import re
 
 import jax
 import numpy as np
 import pytest
 
-from helpers_run import BASE, assert_same_run, run, with_mesh
+from helpers.paths import REPO
+from helpers.run import BASE, assert_same_run, run, with_mesh
 from lumen_jax.config import MeshConfig
 from lumen_jax.plan import hlo
 from lumen_jax.plan.compiled import compile_step
@@ -206,9 +208,7 @@ def test_kept_weights_that_do_not_fit_are_a_config_error():
     from lumen_jax.config.files import load_config
     from lumen_jax.plan.memory import check_kept_weights_fit
 
-    import os
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "llama3_70b.yaml")
+    path = os.path.join(REPO, "configs", "llama3_70b.yaml")
     cfg = load_config(path, ["mesh.fsdp_regather=per_step"])
     layout = layout_from_config(cfg, 1024)
     with pytest.raises(ConfigError, match=r"mesh.fsdp_regather=per_step keeps 17.6 GB .* device's 10.0 GB"):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
+from helpers.meshes import mesh_shape
 from lumen_jax.ops import attention as attention_ops
 from lumen_jax.ops.choice import Ops
 from lumen_jax.ops.reference import reference as reference_attention
@@ -48,7 +49,7 @@ def reference(q, k, v, seg, ct_o, ct_lse, causal):
 
 @functools.lru_cache(maxsize=None)
 def _compiled(c: int, strategy: str, causal: bool, has_seg: bool, balance: str, impl: str):
-    mesh = make_mesh({"data": 8 // c, "fsdp": 1, "context": c, "tensor": 1})
+    mesh = make_mesh(mesh_shape(data=8 // c, context=c))
     rules = Rules(context_parallel=strategy, context_balance=balance)
     kernel = attention_ops.block_kernel(Ops(attention=impl, interpret=True), H)  # CPU: the interpreter
 
@@ -133,7 +134,7 @@ def test_layout_order_is_a_permutation():
 
 def _compiled_hlo(strategy: str, seq_len: int, c: int) -> str:
     """Per-device HLO of the forward + backward at a long sequence (compiled, never run)."""
-    mesh = make_mesh({"data": 8 // c, "fsdp": 1, "context": c, "tensor": 1})
+    mesh = make_mesh(mesh_shape(data=8 // c, context=c))
     rules = Rules(context_parallel=strategy)
 
     def loss(q, k, v):
@@ -179,7 +180,7 @@ def test_executed_blocks_per_device(balance):
     """Count the chunk pairs each device's forward really computes (a host callback in the kernel):
     they match `work_per_device`, and zigzag keeps max/min within 1.1."""
     c = 4
-    mesh = make_mesh({"data": 2, "fsdp": 1, "context": c, "tensor": 1})
+    mesh = make_mesh(mesh_shape(data=2, context=c))
     rules = Rules(context_parallel="ring", context_balance=balance)
     xla = attention_ops.block_kernel(Ops(), H)
     seen = []

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers_run import BASE, assert_same_run, run, with_mesh
+from helpers.meshes import mesh_shape
+from helpers.run import BASE, assert_same_run, run, with_mesh
 from lumen_jax.train.build import build
 from lumen_jax.parallel.mesh import make_mesh
 
@@ -73,7 +74,7 @@ def _flat(tree) -> dict:
 @pytest.mark.parametrize("zero_stage,params_golden", [(3, GOLDEN_FSDP4_TP2), (1, GOLDEN_ZERO1_PARAMS)])
 def test_partition_specs_golden(zero_stage, params_golden):
     cfg = with_mesh(BASE, zero_stage=zero_stage, fsdp=4, tensor=2)
-    trainer = build(cfg, make_mesh({"data": 1, "fsdp": 4, "context": 1, "tensor": 2}))
+    trainer = build(cfg, make_mesh(mesh_shape(fsdp=4, tensor=2)))
     assert _flat(trainer.param_specs("params")) == params_golden
     assert _flat(trainer.param_specs("optimizer")) == GOLDEN_FSDP4_TP2
     placed = _flat(jax.tree.map(lambda s: s.spec, trainer.state_shardings.params,

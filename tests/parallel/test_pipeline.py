@@ -11,7 +11,10 @@ import jax
 import numpy as np
 import pytest
 
-from helpers_run import BASE, FP32_RTOL, batches, run, assert_same_run, with_mesh
+from helpers.metrics import read_metrics
+from helpers.paths import REPO
+from helpers.run import BASE, batches, run, assert_same_run, with_mesh
+from helpers.tolerances import FP32_RTOL
 from lumen_jax.metrics import flops
 from lumen_jax.train.build import build
 from lumen_jax.checkpoint.manager import Checkpointer
@@ -19,7 +22,6 @@ from lumen_jax.config import CheckpointConfig, ConfigError, MeshConfig, from_dic
 from lumen_jax.config.checks import validate
 from lumen_jax.parallel.mesh import make_mesh
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = BASE.replace(model=dataclasses.replace(BASE.model, num_layers=8))
 M = 4  # micro-batches: 4 rows each
 
@@ -123,8 +125,7 @@ def test_train_cli_reports_the_bubble(tmp_path):
                   "train.steps=2", "log.every_steps=1", "log.tensorboard=false", "log.progress=false",
                   f"train.run_dir={run_dir}")
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = read_metrics(run_dir)
     assert [r["pipeline_bubble"] for r in rows] == [pytest.approx(1 / 3)] * 2  # (P-1)/(m+P-1), P=m=2
     # HFU counts the stage forward each backward recomputes (1f1b: one per micro-batch), MFU does not.
     with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:

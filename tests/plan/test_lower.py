@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from helpers_run import BASE, with_mesh
+from helpers.run import BASE, with_mesh
 from lumen_jax.metrics import flops
 from lumen_jax.plan import kernel_compile
 from lumen_jax.plan import lower

@@ -18,7 +18,6 @@ from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lumen_jax.metrics import flops
-from lumen_jax.metrics import mfu as metrics
 from lumen_jax import plan
 from lumen_jax.train.build import build
 from lumen_jax.config import Fp8Config, MeshConfig, ModelConfig

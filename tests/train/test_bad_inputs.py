@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from helpers_faults import REPO, RUN_STEPS, args, fill, snapshot, tmpfs, trained_run
+from helpers.paths import REPO
+from helpers.faults import RUN_STEPS, args, fill, snapshot, tmpfs, trained_run
 from lumen_jax.train import cli as train_cli
 from lumen_jax.config.checks import warnings
 from lumen_jax.config.files import load_config

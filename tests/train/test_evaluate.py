@@ -3,9 +3,7 @@
 checkpoint of that step; the bad inputs are one line."""
 
 import dataclasses
-import json
 import math
-import os
 import subprocess
 import sys
 
@@ -13,9 +11,12 @@ import jax
 import numpy as np
 import pytest
 
-import helpers_hf
 import yaml
 
+from helpers import hf
+from helpers.metrics import read_metrics
+from helpers.paths import REPO
+from helpers.tolerances import FP32_RTOL
 from lumen_jax.checkpoint import weights
 from lumen_jax.config import ConfigError, to_dict
 from lumen_jax.config.checks import validate
@@ -23,14 +24,12 @@ from lumen_jax.config.files import load_config
 from lumen_jax.train.evaluate import evaluate, main as evaluate_cli
 from lumen_jax.model import abstract_model
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FP32_RTOL = 1e-5
 DATA = {"builtin_max_bytes": 300_000, "seq_len": 32, "global_batch_size": 8, "eval_share": 0.25}
 
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    return helpers_hf.imported(str(tmp_path_factory.mktemp("eval")), tied=True, name="imported")
+    return hf.imported(str(tmp_path_factory.mktemp("eval")), tied=True, name="imported")
 
 
 @pytest.mark.heavy
@@ -49,8 +48,7 @@ def test_init_from_first_loss_and_eval_every_equal_evaluate(imported, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "lumen_jax.train", "--config", str(config)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        logged = {m["step"]: m for m in map(json.loads, f)}
+    logged = {m["step"]: m for m in read_metrics(run_dir)}
     assert sorted(logged) == [1, 2] and "eval_loss" not in logged[1]
 
     overrides = [f"data.{k}={v}" for k, v in DATA.items()]

@@ -9,6 +9,7 @@ import types
 
 import pytest
 
+from helpers.metrics import read_metrics
 from lumen_jax.checkpoint import manager as checkpoint_lib
 from lumen_jax.train import loop
 from lumen_jax.train import cli as train_cli
@@ -16,11 +17,6 @@ from lumen_jax.train import cli as train_cli
 IN_PROCESS = ["runtime.cpu_devices=0", "runtime.compilation_cache_dir=", "log.progress=false",
               "log.tensorboard=false"]
 STEPS, SIGINT_AFTER = 8, 4
-
-
-def read_metrics(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def committed_steps(run_dir: str) -> list[int]:

@@ -1,10 +1,9 @@
 """Faults during a run and what is on disk afterwards: a config change on resume, every checkpoint
-unusable, an overflowing update, a non-finite state, a full disk mid-run, SIGTERM during start-up,
-and the supervisor's accounting of steps and time lost."""
+unusable, an overflowing update, a non-finite state, a full disk mid-run, SIGTERM during start-up
+(the supervisor's accounting of steps and time lost: tests/launch/test_supervise.py)."""
 
 import errno
 import glob
-import importlib.util
 import json
 import os
 import shutil
@@ -15,9 +14,12 @@ import jax
 import numpy as np
 import pytest
 
-from helpers_data import packed_batch
-from helpers_faults import REPO, RUN_STEPS, args, snapshot, tmpfs, trained_run
-from helpers_run import BASE, with_mesh
+from helpers.data import packed_batch
+from helpers.faults import RUN_STEPS, args, snapshot, tmpfs, trained_run
+from helpers.meshes import mesh_shape, one_device_mesh
+from helpers.metrics import read_metrics
+from helpers.paths import REPO
+from helpers.run import BASE, with_mesh
 from lumen_jax.train import cli as train_cli
 from lumen_jax.train.build import build
 from lumen_jax.checkpoint.manager import Checkpointer, NonFiniteState
@@ -37,15 +39,10 @@ def _copy(shared, tmp_path) -> str:
     return run
 
 
-def _rows(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
 def _restores_finite(run_dir, step):
     """The checkpoint `step` of `run_dir` restores (checksums verified) and holds only finite values."""
     cfg = train_cli.load_config(os.path.join(REPO, "configs/tiny.yaml"), args(run_dir)[2:])
-    trainer = build(cfg, make_mesh({"data": 1, "fsdp": 8, "context": 1, "tensor": 1}))
+    trainer = build(cfg, make_mesh(mesh_shape(fsdp=8)))
     restored = Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoint).restore_latest(
         trainer.abstract_state())
     assert restored.step == step
@@ -59,7 +56,7 @@ def test_a_change_that_keeps_the_state_resumes_and_marks_its_rows(shared, tmp_pa
     assert rc == 0, err
     assert f"resumed from step {RUN_STEPS}" in out
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == [str(RUN_STEPS), str(RUN_STEPS + 1)]
-    rows = _rows(run)
+    rows = read_metrics(run)
     assert [(r["step"], r.get("attempt")) for r in rows] == [
         *((s, None) for s in range(1, RUN_STEPS + 1)), (RUN_STEPS + 1, 2)]
     with open(os.path.join(run, "config.json")) as f:
@@ -85,7 +82,7 @@ def test_every_checkpoint_unusable_stops_with_exit_2(shared, tmp_path, capfd):
 @pytest.fixture(scope="module")
 def one_device_trainer():
     cfg = with_mesh(BASE.replace(optim=OptimConfig(lr=1e38, warmup_steps=0, schedule="constant")))
-    return build(cfg, make_mesh({"data": 1, "fsdp": 1, "context": 1, "tensor": 1}, jax.devices()[:1]))
+    return build(cfg, one_device_mesh())
 
 
 def test_an_overflowing_update_is_a_skipped_step(one_device_trainer):
@@ -192,41 +189,3 @@ def test_sigterm_during_start_up_exits_75(shared, tmp_path, capfd, monkeypatch):
     assert snapshot(os.path.join(run, "checkpoints")) == before
     events = [json.loads(line) for line in open(os.path.join(run, "events.jsonl"))]
     assert [e["event"] for e in events if e["event"] in ("start", "compiled")][-2:] == ["start", "compiled"]
-
-
-def _supervisor():
-    spec = importlib.util.spec_from_file_location("supervise", os.path.join(REPO, "launch", "supervise.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["supervise"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _attempt_events(pid, resume, steps, t0, compile_s=10.0):
-    """A trainer's events: start, `compile_s` of start-up and compilation, then one step a second."""
-    return ([{"pid": pid, "event": "start", "resume_step": resume, "time": t0},
-             {"pid": pid, "event": "compiled", "time": t0 + compile_s}]
-            + [{"pid": pid, "event": "step", "step": s, "time": t0 + compile_s + i + 1}
-               for i, s in enumerate(steps)])
-
-
-@pytest.mark.parametrize("resumed_from, lost", [(5, 2), (0, 7)], ids=["step-5-committed", "step-5-not-committed"])
-def test_supervisor_counts_steps_really_taken_and_compile_as_overhead(resumed_from, lost):
-    # The issue's case: killed after step 7, checkpoints every 5, metrics logged every 10.
-    sup = _supervisor()
-    attempts = [sup.Attempt(pid=1, started=0.0, ended=18.0, returncode=-9, committed=resumed_from),
-                sup.Attempt(pid=2, started=20.0, ended=20.0 + 10 + (10 - resumed_from), returncode=0)]
-    events = (_attempt_events(1, 0, range(1, 8), 0.0)
-              + _attempt_events(2, resumed_from, range(resumed_from + 1, 11), 20.0))
-    interruptions, goodput = sup.account(attempts, events)
-    assert [(i.cause, i.steps_lost) for i in interruptions] == [("killed by SIGKILL", lost)]
-    assert interruptions[0].time_lost_s == pytest.approx(18.0 - (7 - lost) * 1.0)  # compile counts as lost
-    assert goodput == pytest.approx(10 * 1.0 / attempts[-1].ended)  # 10 kept steps of 1 s
-
-
-def test_supervisor_last_attempt_keeps_only_what_was_committed():
-    sup = _supervisor()
-    attempts = [sup.Attempt(pid=1, started=0.0, ended=18.0, returncode=-9, committed=5)]
-    interruptions, goodput = sup.account(attempts, _attempt_events(1, 0, range(1, 8), 0.0))
-    assert [i.steps_lost for i in interruptions] == [2]
-    assert goodput == pytest.approx(5 / 18.0)

@@ -9,11 +9,12 @@ import sys
 
 import pytest
 
+from helpers.metrics import read_metrics
+from helpers.paths import REPO
 from lumen_jax.config import ConfigError
 from lumen_jax.config.checks import validate
 from lumen_jax.config.files import load_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 120
 EXIT_BAD_INPUT = 2
 METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "tokens_per_sec_per_device",
@@ -23,11 +24,6 @@ METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "tokens_per_
 def train(config: str, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "lumen_jax.train", "--config", config, *overrides],
                           cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
-
-
-def read_metrics(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
