@@ -3,11 +3,11 @@
     python benchmarks/communication.py [MESH ...]      # e.g. data=8,m=4 fsdp=8,m=4,fsdp_regather=per_step
 
 Each MESH is comma-separated `key=value`: mesh fields (data, fsdp, tensor, zero_stage,
-fsdp_grad_reduce, ...), `m` (micro-batches) and `dt` (compute dtype). The model is the tests' small
-fp32 config of the mesh tests (CONFIG below, the same as tests/helpers/run.py BASE, at batch 32); the
-step is compiled on 8 emulated CPU devices and every collective counted with the trip counts of its loops
-(`lumen_jax.plan.hlo.on_mesh`). Collectives under 2 KB per step (loss scalars) are left out. Figures:
-docs/PERFORMANCE.md.
+fsdp_grad_reduce, ...), `m` (micro-batches) and `dt` (compute dtype). The model is a small fp32
+config (CONFIG below: the mesh tests' BASE of tests/helpers/run.py, at batch 32); the step is compiled
+on 8 emulated CPU devices and every collective counted with the trip counts of its loops
+(`lumen_jax.plan.hlo.on_mesh`). Collectives under 2 KB per step (loss scalars) are left out.
+Figures: docs/PERFORMANCE.md.
 """
 
 import dataclasses
