@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from helpers.data import packed_batch
+from helpers.faults import IN_PROCESS
 from helpers.meshes import mesh_shape, small_mesh
 from helpers.metrics import losses, read_metrics
 from helpers.paths import REPO
@@ -28,8 +29,6 @@ from lumen_jax.config import CheckpointConfig, Config, MeshConfig, ModelConfig
 from lumen_jax.parallel.sdc import find_divergent_replicas
 
 CFG = Config(model=ModelConfig(compute_dtype="float32"))
-IN_PROCESS = ["runtime.cpu_devices=0", "runtime.compilation_cache_dir=", "log.progress=false",
-              "log.tensorboard=false"]
 
 
 def _mesh(**axes):

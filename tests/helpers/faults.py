@@ -14,6 +14,8 @@ from helpers.paths import REPO
 from lumen_jax.train import cli as train_cli
 
 RUN_STEPS = 2
+# `train.cli.main` in this process: the device count and compilation cache conftest.py set are left as
+# they are; no progress bar, no TensorBoard.
 IN_PROCESS = ["runtime.cpu_devices=0", "runtime.compilation_cache_dir=", "log.progress=false",
               "log.tensorboard=false"]
 SMALL = ["data.seq_len=32", "data.global_batch_size=8", "optim.schedule=constant", "optim.warmup_steps=0",

@@ -9,13 +9,12 @@ import types
 
 import pytest
 
+from helpers.faults import IN_PROCESS
 from helpers.metrics import read_metrics
 from lumen_jax.checkpoint import manager as checkpoint_lib
 from lumen_jax.train import loop
 from lumen_jax.train import cli as train_cli
 
-IN_PROCESS = ["runtime.cpu_devices=0", "runtime.compilation_cache_dir=", "log.progress=false",
-              "log.tensorboard=false"]
 STEPS, SIGINT_AFTER = 8, 4
 
 
