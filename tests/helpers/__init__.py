@@ -1,4 +1,5 @@
-"""What the tests share, in one place (tests/ is on sys.path through conftest.py: `from helpers.run import ...`).
+"""What the tests share, in one place: `from helpers.run import ...` (pytest puts tests/, the folder of the
+root conftest.py, on sys.path; the test folders have no __init__.py, so test file names are unique).
 
   paths        the repository root; scripts of launch/ and benchmarks/ loaded as modules
   tolerances   relative tolerances by dtype; `assert_tree_close`
