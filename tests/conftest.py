@@ -10,9 +10,8 @@ set_cpu_xla_flags()  # before the backend starts: see lumen_jax/runtime/process.
 # collectives and buffers are the same program (only the machine code is less optimized; float32
 # results moved by one ulp where measured: on fsdp=8 the first loss 5.5497184 -> 5.5497179, inside every
 # fp32 tolerance; bit-for-bit tests compare runs under the same flags). Subprocesses inherit it
-# through XLA_FLAGS. Tests that run hundreds of steps compile with FAST_RUN instead.
+# through XLA_FLAGS. Tests that run hundreds of steps compile with helpers.run.FAST_RUN instead.
 add_xla_flags(("--xla_backend_optimization_level=0",))
-FAST_RUN = {"xla_backend_optimization_level": 3}  # `compiler_options` of a long-running program
 
 import jax  # noqa: E402
 
@@ -22,7 +21,6 @@ jax.config.update("jax_compilation_cache_dir",
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
@@ -31,13 +29,3 @@ def eight_devices():
     """Tests that build meshes need all 8 emulated devices: missing ones are a failure, not a skip."""
     assert jax.device_count() == 8, f"expected 8 emulated CPU devices, got {jax.device_count()}"
 
-
-def assert_tree_close(actual, expected, rtol: float, what: str = "") -> None:
-    """Leaf-wise closeness with atol = rtol * max|expected| of the leaf (fp reduction order differs)."""
-    flat_a = jax.tree_util.tree_leaves_with_path(actual)
-    flat_e = jax.tree.leaves(expected)
-    assert len(flat_a) == len(flat_e)
-    for (path, a), e in zip(flat_a, flat_e):
-        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
-        np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * float(np.abs(e).max() + 1e-30),
-                                   err_msg=f"{what}{jax.tree_util.keystr(path)}")

@@ -5,9 +5,9 @@ import jax
 import numpy as np
 import pytest
 
-import helpers_hf
-
-from helpers_hf import FP32_RTOL, hf_greedy
+from helpers import hf
+from helpers.hf import hf_greedy
+from helpers.tolerances import FP32_RTOL
 from lumen_jax.checkpoint import weights
 from lumen_jax.generate import ONE_DEVICE, Generator, Sampling, main as generate
 from lumen_jax.model import apply
@@ -18,7 +18,7 @@ NEW = 8
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    return helpers_hf.imported(str(tmp_path_factory.mktemp("gen")), tied=False, name="run")
+    return hf.imported(str(tmp_path_factory.mktemp("gen")), tied=False, name="run")
 
 
 def greedy_without_cache(loaded, prompt: list[int], new: int, with_logits: bool = False):

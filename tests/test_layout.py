@@ -4,7 +4,6 @@ Layout section lists every module of the tree (and nothing that is gone)."""
 from __future__ import annotations
 
 import ast
-import os
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

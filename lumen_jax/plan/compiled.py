@@ -1,6 +1,6 @@
 """The plan against the compiler: the real train step compiled on this machine's devices, and XLA's
 own per-device bytes and FLOPs next to the predicted ones (`python -m lumen_jax.plan --against-xla`
-and tests/test_plan.py use the same functions).
+and tests/plan/test_plan.py use the same functions).
 
 Nothing is allocated: the step is lowered for abstract, sharded state and batch and compiled;
 `memory_analysis()` and `cost_analysis()` of the compiled program are read. On CPU the devices are

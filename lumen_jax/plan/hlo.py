@@ -4,7 +4,7 @@ reviewer looks for before a GPU run (kernels, fp8 dots, collectives, the largest
 Works on both kinds of text JAX gives: a lowered module (`lowered.as_text(dialect="hlo")`, before
 the SPMD partitioner: shapes are global outside per-device (manual) regions and per shard inside them) and a compiled
 one (`compiled.as_text()`, per device). `python -m lumen_jax.lower` prints what `summarize` finds;
-tests/test_lower.py asserts on it.
+tests/plan/test_lower.py asserts on it.
 
 Executions per step: an instruction in the entry computation runs once; one inside a `while` body
 runs the loop's trip count times (nested loops multiply). The trip count is XLA's
@@ -297,7 +297,8 @@ def square_arrays(module: Module, length: int) -> list[tuple[Instr, Array]]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Collectives on a mesh: what the planner compares (`plan --against-xla`, tests/test_communication.py)
+# Collectives on a mesh: what the planner compares (`plan --against-xla`,
+# tests/parallel/test_communication.py)
 # --------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,466 @@
+"""lumen_jax.config: loading (YAML, gin, base:, overrides), strict types, validation. No JAX."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import yaml
+
+from helpers.paths import REPO as ROOT
+from lumen_jax import config as C
+from lumen_jax.config import Config, ConfigError, from_dict, to_dict
+from lumen_jax.config.checks import validate
+from lumen_jax.config.files import load_config
+
+CONFIGS = os.path.join(ROOT, "configs")
+
+# Device counts each shipped file is sized for (see the comment at the top of each file).
+DEVICES = {"base": 8, "tiny": 8, "llama3_1b": 64, "llama3_8b": 64, "llama3_70b": 512, "llama3_405b": 1024,
+           "tiny_moe": 8, "mixtral_8x7b": 64}
+
+
+def cfg_path(name: str) -> str:
+    return os.path.join(CONFIGS, name)
+
+
+def write(tmp_path, name: str, text: str) -> str:
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return str(p)
+
+
+def with_(cfg: Config, **changes: dict) -> Config:
+    """cfg with some section fields replaced: with_(cfg, model=dict(num_heads=8))."""
+    return cfg.replace(**{s: dataclasses.replace(getattr(cfg, s), **kw) for s, kw in changes.items()})
+
+
+def error(fn, *args) -> str:
+    with pytest.raises(ConfigError) as e:
+        fn(*args)
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+TINY = load_config(cfg_path("tiny.yaml"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Shipped files
+# --------------------------------------------------------------------------------------------------
+
+def test_every_config_file_loads_and_validates():
+    files = sorted(glob.glob(os.path.join(CONFIGS, "*.yaml")) + glob.glob(os.path.join(CONFIGS, "*.gin")))
+    names = {os.path.splitext(os.path.basename(f))[0] for f in files}
+    assert names == set(DEVICES), "add each new config file to DEVICES with the device count it is sized for"
+    for f in files:
+        cfg = load_config(f)
+        assert cfg.name == os.path.splitext(os.path.basename(f))[0]
+        shape = validate(cfg, DEVICES[cfg.name])
+        assert math.prod(shape.values()) == DEVICES[cfg.name]
+
+
+def test_base_yaml_lists_every_default():
+    assert to_dict(load_config(cfg_path("base.yaml"))) == {**to_dict(Config()), "name": "base"}
+    with open(cfg_path("base.yaml")) as f:
+        raw = yaml.safe_load(f)
+    assert {s: set(v) for s, v in raw.items()} == {s: set(v) for s, v in to_dict(Config()).items()
+                                                 if s != "name"}
+
+
+def test_tiny_values():
+    m, d = TINY.model, TINY.data
+    assert (m.d_model, m.num_layers, m.num_heads, m.num_kv_heads, m.ffn_dim, m.vocab_size) == (64, 2, 4, 2, 172, 512)
+    assert m.compute_dtype == "float32"
+    assert (d.seq_len, d.global_batch_size, TINY.train.steps) == (128, 16, 100)
+    assert TINY.runtime.cpu_devices == 8 and TINY.mesh.fsdp == -1
+    assert TINY.optim.lr == 3e-3 and isinstance(TINY.optim.lr, float) and TINY.optim.warmup_steps == 10
+    assert validate(TINY, 8) == {"data": 1, "fsdp": 8, "pipeline": 1, "expert": 1, "context": 1, "tensor": 1}
+
+
+def test_llama_presets_shapes():
+    expect = {"llama3_1b": (2048, 16, 32, 8, 8192), "llama3_8b": (4096, 32, 32, 8, 14336),
+              "llama3_70b": (8192, 80, 64, 8, 28672), "llama3_405b": (16384, 126, 128, 8, 53248)}
+    for name, shape in expect.items():
+        m = load_config(cfg_path(f"{name}.yaml")).model
+        assert (m.d_model, m.num_layers, m.num_heads, m.num_kv_heads, m.ffn_dim) == shape
+        assert m.vocab_size == 128256 and m.rope_scaling == "llama3" and m.compute_dtype == "bfloat16"
+        assert m.resolved_head_dim == 128 if name != "llama3_1b" else m.resolved_head_dim == 64
+    one_b = load_config(cfg_path("llama3_1b.yaml")).model
+    assert one_b.tie_embeddings and one_b.rope_scaling_factor == 32.0
+
+
+def test_gin_equals_yaml_for_tiny():
+    assert load_config(cfg_path("tiny.gin")) == TINY
+    # Loading again in the same process starts from a clean slate.
+    assert load_config(cfg_path("tiny.gin")) == TINY
+    assert load_config(cfg_path("tiny.gin"), ["model.num_layers=3"]).model.num_layers == 3
+
+
+def test_gin_leaves_no_global_bindings(tmp_path):
+    load_config(write(tmp_path, "a.gin", "model.num_layers = 7\n"))
+    assert load_config(write(tmp_path, "b.gin", "optim.lr = 1e-3\n")).model.num_layers == 2
+
+
+def test_gin_include_and_macro(tmp_path):
+    write(tmp_path, "parent.gin", "model.num_layers = 5\n")
+    p = write(tmp_path, "child.gin", """\
+        include 'parent.gin'
+        WIDTH = 128
+        model.d_model = %WIDTH
+        """)
+    cfg = load_config(p)
+    assert (cfg.model.num_layers, cfg.model.d_model, cfg.name) == (5, 128, "child")
+
+
+def test_gin_errors(tmp_path):
+    msg = error(load_config, write(tmp_path, "a.gin", "model.d_modle = 64\n"))
+    assert "model.d_modle" in msg and "did you mean model.d_model?" in msg
+    msg = error(load_config, write(tmp_path, "b.gin", "modle.d_model = 64\n"))
+    assert "'modle'" in msg and "did you mean model?" in msg
+    msg = error(load_config, write(tmp_path, "c.gin", "model.num_layers = 'abc'\n"))
+    assert msg == "model.num_layers='abc' must be an int; got str"
+    msg = error(load_config, write(tmp_path, "d.gin", "model.num_layers = abc\n"))
+    assert "not valid gin" in msg
+
+
+def test_jax_not_imported():
+    code = ("import sys, lumen_jax.config; assert 'lumen_jax.config.files' not in sys.modules; "
+            "import lumen_jax.config.files as c; c.load_config('configs/tiny.gin'); assert 'jax' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# YAML, base:, overrides
+# --------------------------------------------------------------------------------------------------
+
+def test_defaults_when_no_path():
+    cfg = load_config(None)
+    assert cfg == Config() and cfg.name == "default"
+
+
+def test_base_inheritance_deep_merges(tmp_path):
+    (tmp_path / "sub").mkdir()
+    write(tmp_path, "grand.yaml", "model: {d_model: 96, num_layers: 3}\noptim: {lr: 1.0e-3}\n")
+    write(tmp_path, "sub/parent.yaml", "base: ../grand.yaml\nmodel: {num_layers: 4}\n")
+    p = write(tmp_path, "sub/child.yml", "base: parent.yaml\nmodel: {num_heads: 2}\noptim:\n")
+    cfg = load_config(p)
+    assert (cfg.model.d_model, cfg.model.num_layers, cfg.model.num_heads) == (96, 4, 2)
+    assert cfg.optim.lr == 1e-3  # an empty child section keeps the base one
+    assert cfg.name == "child"
+
+
+def test_base_errors(tmp_path):
+    msg = error(load_config, write(tmp_path, "a.yaml", "base: missing.yaml\n"))
+    assert "base='missing.yaml'" in msg and "does not exist" in msg
+    write(tmp_path, "x.yaml", "base: y.yaml\n")
+    msg = error(load_config, write(tmp_path, "y.yaml", "base: x.yaml\n"))
+    assert "extends itself" in msg
+    msg = error(load_config, write(tmp_path, "n.yaml", "name: foo\n"))
+    assert "name='foo'" in msg
+
+
+def test_file_errors(tmp_path):
+    assert "does not exist" in error(load_config, str(tmp_path / "nope.yaml"))
+    assert ".yaml, .yml or .gin" in error(load_config, write(tmp_path, "a.toml", "x = 1\n"))
+    assert "not valid YAML" in error(load_config, write(tmp_path, "b.yaml", "model: [\n"))
+    assert "mapping of sections" in error(load_config, write(tmp_path, "c.yaml", "- 1\n"))
+    msg = error(load_config, write(tmp_path, "d.yaml", "model: 3\n"))
+    assert "model=3" in msg and "mapping" in msg
+
+
+def test_yaml_scientific_floats(tmp_path):
+    cfg = load_config(write(tmp_path, "a.yaml", "optim: {lr: 3e-4, eps: 1E-8, weight_decay: 1}\n"))
+    assert cfg.optim.lr == 3e-4 and isinstance(cfg.optim.lr, float)
+    assert cfg.optim.eps == 1e-8
+    assert cfg.optim.weight_decay == 1.0 and isinstance(cfg.optim.weight_decay, float)
+
+
+def test_override_parsing():
+    cfg = load_config(cfg_path("tiny.yaml"), [
+        "optim.lr=3e-4", "mesh.sequence_parallel=true", "model.num_layers=4", "data.paths=[a.txt, b/*.txt]",
+        "train.run_dir=2024", "data.tokenizer=tok.json", "checkpoint.every_minutes=5", "runtime.platform="])
+    assert cfg.optim.lr == 3e-4 and isinstance(cfg.optim.lr, float)
+    assert cfg.mesh.sequence_parallel is True
+    assert cfg.model.num_layers == 4
+    assert cfg.data.paths == ("a.txt", "b/*.txt")
+    assert cfg.train.run_dir == "2024" and cfg.data.tokenizer == "tok.json"
+    assert cfg.checkpoint.every_minutes == 5.0 and isinstance(cfg.checkpoint.every_minutes, float)
+    assert cfg.runtime.platform == ""
+    assert load_config(None, ["data.paths=corpus/*.txt"]).data.paths == ("corpus/*.txt",)
+    # Later overrides win; overrides win over the file.
+    assert load_config(cfg_path("tiny.yaml"), ["optim.lr=1", "optim.lr=2"]).optim.lr == 2.0
+
+
+def test_override_errors():
+    for bad in ("optim.lr", "lr=3", "optim.=3", "a.b.c=1"):
+        assert "section.key=value" in error(load_config, None, [bad])
+    assert error(load_config, None, ["model.d_modle=64"]) == \
+        "unknown config key model.d_modle=64; did you mean model.d_model?"
+    assert "did you mean model.d_model?" in error(load_config, None, ["modle.d_model=64"])
+    assert "did you mean data.seq_len?" in error(load_config, None, ["model.seq_len=64"])
+    assert error(load_config, None, ["model.num_layers=abc"]) == "model.num_layers='abc' must be an int; got str"
+    assert error(load_config, None, ["log.jsonl=maybe"]) == "log.jsonl='maybe' must be a bool (true or false); got str"
+
+
+# --------------------------------------------------------------------------------------------------
+# Strict dict -> dataclasses
+# --------------------------------------------------------------------------------------------------
+
+def test_unknown_keys_and_sections():
+    assert error(from_dict, {"model": {"d_modle": 64}}) == \
+        "unknown config key model.d_modle=64; did you mean model.d_model?"
+    msg = error(from_dict, {"modle": {"d_model": 64}})
+    assert "'modle'" in msg and "did you mean model?" in msg
+    assert "did you mean data.global_batch_size?" in error(from_dict, {"model": {"global_batch_size": 8}})
+    msg = error(from_dict, {"model": {"zzz": 1}})
+    assert "model.zzz=1" in msg and "keys of model:" in msg
+
+
+@pytest.mark.parametrize("section,key,value,expect", [
+    ("model", "num_layers", "abc", "model.num_layers='abc' must be an int; got str"),
+    ("model", "num_layers", 2.5, "model.num_layers=2.5 must be an int; got float"),
+    ("model", "num_layers", True, "model.num_layers=true must be an int; got bool"),
+    ("optim", "lr", "fast", "optim.lr='fast' must be a float; got str"),
+    ("optim", "lr", False, "optim.lr=false must be a float; got bool"),
+    ("log", "jsonl", "yes", "log.jsonl='yes' must be a bool (true or false); got str"),
+    ("log", "jsonl", 1, "log.jsonl=1 must be a bool (true or false); got int"),
+    ("data", "tokenizer", 3, "data.tokenizer=3 must be a str; got int"),
+    ("data", "paths", "a.txt", "data.paths='a.txt' must be a list of str; got str"),
+    ("data", "paths", ["a", 1], "data.paths=['a', 1] must be a list of str; got list"),
+])
+def test_type_errors(section, key, value, expect):
+    assert error(from_dict, {section: {key: value}}) == expect
+
+
+def test_coercions():
+    cfg = from_dict({"optim": {"lr": 1}, "data": {"paths": ["a", "b"]}})
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
+    assert cfg.data.paths == ("a", "b")
+
+
+@pytest.mark.parametrize("key,value", [
+    ("model.attention", "flashy"), ("model.remat", "some"), ("model.compute_dtype", "float64"),
+    ("model.rope_scaling", "yarn"), ("optim.schedule", "step"), ("mesh.zero_stage", 4),
+    ("mesh.context_parallel", "tree"), ("mesh.context_balance", "striped"), ("data.source", "web"),
+])
+def test_enum_errors(key, value):
+    section, name = key.split(".")
+    msg = error(from_dict, {section: {name: value}})
+    assert msg.startswith(f"{key}={value!r} is not one of the allowed values")
+    allowed = C.CHOICES[key]
+    assert all(repr(a) in msg for a in allowed)
+
+
+def test_round_trip():
+    for f in glob.glob(os.path.join(CONFIGS, "*.yaml")):
+        cfg = load_config(f)
+        d = to_dict(cfg)
+        assert from_dict(d) == cfg
+        assert from_dict(json.loads(json.dumps(d))) == cfg
+        assert from_dict(yaml.safe_load(yaml.safe_dump(d))) == cfg
+    d = to_dict(load_config(None, ["data.paths=[a, b]"]))
+    assert d["data"]["paths"] == ["a", "b"]
+
+
+# --------------------------------------------------------------------------------------------------
+# validate
+# --------------------------------------------------------------------------------------------------
+
+def test_mesh_minus_one_resolution():
+    assert validate(TINY, 8)["fsdp"] == 8
+    assert validate(with_(TINY, mesh=dict(data=2)), 8) == {"data": 2, "fsdp": 4, "pipeline": 1, "expert": 1, "context": 1, "tensor": 1}
+    cfg = with_(TINY, mesh=dict(fsdp=2, tensor=-1))
+    assert validate(cfg, 4) == {"data": 1, "fsdp": 2, "pipeline": 1, "expert": 1, "context": 1, "tensor": 2}
+    assert "at most one axis may be -1" in error(validate, with_(TINY, mesh=dict(data=-1)), 8)
+    assert "mesh.fsdp=-1 cannot fill 8 devices" in error(validate, with_(TINY, mesh=dict(tensor=3)), 8)
+    assert "mesh.tensor=0" in error(validate, with_(TINY, mesh=dict(tensor=0)), 8)
+
+
+def test_mesh_product_mismatch():
+    msg = error(validate, with_(TINY, mesh=dict(fsdp=2)), 8)
+    assert "2 devices but 8 are available" in msg and "set one axis to -1" in msg
+
+
+@pytest.mark.parametrize("key,value", [("num_heads", 9), ("num_kv_heads", 3), ("ffn_dim", 171),
+                                       ("vocab_size", 511)])
+def test_tensor_divides_model(key, value):
+    base = with_(TINY, model=dict(d_model=96, num_heads=12, num_kv_heads=6, ffn_dim=96, vocab_size=96),
+                 mesh=dict(fsdp=1, tensor=2))
+    assert validate(base, 2)["tensor"] == 2
+    msg = error(validate, with_(base, model={key: value}), 2)
+    assert msg.startswith(f"mesh.tensor=2 does not divide model.{key}={value}; "
+                          f"choose mesh.tensor among the divisors of {value}")
+
+
+def test_brief_example_message():
+    cfg = with_(TINY, model=dict(d_model=64, num_heads=8, num_kv_heads=8, ffn_dim=192, vocab_size=384),
+                mesh=dict(fsdp=1, tensor=3))
+    assert error(validate, cfg, 3) == ("mesh.tensor=3 does not divide model.num_heads=8; "
+                                       "choose mesh.tensor among the divisors of 8 (1, 2)")
+
+
+def test_fsdp_divides_d_model():
+    msg = error(validate, with_(TINY, model=dict(d_model=20, num_heads=2)), 8)
+    assert msg.startswith("mesh.fsdp=8 does not divide model.d_model=20")
+    assert validate(with_(TINY, model=dict(d_model=20, num_heads=2), mesh=dict(fsdp=4, data=2)), 8)
+
+
+def test_gqa_and_head_dim():
+    msg = error(validate, with_(TINY, model=dict(num_kv_heads=3)), 8)
+    assert "model.num_kv_heads=3 does not divide model.num_heads=4" in msg
+    msg = error(validate, with_(TINY, model=dict(d_model=66)), 8)
+    assert "model.d_model=66" in msg and "model.num_heads=4" in msg and "model.head_dim" in msg
+    validate(with_(TINY, model=dict(d_model=66, head_dim=16), mesh=dict(data=4, fsdp=2)), 8)
+
+
+def test_batch_and_sequence():
+    msg = error(validate, with_(TINY, data=dict(global_batch_size=12)), 8)
+    assert msg.startswith("data.global_batch_size=12 is not divisible by mesh.data*mesh.fsdp*mesh.expert*train.micro_batches=1*8*1*1=8")
+    msg = error(validate, with_(TINY, train=dict(micro_batches=4)), 8)
+    assert "data.global_batch_size=16" in msg and "=32" in msg
+    validate(with_(TINY, train=dict(micro_batches=2)), 8)
+    msg = error(validate, with_(TINY, data=dict(seq_len=100), mesh=dict(context=8, fsdp=1)), 8)
+    assert msg.startswith("data.seq_len=100 is not divisible by mesh.context=8")
+    cfg = with_(TINY, data=dict(seq_len=10), mesh=dict(fsdp=-1, context=2, tensor=2, sequence_parallel=True))
+    msg = error(validate, cfg, 8)
+    assert "mesh.sequence_parallel=true" in msg and "data.seq_len=10" in msg and "mesh.context*mesh.tensor=4" in msg
+    msg = error(validate, with_(TINY, data=dict(seq_len=36), mesh=dict(context=4, fsdp=2)), 8)
+    assert msg.startswith("mesh.context_balance=zigzag cuts data.seq_len=36 into 2*mesh.context=8 chunks")
+    assert validate(with_(TINY, data=dict(seq_len=36), mesh=dict(context=4, fsdp=2, context_balance="contiguous")),
+                    8)["context"] == 4
+    validate(with_(cfg, data=dict(seq_len=16)), 8)
+
+
+@pytest.mark.parametrize("key,value,fragment", [
+    ("model.num_layers", 0, "model.num_layers=0 must be >= 1"),
+    ("model.d_model", -1, "model.d_model=-1 must be >= 1"),
+    ("model.num_heads", 0, "model.num_heads=0 must be >= 1"),
+    ("model.vocab_size", 0, "model.vocab_size=0 must be >= 1"),
+    ("model.rope_theta", 0.0, "model.rope_theta=0.0 must be > 0"),
+    ("train.steps", 0, "train.steps=0 must be >= 1"),
+    ("train.micro_batches", 0, "train.micro_batches=0 must be >= 1"),
+    ("optim.lr", 0.0, "optim.lr=0.0 must be > 0"),
+    ("optim.lr", -1e-3, "optim.lr=-0.001 must be > 0"),
+    ("optim.warmup_steps", -1, "optim.warmup_steps=-1 must be >= 0"),
+    ("optim.b2", 1.0, "optim.b2=1.0 must be < 1"),
+    ("log.every_steps", 0, "log.every_steps=0 must be >= 1"),
+    ("runtime.cpu_devices", -2, "runtime.cpu_devices=-2 must be >= 0"),
+    ("data.seq_len", 0, "data.seq_len=0 must be >= 1"),
+])
+def test_bounds(key, value, fragment):
+    section, name = key.split(".")
+    msg = error(validate, with_(TINY, **{section: {name: value}}), 8)
+    assert msg.startswith(fragment) and f"set {key} to a value" in msg
+
+
+def test_data_source_and_tokenizer(tmp_path):
+    msg = error(validate, with_(TINY, data=dict(source="files")), 8)
+    assert "data.source='files'" in msg and "data.paths" in msg
+    validate(with_(TINY, data=dict(source="files", paths=("x/*.txt",))), 8)
+    msg = error(validate, with_(TINY, data=dict(tokenizer=str(tmp_path / "tok.json"))), 8)
+    assert "data.tokenizer=" in msg and "tok.json" in msg and "does not exist" in msg
+    (tmp_path / "tok.json").write_text("{}")
+    validate(with_(TINY, data=dict(tokenizer=str(tmp_path / "tok.json"))), 8)
+
+
+def test_rope_llama3_factors():
+    cfg = with_(TINY, model=dict(rope_scaling="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=4.0))
+    assert "model.rope_high_freq_factor=4.0 must be > model.rope_low_freq_factor=4.0" in error(validate, cfg, 8)
+
+
+def test_validate_rechecks_types_of_configs_built_in_code():
+    msg = error(validate, with_(TINY, model=dict(attention="flashy")), 8)
+    assert msg.startswith("model.attention='flashy' is not one of the allowed values")
+    msg = error(validate, with_(TINY, model=dict(num_layers="2")), 8)
+    assert msg == "model.num_layers='2' must be an int; got str"
+
+
+# --------------------------------------------------------------------------------------------------
+# One nested level: model.fp8
+# --------------------------------------------------------------------------------------------------
+
+def test_fp8_yaml_override_gin_and_round_trip(tmp_path):
+    assert Config().model.fp8 == C.Fp8Config() and Config().model.fp8.recipe == "none"
+    p = write(tmp_path, "a.yaml", "base: " + cfg_path("tiny.yaml") + "\nmodel: {fp8: {recipe: delayed}}\n")
+    cfg = load_config(p)
+    assert cfg.model.fp8 == C.Fp8Config(recipe="delayed") and cfg.model.d_model == 64
+    cfg = load_config(p, ["model.fp8.amax_history=16", "model.fp8.keep_bf16=[]", "model.fp8.layers=mlp"])
+    assert cfg.model.fp8 == C.Fp8Config(recipe="delayed", amax_history=16, layers=("mlp",), keep_bf16=())
+    assert load_config(None, ["model.fp8={recipe: current}"]).model.fp8.recipe == "current"
+    g = load_config(write(tmp_path, "a.gin", "model.fp8.recipe = 'blockwise'\nmodel.fp8.keep_bf16 = ['last']\n"))
+    assert g.model.fp8 == C.Fp8Config(recipe="blockwise", keep_bf16=("last",))
+    assert load_config(cfg_path("tiny.gin")).model.fp8 == C.Fp8Config()  # no bindings: the defaults
+    d = to_dict(cfg)
+    assert d["model"]["fp8"] == {"recipe": "delayed", "amax_history": 16, "layers": ["mlp"], "keep_bf16": []}
+    assert from_dict(d) == cfg == from_dict(yaml.safe_load(yaml.safe_dump(d))) == from_dict(json.loads(json.dumps(d)))
+    validate(with_(TINY, model=dict(fp8=C.Fp8Config(recipe="delayed"))), 8)
+
+
+def test_fp8_errors(tmp_path):
+    assert error(load_config, None, ["model.fp8.recpie=delayed"]) == \
+        "unknown config key model.fp8.recpie=delayed; did you mean model.fp8.recipe?"
+    assert error(load_config, None, ["model.fp9.recipe=delayed"]) == \
+        "unknown config key model.fp9; did you mean model.fp8?"
+    assert error(load_config, None, ["model.recipe=delayed"]) == \
+        "unknown config key model.recipe=delayed; did you mean model.fp8.recipe?"
+    assert "section.key=value" in error(load_config, None, ["model.fp8.recipe.x=1"])
+    assert error(from_dict, {"model": {"fp8": {"recipe": "e4m3"}}}) == (
+        "model.fp8.recipe='e4m3' is not one of the allowed values; choose model.fp8.recipe from "
+        "'none', 'current', 'delayed', 'blockwise'")
+    assert error(from_dict, {"model": {"fp8": {"layers": ["attention", "moe"]}}}) == (
+        "model.fp8.layers=['attention', 'moe'] has 'moe', not among the allowed values; choose the items "
+        "of model.fp8.layers from 'attention', 'mlp'")
+    assert "model.fp8.keep_bf16=['middle'] has 'middle'" in error(from_dict, {"model": {"fp8": {"keep_bf16": ["middle"]}}})
+    assert error(from_dict, {"model": {"fp8": "delayed"}}).startswith(
+        "model.fp8='delayed' must be a mapping of keys (recipe, amax_history, layers, keep_bf16)")
+    assert error(from_dict, {"model": {"fp8": {"amax_history": "long"}}}) == \
+        "model.fp8.amax_history='long' must be an int; got str"
+    msg = error(validate, with_(TINY, model=dict(fp8=C.Fp8Config(amax_history=0))), 8)
+    assert msg.startswith("model.fp8.amax_history=0 must be >= 1")
+    msg = error(validate, with_(TINY, model=dict(fp8=C.Fp8Config(recipe="fp8"))), 8)
+    assert msg.startswith("model.fp8.recipe='fp8' is not one of the allowed values")
+    msg = error(load_config, write(tmp_path, "b.gin", "model.fp8.recpie = 'delayed'\n"))
+    assert msg.endswith("unknown config key model.fp8.recpie; did you mean model.fp8.recipe?")
+
+
+# --------------------------------------------------------------------------------------------------
+# Keys that moved: every parallelism setting is in `mesh`
+# --------------------------------------------------------------------------------------------------
+
+MOVED = [("optim", "zero_stage", 1, "mesh"), ("model", "context_parallel", "allgather", "mesh"),
+         ("model", "context_balance", "contiguous", "mesh")]
+
+
+@pytest.mark.parametrize("section,key,value,new", MOVED)
+def test_moved_keys_are_errors_not_aliases(tmp_path, section, key, value, new):
+    expect = f"{section}.{key} moved to {new}.{key}"
+    assert error(from_dict, {section: {key: value}}) == expect
+    assert error(load_config, None, [f"{section}.{key}={value}"]) == expect
+    assert error(load_config, write(tmp_path, "a.yaml", f"{section}:\n  {key}: {value}\n")) == expect
+    gin_value = value if isinstance(value, int) else repr(value)
+    assert error(load_config, write(tmp_path, "a.gin", f"{section}.{key} = {gin_value}\n")) == expect
+    cfg = load_config(None, [f"{new}.{key}={value}"])
+    assert getattr(cfg.mesh, key) == value and C.MOVED[f"{section}.{key}"] == f"{new}.{key}"
+
+
+def test_moved_key_through_the_cli_exits_2(capsys):
+    from lumen_jax.train import cli as train_cli
+    rc = train_cli.main(["--config", cfg_path("tiny.yaml"), "optim.zero_stage=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == ["error: optim.zero_stage moved to mesh.zero_stage"]
+
+
+def test_fp8_error_through_the_cli_exits_2(capsys):
+    from lumen_jax.train import cli as train_cli
+    rc = train_cli.main(["--config", cfg_path("tiny.yaml"), "model.fp8.recipe=e5m2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "model.fp8.recipe='e5m2' is not one of the allowed values" in err[0]

@@ -1,0 +1,107 @@
+"""Hugging Face import/export against `transformers` itself (CPU torch): logits, round trip, bad inputs.
+
+One small random LlamaForCausalLM per layout (GQA, an explicit head_dim, Llama-3 rope scaling; untied
+and single-file, tied and sharded), written with `save_pretrained`; torch is imported only here.
+"""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from helpers.hf import TOKENS, hf_logits, make_hf, our_logits
+from helpers.tolerances import FP32_RTOL
+from lumen_jax.checkpoint import weights
+from lumen_jax.convert.__main__ import main as convert
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {"untied": make_hf(str(root / "untied"), tied=False),
+            "tied_sharded": make_hf(str(root / "tied"), tied=True, max_shard_size="20KB")}
+
+
+def assert_logits_close(ours: np.ndarray, ref: np.ndarray) -> None:
+    np.testing.assert_allclose(ours, ref, rtol=FP32_RTOL, atol=FP32_RTOL * float(np.abs(ref).max()))
+
+
+@pytest.mark.parametrize("layout", ["untied", "tied_sharded"])
+def test_from_hf_logits_match_transformers_and_to_hf_round_trips(hf_dirs, tmp_path, layout):
+    from safetensors.numpy import load_file
+
+    hf_dir = hf_dirs[layout]
+    if layout == "tied_sharded":
+        assert os.path.isfile(os.path.join(hf_dir, "model.safetensors.index.json"))
+    run_dir, back = str(tmp_path / "run"), str(tmp_path / "back")
+    assert convert(["from-hf", "--hf-dir", hf_dir, "--out", run_dir]) == 0
+    cfg = weights.read_config(run_dir, 0)
+    assert (cfg.model.tie_embeddings, cfg.model.rope_scaling, cfg.model.resolved_head_dim) == \
+        (layout != "untied", "llama3", 16)
+    ref = hf_logits(hf_dir, TOKENS)
+    assert_logits_close(our_logits(run_dir, TOKENS), ref)
+
+    shard = ["--max-shard-gb", str(20e3 / 2**30)] if layout == "tied_sharded" else []
+    assert convert(["to-hf", "--run-dir", run_dir, "--out", back, *shard]) == 0
+    assert os.path.isfile(os.path.join(back, "model.safetensors.index.json")) == (layout == "tied_sharded")
+
+    def tensors(d: str) -> dict:
+        files = [f for f in os.listdir(d) if f.endswith(".safetensors")]
+        return {k: v for f in files for k, v in load_file(os.path.join(d, f)).items()}
+
+    original, exported = tensors(hf_dir), tensors(back)
+    assert sorted(exported) == sorted(original)
+    for k in original:
+        np.testing.assert_array_equal(exported[k], original[k], err_msg=k)
+    assert_logits_close(hf_logits(back, TOKENS), ref)  # from_pretrained reads our config.json
+
+
+def _edit_config(src: str, dst: str, **changes) -> str:
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        c = json.load(f)
+    c.update(changes)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(c, f)
+    return dst
+
+
+def _drop_tensor(src: str, dst: str, name: str, reshape: bool = False) -> str:
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    t = load_file(path)
+    if reshape:
+        t[name] = t[name][:-1]
+    else:
+        del t[name]
+    save_file(t, path)
+    return dst
+
+
+BAD_HF = {
+    "mistral": (lambda s, d: _edit_config(s, d, model_type="mistral"), "model_type='mistral'"),
+    "bias": (lambda s, d: _edit_config(s, d, attention_bias=True), "attention_bias=True"),
+    "unknown field": (lambda s, d: _edit_config(s, d, sliding_window=4096), "sliding_window=4096"),
+    "yarn": (lambda s, d: _edit_config(s, d, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
+                                                              "factor": 4.0}), "rope_type='yarn'"),
+    "missing tensor": (lambda s, d: _drop_tensor(s, d, "model.layers.1.mlp.up_proj.weight"),
+                       "no tensor model.layers.1.mlp.up_proj.weight"),
+    "misshapen": (lambda s, d: _drop_tensor(s, d, "model.layers.0.self_attn.k_proj.weight", reshape=True),
+                  "model.layers.0.self_attn.k_proj.weight has shape (31, 32)"),
+    "no weights": (lambda s, d: shutil.copytree(s, d, ignore=shutil.ignore_patterns("*.safetensors")),
+                   "neither model.safetensors"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_HF))
+def test_from_hf_bad_input_exits_2_with_one_line(hf_dirs, tmp_path, capsys, case):
+    make, expected = BAD_HF[case]
+    bad = make(hf_dirs["untied"], str(tmp_path / "bad"))
+    out = str(tmp_path / "run")
+    assert convert(["from-hf", "--hf-dir", bad, "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err, err
+    assert not os.path.exists(out)

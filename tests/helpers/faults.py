@@ -1,0 +1,74 @@
+"""A tiny trained run directory shared by the bad-input and fault tests, and what they check on disk.
+
+`trained_run(path)` trains configs/tiny.yaml in-process for RUN_STEPS steps with a checkpoint at the
+end (small shapes, a constant schedule so that runs of other lengths reuse the compiled step).
+"""
+
+import contextlib
+import errno
+import hashlib
+import os
+import subprocess
+
+from helpers.paths import REPO
+from lumen_jax.train import cli as train_cli
+
+RUN_STEPS = 2
+# `train.cli.main` in this process: the device count and compilation cache conftest.py set are left as
+# they are; no progress bar, no TensorBoard.
+IN_PROCESS = ["runtime.cpu_devices=0", "runtime.compilation_cache_dir=", "log.progress=false",
+              "log.tensorboard=false"]
+SMALL = ["data.seq_len=32", "data.global_batch_size=8", "optim.schedule=constant", "optim.warmup_steps=0",
+         "log.every_steps=1", f"checkpoint.every_steps={RUN_STEPS}"]
+
+
+def args(run_dir: str, *overrides: str, config: str | None = "configs/tiny.yaml") -> list[str]:
+    """The CLI arguments of the shared run (`train.run_dir=run_dir`), then `overrides`."""
+    head = ["--config", os.path.join(REPO, config)] if config else []
+    return [*head, f"train.run_dir={run_dir}", *SMALL, f"train.steps={RUN_STEPS}", *IN_PROCESS, *overrides]
+
+
+def trained_run(run_dir: str) -> str:
+    rc = train_cli.main(args(run_dir))
+    assert rc == 0, f"the shared run did not train: exit {rc}"
+    return run_dir
+
+
+def snapshot(path: str) -> dict[str, str]:
+    """Every file and folder under `path` (or the file itself) with its bytes' hash."""
+    if not os.path.exists(path):
+        return {}
+    if os.path.isfile(path):
+        return {".": hashlib.sha256(open(path, "rb").read()).hexdigest()}
+    out = {}
+    for root, dirs, files in os.walk(path):
+        for d in dirs:
+            out[os.path.relpath(os.path.join(root, d), path) + "/"] = "dir"
+        for f in files:
+            full = os.path.join(root, f)
+            out[os.path.relpath(full, path)] = hashlib.sha256(open(full, "rb").read()).hexdigest()
+    return out
+
+
+@contextlib.contextmanager
+def tmpfs(path: str, size_bytes: int, read_only: bool = False):
+    """Mounts a tmpfs of `size_bytes` at `path` (yields True), or yields False where mounting is not allowed."""
+    os.makedirs(path, exist_ok=True)
+    opts = f"size={size_bytes}" + (",ro" if read_only else "")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", path],
+                             capture_output=True).returncode == 0
+    try:
+        yield mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", path], capture_output=True)
+
+
+def fill(path: str) -> None:
+    """Writes zeros into `path/fill` until the filesystem is full."""
+    with open(os.path.join(path, "fill"), "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e

@@ -1,0 +1,72 @@
+"""A small random Hugging Face Llama (transformers, CPU torch) and a run directory's logits, for the
+converter and generation tests. torch is imported only inside these functions."""
+
+import os
+
+import jax
+import numpy as np
+
+from lumen_jax.checkpoint import weights
+from lumen_jax.model import abstract_model, apply
+
+TOKENS = np.array([[5, 17, 60, 3, 88, 41, 12, 7, 93, 30, 2, 64, 19, 75, 8, 50, 33, 90, 1, 44]], np.int32)
+HF_KW = dict(vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=128,
+             rope_parameters={"rope_type": "llama3", "rope_theta": 100.0, "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+
+
+def make_hf(path: str, tied: bool, max_shard_size: str | None = None) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1 + tied)
+    model = LlamaForCausalLM(LlamaConfig(**HF_KW, tie_word_embeddings=tied)).eval()
+    with torch.no_grad():  # norm weights start at 1: randomise them so a misplaced norm shows
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kw)
+    return path
+
+
+def imported(root: str, tied: bool, name: str) -> tuple[str, str]:
+    """(HF dir, run dir): a small random Llama written with transformers under `root`, converted with from-hf."""
+    from lumen_jax.convert.__main__ import main as convert
+
+    hf_dir = make_hf(os.path.join(root, "hf"), tied=tied)
+    assert convert(["from-hf", "--hf-dir", hf_dir, "--out", os.path.join(root, name)]) == 0
+    return hf_dir, os.path.join(root, name)
+
+
+def hf_logits(hf_dir: str, tokens: np.ndarray) -> np.ndarray:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+
+
+def our_logits(run_dir: str, tokens: np.ndarray) -> np.ndarray:
+    step = weights.resolve_step(run_dir, None)
+    cfg = weights.read_config(run_dir, step)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    a = abstract_model(cfg.model)
+    params = weights.load_params(run_dir, step, jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), a.params))
+    positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+    return np.asarray(apply(a.graphdef, params, tokens, positions))
+
+
+def hf_greedy(hf_dir: str, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' `generate(do_sample=False)`: the new token ids (EOS does not stop it)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

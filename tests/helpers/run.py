@@ -1,0 +1,71 @@
+"""A small fp32 config, meshes over it, and a 3-step run to compare (shared by the mesh, model and
+flash-attention tests); FAST_RUN, how a long-running program compiles."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+
+from helpers.data import packed_batch
+from helpers.meshes import mesh_config
+from helpers.tolerances import FP32_RTOL, assert_tree_close
+from lumen_jax.train.build import build
+from lumen_jax.config import Config, DataConfig, MeshConfig, ModelConfig, OptimConfig, TrainConfig
+from lumen_jax.parallel.mesh import make_mesh
+
+# conftest.py compiles the tests' programs at -O0 (they are tiny); a test that runs hundreds of steps
+# passes this as `compiler_options` instead.
+FAST_RUN = {"xla_backend_optimization_level": 3}
+STEPS = 3
+BASE = Config(
+    model=ModelConfig(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=128,
+                      vocab_size=256, compute_dtype="float32"),
+    data=DataConfig(seq_len=32, global_batch_size=16),
+    optim=OptimConfig(lr=1e-2, warmup_steps=0, z_loss=1e-4),
+    train=TrainConfig(steps=STEPS),
+)
+
+
+def with_mesh(cfg: Config, micro_batches: int = 1, **mesh) -> Config:
+    """`cfg` on a mesh whose axes are 1 unless given; `mesh` may set any mesh field (zero_stage,
+    sequence_parallel, context_parallel, ...)."""
+    return cfg.replace(mesh=mesh_config(**mesh),
+                       train=dataclasses.replace(cfg.train, micro_batches=micro_batches))
+
+
+def batches(cfg: Config) -> list[dict]:
+    # The same batch each step, so the loss must fall (a check that the optimizer is doing work).
+    return [packed_batch(cfg.data.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size, seed=0)] * STEPS
+
+
+def run(cfg: Config, devices=None) -> dict:
+    """Loss and grad norm per step, and the full gradients before the first and after the last step.
+
+    Parameters themselves are not compared: Adam divides by sqrt(v), so an element whose gradient
+    is ~0 turns reduction-order noise into an lr-sized difference. The gradients after 3 steps
+    carry any real divergence of the parameters; they are compared as one vector (relative norm),
+    because the Q/K gradients are ~1000x smaller than the rest and inherit that Adam noise.
+    """
+    shape = {a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}
+    trainer = build(cfg, make_mesh(shape, devices))
+    state = trainer.init()
+    data = [trainer.shard_batch(b) for b in batches(cfg)]
+    _, grads0 = trainer.grads(state.params, data[0])
+    losses, norms = [], []
+    for b in data:
+        state, m = trainer.step(state, b)
+        losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+    _, grads_end = trainer.grads(state.params, data[-1])
+    return {"losses": np.array(losses), "grad_norms": np.array(norms),
+            "grads": jax.device_get(grads0), "grads_end": jax.device_get(grads_end)}
+
+
+def assert_same_run(got: dict, ref: dict, name: str) -> None:
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=FP32_RTOL, err_msg=f"{name} losses")
+    np.testing.assert_allclose(got["grad_norms"], ref["grad_norms"], rtol=FP32_RTOL,
+                               err_msg=f"{name} grad norms")
+    assert_tree_close(got["grads"], ref["grads"], FP32_RTOL, what=f"{name} first grads ")
+    diff = optax.tree.norm(jax.tree.map(lambda a, b: a - b, got["grads_end"], ref["grads_end"]))
+    assert diff <= FP32_RTOL * optax.tree.norm(ref["grads_end"]), f"{name} grads after 3 steps: {diff}"

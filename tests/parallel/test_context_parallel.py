@@ -1,0 +1,210 @@
+"""Context parallelism (ring and all-gather attention) equals single-device attention.
+
+Meshes put `context` = C in {2, 4, 8} and the rest of the 8 devices on `data` (B is split too), so
+every case also checks that the sequence split composes with batch sharding.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+from helpers.meshes import mesh_shape
+from lumen_jax.ops import attention as attention_ops
+from lumen_jax.ops.choice import Ops
+from lumen_jax.ops.reference import reference as reference_attention
+from lumen_jax.parallel import context as context_lib
+from lumen_jax.parallel.mesh import make_mesh
+from lumen_jax.parallel.rules import Rules, activate
+
+B, L, N, K, H = 4, 64, 4, 2, 16
+TOL = dict(atol=2e-5, rtol=2e-5)  # float32: a few roundings of the online-softmax merge
+
+
+def inputs(seed: int = 0, segments: bool = False):
+    kq, kk, kv, ks, kc, kl = jax.random.split(jax.random.key(seed), 6)
+    q = jax.random.normal(kq, (B, L, N, H), jnp.float32)
+    k = jax.random.normal(kk, (B, L, K, H), jnp.float32)
+    v = jax.random.normal(kv, (B, L, K, H), jnp.float32)
+    seg = None
+    if segments:  # documents of random lengths, crossing chunk borders
+        starts = jax.random.bernoulli(ks, 0.08, (B, L)).at[:, 0].set(True)
+        seg = jnp.cumsum(starts, axis=1).astype(jnp.int32)
+    ct_o = jax.random.normal(kc, (B, L, N, H), jnp.float32)
+    ct_lse = 0.1 * jax.random.normal(kl, (B, N, L), jnp.float32)
+    return q, k, v, seg, ct_o, ct_lse
+
+
+def reference(q, k, v, seg, ct_o, ct_lse, causal):
+    def loss(q, k, v):
+        o, lse = reference_attention(q, k, v, segment_ids_bt=seg, causal=causal)
+        return jnp.sum(o * ct_o) + jnp.sum(lse * ct_lse), (o, lse)
+    grads, (o, lse) = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return o, lse, grads
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(c: int, strategy: str, causal: bool, has_seg: bool, balance: str, impl: str):
+    mesh = make_mesh(mesh_shape(data=8 // c, context=c))
+    rules = Rules(context_parallel=strategy, context_balance=balance)
+    kernel = attention_ops.block_kernel(Ops(attention=impl, interpret=True), H)  # CPU: the interpreter
+
+    def loss(q, k, v, seg, ct_o, ct_lse):
+        with activate(mesh, rules):
+            o, lse = context_lib.context_attention(q, k, v, segment_ids_bt=seg, causal=causal, kernel=kernel)
+        return jnp.sum(o * ct_o) + jnp.sum(lse * ct_lse), (o, lse)
+
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+    return mesh, rules, fn
+
+
+def context_parallel(q, k, v, seg, ct_o, ct_lse, *, c, strategy, causal, balance="zigzag", impl="xla"):
+    """Run on the mesh with tokens permuted into the layout; results back in the original order."""
+    mesh, rules, fn = _compiled(c, strategy, causal, seg is not None, balance, impl)
+    layout = context_lib.Layout(c, balance)
+    perm = lambda x, axis=1: jnp.asarray(context_lib.permute_tokens(np.asarray(x), layout, axis))  # noqa: E731
+    put = lambda x, names: jax.device_put(x, NamedSharding(mesh, rules.spec(names)))  # noqa: E731
+    args = (put(perm(q), ("batch", "seq", "act_heads", None)), put(perm(k), ("batch", "seq", "act_kv_heads", None)),
+            put(perm(v), ("batch", "seq", "act_kv_heads", None)),
+            None if seg is None else put(perm(seg), ("batch", "seq")),
+            put(perm(ct_o), ("batch", "seq", "act_heads", None)), put(perm(ct_lse, 2), ("batch", None, "seq")))
+    grads, (o, lse) = fn(*args)
+    back = lambda x, axis=1: context_lib.unpermute_tokens(x, layout, axis)  # noqa: E731
+    return back(o), back(lse, 2), tuple(back(g) for g in grads)
+
+
+def assert_matches(got, want):
+    (o, lse, grads), (o_ref, lse_ref, grads_ref) = got, want
+    np.testing.assert_allclose(o, o_ref, **TOL, err_msg="output")
+    np.testing.assert_allclose(lse, lse_ref, **TOL, err_msg="log-sum-exp")
+    for name, g, g_ref in zip("qkv", grads, grads_ref):
+        np.testing.assert_allclose(g, g_ref, **TOL, err_msg=f"d{name}")
+
+
+CASES = [(c, strategy, causal, segments)
+         for c in (2, 4, 8) for strategy in ("ring", "allgather")
+         for causal in (True, False) for segments in (False, True)]
+
+
+@pytest.mark.parametrize("c,strategy,causal,segments", CASES)
+def test_matches_single_device(c, strategy, causal, segments):
+    data = inputs(seed=c, segments=segments)
+    assert_matches(context_parallel(*data, c=c, strategy=strategy, causal=causal),
+                   reference(*data, causal=causal))
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+def test_contiguous_layout_matches(strategy):
+    data = inputs(seed=5, segments=True)
+    assert_matches(context_parallel(*data, c=4, strategy=strategy, causal=True, balance="contiguous"),
+                   reference(*data, causal=True))
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+def test_flash_kernel_per_chunk(strategy):
+    """The Pallas kernel (interpreted on CPU) as the local attention of every chunk pair."""
+    data = inputs(seed=7, segments=True)
+    assert_matches(context_parallel(*data, c=2, strategy=strategy, causal=True, impl="flash"),
+                   reference(*data, causal=True))
+
+
+@pytest.mark.parametrize("c", [2, 4, 8])
+def test_zigzag_balances_causal_work(c):
+    balanced = context_lib.work_per_device(context_lib.Layout(c, "zigzag"))
+    assert max(balanced) / min(balanced) <= 1.1, balanced
+    contiguous = context_lib.work_per_device(context_lib.Layout(c, "contiguous"))
+    assert max(contiguous) / min(contiguous) == 2 * c - 1, contiguous  # the imbalance zigzag removes
+    # Every (query, key) chunk pair below or on the diagonal is computed exactly once overall.
+    n = 2 * c
+    assert sum(balanced) == n * (n - 1) / 2 + n * 0.5
+
+
+def test_layout_order_is_a_permutation():
+    layout = context_lib.Layout(4, "zigzag")
+    order = layout.order(32)
+    assert sorted(order.tolist()) == list(range(32))
+    assert order[:8].tolist() == [0, 1, 2, 3, 28, 29, 30, 31]  # device 0: chunks 0 and 7
+    x = np.arange(2 * 32).reshape(2, 32)
+    np.testing.assert_array_equal(context_lib.unpermute_tokens(context_lib.permute_tokens(x, layout), layout), x)
+
+
+def _compiled_hlo(strategy: str, seq_len: int, c: int) -> str:
+    """Per-device HLO of the forward + backward at a long sequence (compiled, never run)."""
+    mesh = make_mesh(mesh_shape(data=8 // c, context=c))
+    rules = Rules(context_parallel=strategy)
+
+    def loss(q, k, v):
+        with activate(mesh, rules):
+            o, _ = context_lib.context_attention(q, k, v, segment_ids_bt=None, causal=True,
+                                                 kernel=attention_ops.block_kernel(Ops(), 16))
+        return jnp.sum(o)
+
+    def arg(heads, names):
+        return jax.ShapeDtypeStruct((1, seq_len, heads, 16), jnp.float32,
+                                    sharding=NamedSharding(mesh, rules.spec(names)))
+
+    q, kv = arg(2, ("batch", "seq", "act_heads", None)), arg(1, ("batch", "seq", "act_kv_heads", None))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile().as_text()
+
+
+def _full_kv_buffers(hlo: str, seq_len: int, head_dim: int = 16) -> list[str]:
+    """Shapes of the program with a full sequence of K or V in them, however it is laid out: a
+    trailing head dim and at least seq_len * head_dim elements (one KV head of the whole sequence,
+    as one [.., L, ..] buffer or as C stacked [C, .., L/C, ..] chunks). Q, O and their gradients
+    per device hold L/C * 2 heads; the score blocks do not end in the head dim."""
+    found = []
+    for dims in re.findall(r"[a-z0-9]+\[([0-9,]+)\]", hlo):
+        shape = [int(d) for d in dims.split(",")]
+        if shape[-1] == head_dim and int(np.prod(shape)) >= seq_len * head_dim:
+            found.append(dims)
+    return found
+
+
+@pytest.mark.heavy
+def test_ring_backward_never_holds_the_full_sequence():
+    """L=8192 over C=8: the ring's compiled program has no buffer with the full sequence length
+    (K/V live in chunks of L/C), in one piece or stacked; the all-gather variant, which does
+    gather K/V, is the control."""
+    ring = _compiled_hlo("ring", 8192, 8)
+    assert "collective-permute" in ring
+    assert not _full_kv_buffers(ring, 8192), sorted(set(_full_kv_buffers(ring, 8192)))[:5]
+    assert _full_kv_buffers(_compiled_hlo("allgather", 8192, 8), 8192)
+
+
+@pytest.mark.parametrize("balance", ["zigzag", "contiguous"])
+def test_executed_blocks_per_device(balance):
+    """Count the chunk pairs each device's forward really computes (a host callback in the kernel):
+    they match `work_per_device`, and zigzag keeps max/min within 1.1."""
+    c = 4
+    mesh = make_mesh(mesh_shape(data=2, context=c))
+    rules = Rules(context_parallel="ring", context_balance=balance)
+    xla = attention_ops.block_kernel(Ops(), H)
+    seen = []
+
+    def fwd(q, k, v, q_seg, kv_seg, causal):
+        jax.debug.callback(lambda d, diag: seen.append((int(d), bool(diag))), jax.lax.axis_index("context"),
+                           causal)
+        return xla.fwd(q, k, v, q_seg, kv_seg, causal)
+
+    kernel = context_lib.BlockKernel(fwd, xla.bwd)
+    q, k, v, *_ = inputs()
+    sharded = lambda x, names: jax.device_put(x, NamedSharding(mesh, rules.spec(names)))  # noqa: E731
+    def run(q, k, v):
+        with activate(mesh, rules):
+            return context_lib.context_attention(q, k, v, segment_ids_bt=None, causal=True, kernel=kernel)
+
+    out = jax.jit(run)(
+        sharded(q, ("batch", "seq", "act_heads", None)), sharded(k, ("batch", "seq", "act_kv_heads", None)),
+        sharded(v, ("batch", "seq", "act_kv_heads", None)))
+    jax.block_until_ready(out)
+    work = [0.0] * c
+    for device, diag in seen:
+        work[device] += 0.5 if diag else 1.0
+    work = [w / 2 for w in work]  # each context device appears once per data shard (data=2)
+    assert work == context_lib.work_per_device(context_lib.Layout(c, balance)), work
+    ratio = max(work) / min(work)
+    assert ratio <= 1.1 if balance == "zigzag" else ratio == 2 * c - 1, work

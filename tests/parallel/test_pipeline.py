@@ -1,0 +1,184 @@
+"""Pipeline parallelism (mesh.pipeline): loss and gradients for 3 steps equal the single-device run
+for every schedule at pipeline=2 and 4, config checks, and 1F1B's memory bound in compiled bytes."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from helpers.metrics import read_metrics
+from helpers.paths import REPO
+from helpers.run import BASE, batches, run, assert_same_run, with_mesh
+from helpers.tolerances import FP32_RTOL
+from lumen_jax.metrics import flops
+from lumen_jax.train.build import build
+from lumen_jax.checkpoint.manager import Checkpointer
+from lumen_jax.config import CheckpointConfig, ConfigError, MeshConfig, from_dict
+from lumen_jax.config.checks import validate
+from lumen_jax.parallel.mesh import make_mesh
+
+CFG = BASE.replace(model=dataclasses.replace(BASE.model, num_layers=8))
+M = 4  # micro-batches: 4 rows each
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run(with_mesh(CFG, micro_batches=M), jax.devices()[:1])
+
+
+CASES = [("gpipe", 2, 1), ("1f1b", 2, 1), ("interleaved", 2, 2), ("zero_bubble", 2, 1),
+         pytest.param("gpipe", 4, 1, marks=pytest.mark.heavy), pytest.param("1f1b", 4, 1, marks=pytest.mark.heavy),
+         pytest.param("interleaved", 4, 2, marks=pytest.mark.heavy),
+         pytest.param("zero_bubble", 4, 1, marks=pytest.mark.heavy)]
+
+
+@pytest.mark.parametrize("schedule,stages,virtual", CASES)
+def test_pipeline_matches_single_device(reference, schedule, stages, virtual):
+    cfg = with_mesh(CFG, micro_batches=M, pipeline=stages, pipeline_schedule=schedule,
+                    pipeline_virtual_stages=virtual)
+    got = run(cfg, jax.devices()[:stages])
+    assert_same_run(got, reference, f"pipeline={stages} {schedule} V={virtual}")
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("mesh", [dict(fsdp=2, tensor=2, sequence_parallel=True), dict(data=2, context=2),
+                                  dict(data=2, fsdp=2, fsdp_grad_reduce="once", pipeline_schedule="zero_bubble")],
+                         ids=["fsdp2-tensor2-sp", "data2-context2", "data2-fsdp2-once-zero_bubble"])
+def test_pipeline_composes_with_the_other_axes(reference, mesh):
+    """With data (and fsdp under fsdp_grad_reduce=once) the ticks run once per replica group (R = 2, 4)."""
+    cfg = with_mesh(CFG, micro_batches=M, pipeline=2, **{"pipeline_schedule": "1f1b", **mesh})
+    assert_same_run(run(cfg, jax.devices()), reference, f"pipeline=2 {mesh}")
+
+
+def _check(**changes):
+    mesh = {k: v for k, v in changes.items() if k in {f.name for f in dataclasses.fields(MeshConfig)}}
+    cfg = with_mesh(CFG, micro_batches=changes.get("micro_batches", M), **{"fsdp": -1, **mesh})
+    if "num_layers" in changes:
+        cfg = cfg.replace(model=dataclasses.replace(cfg.model, num_layers=changes["num_layers"]))
+    return validate(cfg, 8)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(pipeline=4, num_layers=6), "model.num_layers=6 is not divisible by mesh.pipeline=4"),
+    (dict(pipeline=4, pipeline_schedule="interleaved", pipeline_virtual_stages=4),
+     "model.num_layers=8 is not divisible by mesh.pipeline=4*mesh.pipeline_virtual_stages=4=16"),
+    (dict(pipeline=8, pipeline_schedule="1f1b"),
+     "mesh.pipeline_schedule=1f1b needs train.micro_batches=4 >= mesh.pipeline=8"),
+    (dict(pipeline=4, pipeline_schedule="interleaved", pipeline_virtual_stages=2, micro_batches=6),
+     "mesh.pipeline_schedule=interleaved needs train.micro_batches=6 divisible by mesh.pipeline=4"),
+    (dict(pipeline=2, pipeline_virtual_stages=2),
+     "mesh.pipeline_virtual_stages=2 is for mesh.pipeline_schedule=interleaved, not 1f1b"),
+    (dict(pipeline=2, pipeline_schedule="pipedream"), "mesh.pipeline_schedule"),
+])
+def test_config_errors(changes, message):
+    with pytest.raises(ConfigError) as e:
+        _check(**changes)
+    assert str(e.value).startswith(message), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_config_accepts():
+    assert _check(pipeline=2)["pipeline"] == 2 and _check(pipeline=2)["fsdp"] == 4
+    assert _check(pipeline=8, pipeline_schedule="gpipe")["pipeline"] == 8  # gpipe takes m < P
+    # one stage: every schedule is plain gradient accumulation, so the schedule is ignored
+    assert _check(pipeline=1, pipeline_schedule="zero_bubble", micro_batches=1)["pipeline"] == 1
+
+
+def _temp_bytes(schedule: str, micro_batches: int, rows: int = 4) -> int:
+    """Compiled per-device temporary bytes of the train step (compiled, never run)."""
+    cfg = with_mesh(CFG.replace(model=dataclasses.replace(CFG.model, num_layers=4)), micro_batches=micro_batches,
+                    pipeline=2, pipeline_schedule=schedule)
+    cfg = cfg.replace(data=dataclasses.replace(cfg.data, seq_len=256, global_batch_size=rows * micro_batches))
+    trainer = build(cfg, make_mesh({a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}, jax.devices()[:2]))
+    batch = {k: jax.ShapeDtypeStruct((rows * micro_batches, 256), v.dtype, sharding=trainer.batch_sharding)
+             for k, v in batches(cfg)[0].items()}
+    return trainer.step.lower(trainer.abstract_state(), batch).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.heavy
+def test_1f1b_memory_bound_holds_in_compiled_bytes():
+    """1F1B stashes at most P micro-batches' stage inputs (its own vjp per micro-batch), GPipe all m."""
+    one = {m: _temp_bytes("1f1b", m) for m in (8, 16)}
+    gpipe = {m: _temp_bytes("gpipe", m) for m in (8, 16)}
+    figures = f"temp bytes 1f1b m=8/16: {one[8]}/{one[16]}, gpipe m=8/16: {gpipe[8]}/{gpipe[16]}"
+    slot = 4 * 256 * 64 * 4  # one stashed stage input [4, 256, 64] fp32
+    # The rest of the step (the recomputed stage's residuals) dwarfs the stash at these sizes, so
+    # besides the issue's 10% the growth is bounded in slots: 1F1B's only growth is the batch itself.
+    assert one[16] <= 1.10 * one[8] and one[16] - one[8] < 2 * slot, figures
+    assert gpipe[16] - gpipe[8] >= 8 * slot, figures  # 8 more micro-batches stashed
+
+
+def _train(*overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lumen_jax.train", "--config", "configs/tiny.yaml", *overrides],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.heavy
+def test_train_cli_reports_the_bubble(tmp_path):
+    run_dir = str(tmp_path / "run")
+    proc = _train("model.num_layers=4", "mesh.pipeline=2", "mesh.pipeline_schedule=1f1b", "train.micro_batches=2",
+                  "train.steps=2", "log.every_steps=1", "log.tensorboard=false", "log.progress=false",
+                  f"train.run_dir={run_dir}")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    rows = read_metrics(run_dir)
+    assert [r["pipeline_bubble"] for r in rows] == [pytest.approx(1 / 3)] * 2  # (P-1)/(m+P-1), P=m=2
+    # HFU counts the stage forward each backward recomputes (1f1b: one per micro-batch), MFU does not.
+    with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
+        cfg = from_dict(json.load(f))
+    model, seq = cfg.model, cfg.data.seq_len
+    ratio = flops.hardware_flops_per_token(model, seq, pipeline_schedule="1f1b") / flops.flops_per_token(model, seq)
+    assert ratio > flops.hardware_flops_per_token(model, seq) / flops.flops_per_token(model, seq)
+    assert [r["hfu"] / r["mfu"] for r in rows] == [pytest.approx(ratio, rel=1e-6)] * 2
+
+
+def test_train_cli_bad_pipeline_is_one_line(tmp_path):
+    proc = _train("model.num_layers=6", "mesh.pipeline=4", f"train.run_dir={tmp_path / 'run'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "model.num_layers=6 is not divisible by mesh.pipeline=4" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+def _trainer(stages: int):
+    cfg = with_mesh(CFG, micro_batches=M, pipeline=stages)
+    return build(cfg, make_mesh({a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}, jax.devices()[:stages]))
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("first,then", [(4, 1), (1, 4)])
+def test_checkpoint_moves_between_pipeline_depths(reference, tmp_path, first, then):
+    """One step at pipeline=`first`, saved, restored at pipeline=`then`: the next two steps' losses
+    are the uninterrupted run's."""
+    writer = _trainer(first)
+    data = batches(CFG)
+    state, _ = writer.step(writer.init(), writer.shard_batch(data[0]))
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig())
+    ckpt.save(1, state, {})
+    ckpt.wait()
+    ckpt.close()
+    reader = _trainer(then)
+    state = Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig()).restore_latest(reader.abstract_state()).state
+    for got, sh in zip(jax.tree.leaves(state.params), jax.tree.leaves(reader.state_shardings.params)):
+        assert got.sharding == sh
+    losses = []
+    for batch in data[1:]:
+        state, m = reader.step(state, reader.shard_batch(batch))
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, reference["losses"][1:], rtol=FP32_RTOL)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_planner_reads_mesh_pipeline_and_the_table_bubble(schedule):
+    from lumen_jax import plan
+    from lumen_jax.parallel.pipeline import schedule as pipeline
+
+    cfg = with_mesh(CFG, micro_batches=8, pipeline=4, fsdp=2, pipeline_schedule=schedule)
+    cfg = cfg.replace(data=dataclasses.replace(cfg.data, global_batch_size=16))
+    layout = plan.layout_from_config(cfg, 8)
+    assert (layout.pipeline, layout.mesh.fsdp, layout.num_devices) == (4, 2, 8)
+    got = plan.predict(cfg, layout, plan.DEVICES["h100"]).bubble
+    assert got == pytest.approx(pipeline.build(schedule, 4, 8).bubble())

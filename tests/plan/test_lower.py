@@ -1,0 +1,170 @@
+"""`python -m lumen_jax.lower`: the trainer's step lowered for CUDA on the 8 emulated CPU devices, and
+what the lowered program holds (kernels per layer, score arrays, fp8 dots, collectives); the flash
+kernels' Triton IR compiled for Hopper (sm_90) with the triton package."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from helpers.run import BASE, with_mesh
+from lumen_jax.metrics import flops
+from lumen_jax.plan import kernel_compile
+from lumen_jax.plan import lower
+from lumen_jax.config import MeshConfig
+from lumen_jax.kernels.flash_attention import BlockSizes, flash_attention
+from lumen_jax.plan import hlo
+
+LAYERS = 3
+SEQ = 48  # no model dimension is 48 (d_model 64, ffn 128, head_dim 16, vocab 256): [.., 48, 48] is scores
+KERNELS = ("flash_bwd_dkv", "flash_bwd_dq", "flash_fwd")
+
+
+def config(attention: str, fp8: dict | None = None, **mesh):
+    cfg = with_mesh(BASE, **mesh)
+    model = dataclasses.replace(cfg.model, attention=attention, num_layers=LAYERS)
+    if fp8:
+        model = dataclasses.replace(model, fp8=dataclasses.replace(model.fp8, **fp8))
+    return cfg.replace(model=model, data=dataclasses.replace(cfg.data, seq_len=SEQ))
+
+
+def lowered_text(cfg) -> str:
+    n = 1
+    for a in MeshConfig.AXES:
+        n *= getattr(cfg.mesh, a)
+    lowered, _ = lower.lower_step(cfg, "cuda", jax.devices()[:n])
+    return lowered.as_text(dialect="hlo")
+
+
+def lowered_summary(cfg) -> dict:
+    return lower.summarize(lowered_text(cfg), cfg.data.seq_len)
+
+
+def kernels(summary: dict) -> dict[str, tuple[int, int]]:
+    """{kernel name: (instructions in the module, executions per step)} of the Triton custom calls."""
+    return {c["kernel"]: (c["instructions"], c["per_step"]) for c in summary["custom_calls"]
+            if c["target"] == kernel_compile.TRITON_TARGET}
+
+
+@pytest.mark.parametrize("mesh", [{}, {"fsdp": 4, "tensor": 2}], ids=["1 device", "fsdp=4,tensor=2"])
+def test_flash_step_runs_three_kernels_per_layer_and_holds_no_scores(mesh):
+    s = lowered_summary(config("flash", **mesh))
+    # One instruction each, inside the layer scan: forward in the forward scan, dK/dV and dQ in the backward.
+    assert kernels(s) == {k: (1, LAYERS) for k in KERNELS}, s["custom_calls"]
+    assert s["score_arrays"] == []
+    assert [loop["trip_count"] for loop in s["loops"]] == [LAYERS, LAYERS]
+    # The kernel runs per shard (shard_map): the program states no collective of its own (the
+    # cotangent sums over mesh axes of size 1 that shard_map's transpose adds move nothing).
+    assert s["collectives"] == []
+
+
+@pytest.mark.heavy
+def test_partitioned_collectives_of_fsdp_count_every_layer():
+    """fsdp=8, ZeRO-3: the compiled step gathers every layer's fp32 weights in the forward and again in
+    the backward (the layer scan's trip count times each gather), and sums every fp32 gradient."""
+    cfg = config("xla", fsdp=8)
+    found = {c.kind: c for c in lower.partitioned_collectives(cfg, jax.devices()[:8])}
+    counts = flops.param_counts(cfg.model)
+    layer_bytes = 4 * counts["layer_matmul"] * LAYERS
+    assert 2 * layer_bytes <= found["all-gather"].bytes_per_step <= 2 * 4 * counts["total"]
+    assert found["all-gather"].per_step > found["all-gather"].instructions  # gathers inside the layer loops
+    reduced = found["all-reduce"].bytes_per_step if "all-reduce" in found else 0
+    if "reduce-scatter" in found:  # its result is one shard of the sum
+        reduced += 8 * found["reduce-scatter"].bytes_per_step
+    assert reduced >= 4 * counts["total"]
+
+
+def test_xla_step_holds_the_scores_and_no_kernel():
+    s = lowered_summary(config("xla"))
+    assert kernels(s) == {} and s["fp8_dots"] == {"instructions": 0, "per_step": 0}
+    assert any(a.endswith(f",{SEQ},{SEQ}]") for a in s["score_arrays"]), s["score_arrays"]
+
+
+def test_context_parallel_flash_runs_the_kernels_per_chunk_pair():
+    text = lowered_text(config("flash", context=2))
+    s = lower.summarize(text, SEQ)
+    found = kernels(s)
+    assert set(found) == set(KERNELS)
+    for name, (instructions, per_step) in found.items():
+        assert instructions > 1 and per_step == instructions * LAYERS, (name, found)  # chunk pairs, every layer
+    chunk = SEQ // 4  # zigzag: 2C chunks of T / 2C
+    assert s["score_arrays"] == [] and hlo.square_arrays(hlo.parse(text), chunk) == []
+
+
+@pytest.mark.parametrize("keep_bf16,per_step", [((), 21 * LAYERS), (("first", "last"), 21)],
+                         ids=["every layer", "first and last kept bf16"])
+def test_fp8_delayed_step_has_fp8_operand_dots_in_the_projections(keep_bf16, per_step):
+    """7 projections (q, k, v, o, gate, up, down), each an fp8 dot forward and two backward."""
+    s = lowered_summary(config("xla", fp8={"recipe": "delayed", "keep_bf16": keep_bf16}))
+    assert s["fp8_dots"] == {"instructions": 21, "per_step": per_step}
+
+
+def mosaic_lowered(dtype):
+    blocks = BlockSizes(block_q=64, block_kv=64, forward="mosaic")
+    x = jax.ShapeDtypeStruct((1, 256, 2, 64), dtype)
+
+    def fwd_bwd(q, k, v):
+        out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, block_sizes=blocks), q, k, v)
+        return vjp(out)
+
+    with lower.mosaic_without_cuda():
+        return jax.jit(fwd_bwd).trace(x, x, x).lower(lowering_platforms=("cuda",))
+
+
+def test_mosaic_forward_lowers_for_cuda():
+    """The Hopper forward (JAX's Mosaic GPU kernel) with our Triton backward. float16 only: JAX 0.10.2's
+    kernel keeps its shared-memory tiles in float16, so bfloat16 inputs fail to lower (docs/PERFORMANCE.md)."""
+    calls = hlo.custom_calls(hlo.parse(mosaic_lowered(jnp.float16).as_text(dialect="hlo")))
+    assert {(c.target, c.kernel) for c in calls} == {
+        ("mosaic_gpu_v2", ""), (kernel_compile.TRITON_TARGET, "flash_bwd_dkv"),
+        (kernel_compile.TRITON_TARGET, "flash_bwd_dq")}
+    try:
+        mosaic_lowered(jnp.bfloat16)
+    except ValueError as e:
+        assert "Mixed input dtypes" in str(e), e
+    else:
+        pytest.fail("JAX's Mosaic attention lowers bfloat16 now: update docs/PERFORMANCE.md and this test")
+
+
+def test_cli_reports_json_and_one_line_exit_2(capsys):
+    args = ["--config", "configs/tiny.yaml", "model.attention=flash", "data.seq_len=48", "model.num_layers=2"]
+    assert lower.main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["mesh"] == "fsdp=8" and report["attention"] == "flash" and report["score_arrays"] == []
+    assert {c["kernel"]: c["per_step"] for c in report["custom_calls"]} == {k: 2 for k in KERNELS}
+    # The trainer packs documents (segment ids): the Mosaic forward cannot run its step.
+    assert lower.main([*args, "--flash-forward", "mosaic"]) == lower.EXIT_BAD_INPUT
+    out = capsys.readouterr()
+    assert out.out == "" and len(out.err.strip().splitlines()) == 1, out.err
+    assert "segment ids are not supported" in out.err
+    assert "op: _forward_mosaic (kernels/flash_attention.py" in out.err
+    assert "layer: Attention.__call__ (model/layers.py" in out.err
+    assert lower.main([*args[:2], "--flash-forward", "mosaic"]) == lower.EXIT_BAD_INPUT  # tiny.yaml: xla
+    assert "needs the flash kernels" in capsys.readouterr().err
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_default_hopper_tiles_compile_for_sm90_and_fit(head_dim):
+    """The trainer's kernels (causal, segment ids, GQA) with Hopper's default tiles, compiled to sm_90
+    by the triton package: shared memory per block and registers within Hopper's limits."""
+    blocks = BlockSizes.default(head_dim, lower.TargetGpu("9.0"))
+    q = jax.ShapeDtypeStruct((1, 1024, 2, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 1024, 1, head_dim), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, 1024), jnp.int32)
+
+    def fwd_bwd(q, k, v, s):
+        out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, segment_ids_bt=s, block_sizes=blocks), q, k, v)
+        return vjp(out)
+
+    lowered = jax.jit(fwd_bwd).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",))
+    found = {r.kernel: r for r in kernel_compile.compile_lowered(lowered, 90)}
+    assert set(found) == set(KERNELS)
+    for r in found.values():
+        assert r.fits, r
+        assert r.num_warps == (blocks.num_warps if r.kernel == "flash_fwd" else blocks.num_warps_bwd)
+        assert 0 < r.shared_bytes <= kernel_compile.LIMITS[90].shared_bytes and r.registers > 0

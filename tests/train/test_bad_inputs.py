@@ -1,0 +1,188 @@
+"""Bad inputs, table-driven: each is one line on stderr naming the key or path, exit code 2, and the
+existing run directory byte-identical afterwards.
+
+The CLI's function (`lumen_jax.train.cli.main`) runs in-process: every case is rejected before anything
+compiles. Only a platform this machine lacks needs a subprocess (JAX's platform is chosen once per
+process). The run directory every case points at is one tiny trained run shared by the module.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers.paths import REPO
+from helpers.faults import RUN_STEPS, args, fill, snapshot, tmpfs, trained_run
+from lumen_jax.train import cli as train_cli
+from lumen_jax.config.checks import warnings
+from lumen_jax.config.files import load_config
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    return trained_run(str(tmp_path_factory.mktemp("shared") / "run"))
+
+
+def _write(tmp, name, text):
+    path = os.path.join(tmp, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def _a_file(tmp):
+    return _write(tmp, "afile", "not a directory\n")
+
+
+# name: (overrides, the fragments the one line must hold); {tmp} is the test's tmp_path, {run} the
+# shared run directory. Cases the issue found BAD or WEAK first, then ones that were already good.
+FIXED = {
+    "resume: model shape changed": (["model.d_model=128"], ["model.d_model: checkpoint 64, now 128", "train.run_dir"]),
+    "resume: optional state dropped": (["optim.grad_clip=0"], ["optim.grad_clip: checkpoint 1.0, now 0.0"]),
+    "resume: data stream changed": (["data.seq_len=64"], ["seq_len: saved 32, now 64"]),
+    "train.steps below the step reached": (["train.steps=1"], ["train.steps=1", f"step {RUN_STEPS}", "{run}"]),
+    "infinite lr": (["optim.lr=1e999"], ["optim.lr=inf", "finite"]),
+    "nan lr": (["optim.lr=.nan"], ["optim.lr=nan", "finite"]),
+    "zero adam eps": (["optim.eps=0"], ["optim.eps=0.0 must be > 0"]),
+    "negative adam eps": (["optim.eps=-1e-8"], ["optim.eps=-1e-08 must be > 0"]),
+    "run dir is a file": (["train.run_dir={afile}"], ["train.run_dir={afile} is a file"]),
+    "run dir's parent is a file": (["train.run_dir={afile}/sub/run"], ["{afile} is a file"]),
+    "run dir read-only": (["train.run_dir={ro}/run"], ["{ro}/run", "Read-only file system"]),
+    "disk full at start": (["train.run_dir={full}/run"], ["{full}/run", "No space left on device"]),
+    "odd head_dim": (["model.head_dim=15"], ["model.head_dim=15 must be even", "RoPE"]),
+    "odd derived head_dim": (["model.d_model=72", "model.num_heads=8", "model.num_kv_heads=4"],
+                             ["model.head_dim=0 derives d_model/num_heads=72/8=9"]),
+    "decay ends before warmup": (["optim.schedule=cosine", "optim.warmup_steps=10", "optim.decay_steps=5"],
+                                 ["optim.decay_steps=5", "optim.warmup_steps=10"]),
+    "paths with builtin source": (["data.paths=[{tmp}/*.txt]"], ["data.paths=", "data.source='builtin'"]),
+    "all-empty txt": (["data.source=files", "data.paths=[{empty_txt}]"], ["{empty_txt}", "no documents"]),
+    "all-empty jsonl": (["data.source=files", "data.paths=[{empty_jsonl}]"], ["{empty_jsonl}", "2 empty documents"]),
+    "yaml duplicate key": (["--config={dup}"], ["{dup}", "d_model twice (lines 3 and 5)"]),
+    "config is a directory": (["--config={tmp}"], ["{tmp} is a directory"]),
+    "unknown flag": (["--steps", "20"], ["--steps", "train.steps=20"]),
+}
+ALREADY_GOOD = {
+    "unknown key": (["model.d_modle=1"], ["model.d_modle", "did you mean model.d_model"]),
+    "unknown section": (["modle.d_model=1"], ["modle", "model"]),
+    "wrong type": (["model.d_model=abc"], ["model.d_model", "must be an int"]),
+    "bad enum": (["model.attention=fast"], ["model.attention='fast'", "xla"]),
+    "malformed override": (["optim.lr"], ["'optim.lr'", "section.key=value"]),
+    "moved key": (["optim.zero_stage=1"], ["optim.zero_stage moved to mesh.zero_stage"]),
+    "missing config file": (["--config={tmp}/nope.yaml"], ["{tmp}/nope.yaml does not exist"]),
+    "config suffix": (["--config={notes}"], ["{notes}", "must end in .yaml"]),
+    "invalid yaml": (["--config={broken}"], ["{broken}", "not valid YAML"]),
+    "mesh product": (["mesh.fsdp=3", "mesh.tensor=1"], ["fsdp=3", "8 are available"]),
+    "mesh -1 cannot fill": (["mesh.tensor=3"], ["mesh.fsdp=-1", "mesh.tensor=3 does not divide 8"]),
+    "kv heads": (["model.num_kv_heads=3"], ["model.num_kv_heads=3 does not divide model.num_heads=4"]),
+    "batch not divisible": (["data.global_batch_size=12"], ["data.global_batch_size=12", "multiple of 8"]),
+    "negative lr": (["optim.lr=-1"], ["optim.lr=-1.0 must be > 0"]),
+    "b1 of 1": (["optim.b1=1.0"], ["optim.b1=1.0 must be < 1"]),
+    "zero steps": (["train.steps=0"], ["train.steps=0 must be >= 1"]),
+    "keep 0": (["checkpoint.keep=0"], ["checkpoint.keep=0 must be >= 1"]),
+    "files without paths": (["data.source=files"], ["data.source='files'", "data.paths"]),
+    "missing data file": (["data.source=files", "data.paths=[/nonexistent/*.txt]"],
+                          ["/nonexistent/*.txt", "matches no files"]),
+    "missing tokenizer": (["data.tokenizer=/nonexistent/tokenizer.json"],
+                          ["data.tokenizer='/nonexistent/tokenizer.json'"]),
+    "zero stage": (["mesh.zero_stage=4"], ["mesh.zero_stage=4"]),
+    "half a multi-process setup": (["distributed.coordinator=nohost:1234"], ["distributed.num_processes"]),
+}
+CASES = {**FIXED, **ALREADY_GOOD}
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory):
+    """The files and filesystems the cases name; a read-only and a full tmpfs where mounting works."""
+    tmp = str(tmp_path_factory.mktemp("inputs"))
+    p = {"tmp": tmp, "afile": _a_file(tmp), "empty_txt": _write(tmp, "empty/e.txt", ""),
+         "empty_jsonl": _write(tmp, "ej/e.jsonl", '{"text": ""}\n\n{"text": ""}\n'),
+         "dup": _write(tmp, "dup.yaml", "base: " + os.path.join(REPO, "configs", "base.yaml") + "\nmodel:\n"
+                       "  d_model: 64\n  num_layers: 2\n  d_model: 128\n"),
+         "notes": _write(tmp, "notes.txt", "x"), "broken": _write(tmp, "broken.yaml", "model: [1, 2\n")}
+    with tmpfs(os.path.join(tmp, "ro"), 1 << 16, read_only=True) as ro, \
+            tmpfs(os.path.join(tmp, "full"), 1 << 16) as full:
+        if full:
+            fill(os.path.join(tmp, "full"))
+        p.update(ro=os.path.join(tmp, "ro"), full=os.path.join(tmp, "full"), mounted=ro and full)
+        yield p
+
+
+def _inject_faults(monkeypatch, places):
+    """Where no tmpfs could be mounted: the same call (the run directory's probe write) fails as they would."""
+    import errno
+    from lumen_jax.runtime import rundir
+
+    real = rundir.os.fsync
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        for key, code in (("ro", errno.EROFS), ("full", errno.ENOSPC)):
+            if path.startswith(places[key] + "/"):
+                raise OSError(code, os.strerror(code))
+        return real(fd)
+
+    monkeypatch.setattr(rundir.os, "fsync", fsync)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_one_line_exit_2_nothing_changed(name, shared, places, capfd, monkeypatch):
+    overrides, fragments = CASES[name]
+    if not places["mounted"]:
+        _inject_faults(monkeypatch, places)
+    fmt = {**places, "run": shared}
+    overrides = [o.format(**fmt) for o in overrides]
+    config = next((o.split("=", 1)[1] for o in overrides if o.startswith("--config=")), "configs/tiny.yaml")
+    overrides = [o for o in overrides if not o.startswith("--config=")]
+    before, before_file = snapshot(shared), snapshot(places["afile"])
+    capfd.readouterr()
+    rc = train_cli.main(args(shared, *overrides, config=config))
+    err = capfd.readouterr().err
+    assert rc == train_cli.EXIT_BAD_INPUT, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for fragment in fragments:
+        assert fragment.format(**fmt) in lines[0], (fragment, lines[0])
+    assert snapshot(shared) == before, "the run directory changed"
+    assert snapshot(places["afile"]) == before_file
+    for key in ("ro", "full"):
+        assert not os.path.exists(os.path.join(places[key], "run")), "a folder was left behind"
+
+
+def test_platform_this_machine_lacks_is_one_line(shared):
+    # A subprocess: JAX picks its platform once per process.
+    before = snapshot(shared)
+    proc = subprocess.run([sys.executable, "-m", "lumen_jax.train", *args(shared, "runtime.platform=gpu")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("error: runtime.platform=gpu cannot start") and "runtime.platform=cpu" in lines[0]
+    assert snapshot(shared) == before
+
+
+def test_no_config_says_the_defaults_are_used(shared, capfd):
+    before = snapshot(shared)
+    rc = train_cli.main(args(shared, "train.steps=0", config=None))
+    out, err = capfd.readouterr()
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "train.steps=0" in err, err
+    assert "no --config given" in out and "configs/base.yaml" in out, out
+    assert snapshot(shared) == before
+
+
+def test_legal_but_suspicious_settings_warn():
+    tiny = os.path.join(REPO, "configs", "tiny.yaml")
+    [line] = warnings(load_config(tiny, ["train.steps=5"]))
+    assert "optim.warmup_steps=10 >= train.steps=5" in line
+    assert warnings(load_config(tiny, ["train.steps=11"])) == []
+
+
+def test_some_empty_documents_are_skipped_with_a_count(tmp_path, capsys):
+    from lumen_jax.data import file_documents
+    _write(tmp_path, "a.txt", "")
+    _write(tmp_path, "b.txt", "text")
+    _write(tmp_path, "c.jsonl", '{"text": ""}\n{"text": "more"}\n')
+    docs = file_documents([str(tmp_path / "*.txt"), str(tmp_path / "*.jsonl")], "text")
+    assert [docs[i] for i in range(len(docs))] == ["text", "more"]
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "skipped 2 empty documents" in line and "other 2" in line
