@@ -10,7 +10,7 @@ One train step of `configs/llama3_1b.yaml` (16 layers, d_model 2048, seq 8192, t
 remat dots_with_no_batch_dims_saveable) on one device with `--batch` sequences per step, synthetic
 tokens, for each `model.fp8.recipe`. Reported per recipe: median step time over `--steps` steps after
 `--warmup`, tokens/s, the speed-up against `none` (bf16), MFU against the fp8 peak and against the
-bf16 peak (metrics.py's datasheet table), and the HLO check: the number of fp8 GEMMs
+bf16 peak (metrics/mfu.py's datasheet table), and the HLO check: the number of fp8 GEMMs
 (`__cublas$lt$matmul$f8` custom calls or dots on f8 operands) in the *compiled* module. The per-tensor
 recipes (current, delayed) must lower to fp8 GEMMs on an fp8 GPU; blockwise dequantizes (numerics
 only, see lumen_jax/ops/fp8.py) and shows none. The issue's target: delayed >= 1.3x bf16 tokens/s.

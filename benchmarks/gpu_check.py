@@ -11,8 +11,8 @@
 (b) llama3_1b on one GPU for `--steps` steps (`fp8_gpu.py`'s step: seq 8192, `--batch` sequences):
     tokens/s, MFU, HFU, the compiled program's memory (arguments + outputs + temporaries), without and
     with the overlap flags. The flags are XLA options for that compile only (XLA_FLAGS are read once
-    per process): `--overlap-flags`, else the config's `runtime.xla_gpu_flags` where that key exists
-    (issue 13 adds it; see `overlap_flags`); with neither, (b) runs once and says so.
+    per process): `--overlap-flags`, else the config's `runtime.xla_gpu_flags` (see `overlap_flags`);
+    with `runtime.xla_gpu_flags=none` and no `--overlap-flags`, (b) runs once and says so.
 (c) the same step with fp8 `delayed` and `current` (first and last layers in bf16; with the overlap
     flags when there are some), and whether the compiled HLO has cuBLASLt fp8 GEMMs.
 (d) the verdict against the targets: flash forward+backward >= 1.0x cuDNN at 8k causal, llama3_1b

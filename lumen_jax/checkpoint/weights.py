@@ -1,6 +1,6 @@
 """Model weights in and out of a run directory, for the commands that need parameters but no optimizer.
 
-A run directory's checkpoints (checkpoint.py) hold the whole training state; an imported model
+A run directory's checkpoints (manager.py) hold the whole training state; an imported model
 (`python -m lumen_jax.convert from-hf`) holds only `{"params": ...}` at step 0, with `weights_only`
 in its JSON. `load_params` reads the parameters of either straight into the target shardings (a
 partial Orbax restore: the optimizer state is never read), so generate, evaluate, to-hf and

@@ -98,7 +98,7 @@ def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, remat: str | None =
     when QK^T and AV are; the logits matmul lies outside the checkpointed layers.
 
     With pipeline stages (`pipeline_schedule`, given when mesh.pipeline > 1) each backward action
-    is its own `jax.vjp` of the stage from its stashed input (`parallel/pipeline_step.py`): it
+    is its own `jax.vjp` of the stage from its stashed input (`parallel/pipeline/executor.py`): it
     runs the stage's forward again, logits included (`2 * matmul_params + attention`), and the
     remat recompute inside it. `zero_bubble` runs two such vjps per micro-batch and stage: B (the
     input gradient: no weight-gradient matmuls) and W (the weight gradient: the layer scan carries

@@ -58,7 +58,7 @@ def gradient_plan(cfg: MeshConfig, micro_batches: int, mesh: Mesh, rules: Rules,
       names: {path: logical axis names} of the parameters.
       per_replica: whether the model's ops run under the replica vmap (`Ops.per_replica`); if not,
         micro-batch gradients are reduced where XLA puts it, every micro-batch.
-      pipelined: the step runs a pipeline schedule (parallel/pipeline_step.py), whose stages sum
+      pipelined: the step runs a pipeline schedule (parallel/pipeline/executor.py), whose stages sum
         their gradients over the schedule's ticks even with one micro-batch.
     """
     candidates = ("data", "fsdp") if cfg.fsdp_grad_reduce == "once" else ("data",)

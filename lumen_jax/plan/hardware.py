@@ -74,7 +74,7 @@ class Layout:
     @property
     def uniform(self) -> bool:
         """Whether the pipelined step computes every branch of a tick on every stage (another mesh
-        axis > 1; `parallel.pipeline_step.Pipeline.uniform`)."""
+        axis > 1; `parallel.pipeline.executor.Pipeline.uniform`)."""
         return self.pipeline > 1 and any(self.size(a) > 1 for a in AXES if a != "pipeline")
 
     def describe(self) -> str:

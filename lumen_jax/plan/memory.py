@@ -55,7 +55,7 @@ def state_bytes(model: ModelConfig, layout: Layout) -> dict[str, int]:
     layout's mesh section (the table the trainer uses); a dim split over mesh axes of total size g holds ceil(dim / g) per device.
     With a pipeline, the stacked `layers` axis is split over stages (ceil(L / p) per stage); the
     embedding, final norm and logits weights are replicated over the stages (every stage of the
-    pipelined step holds them, `parallel/pipeline_step.py`), so each device holds them all.
+    pipelined step holds them, `parallel/pipeline/executor.py`), so each device holds them all.
     """
     return dict(_state_bytes(_shape_key(model), dataclasses.replace(layout, micro_batches=1)))
 
@@ -369,7 +369,7 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     """Activation memory of one device for micro-batches of `micro_batch` sequences per device.
 
     `saved` = layers x (tokens x `saved_bytes_per_token` + the weight copies a layer keeps).
-    Without a pipeline the layers are all of them. With one (`parallel/pipeline_step.py`), a
+    Without a pipeline the layers are all of them. With one (`parallel/pipeline/executor.py`), a
     backward action is its own vjp of one chunk (L / (P*V) layers) from its stashed input, so the
     per-layer residuals exist for that chunk and micro-batch only (`ZERO_BUBBLE_UNIFORM_RESIDUALS`
     times that for zero_bubble with uniform ticks, `Layout.uniform`: its B and W branches both

@@ -161,7 +161,7 @@ def _divisors(n: int) -> list[int]:
 
 def _bubble(layout: Layout) -> float:
     """The idle fraction of the schedule's table (`Layout.schedule`), as the trainer's
-    `pipeline_bubble` metric reports it (parallel/pipeline.py)."""
+    `pipeline_bubble` metric reports it (parallel/pipeline/schedule.py)."""
     if layout.pipeline == 1:
         return 0.0
     name, v = layout.schedule

@@ -1,5 +1,5 @@
 """Exact checksums of arrays' bits, the same on any mesh: checkpoints record and verify them
-(checkpoint.py), the silent-data-corruption check compares replicas with them (parallel/sdc.py)."""
+(checkpoint/manager.py), the silent-data-corruption check compares replicas with them (parallel/sdc.py)."""
 
 from __future__ import annotations
 

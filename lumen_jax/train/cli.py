@@ -62,7 +62,7 @@ def run_dir_for(cfg: Config) -> str:
 def train(cfg: Config, stop=None) -> dict:
     """Train `cfg` to `train.steps` (resuming from its run directory); returns the last metrics.
 
-    `stop`: the `stopsignal.StopSignal` installed at start-up (None: the loop installs its own)."""
+    `stop`: the `runtime.signals.StopSignal` installed at start-up (None: the loop installs its own)."""
     from lumen_jax.runtime import distributed
     from lumen_jax.runtime import process as runtime
     runtime.configure(cfg.runtime, runtime.gpu_xla_flags(cfg.runtime.xla_gpu_flags, cfg.model, cfg.mesh))

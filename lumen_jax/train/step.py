@@ -60,7 +60,7 @@ class StepConfig:
     # Per parameter, the dtype its compute copy is cast to before the weights are gathered ("": kept).
     weight_dtypes: dict = dataclasses.field(default_factory=dict, compare=False)
     reduce_dtype: str = "float32"  # micro-batch gradient sums and their once-per-step reduction
-    # mesh.pipeline > 1: the stages and schedule (parallel/pipeline_step.py); None: no pipeline
+    # mesh.pipeline > 1: the stages and schedule (parallel/pipeline/executor.py); None: no pipeline
     pipeline: pipeline_step.Pipeline | None = None
 
 
@@ -230,7 +230,7 @@ def train_step(state: TrainState, batch: Batch, sc: StepConfig,
     metrics = {"loss": loss, "grad_norm": grad_norm, "update_norm": update_norm, "lr": sc.lr_schedule(state.step),
                "loss_scale": state.loss_scale, "skipped": (~finite).astype(jnp.int32),
                "tokens": batch["loss_mask"].astype(jnp.float32).sum(), **aux_metrics}
-    if sc.pipeline is not None:  # the idle fraction of the schedule's table (parallel/pipeline.py)
+    if sc.pipeline is not None:  # the idle fraction of the schedule's table (parallel/pipeline/schedule.py)
         metrics["pipeline_bubble"] = jnp.asarray(sc.pipeline.schedule.bubble(), jnp.float32)
     return new_state, metrics
 

@@ -145,31 +145,6 @@ def test_maybe_save_decides_when_a_save_is_due(tmp_path):
     assert _decisions(minutes, 6, tmp_path, time_passes={2: 0.5, 4: 0.5}, force_at=(3,)) == [3, 6]
 
 
-def test_nonfinite_guard_counts_one_step_late_and_raises_in_a_row():
-    from lumen_jax.train.hooks import Diverged, NonFiniteGuard
-    guard = NonFiniteGuard(3, "/ckpts")
-    for step, skipped in enumerate([0, 1, 1, 0, 1, 1], start=1):
-        guard.after_step(step, {"skipped": np.int32(skipped)})
-    assert (guard.skipped_total, guard.in_a_row) == (3, 1)  # step 6 is checked with step 7's metrics
-    guard.after_step(7, {"skipped": np.int32(1)})
-    assert (guard.skipped_total, guard.in_a_row) == (4, 2)
-    with pytest.raises(Diverged, match=r"3 steps in a row \(up to step 7\).*max_nonfinite_steps=3.*/ckpts"):
-        guard.after_step(8, {"skipped": np.int32(0)})
-
-
-def test_fault_hooks_only_with_the_variable(tmp_path, monkeypatch):
-    from lumen_jax.train.hooks import fault_hooks
-    monkeypatch.delenv("LUMEN_FAULT_SIGKILL_AFTER_STEPS", raising=False)
-    monkeypatch.delenv("LUMEN_FAULT_PROCESS", raising=False)
-    assert fault_hooks(str(tmp_path)) == []
-    monkeypatch.setenv("LUMEN_FAULT_SIGKILL_AFTER_STEPS", "5,8")
-    [kill] = fault_hooks(str(tmp_path))
-    kill(4)  # not a listed step: nothing happens
-    assert not os.listdir(tmp_path)
-    monkeypatch.setenv("LUMEN_FAULT_PROCESS", str(jax.process_index() + 1))  # another process's
-    assert fault_hooks(str(tmp_path)) == []
-
-
 def test_nan_gradient_skips_the_update():
     trainer = _trainer(fsdp=8)
     state = trainer.init()

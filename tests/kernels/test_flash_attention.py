@@ -5,7 +5,7 @@ backend. Forward output, log-sum-exp and all three gradients are compared with t
 computed in float32 on upcast inputs, at the input dtype's tolerance, with every output buffer
 NaN-poisoned before the kernels run (an unwritten tile fails the comparison).
 
-On a one-GPU machine: `pytest tests/test_flash_attention.py -k "not sharded and not context"`
+On a one-GPU machine: `pytest tests/kernels/test_flash_attention.py -k "not sharded and not context"`
 (those two build the emulated 8-device CPU mesh; everything else runs on the GPU).
 """
 

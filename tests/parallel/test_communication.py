@@ -104,7 +104,7 @@ def test_weights_are_cast_to_bf16_while_sharded(regather):
     """The program casts the weights to bfloat16 before any gather: every weight (norm scales aside)
     has a bfloat16 sharding constraint of its shape, fsdp-sharded (per_micro_batch) or gathered
     (per_step). (XLA:CPU then runs every bf16 collective in f32, so the compiled CPU program cannot
-    show the bf16 bytes: JAX_NOTES.md.)"""
+    show the bf16 bytes: docs/PLATFORM.md.)"""
     from lumen_jax.train.build import build
     from lumen_jax.plan.compiled import abstract_step_args
     from lumen_jax.parallel.mesh import make_mesh

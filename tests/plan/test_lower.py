@@ -117,7 +117,7 @@ def mosaic_lowered(dtype):
 
 def test_mosaic_forward_lowers_for_cuda():
     """The Hopper forward (JAX's Mosaic GPU kernel) with our Triton backward. float16 only: JAX 0.10.2's
-    kernel keeps its shared-memory tiles in float16, so bfloat16 inputs fail to lower (docs/PERFORMANCE.md)."""
+    kernel keeps its shared-memory tiles in float16, so bfloat16 inputs fail to lower (docs/PLATFORM.md)."""
     calls = hlo.custom_calls(hlo.parse(mosaic_lowered(jnp.float16).as_text(dialect="hlo")))
     assert {(c.target, c.kernel) for c in calls} == {
         ("mosaic_gpu_v2", ""), (kernel_compile.TRITON_TARGET, "flash_bwd_dkv"),
@@ -127,7 +127,7 @@ def test_mosaic_forward_lowers_for_cuda():
     except ValueError as e:
         assert "Mixed input dtypes" in str(e), e
     else:
-        pytest.fail("JAX's Mosaic attention lowers bfloat16 now: update docs/PERFORMANCE.md and this test")
+        pytest.fail("JAX's Mosaic attention lowers bfloat16 now: update docs/PLATFORM.md and this test")
 
 
 def test_cli_reports_json_and_one_line_exit_2(capsys):

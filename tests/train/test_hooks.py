@@ -5,14 +5,15 @@ import json
 import os
 import types
 
+import jax
 import numpy as np
 import pytest
 
 from lumen_jax.config import LogConfig
 from lumen_jax.metrics.mfu import Peaks, Throughput
 from lumen_jax.train import hooks as hooks_lib
-from lumen_jax.train.hooks import (Checkpointing, CorruptionDetected, Evaluation, Events, Hooks, Logging,
-                                   Preempted, Preemption, SdcCheck, Stall, StepInfo)
+from lumen_jax.train.hooks import (Checkpointing, CorruptionDetected, Diverged, Evaluation, Events, Hooks, Logging,
+                                   NonFiniteGuard, Preempted, Preemption, SdcCheck, Stall, StepInfo)
 
 
 def info(step: int, last: bool = False, loss: float = 1.0) -> StepInfo:
@@ -151,7 +152,24 @@ def test_logging_leaves_hook_time_out_of_the_step_time(tmp_path, monkeypatch):
     assert logging.last["step_time_s"] == pytest.approx(1.0)
 
 
-def test_fault_hooks_and_the_loop_only_read_the_environment_when_asked(tmp_path, monkeypatch):
+def test_nonfinite_guard_counts_one_step_late_and_raises_in_a_row():
+    guard = NonFiniteGuard(3, "/ckpts")
+    for step, skipped in enumerate([0, 1, 1, 0, 1, 1], start=1):
+        guard.after_step(step, {"skipped": np.int32(skipped)})
+    assert (guard.skipped_total, guard.in_a_row) == (3, 1)  # step 6 is checked with step 7's metrics
+    guard.after_step(7, {"skipped": np.int32(1)})
+    assert (guard.skipped_total, guard.in_a_row) == (4, 2)
+    with pytest.raises(Diverged, match=r"3 steps in a row \(up to step 7\).*max_nonfinite_steps=3.*/ckpts"):
+        guard.after_step(8, {"skipped": np.int32(0)})
+
+
+def test_fault_hooks_only_with_the_variable(tmp_path, monkeypatch):
     monkeypatch.delenv("LUMEN_FAULT_SIGKILL_AFTER_STEPS", raising=False)
+    monkeypatch.delenv("LUMEN_FAULT_PROCESS", raising=False)
     assert hooks_lib.fault_hooks(str(tmp_path)) == []
+    monkeypatch.setenv("LUMEN_FAULT_SIGKILL_AFTER_STEPS", "5,8")
+    [kill] = hooks_lib.fault_hooks(str(tmp_path))
+    kill(4)  # not a listed step: nothing happens
     assert not os.listdir(tmp_path)
+    monkeypatch.setenv("LUMEN_FAULT_PROCESS", str(jax.process_index() + 1))  # another process's
+    assert hooks_lib.fault_hooks(str(tmp_path)) == []

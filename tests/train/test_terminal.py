@@ -10,14 +10,15 @@ import subprocess
 import sys
 import termios
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers.paths import REPO
+
 
 
 def run_in_pty(args: list[str], timeout_s: float = 300) -> tuple[int, str]:
     """(exit code, everything the process wrote to its terminal)."""
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a 120-column terminal
-    proc = subprocess.Popen(args, stdin=follower, stdout=follower, stderr=follower, cwd=ROOT, close_fds=True)
+    proc = subprocess.Popen(args, stdin=follower, stdout=follower, stderr=follower, cwd=REPO, close_fds=True)
     os.close(follower)
     out = b""
     try:

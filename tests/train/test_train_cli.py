@@ -117,7 +117,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, name):
 
 
 def test_mesh_error_names_the_axis_that_was_set():
-    # STYLE.md's own example of an actionable error is `mesh.tensor=3 ...`; in-process (no subprocess).
+    # An actionable error names the key the user set (`mesh.tensor=3 ...`, README's example); in-process.
     cfg = load_config(os.path.join(REPO, "configs/tiny.yaml"), ["mesh.tensor=3"])
     with pytest.raises(ConfigError) as e:
         validate(cfg, 8)

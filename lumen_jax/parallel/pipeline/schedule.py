@@ -27,7 +27,7 @@ zero_bubble    (P-1) / (3m+P-1)                at most P (ticks are a third of a
 
 A tick of `gpipe`/`1f1b` counts a forward and a whole backward as one tick each, a tick of
 `zero_bubble` a forward, an input-gradient and a weight-gradient pass each: the formulas are those
-of the papers with equal forward and backward times. The executor (`pipeline_step.py`) runs every
+of the papers with equal forward and backward times. The executor (`executor.py`) runs every
 tick on every stage in lock-step, so a tick lasts as long as its slowest action.
 """
 
