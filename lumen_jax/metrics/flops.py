@@ -86,8 +86,7 @@ RECOMPUTES: dict[str, dict[str, bool]] = {
 
 def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, remat: str | None = None, *,
                              score_fraction: float = 0.5, context: int = 1,
-                             recomputes: Mapping[str, bool] | None = None,
-                             pipeline_schedule: str | None = None) -> float:
+                             recomputes: Mapping[str, bool] | None = None) -> float:
     """Model FLOPs plus the forward work the backward pass re-runs (the HFU numerator).
 
     `6 * matmul_params + (1 + backward) * attention + the recomputed forward work`, where
@@ -97,13 +96,9 @@ def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, remat: str | None =
     recompute is 2 * L * layer_matmul when the projections are re-run and the attention forward
     when QK^T and AV are; the logits matmul lies outside the checkpointed layers.
 
-    With pipeline stages (`pipeline_schedule`, given when mesh.pipeline > 1) each backward action
-    is its own `jax.vjp` of the stage from its stashed input (`parallel/pipeline/executor.py`): it
-    runs the stage's forward again, logits included (`2 * matmul_params + attention`), and the
-    remat recompute inside it. `zero_bubble` runs two such vjps per micro-batch and stage: B (the
-    input gradient: no weight-gradient matmuls) and W (the weight gradient: the layer scan carries
-    the activations' cotangents, so W runs the input-gradient work again too): two recomputed
-    forwards, the remat recompute twice, and `2 * matmul_params + backward * attention` more.
+    Pipeline stages change nothing here: a stage's backward runs from the residuals its forward
+    saved under the same policy (`parallel/pipeline/executor.py`); the fill and the drain are the
+    bubble, which is time, not FLOPs.
 
     Args:
         cfg: the model shape.
@@ -113,7 +108,6 @@ def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, remat: str | None =
           convention of `flops_per_token`), 1 (the whole square), or the busiest device's share.
         context: devices on the context axis.
         recomputes: {projections, attention} -> re-run; None takes `RECOMPUTES[remat]`.
-        pipeline_schedule: the `mesh.pipeline_schedule` of a run with mesh.pipeline > 1, else None.
     """
     remat = cfg.remat if remat is None else remat
     if remat not in REMAT_POLICIES:
@@ -125,11 +119,4 @@ def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, remat: str | None =
     backward = 2.0 if context == 1 else 2.5
     projections = 2.0 * cfg.num_layers * counts["layer_matmul"]
     remat_redo = (attention if redo["attention"] else 0.0) + (projections if redo["projections"] else 0.0)
-    forward = 2.0 * counts["matmul"] + attention
-    if pipeline_schedule is None:
-        stage_redo = 0.0
-    elif pipeline_schedule == "zero_bubble":  # B and W: two vjps, W repeats B's input-gradient work
-        stage_redo = 2 * forward + remat_redo + 2.0 * counts["matmul"] + backward * attention
-    else:
-        stage_redo = forward
-    return 6.0 * counts["matmul"] + (1 + backward) * attention + remat_redo + stage_redo
+    return 6.0 * counts["matmul"] + (1 + backward) * attention + remat_redo

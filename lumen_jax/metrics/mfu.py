@@ -194,14 +194,11 @@ class Throughput:
     peaks: Peaks
 
     @classmethod
-    def of(cls, model: ModelConfig, seq_len: int, global_batch_size: int, devices: Sequence[Any],
-           pipeline_schedule: str | None = None) -> "Throughput":
-        """The run's counts. `pipeline_schedule`: the schedule a pipelined step runs (its backward
-        recomputes each stage's forward: counted in HFU), None without a pipeline."""
+    def of(cls, model: ModelConfig, seq_len: int, global_batch_size: int, devices: Sequence[Any]) -> "Throughput":
+        """The run's counts."""
         return cls(tokens_per_step=global_batch_size * seq_len, num_devices=len(devices),
                    flops_per_token=flops_lib.flops_per_token(model, seq_len),
-                   hw_flops_per_token=flops_lib.hardware_flops_per_token(
-                       model, seq_len, pipeline_schedule=pipeline_schedule),
+                   hw_flops_per_token=flops_lib.hardware_flops_per_token(model, seq_len),
                    peaks=model_peaks(model, devices))
 
     def measure(self, step_time_s: float) -> StepMetrics:

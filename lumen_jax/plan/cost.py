@@ -48,12 +48,10 @@ def planned_flops_per_token(model: ModelConfig, layout: Layout, seq_len: int, re
     """`flops.hardware_flops_per_token` of a run on `layout`, with what the backward pass re-runs
     read off the model's residuals (`memory.recomputes`: the projections unless the policy saves
     one, the attention core unless it saves scores or, under context parallelism, the ring's
-    residuals) instead of assumed per policy, and, with pipeline stages, the stage forward each
-    backward action recomputes (`Layout.schedule`). `score_fraction` as there."""
+    residuals) instead of assumed per policy. `score_fraction` as there."""
     mesh = layout.mesh
     return flops.hardware_flops_per_token(model, seq_len, remat, score_fraction=score_fraction, context=mesh.context,
-                                          recomputes=recomputes(remat, mesh.context, mesh.context_parallel),
-                                          pipeline_schedule=layout.schedule[0] if layout.pipeline > 1 else None)
+                                          recomputes=recomputes(remat, mesh.context, mesh.context_parallel))
 
 
 def flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, *,

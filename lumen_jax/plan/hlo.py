@@ -351,3 +351,26 @@ def bytes_by_axes(collectives: Iterable[MeshCollective]) -> dict[tuple[str, str,
     for c in collectives:
         total[("+".join(c.axes), c.kind, c.dtype)] += c.total
     return dict(total)
+
+
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_FIRST_OPERAND = re.compile(r" dot\(\s*(?:([a-z][a-z0-9]*)\[([0-9,]*)\]\S*\s+)?%?([\w.\-]+)")
+
+
+def matmul_flops(module: Module) -> int:
+    """Matmul FLOPs of one device per step: 2 x output elements x contracted size of every `dot`,
+    times the executions of its computation (loop bodies times their trip counts). A conditional's
+    branches all count: the lock-step pipeline has none, and elsewhere that is the dearest-branch bound."""
+    shapes = {(i.computation, i.name): i.arrays[0] for i in module.instrs if len(i.arrays) == 1}
+    total = 0
+    for i in module.where("dot"):
+        m, c = _FIRST_OPERAND.search(i.line), _CONTRACTING.search(i.line)
+        if m is None or c is None or not i.arrays:
+            continue
+        lhs = (tuple(int(d) for d in m.group(2).split(",") if d) if m.group(1)
+               else getattr(shapes.get((i.computation, m.group(3))), "dims", None))
+        if lhs is None:
+            continue
+        contracted = math.prod(lhs[int(k)] for k in c.group(1).split(",") if k)
+        total += 2 * math.prod(i.arrays[0].dims) * contracted * module.executions(i)
+    return total

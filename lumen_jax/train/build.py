@@ -78,8 +78,9 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
     names = model.param_names
     tx = make_optimizer(cfg.optim, cfg.train.steps, names)
     fp16 = cfg.model.compute_dtype == "float16"
-    pipe = (Pipeline.create(mesh, cfg.model, cfg.mesh.pipeline_schedule, cfg.train.micro_batches,
-                            cfg.mesh.pipeline_virtual_stages) if mesh.shape["pipeline"] > 1 else None)
+    pipe = (Pipeline.create(mesh, cfg.model.d_model, cfg.model.compute_dtype, cfg.mesh.pipeline_schedule,
+                            cfg.train.micro_batches, cfg.mesh.pipeline_virtual_stages)
+            if mesh.shape["pipeline"] > 1 else None)
     sc = step_lib.StepConfig(graphdef=model.graphdef, tx=tx, lr_schedule=schedule(cfg.optim, cfg.train.steps),
                              micro_batches=cfg.train.micro_batches, z_loss=cfg.optim.z_loss,
                              dynamic_loss_scale=fp16,

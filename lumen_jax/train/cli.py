@@ -103,11 +103,10 @@ def train(cfg: Config, stop=None) -> dict:
     resume.check(config, os.path.join(run_dir, "checkpoints"), trainer.abstract_state(), run_dir, data.check_state)
     if jax.process_index() == 0:
         rundir.write_json(run_dir, "config.json", config)
-    staged = trainer.mesh.shape["pipeline"] > 1  # its backward recomputes each stage's forward (HFU)
     spec = loop.RunSpec(train=cfg.train, checkpoint=cfg.checkpoint, log=cfg.log, config=config,
                         param_count=param_counts(cfg.model)["total"],
                         throughput=Throughput.of(cfg.model, cfg.data.seq_len, cfg.data.global_batch_size,
-                                                 jax.devices(), cfg.mesh.pipeline_schedule if staged else None))
+                                                 jax.devices()))
     return loop.run(trainer, data, run_dir, spec, stop, during_training(cfg.data, cfg.train, trainer, share, shares))
 
 

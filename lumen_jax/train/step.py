@@ -24,8 +24,10 @@ from flax import nnx, struct
 
 from lumen_jax.model import apply_with_aux
 from lumen_jax.model.loss import token_objective
+from lumen_jax.model.transformer import merge
 from lumen_jax.ops import state as state_lib
 from lumen_jax.parallel.pipeline import executor as pipeline_step
+from lumen_jax.parallel.rules import constrain
 
 Batch = dict[str, jax.Array]
 
@@ -86,6 +88,22 @@ def _micro_loss(params: dict, model_state: dict, mb: Batch, total_tokens: jax.Ar
     if "loss" in aux:
         objective = objective + aux["loss"] * scale / pieces
     return objective, (ce_sum, aux.get("metrics", {}))
+
+
+def stage_fns(sc: StepConfig) -> pipeline_step.StageFns:
+    """The model's parts the pipelined step runs, each on the parameters of one stage's chunk."""
+    def layers(params: dict, x_btd: jax.Array, mb: Batch) -> jax.Array:
+        return merge(sc.graphdef, params).run_layers(x_btd, mb["positions"], mb["segment_ids"])[0]
+
+    def head(params: dict, y_btd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array):
+        # The whole vocabulary on each device for the loss: XLA's SPMD partitioner (jaxlib 0.10.2) fails a
+        # check ("partition_group_list.num_replica_groups() * ...") on the cross-entropy of vocab-sharded
+        # logits inside the pipeline's shard_map when the batch is sharded too (data or fsdp with tensor).
+        logits_btv = constrain(merge(sc.graphdef, params).logits(y_btd), ("batch", "seq", None))
+        return token_objective(logits_btv, targets_bt, mask_bt, sc.z_loss)
+
+    return pipeline_step.StageFns(embed=lambda params, tokens: merge(sc.graphdef, params).embed_tokens(tokens),
+                                  layers=layers, head=head)
 
 
 def _identity(tree: Any) -> Any:
@@ -153,11 +171,11 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
     combine by each variable's rule (`sc.state_combine`), across micro-batches and replicas.
     """
     if sc.pipeline is not None:  # the model state's next value is the current one (config refuses stateful ops here)
-        loss, grads = pipeline_step.loss_and_grads(sc.pipeline, sc.graphdef, params, batch, scale, sc.z_loss,
+        loss, grads = pipeline_step.loss_and_grads(sc.pipeline, stage_fns(sc), params, batch, scale,
                                                    lambda w: compute_weights(w, sc), placement.replicas,
                                                    placement.replica_axes)
         return loss, placement.grads(grads), model_state, {}
-    total_tokens = jnp.maximum(batch["loss_mask"].astype(jnp.float32).sum(), 1.0)
+    total_tokens = pipeline_step.total_tokens(batch)
     weights = placement.weights(compute_weights(params, sc))
     grad_fn = jax.grad(_micro_loss, argnums=(0, 1), has_aux=True)
     f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)  # noqa: E731
@@ -167,10 +185,6 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
         return ce_sum / total_tokens, placement.grads(f32(grads)), state_new, aux
 
     reduce_dtype = jnp.dtype(sc.reduce_dtype)
-
-    def split(x: jax.Array) -> jax.Array:  # [B, ...] -> [M, R, B/(R M), ...]
-        x = x.reshape(r, x.shape[0] // (r * m), m, *x.shape[1:])
-        return jnp.moveaxis(x, 2, 0)
 
     if r > 1:
         replica_grad = jax.vmap(grad_fn, in_axes=(None, None, 0, None, None, None, None),
@@ -189,7 +203,9 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
 
     zeros = placement.accumulator(jax.tree.map(lambda w: jnp.zeros((r, *w.shape), reduce_dtype), weights))
     carry = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(lambda s: jnp.zeros((r, *s.shape), s.dtype), model_state))
-    (grads_r, ce_sum, state_r), aux = jax.lax.scan(accumulate, carry, jax.tree.map(split, batch))
+    micro = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1) if r > 1 else x[:, None],  # [M, R, B/(R M), ...]
+                         pipeline_step.split_micro_batches(batch, m, r))
+    (grads_r, ce_sum, state_r), aux = jax.lax.scan(accumulate, carry, micro)
     grads = placement.grads(f32(jax.tree.map(lambda g: g.sum(0), grads_r)))
     state_new = jax.tree.map(_fold, sc.state_combine, state_r)
     return ce_sum / total_tokens, grads, state_new, jax.tree.map(lambda v: v.mean(0), aux)
@@ -230,8 +246,8 @@ def train_step(state: TrainState, batch: Batch, sc: StepConfig,
     metrics = {"loss": loss, "grad_norm": grad_norm, "update_norm": update_norm, "lr": sc.lr_schedule(state.step),
                "loss_scale": state.loss_scale, "skipped": (~finite).astype(jnp.int32),
                "tokens": batch["loss_mask"].astype(jnp.float32).sum(), **aux_metrics}
-    if sc.pipeline is not None:  # the idle fraction of the schedule's table (parallel/pipeline/schedule.py)
-        metrics["pipeline_bubble"] = jnp.asarray(sc.pipeline.schedule.bubble(), jnp.float32)
+    if sc.pipeline is not None:  # the fill and drain's share of the work (parallel/pipeline/schedule.py)
+        metrics["pipeline_bubble"] = jnp.asarray(sc.pipeline.bubble(), jnp.float32)
     return new_state, metrics
 
 

@@ -346,3 +346,169 @@ def program(schedule: Schedule) -> Program:
                 r[col] = size if r[col] < 0 else r[col]
     return Program(schedule=schedule, rows=tuple(tuple(map(tuple, row)) for row in rows),
                    x_slots=sizes[0], g_slots=sizes[1])
+
+
+# --------------------------------------------------------------------------------------------------
+# What the executor runs: the schedule in lock step, every tick the same kinds of work on every stage
+# --------------------------------------------------------------------------------------------------
+
+# Columns of `Lockstep.fwd` and `.bwd`: whether the action is real (a stage in the fill or the drain
+# computes on zeros and keeps nothing), its micro-batch, its chunk, the stash slot of its residuals.
+LOCKSTEP_COLUMNS = ("valid", "mb", "chunk", "slot")
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Consecutive ticks `[start, stop)` that run the same kinds of work on every stage."""
+
+    start: int
+    stop: int
+    forward: bool  # every stage runs a forward (real or on zeros)
+    head: bool  # the final norm, logits and loss of the last virtual stage's output, split over the stages
+    backward: bool  # every stage runs a backward (input and weight gradients, from stashed residuals)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lockstep:
+    """A schedule as the executor runs it: in every tick every stage runs the same kinds of work
+    (a forward, the loss, a backward), so no stage computes a branch it then drops; a stage with
+    nothing to do in the fill or the drain computes on zeros, which is the bubble.
+
+    Micro-batch i enters virtual stage 0 at tick tau(i) (i; interleaved: groups of P every V*P
+    ticks, so a device's forwards never collide) and reaches virtual stage v at tau(i) + v. Its
+    backward leaves the last virtual stage in the same tick as its forward there (1f1b,
+    interleaved, zero_bubble: the forward, the loss and the backward of one tick), or after all
+    forwards (gpipe), and reaches v one tick after v + 1. So an activation and a cotangent are used
+    in the tick after they are sent, and a stage keeps only the residuals of its forwards until
+    their backward: `slots` of them (2PV - 1 for the fused schedules, m for gpipe), plus a scratch
+    slot that a stage with nothing to do writes and reads (slot index `slots`).
+    """
+
+    name: str
+    stages: int
+    micro_batches: int
+    virtual: int
+    fwd: tuple  # [ticks][stages] of LOCKSTEP_COLUMNS
+    bwd: tuple
+    head: tuple  # [ticks]: (valid, micro-batch) of the last virtual stage's forward in that tick
+    segments: tuple[Segment, ...]
+    slots: int
+
+    @property
+    def ticks(self) -> int:
+        return len(self.fwd)
+
+    def cost(self) -> float:
+        """Per stage, the work of the program in forward units of a whole stage (a chunk forward 1/V,
+        its backward 2/V): what every stage executes, bubble included."""
+        f = sum((s.stop - s.start) for s in self.segments if s.forward)
+        b = sum((s.stop - s.start) for s in self.segments if s.backward)
+        return (f + 2 * b) / self.virtual
+
+    def bubble(self) -> float:
+        """The share of the executed work that is the fill and drain's (computed on zeros)."""
+        return 1.0 - 3 * self.micro_batches / self.cost()
+
+
+def _entry_tick(i: int, p: int, v: int) -> int:
+    return i if v == 1 else (i // p) * v * p + i % p
+
+
+def lockstep(name: str, stages: int, micro_batches: int, virtual: int = 1) -> Lockstep:
+    """The lock-step program of schedule `name` (zero_bubble runs 1f1b's: in lock step its deferred
+    weight gradients have no idle tick to fill, README "Pipeline parallelism")."""
+    problem = check_shape(name, stages, micro_batches, virtual)
+    if problem:
+        raise ValueError(problem)
+    p, m, v = stages, micro_batches, virtual
+    last = p * v - 1
+    f_tick = {(i, w): _entry_tick(i, p, v) + w for i in range(m) for w in range(p * v)}
+    if name == "gpipe":
+        drain = m + p - 1  # the ticks of all forwards
+        b_tick = {(i, w): drain + i + last - w for i in range(m) for w in range(p * v)}
+    else:
+        b_tick = {(i, w): f_tick[(i, last)] + last - w for i in range(m) for w in range(p * v)}
+    ticks = max(b_tick.values()) + 1
+    empty = (0, 0, 0, 0)
+    fwd = [[empty] * p for _ in range(ticks)]
+    bwd = [[empty] * p for _ in range(ticks)]
+    head = [(0, 0)] * ticks
+    slots = 0
+    for s in range(p):  # residual slots: held from the forward's tick to the end of the backward's
+        keys = sorted(((i, c * p + s) for i in range(m) for c in range(v)), key=lambda k: f_tick[k])
+        free, used, release = [], 0, []
+        for key in keys:
+            t = f_tick[key]
+            for done_t, slot in list(release):
+                if done_t < t:
+                    free.append(slot)
+                    release.remove((done_t, slot))
+            if free:
+                slot = min(free)
+                free.remove(slot)
+            else:
+                slot, used = used, used + 1
+            release.append((b_tick[key], slot))
+            i, w = key
+            fwd[t][s] = (1, i, w // p, slot)
+            bwd[b_tick[key]][s] = (1, i, w // p, slot)
+            if w == last:
+                head[t] = (1, i)
+        slots = max(slots, used)
+    scratch = (0, 0, 0, slots)  # a stage with nothing to do writes and reads the scratch slot
+    fwd = [[a if a[0] else scratch for a in row] for row in fwd]
+    bwd = [[a if a[0] else scratch for a in row] for row in bwd]
+    has_f = [any(a[0] for a in row) for row in fwd]
+    has_b = [any(a[0] for a in row) for row in bwd]
+    heads = [t for t in range(ticks) if head[t][0]]
+    has_h = [has_f[t] and heads[0] <= t <= heads[-1] for t in range(ticks)]  # V > 1: every tick between
+    segments, start = [], 0
+    for t in range(1, ticks + 1):
+        if t == ticks or (has_f[t], has_h[t], has_b[t]) != (has_f[start], has_h[start], has_b[start]):
+            segments.append(Segment(start, t, has_f[start], has_h[start], has_b[start]))
+            start = t
+    return Lockstep(name=name, stages=p, micro_batches=m, virtual=v, fwd=tuple(map(tuple, fwd)),
+                    bwd=tuple(map(tuple, bwd)), head=tuple(head), segments=tuple(segments), slots=slots)
+
+
+def validate_lockstep(prog: Lockstep) -> list[str]:
+    """Every broken rule of `prog` ([] when valid): each (micro-batch, virtual stage) has one forward
+    and one backward on the device holding its chunk; a forward's input was sent in the tick before
+    (or it is virtual stage 0), a backward's cotangent likewise (or it is the last virtual stage,
+    whose loss runs in its forward's tick); no slot is written while its residuals wait."""
+    p, v, m = prog.stages, prog.virtual, prog.micro_batches
+    last = p * v - 1
+    at_f, at_b, problems = {}, {}, []
+    for t in range(prog.ticks):
+        for s in range(p):
+            for table, at in ((prog.fwd, at_f), (prog.bwd, at_b)):
+                valid, i, c, slot = table[t][s]
+                if valid:
+                    key = (i, c * p + s)
+                    if key in at:
+                        problems.append(f"micro-batch {i} virtual stage {key[1]} twice")
+                    at[key] = (t, slot, s)
+    for i in range(m):
+        for w in range(last + 1):
+            if (i, w) not in at_f or (i, w) not in at_b:
+                problems.append(f"micro-batch {i} virtual stage {w} lacks a forward or a backward")
+                continue
+            (tf, sf, _), (tb, sb, _) = at_f[(i, w)], at_b[(i, w)]
+            if sf != sb or tb < tf:
+                problems.append(f"micro-batch {i} virtual stage {w}: backward at {tb} (slot {sb}) before "
+                                f"or apart from its forward at {tf} (slot {sf})")
+            if w > 0 and at_f.get((i, w - 1), (None,))[0] != tf - 1:
+                problems.append(f"micro-batch {i} virtual stage {w}: forward at {tf} not the tick after its input")
+            if w < last and at_b.get((i, w + 1), (None,))[0] != tb - 1:
+                problems.append(f"micro-batch {i} virtual stage {w}: backward at {tb} not the tick after its cotangent")
+            if w == last and tb == tf and not prog.head[tf][0]:
+                problems.append(f"micro-batch {i}: no loss in the tick of its last forward")
+    for s in range(p):
+        held: dict[int, tuple[int, int]] = {}
+        for t in range(prog.ticks):
+            valid, i, c, slot = prog.fwd[t][s]
+            if valid:
+                if slot in held and held[slot][1] >= t:
+                    problems.append(f"stage {s} tick {t}: slot {slot} still held for micro-batch {held[slot][0]}")
+                held[slot] = (i, at_b[(i, c * p + s)][0])
+    return problems
