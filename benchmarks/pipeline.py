@@ -1,4 +1,4 @@
-"""Pipeline schedules on the 8-device CPU mesh: step time, compiled temporary bytes, and the bubble.
+"""Pipeline schedules on the 8-device CPU mesh: work, step time, compiled temporary bytes, and the bubble.
 
     .venv/bin/python benchmarks/pipeline.py [--stages 4] [--micro-batches 4 8 16] [--rows 2]
         [--schedules gpipe 1f1b interleaved zero_bubble] [--steps 2]
@@ -6,7 +6,10 @@
 For each schedule and each m it builds the train step as `lumen_jax.train` does on a mesh of
 `pipeline=P` x `data=8/P` (8 layers, tiny widths, fp32, `--rows` rows per micro-batch, so the batch
 grows with m), compiles it, reads XLA's per-device temporary bytes, times `--steps` steps after a
-warm-up, and prints the bubble of the schedule's table next to the papers' formula.
+warm-up, and prints the bubble of the executed program next to the papers' formula, and `work`: the
+matmul FLOPs of the compiled step (every dot times its loops' trip counts, all devices) over those
+of the same model and batch without a pipeline (on the 8/P data-parallel devices), whose step time
+is printed as `flat ms`. `--no-time` compiles only.
 On the CPU the emulated devices share the host's cores and every tick runs in lock-step, so the
 step time measures total work (recompute included), not a pipeline's speed-up; the bytes and the
 bubble are the figures that transfer. Results and commands: docs/PERFORMANCE.md.
@@ -15,6 +18,7 @@ bubble are the figures that transfer. Results and commands: docs/PERFORMANCE.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from cpu_throughput import compile_step, median_step_ms
 
@@ -35,13 +39,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--schedules", nargs="+", default=list(PIPELINE_SCHEDULES), choices=PIPELINE_SCHEDULES)
     p.add_argument("--virtual", type=int, default=2, help="mesh.pipeline_virtual_stages for interleaved")
     p.add_argument("--steps", type=int, default=2, help="timed steps (after one warm-up step)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--no-time", action="store_true", help="compile only: work, bytes and bubble")
     return p.parse_args(argv)
 
 
-def config(a: argparse.Namespace, schedule: str, m: int) -> Config:
+def config(a: argparse.Namespace, schedule: str, m: int, stages: int | None = None) -> Config:
     data = 8 // a.stages
-    return Config(model=MODEL,
-                  mesh=MeshConfig(data=data, fsdp=1, pipeline=a.stages, pipeline_schedule=schedule,
+    stages = a.stages if stages is None else stages
+    return Config(model=dataclasses.replace(MODEL, num_layers=a.layers),
+                  mesh=MeshConfig(data=data, fsdp=1, pipeline=stages, pipeline_schedule=schedule,
                                   pipeline_virtual_stages=a.virtual if schedule == "interleaved" else 1),
                   data=DataConfig(seq_len=a.seq_len, global_batch_size=a.rows * m * data),
                   train=TrainConfig(steps=a.steps + 1, micro_batches=m),
@@ -57,10 +64,24 @@ def main(argv: list[str] | None = None) -> int:
     from lumen_jax.parallel.pipeline import schedule as pipeline
     from lumen_jax.parallel.mesh import make_mesh
 
-    print(f"{jax.devices()[0].device_kind} x{jax.device_count()}; pipeline={a.stages} data={8 // a.stages}; "
-          f"8 layers, d_model 64, fp32, {a.rows} rows x {a.seq_len} tokens per micro-batch and data shard")
-    print(f"{'schedule':>12} {'m':>3} {'temp MiB':>9} {'stash':>6} {'compile s':>10} {'step ms':>9} "
-          f"{'bubble':>7} {'formula':>8}")
+    from lumen_jax.plan import hlo
+
+    data = 8 // a.stages
+    print(f"{jax.devices()[0].device_kind} x{jax.device_count()}; pipeline={a.stages} data={data}; "
+          f"{a.layers} layers, d_model 64, fp32, {a.rows} rows x {a.seq_len} tokens per micro-batch and data shard")
+    print(f"{'schedule':>12} {'m':>3} {'work':>6} {'temp MiB':>9} {'slots':>6} {'compile s':>10} {'step ms':>9} "
+          f"{'flat ms':>8} {'bubble':>7} {'formula':>8}")
+
+    def total_flops(compiled, devices: int) -> int:
+        return hlo.matmul_flops(hlo.parse(compiled.as_text())) * devices
+
+    flat = {}
+    for m in a.micro_batches:  # the same model and batch without a pipeline, on the data devices
+        cfg = config(a, "1f1b", m, stages=1)
+        trainer = build(cfg, make_mesh(validate(cfg, data), jax.devices()[:data]))
+        compiled, state, batch, _ = compile_step(trainer, cfg)
+        flat[m] = (total_flops(compiled, data), None if a.no_time else median_step_ms(compiled, state, batch, a.steps))
+        del state, batch, compiled, trainer
     for schedule in a.schedules:
         for m in a.micro_batches:
             cfg = config(a, schedule, m)
@@ -72,12 +93,13 @@ def main(argv: list[str] | None = None) -> int:
             trainer = build(cfg, make_mesh(shape))
             compiled, state, batch, compile_s = compile_step(trainer, cfg)
             temp = compiled.memory_analysis().temp_size_in_bytes
-            step_ms = median_step_ms(compiled, state, batch, a.steps)
+            work = total_flops(compiled, 8) / flat[m][0]
+            step_ms = "-" if a.no_time else f"{median_step_ms(compiled, state, batch, a.steps):.0f}"
+            flat_ms = "-" if a.no_time else f"{flat[m][1]:.0f}"
             prog = trainer.step_cfg.pipeline.program
-            v = prog.schedule.virtual
-            print(f"{schedule:>12} {m:>3} {temp / 2**20:>9.2f} {prog.x_slots:>6} {compile_s:>10.1f} "
-                  f"{step_ms:>9.0f} {prog.schedule.bubble():>7.3f} "
-                  f"{pipeline.bubble_formula(schedule, a.stages, m, v):>8.3f}", flush=True)
+            print(f"{schedule:>12} {m:>3} {work:>6.3f} {temp / 2**20:>9.2f} {prog.slots:>6} {compile_s:>10.1f} "
+                  f"{step_ms:>9} {flat_ms:>8} {prog.bubble():>7.3f} "
+                  f"{pipeline.bubble_formula(schedule, a.stages, m, prog.virtual):>8.3f}", flush=True)
             del state, batch, compiled, trainer
     return 0
 

@@ -160,6 +160,9 @@ def _pipeline(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
     yield (p == 1 or mesh.pipeline_schedule != "interleaved" or m % p == 0,
            f"mesh.pipeline_schedule=interleaved needs train.micro_batches={m} divisible by mesh.pipeline={p} "
            f"(micro-batches go through the chunks in groups of {p}); use a multiple of {p}")
+    yield (p == 1 or cfg.data.seq_len % p == 0,
+           f"data.seq_len={cfg.data.seq_len} is not divisible by mesh.pipeline={p} (the stages share the "
+           f"loss of the last stage's output, every {p}th token each); use a multiple of {p}")
     yield (p == 1 or cfg.model.fp8.recipe == "none",
            f"model.fp8.recipe={cfg.model.fp8.recipe} with mesh.pipeline={p}: fp8 scaling state does not travel "
            "through pipeline stages yet; set model.fp8.recipe=none or mesh.pipeline=1")

@@ -9,6 +9,7 @@ from typing import Callable
 from lumen_jax.metrics import flops
 from lumen_jax.config import ModelConfig
 from lumen_jax.parallel import context as context_lib
+from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.plan.hardware import AXES, Hardware, Layout, compute_bytes
 from lumen_jax.plan.memory import F32 as F32_BYTES
 from lumen_jax.plan.memory import STATE_BYTES, computed_score_fraction, recomputes, state_bytes
@@ -21,9 +22,7 @@ from lumen_jax.plan.memory import STATE_BYTES, computed_score_fraction, recomput
 # pair's output and log-sum-exp and, in the backward, the sums of its dq, dk, dv (fitted to the
 # compiled ring and all-gather steps at C = 2, 4, 8). Used only for the compiler comparison; MFU
 # counts matmuls alone.
-# With uniform pipeline ticks, per local parameter, the select among the branches' gradient sums
-# and their adds in the one counted tick ("tick_param", fitted to 7 compiled pipelined steps).
-ELEMENTWISE_OPS = {"score": 19, "embed": 58, "logit": 9, "param": 36, "pair": 16, "tick_param": 50}
+ELEMENTWISE_OPS = {"score": 19, "embed": 58, "logit": 9, "param": 36, "pair": 16}
 
 
 def context_score_fraction(context: int, balance: str = "zigzag", attention: str = "flash") -> float:
@@ -101,26 +100,32 @@ def compiled_flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, 
     (its body once: 1 of C). Each counted pair adds `ELEMENTWISE_OPS["pair"]` ops per element of its
     query chunk's output.
 
-    With pipeline stages the compiler counts the scan over ticks once: one tick of one stage, which
-    runs its chunk (one layer counted, as above) on the micro-batch's local rows (not 1/P of
-    them). With uniform ticks (`Layout.uniform`) every branch is computed: a forward and a backward
-    (zero_bubble: B and W) with the stage forward each backward recomputes; otherwise the
-    `lax.switch` counts its largest branch, the backward (the forward of the tick left out).
+    With pipeline stages the compiler counts each segment's scan over ticks once
+    (`schedule.lockstep`): its forward of one chunk (one layer counted, as above) on the
+    micro-batch's local rows (not 1/P of them), its share of the loss (1/P of the tokens), its
+    backward; the layer's elementwise work a third in the forward, two thirds in the backward.
     """
     micro_batch = global_batch // layout.micro_batches
     if layout.pipeline > 1:
         flat = dataclasses.replace(layout, pipeline=1, mesh=dataclasses.replace(layout.mesh, pipeline=1))
         one = dataclasses.replace(model, num_layers=1)
         fraction = computed_score_fraction(seq_len)
-        staged = (planned_flops_per_token(one, layout, seq_len, model.remat, score_fraction=fraction)
-                  - planned_flops_per_token(one, flat, seq_len, model.remat, score_fraction=fraction))
-        if not layout.uniform:  # the switch's largest branch: the backward, without the tick's forward
-            staged -= 2.0 * flops.param_counts(one)["matmul"] + flops.attention_forward_flops_per_token(
-                one, seq_len, causal=False) * fraction
+        head = 6.0 * model.d_model * model.vocab_size  # logits forward and backward, per token
+        layer = planned_flops_per_token(one, flat, seq_len, model.remat, score_fraction=fraction) - head
+        forward = 2.0 * flops.param_counts(one)["layer_matmul"] + flops.attention_forward_flops_per_token(
+            one, seq_len, causal=False) * fraction
+        name, v = layout.schedule
+        prog = pipeline_lib.lockstep(name, layout.pipeline, layout.micro_batches, v)
+        # The layer's elementwise work (softmax, norms, residuals: a third forward, two thirds backward).
+        mesh = flat.mesh
+        elementwise = (ELEMENTWISE_OPS["score"] * model.num_heads * seq_len * fraction / mesh.tensor
+                       + ELEMENTWISE_OPS["embed"] * model.d_model / (mesh.tensor if mesh.sequence_parallel else 1))
+        layer, forward = layer + elementwise, forward + elementwise / 3
+        # Each segment's scan body counted once: its forward, its share of the loss, its backward.
+        segments = sum((forward if g.forward else 0.0) + (head / layout.pipeline if g.head else 0.0)
+                       + (layer - forward if g.backward else 0.0) for g in prog.segments)
         tokens = micro_batch * seq_len / flat.num_devices
-        selects = ELEMENTWISE_OPS["tick_param"] * state_bytes(model, layout)["params"] / STATE_BYTES["params"]
-        return (compiled_flops_per_device(model, flat, seq_len, global_batch) + staged * tokens
-                + (selects if layout.uniform else 0.0))
+        return compiled_flops_per_device(model, flat, seq_len, global_batch) + (segments - layer - head) * tokens
     mesh = layout.mesh
     if mesh.context == 1:
         return flops_per_device(model, layout, seq_len, micro_batch, causal=False, layers=1, elementwise=True)

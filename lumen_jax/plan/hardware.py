@@ -71,12 +71,6 @@ class Layout:
             return mesh.pipeline_schedule, v
         return "gpipe", 1
 
-    @property
-    def uniform(self) -> bool:
-        """Whether the pipelined step computes every branch of a tick on every stage (another mesh
-        axis > 1; `parallel.pipeline.executor.Pipeline.uniform`)."""
-        return self.pipeline > 1 and any(self.size(a) > 1 for a in AXES if a != "pipeline")
-
     def describe(self) -> str:
         parts = [f"{a}={self.size(a)}" for a in AXES if self.size(a) > 1 or a in ("data", "fsdp")]
         comm = [v for v in (self.mesh.fsdp_grad_reduce, self.mesh.fsdp_regather) if v in ("once", "per_step")]

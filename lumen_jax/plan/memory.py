@@ -265,11 +265,6 @@ CONTEXT_BACKWARD_ROWS["offload_dots"] = CONTEXT_BACKWARD_ROWS["dots_with_no_batc
 LOGIT_ROWS = 1.74  # fp32 logits (and their gradient) per token, V/t wide, alive with the layer backward
 TP_PARTIAL_SUMS = 3  # row-parallel matmul outputs: full-width partial sums before the all-reduce
 GRAD_ACCUMULATION_COPIES = 2  # micro-batches > 1: the gradient sum carried through the loop + this micro-batch's
-# Pipeline stages with uniform ticks (`Layout.uniform`) under zero_bubble: every stage computes
-# B's and W's vjps in each tick and holds both residual sets; B's (the weights are constants: no
-# matmul inputs kept for weight gradients) measured about half the full set (0.48 of a chunk's
-# residuals on top, compiled CPU step, docs/PLANNING.md "Pipeline stages").
-ZERO_BUBBLE_UNIFORM_RESIDUALS = 1.5
 BATCH_ARRAYS = 5  # inputs, targets, segment_ids, positions, loss_mask: 4 bytes each per token
 
 
@@ -370,13 +365,12 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
 
     `saved` = layers x (tokens x `saved_bytes_per_token` + the weight copies a layer keeps).
     Without a pipeline the layers are all of them. With one (`parallel/pipeline/executor.py`), a
-    backward action is its own vjp of one chunk (L / (P*V) layers) from its stashed input, so the
-    per-layer residuals exist for that chunk and micro-batch only (`ZERO_BUBBLE_UNIFORM_RESIDUALS`
-    times that for zero_bubble with uniform ticks, `Layout.uniform`: its B and W branches both
-    run); on top the stage keeps the
-    stashes of the chosen schedule (`Layout.schedule`): x_slots + 1 stage inputs and g_slots + 1
-    output cotangents of [tokens, D] in the compute dtype (`pipeline.stash_slots`: m for GPipe,
-    about P for 1F1B and zero_bubble, more for interleaved). `working` = tokens x the sum of
+    stage keeps the residuals of each forward whose backward has not run: one chunk (L / (P*V)
+    layers) of one micro-batch per slot of the lock-step program (`schedule.lockstep(...).slots`
+    + 1 scratch: m for GPipe, 2PV - 1 or fewer for the fused schedules) and one more, the copy the
+    backward reads out; the loss's cotangents in as many slots, and the arriving activation and
+    cotangent, [tokens, D] in the compute dtype;
+    `working` = tokens x the sum of
     `working_bytes_per_token`'s parts (`phase` names the largest; with a pipeline the last stage's
     logits are gathered over the vocabulary). `buffers` = the gradient-accumulation loop's copies of
     the (sharded) gradients when micro-batches > 1 (none with a pipeline, but interleaved's
@@ -391,15 +385,9 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     layers = -(-model.num_layers // (layout.pipeline * virtual))
     parts = working_bytes_per_token(model, layout, seq_len, remat, attention)
     widths = _widths(model, layout, seq_len)
-    stash, vjps = 0.0, 1.0
+    slots = 0
     if pipelined:
-        # Uniform ticks compute every branch: zero_bubble's B and W then hold their vjps' residuals
-        # together (a one-layer chunk has no layer loop left after XLA's simplification, and CSE
-        # merges the two recomputed forwards: measured).
-        if layout.uniform and name == "zero_bubble" and layers > 1:
-            vjps = ZERO_BUBBLE_UNIFORM_RESIDUALS
-        x_slots, g_slots = pipeline_lib.stash_slots(name, layout.pipeline, layout.micro_batches, virtual)
-        stash = (x_slots + g_slots + 2) * tokens * widths["D"] * c
+        slots = pipeline_lib.lockstep(name, layout.pipeline, layout.micro_batches, virtual).slots
         parts["logits"] *= layout.mesh.tensor  # gathered for the loss: V, not V / t, wide
     counts = flops.param_counts(model)
     # A layer casts its fp32 weights to the compute dtype and may keep the casts for the backward:
@@ -419,8 +407,13 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
         counts_all = flops.param_counts(model)
         blocks = model.num_layers * (counts_all["layer_matmul"] + 2 * model.d_model) / counts_all["total"]
         buffers = 2 * blocks * grads
+    # A pipelined stage keeps each stashed forward's residuals (its chunk's layers, as the policy
+    # saves them) in `slots` + 1 slots (the lock-step program's, one scratch), the loss's cotangents
+    # in as many, and the activation and cotangent that arrived: [tokens, D] each.
+    # The backward reads one slot's residuals out of the stash: one more chunk's worth, working.
+    saved = (slots + 2) * layers * per_layer + (slots + 3) * tokens * widths["D"] * c if pipelined else layers * per_layer
     return Activations(
-        saved=vjps * layers * per_layer + stash, working=tokens * sum(parts.values()),
+        saved=saved, working=tokens * sum(parts.values()),
         phase=max(parts, key=parts.get), buffers=buffers,
         inputs=BATCH_ARRAYS * 4 * tokens * layout.micro_batches, host=layers * tokens * host)
 

@@ -160,12 +160,12 @@ def _divisors(n: int) -> list[int]:
 
 
 def _bubble(layout: Layout) -> float:
-    """The idle fraction of the schedule's table (`Layout.schedule`), as the trainer's
-    `pipeline_bubble` metric reports it (parallel/pipeline/schedule.py)."""
+    """The fill and drain's share of the lock-step program the trainer runs (`Layout.schedule`), as
+    its `pipeline_bubble` metric reports it (parallel/pipeline/schedule.py)."""
     if layout.pipeline == 1:
         return 0.0
     name, v = layout.schedule
-    return pipeline_lib.table_bubble(name, layout.pipeline, layout.micro_batches, v)
+    return pipeline_lib.lockstep_bubble(name, layout.pipeline, layout.micro_batches, v)
 
 
 def _schedules(model: ModelConfig, mesh: MeshConfig, stages: int, micro_batches: int) -> list[MeshConfig]:

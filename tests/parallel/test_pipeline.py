@@ -171,7 +171,7 @@ def test_checkpoint_moves_between_pipeline_depths(reference, tmp_path, first, th
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
-def test_planner_reads_mesh_pipeline_and_the_table_bubble(schedule):
+def test_planner_reads_mesh_pipeline_and_the_executed_bubble(schedule):
     from lumen_jax import plan
     from lumen_jax.parallel.pipeline import schedule as pipeline
 
@@ -180,4 +180,5 @@ def test_planner_reads_mesh_pipeline_and_the_table_bubble(schedule):
     layout = plan.layout_from_config(cfg, 8)
     assert (layout.pipeline, layout.mesh.fsdp, layout.num_devices) == (4, 2, 8)
     got = plan.predict(cfg, layout, plan.DEVICES["h100"]).bubble
-    assert got == pytest.approx(pipeline.build(schedule, 4, 8).bubble())
+    assert got == pytest.approx(pipeline.lockstep(schedule, 4, 8).bubble())
+    assert got == pytest.approx(pipeline.bubble_formula("1f1b", 4, 8))  # zero_bubble runs 1f1b's program

@@ -74,3 +74,31 @@ def test_check_shape(name, p, m, v, words):
     assert words in pipeline.check_shape(name, p, m, v)
     with pytest.raises(ValueError, match=words):
         pipeline.build(name, p, m, v)
+
+
+@pytest.mark.parametrize("name", pipeline.SCHEDULES)
+def test_lockstep_programs_valid_and_their_bubble_is_the_formula(name):
+    """The program the executor runs: every (micro-batch, virtual stage) once forward and once
+    backward, each input and cotangent used in the tick after it was sent, slots never overwritten
+    while held; the executed bubble is the schedule's formula (zero_bubble runs 1f1b's)."""
+    seen = 0
+    for p, m, v in shapes(name):
+        prog = pipeline.lockstep(name, p, m, v)
+        assert pipeline.validate_lockstep(prog) == [], f"{name} P={p} m={m} V={v}"
+        formula = "1f1b" if name == "zero_bubble" else name
+        assert prog.bubble() == pytest.approx(pipeline.bubble_formula(formula, p, m, v), abs=1e-12)
+        assert prog.slots <= (m * v if name == "gpipe" else 2 * p * v - 1)
+        seen += 1
+    assert seen >= 15
+
+
+def test_lockstep_validation_sees_a_broken_program():
+    prog = pipeline.lockstep("1f1b", 4, 8)
+    late = list(map(list, prog.bwd))
+    late[5][1], late[6][1] = late[6][1], late[5][1]  # stage 1's backwards of two ticks swapped
+    assert pipeline.validate_lockstep(dataclasses.replace(prog, bwd=tuple(map(tuple, late))))
+    shared = [list(row) for row in prog.fwd]
+    t = next(t for t in range(prog.ticks) if shared[t][0][0] and shared[t][0][3] == 1)
+    shared[t][0] = (*shared[t][0][:3], 0)  # a forward written into a slot still held
+    assert any("still held" in e for e in pipeline.validate_lockstep(dataclasses.replace(
+        prog, fwd=tuple(map(tuple, shared)))))

@@ -28,6 +28,9 @@ from lumen_jax.plan.compiled import against_xla, compile_step
 
 BYTES_RTOL = 0.10  # the issue's bound for bytes per device against memory_analysis()
 FLOPS_RTOL = 0.05  # ... and for FLOPs against cost_analysis()
+# Pipelined steps: the pipeline issue's bound on FLOPs (measured -0.9% to -7.6% on the tiny CPU steps:
+# the segments' elementwise work beyond the model's fit, docs/PLANNING.md "Pipeline stages").
+PIPELINE_FLOPS_RTOL = 0.10
 H100 = plan.DEVICES["h100"]
 YEAR_S = 365 * 24 * 3600
 
@@ -81,7 +84,7 @@ def test_bytes_and_flops_match_the_compiled_step(name):
 
 
 # Pipeline stages (compile only): 4 layers on pipeline=2 x data=2, 1 row x 128 tokens per micro-batch
-# per device at m=8. The stash differs by schedule (1F1B 2 inputs, GPipe m).
+# per device at m=8. The stash differs by schedule (1F1B 2P - 1 = 3 residual sets, GPipe m = 8).
 PIPELINE = ["mesh.fsdp=1", "mesh.data=2", "mesh.pipeline=2", "model.num_layers=4"]
 
 
@@ -101,67 +104,61 @@ def pipeline_steps():
 @pytest.mark.heavy
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipeline_bytes_match_the_compiled_step(pipeline_steps, schedule):
-    """The planner's bytes of a pipelined step (`memory.activation_bytes`: the schedule's stash from
-    its table, one chunk's residuals of one micro-batch) against XLA's, and the FLOPs of one tick
-    (the compiler counts the scan over ticks once: a forward and a backward with its recompute)."""
+    """The planner's bytes of a pipelined step (`memory.activation_bytes`: the lock-step program's
+    residual slots) against XLA's, and its FLOPs (the compiler counts each segment's scan over ticks
+    once: a forward, the loss's share, a backward, as the segment runs them)."""
     p, check = pipeline_steps[schedule]
     predicted, compiled = p.bytes_per_device["total"], check.bytes_compiled
     assert predicted == pytest.approx(compiled, rel=BYTES_RTOL), (
         f"{schedule}: predicted {predicted:,.0f} B, XLA {compiled:,.0f} B ({predicted / compiled - 1:+.1%})")
-    assert check.flops_predicted == pytest.approx(check.flops_compiled, rel=FLOPS_RTOL), (
+    assert check.flops_predicted == pytest.approx(check.flops_compiled, rel=PIPELINE_FLOPS_RTOL), (
         f"{schedule}: predicted {check.flops_predicted:,.0f} FLOPs, XLA {check.flops_compiled:,.0f} "
         f"({check.flops_predicted / check.flops_compiled - 1:+.1%})")
 
 
 @pytest.mark.heavy
 def test_pipeline_stash_is_the_schedules(pipeline_steps):
-    """GPipe stashes all m stage inputs, 1F1B P: the planned difference is the compiled one (6 slots
-    of [1, 128, 64] fp32 at m=8)."""
+    """GPipe stashes the residuals of all m forwards, 1F1B's lock-step program 2P - 1: the planned
+    difference is the compiled one (5 slots of one chunk's residuals of one micro-batch at m=8)."""
     (p1, c1), (pg, cg) = ((p, c.bytes_compiled) for p, c in (pipeline_steps["1f1b"], pipeline_steps["gpipe"]))
     planned = pg.bytes_per_device["total"] - p1.bytes_per_device["total"]
     assert planned == pytest.approx(cg - c1, rel=BYTES_RTOL), f"planned +{planned:,.0f} B, XLA +{cg - c1:,.0f} B"
-    assert cg - c1 >= 6 * 1 * 128 * 64 * 4
+    assert cg - c1 >= 5 * 2 * 128 * 64 * 4  # at least 5 more slots of two layers' [1, 128, 64] fp32 inputs
 
 
-def test_pipeline_plan_follows_the_schedule_table():
-    """Stash slots, bubble and layout come from the schedule the trainer runs (`pipeline.program`);
-    one chunk's residuals of one micro-batch; the embedding and logits weights are on every stage;
-    HFU counts the stage recompute."""
+def test_pipeline_plan_follows_the_lockstep_program():
+    """Slots, bubble and layout come from the program the trainer runs (`schedule.lockstep`): each slot
+    holds one chunk's residuals of one micro-batch; the embedding and logits weights are on every
+    stage; HFU counts no stage recompute."""
     from lumen_jax.parallel.pipeline import schedule as pipeline
 
-    slot = 1 * 128 * 64 * 4  # one [1, 128, 64] fp32 stage input at m=8 (16 rows / data=2 / 8)
+    slot = 1 * 128 * 64 * 4  # one [1, 128, 64] fp32 activation at m=8 (16 rows / data=2 / 8)
     plans = {}
+    model = load_config("configs/tiny.yaml", PIPELINE).model
     for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)):
         cfg = load_config("configs/tiny.yaml", [*PIPELINE, "train.micro_batches=8", f"mesh.pipeline_schedule={name}",
                                                 f"mesh.pipeline_virtual_stages={v}"])
         layout = plan.layout_from_config(cfg, 4)
         assert layout.schedule == (name, v) and name in layout.describe()
         plans[name] = p = plan.predict(cfg, layout, H100)
-        prog = pipeline.program(pipeline.build(name, 2, 8, v))
-        assert p.bubble == pipeline.build(name, 2, 8, v).bubble()
-        assert pipeline.stash_slots(name, 2, 8, v) == (prog.x_slots, prog.g_slots)
-    gpipe, one = plans["gpipe"].activations, plans["1f1b"].activations
-    assert gpipe.saved - one.saved == (8 - 2) * slot  # GPipe stashes m inputs, 1F1B P
-    x_slots, g_slots = pipeline.stash_slots("1f1b", 2, 8)
-    chunk = one.saved - (x_slots + g_slots + 2) * slot  # 2 layers' residuals of one micro-batch
-    assert chunk == 2 * 128 * plan.saved_bytes_per_token(
-        load_config("configs/tiny.yaml", PIPELINE).model, plans["1f1b"].layout, 128, "none")
-    # zero_bubble with uniform ticks (data=2) runs B's and W's vjps in every tick: both residual
-    # sets, B's about half the full one (measured 0.48 of a chunk on top: docs/PLANNING.md)
-    assert plans["zero_bubble"].activations.saved == pytest.approx(one.saved + 0.5 * chunk)
-    assert gpipe.buffers == one.buffers == 0  # the gradient sums live in the scan carry
+        prog = pipeline.lockstep(name, 2, 8, v)
+        assert p.bubble == prog.bubble()
+        chunk = 4 // (2 * v) * 128 * plan.saved_bytes_per_token(model, layout, 128, "none")
+        assert p.activations.saved == (prog.slots + 2) * chunk + (prog.slots + 3) * slot
+    assert pipeline.lockstep("gpipe", 2, 8).slots == 8 and pipeline.lockstep("1f1b", 2, 8).slots == 3
+    assert plans["zero_bubble"].activations.saved == plans["1f1b"].activations.saved  # the same program
+    assert plans["gpipe"].activations.buffers == plans["1f1b"].activations.buffers == 0  # sums in the carry
     assert plans["interleaved"].activations.buffers > 0  # its reordered copy of the blocks
-    model = load_config("configs/tiny.yaml", PIPELINE).model
     n = flops.param_counts(model)
     assert plans["1f1b"].state["params"] == 4 * (n["total"] - 2 * (n["layer_matmul"] + 2 * 64))  # 2 of 4 layers
     for name in ("1f1b", "zero_bubble"):
-        assert plans[name].hardware_flops_per_token == flops.hardware_flops_per_token(
-            model, 128, "none", score_fraction=0.5, pipeline_schedule=name)
+        assert plans[name].hardware_flops_per_token == flops.hardware_flops_per_token(model, 128, "none",
+                                                                                      score_fraction=0.5)
 
 
 def test_search_ranks_pipeline_schedules(capsys):
     """--search with stages tries every schedule that can run them (interleaved with V=2 where the
-    layers divide), each with its table's bubble; the schedule is in the JSON layout."""
+    layers divide), each with its executed bubble; the schedule is in the JSON layout."""
     from lumen_jax.parallel.pipeline import schedule as pipeline
 
     assert main(["--config", "configs/tiny.yaml", "--devices", "2", "--search", "--top", "200", "--json",
@@ -172,8 +169,8 @@ def test_search_ranks_pipeline_schedules(capsys):
         mesh, m = r["layout"]["mesh"], r["layout"]["micro_batches"]
         assert mesh["pipeline"] == r["layout"]["pipeline"] == 2
         seen.add((mesh["pipeline_schedule"], mesh["pipeline_virtual_stages"]))
-        assert r["pipeline_bubble"] == pipeline.table_bubble(mesh["pipeline_schedule"], 2, m,
-                                                             mesh["pipeline_virtual_stages"])
+        assert r["pipeline_bubble"] == pipeline.lockstep_bubble(mesh["pipeline_schedule"], 2, m,
+                                                                mesh["pipeline_virtual_stages"])
     assert seen == {("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)}, seen
 
 

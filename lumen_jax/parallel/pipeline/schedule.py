@@ -27,8 +27,9 @@ zero_bubble    (P-1) / (3m+P-1)                at most P (ticks are a third of a
 
 A tick of `gpipe`/`1f1b` counts a forward and a whole backward as one tick each, a tick of
 `zero_bubble` a forward, an input-gradient and a weight-gradient pass each: the formulas are those
-of the papers with equal forward and backward times. The executor (`executor.py`) runs every
-tick on every stage in lock-step, so a tick lasts as long as its slowest action.
+of the papers with equal forward and backward times. These tables are the papers' per-stage
+orders (checked against torch.distributed.pipelining's). The executor runs `lockstep(...)`, the
+same schedules retimed so that every tick runs the same kinds of work on every stage (below).
 """
 
 from __future__ import annotations
@@ -101,17 +102,9 @@ def bubble_formula(name: str, stages: int, micro_batches: int, virtual: int = 1)
 
 
 @functools.lru_cache(maxsize=256)
-def table_bubble(name: str, stages: int, micro_batches: int, virtual: int = 1) -> float:
-    """`build(...).bubble()`: the figure the metrics report, for the planner (cached)."""
-    return build(name, stages, micro_batches, virtual).bubble()
-
-
-@functools.lru_cache(maxsize=256)
-def stash_slots(name: str, stages: int, micro_batches: int, virtual: int = 1) -> tuple[int, int]:
-    """(`x_slots`, `g_slots`) of `program(build(...))`: the stage inputs and output cotangents the
-    executor's stash holds per device (each buffer has one scratch slot more), for the planner (cached)."""
-    prog = program(build(name, stages, micro_batches, virtual))
-    return prog.x_slots, prog.g_slots
+def lockstep_bubble(name: str, stages: int, micro_batches: int, virtual: int = 1) -> float:
+    """`lockstep(...).bubble()`: the share of the executed work in the fill and the drain (cached)."""
+    return lockstep(name, stages, micro_batches, virtual).bubble()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -278,74 +271,6 @@ def render(schedule: Schedule) -> str:
             return ".."
         return f"{a.kind}{a.mb}" + (f".{a.chunk}" if schedule.virtual > 1 else "")
     return "\n".join(" ".join(f"{cell(a):>5}" for a in row) for row in schedule.table)
-
-
-# --------------------------------------------------------------------------------------------------
-# What the executor walks: actions with buffer slots
-# --------------------------------------------------------------------------------------------------
-
-IDLE, FORWARD, BACKWARD, WEIGHTS = 0, 1, 2, 3
-_CODE = {F: FORWARD, B: BACKWARD, W: WEIGHTS}
-# Columns of `Program.rows`: the action, its micro-batch and chunk, the stash slots it reads, and the
-# slots where the activation (from stage s-1) and the cotangent (from stage s+1) arriving at the end
-# of the tick are written. A slot index equal to the buffer's size is the scratch slot (nothing kept).
-COLUMNS = ("kind", "mb", "chunk", "x_slot", "g_slot", "recv_x_slot", "recv_g_slot")
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """`rows[tick][stage]`: one tuple of `COLUMNS` per stage; buffers of `x_slots` stage inputs and
-    `g_slots` output cotangents per device (plus one scratch slot each)."""
-
-    schedule: Schedule
-    rows: tuple[tuple[tuple[int, ...], ...], ...]
-    x_slots: int
-    g_slots: int
-
-
-def program(schedule: Schedule) -> Program:
-    """Assign buffer slots to `schedule`: a stage's input is kept from its arrival until its last
-    backward action (B, or W when split), its output cotangent likewise; freed slots are reused.
-    The first virtual stage embeds its tokens (no input kept), the last starts the backward from
-    the loss (no cotangent kept)."""
-    p, v_total = schedule.stages, schedule.stages * schedule.virtual
-    last_kind = W if schedule.split_backward else B
-    rows = [[[_CODE[a.kind] if a else IDLE, a.mb if a else 0, a.chunk if a else 0, -1, -1, -1, -1]
-             for a in row] for row in schedule.table]
-    sizes = []
-    for buf, (read_col, recv_col) in enumerate(((3, 5), (4, 6))):
-        free: list[list[int]] = [[] for _ in range(p)]
-        used, slot_of = [0] * p, {}
-        for tick, row in enumerate(schedule.table):
-            for s, a in enumerate(row):  # reads, then frees after the last use
-                if a is None:
-                    continue
-                key = (s, a.chunk * p + s, a.mb)
-                if key in slot_of:
-                    rows[tick][s][read_col] = slot_of[key]
-                    if a.kind == last_kind:
-                        free[s].append(slot_of.pop(key))
-            for s, a in enumerate(row):  # what this action sends arrives at the neighbour
-                if a is None or (buf == 0 and a.kind != F) or (buf == 1 and a.kind != B):
-                    continue
-                v = a.chunk * p + s + (1 if buf == 0 else -1)
-                if not 0 <= v < v_total:
-                    continue
-                r = v % p
-                if free[r]:
-                    slot = min(free[r])
-                    free[r].remove(slot)
-                else:
-                    slot, used[r] = used[r], used[r] + 1
-                slot_of[(r, v, a.mb)] = slot
-                rows[tick][r][recv_col] = slot
-        sizes.append(max(used))
-    for row in rows:
-        for r in row:
-            for col, size in ((3, sizes[0]), (5, sizes[0]), (4, sizes[1]), (6, sizes[1])):
-                r[col] = size if r[col] < 0 else r[col]
-    return Program(schedule=schedule, rows=tuple(tuple(map(tuple, row)) for row in rows),
-                   x_slots=sizes[0], g_slots=sizes[1])
 
 
 # --------------------------------------------------------------------------------------------------

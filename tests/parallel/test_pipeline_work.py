@@ -1,0 +1,52 @@
+"""The pipelined step does its schedule's work and nothing more: matmul FLOPs of the compiled step
+(every dot times its loops' trip counts) against the same model on the same devices without a
+pipeline, 16 layers, m = 8. Each schedule costs 1/(1 - bubble) of the unpipelined step: the fill
+and the drain, no discarded branch, no recomputed stage forward, the logits once."""
+
+import dataclasses
+
+import jax
+import pytest
+
+from helpers.run import BASE, batches, with_mesh
+from lumen_jax.config import MeshConfig
+from lumen_jax.parallel.mesh import make_mesh
+from lumen_jax.parallel.pipeline import schedule as pipeline
+from lumen_jax.plan import hlo
+from lumen_jax.train.build import build
+
+CFG = BASE.replace(model=dataclasses.replace(BASE.model, num_layers=16))
+M = 8
+# Measured: 0.993 of 1/(1 - bubble) for 1f1b/gpipe on both meshes (the loss's share is not in the
+# bubble), 1.006 for interleaved (its loss's share runs in every tick between the first and the last
+# loss). A stage computing the logits of every token, or a backward in the fill, adds 3% or more.
+TIGHT = 1.01
+
+
+def matmul_flops(cfg) -> int:
+    cfg = cfg.replace(data=dataclasses.replace(cfg.data, global_batch_size=64))
+    trainer = build(cfg, make_mesh({a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}, jax.devices()))
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding)
+             for k, v in batches(cfg)[0].items()}
+    return hlo.matmul_flops(hlo.parse(trainer.step.lower(trainer.abstract_state(), batch).compile().as_text()))
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("mesh,flat,schedules", [
+    (dict(pipeline=4, data=2), dict(data=8), [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zero_bubble", 1)]),
+    (dict(pipeline=2, fsdp=2, tensor=2, sequence_parallel=True), dict(data=2, fsdp=2, tensor=2, sequence_parallel=True),
+     [("1f1b", 1), ("zero_bubble", 1)]),
+], ids=["pipeline4-data2", "pipeline2-fsdp2-tensor2-sp"])
+def test_executed_work_is_the_schedules(mesh, flat, schedules):
+    unpipelined = matmul_flops(with_mesh(CFG, micro_batches=M, **flat))
+    ratios = {}
+    for name, v in schedules:
+        cfg = with_mesh(CFG, micro_batches=M, **mesh, pipeline_schedule=name, pipeline_virtual_stages=v)
+        ratios[name] = ratio = matmul_flops(cfg) / unpipelined
+        bound = 1 / (1 - pipeline.lockstep(name, mesh["pipeline"], M, v).bubble())
+        table = 1 / (1 - pipeline.build(name, mesh["pipeline"], M, v).bubble())
+        assert ratio <= TIGHT * bound, f"{name} V={v}: executed {ratio:.3f}x the unpipelined step, bound {bound:.3f}"
+        assert ratio > 0.95 * bound, f"{name}: {ratio:.3f}x: less work than the schedule needs?"
+        if name != "zero_bubble":  # the issue's bound against the papers' tables
+            assert ratio <= 1.15 * table, f"{name}: {ratio:.3f}x > 1.15 x {table:.3f}"
+    assert ratios["zero_bubble"] <= ratios["1f1b"] * 1.0001  # no slower than 1f1b
