@@ -2,6 +2,7 @@
 preemption, a run under the supervisor, the non-finite and silent-data-corruption guards (the
 supervisor's own logic: tests/launch/test_supervise.py)."""
 
+import dataclasses
 import glob
 import json
 import os
@@ -97,6 +98,27 @@ def test_missing_file_falls_back_and_half_written_save_is_ignored(saved, tmp_pat
     assert ckpt.restore_latest(_trainer(fsdp=8).abstract_state()).step == 1
     ckpt.close()  # Orbax removes temporary folders in the background from the start; done by close
     assert sorted(os.listdir(copy)) == ["1", "corrupt-2"]
+
+
+@pytest.mark.parametrize("change,names", [
+    (dict(num_kv_heads=4), "params/blocks/attn/wk: checkpoint [2, 64, 2, 16], now [2, 64, 4, 16]"),
+    (dict(tie_embeddings=True), "params/lm_head is in the checkpoint only"),
+])
+def test_a_checkpoint_of_other_shapes_is_a_config_error_and_stays(saved, tmp_path, change, names):
+    """Restoring onto a state of other shapes fails in Orbax; that is another run's checkpoint, not a
+    corrupt one: one ConfigError naming the first array that differs, and nothing is moved (before,
+    the good checkpoint went to corrupt-1 and the next rerun started from step 0)."""
+    from lumen_jax.config import ConfigError
+
+    directory, _ = saved
+    copy = str(tmp_path / "ckpt")
+    shutil.copytree(directory, copy)
+    shape, mesh = _mesh()
+    other = build(CFG.replace(model=dataclasses.replace(CFG.model, **change), mesh=MeshConfig(**shape)), mesh)
+    with pytest.raises(ConfigError) as e:
+        Checkpointer(copy, CheckpointConfig()).restore_latest(other.abstract_state(), other.older_layouts)
+    assert names in str(e.value) and "nothing was moved" in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert sorted(os.listdir(copy)) == ["1"]
 
 
 class _RecordingManager:

@@ -63,6 +63,42 @@ def test_a_change_that_keeps_the_state_resumes_and_marks_its_rows(shared, tmp_pa
         assert json.load(f)["optim"]["lr"] == 1e-3
 
 
+@pytest.mark.parametrize("recorded", [True, False], ids=["shapes-recorded", "older-checkpoint"])
+def test_a_shape_key_taken_for_numeric_still_exits_2_and_moves_nothing(shared, tmp_path, capfd, monkeypatch,
+                                                                       recorded):
+    """The review's plant, as a user meets it: model.num_kv_heads listed as a numeric-only key, and
+    a rerun with model.num_kv_heads=4. With the checkpoint's recorded state shapes the start-up check
+    names the array; without them (a checkpoint of an older version) the restore fails on shapes,
+    which is a config error too: exit 2, one line, the checkpoint where it was (before: moved to
+    corrupt-2, and the next rerun started from step 0). The rerun with the old config resumes."""
+    from lumen_jax.checkpoint import resume
+    from lumen_jax.checkpoint.layout import meta_path
+
+    run = _copy(shared, tmp_path)
+    ckpts = os.path.join(run, "checkpoints")
+    if not recorded:
+        with open(meta_path(ckpts, RUN_STEPS)) as f:
+            meta = json.load(f)
+        del meta["state_shapes"]
+        with open(meta_path(ckpts, RUN_STEPS), "w") as f:
+            json.dump(meta, f)
+    monkeypatch.setattr(resume, "_NUMERIC_MODEL_KEYS", resume._NUMERIC_MODEL_KEYS | {"model.num_kv_heads"})
+    # Refused at start-up, nothing in the run directory changes; refused at the restore, config.json
+    # already holds the new config (written before the loop starts), the checkpoints are untouched.
+    kept = run if recorded else ckpts
+    before = snapshot(kept)
+    rc = train_cli.main(args(run, f"train.steps={RUN_STEPS + 1}", "model.num_kv_heads=4"))
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert rc == train_cli.EXIT_BAD_INPUT and len(lines) == 1, lines
+    assert "other shapes" in lines[0] and "[2, 64, 2, 16]" in lines[0] and "[2, 64, 4, 16]" in lines[0], lines[0]
+    assert snapshot(kept) == before
+    if not recorded:
+        monkeypatch.undo()
+        assert train_cli.main(args(run)) == 0  # train.steps reached: restores step 2, trains nothing
+        assert "nothing to train" in capfd.readouterr().out
+        assert sorted(os.listdir(ckpts)) == [str(RUN_STEPS)]
+
+
 def test_every_checkpoint_unusable_stops_with_exit_2(shared, tmp_path, capfd):
     run = _copy(shared, tmp_path)
     chunk = max(glob.glob(os.path.join(run, "checkpoints", str(RUN_STEPS), "state", "**", "d", "*"),
