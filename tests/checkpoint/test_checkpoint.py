@@ -20,7 +20,7 @@ import pytest
 from helpers.data import packed_batch
 from helpers.faults import IN_PROCESS
 from helpers.meshes import mesh_shape, small_mesh
-from helpers.metrics import losses, read_metrics
+from helpers.metrics import losses_and_grad_norms, read_metrics
 from helpers.paths import REPO
 from lumen_jax.train import cli as train_cli
 from lumen_jax.train.build import build
@@ -326,9 +326,9 @@ def test_sigkill_at_three_steps_resumes_bit_for_bit_under_the_supervisor(tmp_pat
     assert "goodput" in out.stdout
     goodput = float(out.stdout.split("goodput ")[1].split("%")[0])
     assert 0 < goodput < 100
-    want, got = losses(reference), losses(run_dir)
+    want, got = losses_and_grad_norms(reference), losses_and_grad_norms(run_dir)
     assert sorted(got) == list(range(1, 15))
-    assert got == want  # bit for bit: JSON keeps every float exactly
+    assert got == want  # losses and grad norms bit for bit: JSON keeps every float exactly
     starts = [e["resume_step"] for e in map(json.loads, open(os.path.join(run_dir, "events.jsonl")))
               if e["event"] == "start"]
     assert len(starts) == 4 and starts[0] == 0, (starts, out.stdout, out.stderr[-3000:])

@@ -178,7 +178,7 @@ def _trainer(stages: int):
 @pytest.mark.parametrize("first,then", [(4, 1), (1, 4)])
 def test_checkpoint_moves_between_pipeline_depths(reference, tmp_path, first, then):
     """One step at pipeline=`first`, saved, restored at pipeline=`then`: the next two steps' losses
-    are the uninterrupted run's."""
+    and grad norms are the uninterrupted run's."""
     writer = _trainer(first)
     data = batches(CFG)
     state, _ = writer.step(writer.init(), writer.shard_batch(data[0]))
@@ -190,11 +190,13 @@ def test_checkpoint_moves_between_pipeline_depths(reference, tmp_path, first, th
     state = Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig()).restore_latest(reader.abstract_state()).state
     for got, sh in zip(jax.tree.leaves(state.params), jax.tree.leaves(reader.state_shardings.params)):
         assert got.sharding == sh
-    losses = []
+    losses, norms = [], []
     for batch in data[1:]:
         state, m = reader.step(state, reader.shard_batch(batch))
         losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
     np.testing.assert_allclose(losses, reference["losses"][1:], rtol=FP32_RTOL)
+    np.testing.assert_allclose(norms, reference["grad_norms"][1:], rtol=FP32_RTOL)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])

@@ -17,7 +17,7 @@ import pytest
 from helpers.data import packed_batch
 from helpers.faults import RUN_STEPS, args, snapshot, tmpfs, trained_run
 from helpers.meshes import mesh_shape, one_device_mesh
-from helpers.metrics import read_metrics
+from helpers.metrics import losses_and_grad_norms, read_metrics
 from helpers.paths import REPO
 from helpers.run import BASE, with_mesh
 from lumen_jax.train import cli as train_cli
@@ -113,8 +113,7 @@ def test_a_resumed_run_continues_the_data_stream_where_its_checkpoint_was(tmp_pa
     capfd.readouterr()
     assert train_cli.main(args(run, f"train.steps={2 * RUN_STEPS}")) == 0
     assert f"resumed from step {RUN_STEPS}" in capfd.readouterr().out
-    rows = lambda d: {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(d)}  # noqa: E731
-    want, got = rows(reference), rows(run)
+    want, got = losses_and_grad_norms(reference), losses_and_grad_norms(run)
     assert sorted(got) == list(range(1, 2 * RUN_STEPS + 1))
     assert got == want
 
