@@ -52,14 +52,14 @@ TINY4 = BASE.replace(model=dataclasses.replace(BASE.model, d_model=32, num_layer
                      data=dataclasses.replace(BASE.data, seq_len=8, global_batch_size=8))
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
-def test_four_stage_gradients_equal_one_device(schedule):
+def test_four_stage_gradients_equal_one_device():
     """The pipelined step's loss and gradients on 4 stages x 4 micro-batches against one device, once
-    (no optimizer steps): every stage's block gradients need the cotangent from the stage after it."""
+    (no optimizer steps): every stage's block gradients need the cotangent from the stage after it.
+    (Every schedule's cotangents take the same ppermute; the heavy cases above run them all at P=4.)"""
     from helpers.data import packed_batch
     from helpers.tolerances import assert_tree_close
 
-    cfg = lambda stages: with_mesh(TINY4, micro_batches=4, pipeline=stages, pipeline_schedule=schedule)  # noqa: E731
+    cfg = lambda stages: with_mesh(TINY4, micro_batches=4, pipeline=stages, pipeline_schedule="1f1b")  # noqa: E731
     batch = packed_batch(8, 8, TINY4.model.vocab_size, seed=0)
     out = {}
     for stages in (1, 4):
@@ -68,7 +68,7 @@ def test_four_stage_gradients_equal_one_device(schedule):
         out[stages] = jax.device_get(trainer.grads(trainer.init().params, trainer.shard_batch(batch)))
     (loss1, grads1), (loss4, grads4) = out[1], out[4]
     np.testing.assert_allclose(loss4, loss1, rtol=FP32_RTOL)
-    assert_tree_close(grads4, grads1, FP32_RTOL, what=f"{schedule} P=4 gradients ")
+    assert_tree_close(grads4, grads1, FP32_RTOL, what="1f1b P=4 gradients ")
 
 
 @pytest.mark.heavy
