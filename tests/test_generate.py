@@ -9,7 +9,7 @@ from helpers import hf
 from helpers.hf import hf_greedy
 from helpers.tolerances import FP32_RTOL
 from lumen_jax.checkpoint import weights
-from lumen_jax.generate import ONE_DEVICE, Generator, Sampling, main as generate
+from lumen_jax.generate import ONE_DEVICE, Generator, Sampling, main as generate, sample
 from lumen_jax.model import apply
 
 PROMPTS = [[5, 17, 60, 3, 88, 41, 12], [70, 2, 9]]
@@ -87,3 +87,45 @@ def test_cli_prompt_ids_last_line_prompts_file_and_bad_input(run, tmp_path, caps
         assert len(err.splitlines()) == 1 and expected in err, (bad, err)
     assert generate(["--run-dir", run_dir + "-missing", "--prompt-ids", "1"]) == 2
     assert "has no checkpoints" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------
+# The sampling filters on fixed distributions (no model): which tokens can be drawn at all
+# --------------------------------------------------------------------------------------------------
+
+DRAWS = 4000  # rows drawn at once: a token of probability >= 0.2 is missed with odds below 1e-300
+
+
+def drawable(probs: list[float], s: Sampling, seed: int = 0) -> set[int]:
+    """The tokens `sample` draws over DRAWS independent rows of the same distribution."""
+    import jax.numpy as jnp
+
+    logits = jnp.log(jnp.tile(jnp.asarray(probs, jnp.float32), (DRAWS, 1)))
+    return set(np.asarray(sample(logits, jax.random.key(seed), s)).tolist())
+
+
+@pytest.mark.parametrize("filters,expected", [
+    (dict(top_p=0.7), {0, 1}),  # 0.5 < 0.7: token 1 is still needed; 0.5 + 0.3 >= 0.7: token 2 is not
+    (dict(top_k=2), {0, 1}),
+    (dict(top_p=0.49), {0}),  # token 0 alone has mass 0.5 >= 0.49
+    (dict(top_p=0.51), {0, 1}),
+    (dict(top_p=0.81), {0, 1, 2}),
+    (dict(top_p=0.01), {0}),  # the top token always survives, however small top_p
+    (dict(top_k=1), {0}),
+    (dict(top_k=3), {0, 1, 2}),
+    (dict(top_k=2, top_p=0.4), {0}),  # both: top-k first, then top-p of what is left
+    (dict(), {0, 1, 2}),
+])
+def test_sampling_filters_keep_exactly_their_set(filters, expected):
+    got = drawable([0.5, 0.3, 0.2], Sampling(temperature=1.0, **filters))
+    assert got == expected, (filters, got)
+
+
+def test_the_top_token_survives_every_filter_wherever_it_is():
+    """The largest logit anywhere in the row (not only at index 0), with a high temperature and the
+    tightest filters, is still drawable, and is then the only token."""
+    probs = [0.05, 0.1, 0.6, 0.25]
+    for s in (Sampling(temperature=3.0, top_p=1e-3), Sampling(temperature=3.0, top_k=1),
+              Sampling(temperature=0.2, top_k=1, top_p=1e-3)):
+        assert drawable(probs, s, seed=1) == {2}, s
+    assert drawable(probs, Sampling(temperature=1.0, top_p=0.7)) == {2, 3}

@@ -10,7 +10,8 @@ deletes old steps only after the new one is committed: a crash or SIGKILL mid-sa
 committed step intact. On restore the arrays are read straight into the target shardings (so a
 checkpoint from one mesh lands on another), then their checksums (checksums.py) are recomputed
 and compared; a step that fails to read or whose checksums differ is reported in one line, moved
-aside to `checkpoints/corrupt-N`, and the previous step is tried.
+aside to `checkpoints/corrupt-N`, and the previous step is tried. A step whose stored arrays have
+other shapes than the target is not corrupt but another run's: a ConfigError, and nothing is moved.
 
 `Checkpointer.maybe_save`, called after every step, decides whether a save is due: every
 `every_steps` steps, every `every_minutes` minutes (process 0's clock), at the last step when
@@ -37,7 +38,8 @@ from jax.experimental import multihost_utils
 from lumen_jax.runtime import logs as runlog
 from lumen_jax.runtime.checksums import checksum_list, nonfinite_paths
 from lumen_jax.checkpoint.layout import committed_steps
-from lumen_jax.config import CheckpointConfig
+from lumen_jax.checkpoint.resume import first_shape_change, shapes_by_name
+from lumen_jax.config import CheckpointConfig, ConfigError
 
 
 class CheckpointError(RuntimeError):
@@ -223,10 +225,10 @@ class Checkpointer:
           older: layouts in which earlier versions wrote the state, tried in order when a step does
             not read in the current one (after them, the layout without the fields that hold no arrays).
         """
-        unusable = []
+        unusable, layouts = [], (*older, WITHOUT_EMPTY_FIELDS)
         for step in reversed(self.steps()):
             try:
-                out = self._restore(step, abstract_state, (*older, WITHOUT_EMPTY_FIELDS))
+                out = self._restore(step, abstract_state, layouts)
                 meta = dict(out["meta"])
                 if checksum_list(out["state"]) != meta.get("checksums"):
                     raise ValueError("array checksums differ from those recorded at save time")
@@ -237,6 +239,13 @@ class Checkpointer:
                     print(f"warning: {line}; resumed from step {step}", file=runlog.console(), flush=True)
                 return Restored(step=step, state=out["state"], meta=meta)
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: report and fall back
+                moved = self._other_state(step, abstract_state, layouts)
+                if moved:  # written by a run of another shape: a config error, not corruption
+                    self.close()
+                    raise ConfigError(f"checkpoint {os.path.join(self.directory, str(step))} holds a state of "
+                                      f"other shapes than this config builds ({moved}); nothing was moved; "
+                                      "resume with the config it was written with (its meta/metadata), or "
+                                      "use a new train.run_dir") from None
                 unusable.append(self._quarantine(step, e))
         if unusable:  # never start again from step 0 behind the user's back
             self.close()
@@ -261,6 +270,26 @@ class Checkpointer:
                     continue
                 return {"meta": out["meta"], "state": layout.convert(abstract_state, out["state"])}
             raise current
+
+    def _other_state(self, step: int, abstract_state: Any, older: Sequence[OlderLayout]) -> str | None:
+        """How the arrays stored at `step` (Orbax's metadata: names and shapes, readable once a restore
+        attempt registered the item) differ from the state this config builds, when they fit neither
+        it nor any older layout of it; None when they fit one (the step failed to read: corrupt) or
+        the metadata cannot be read (corrupt too)."""
+        try:
+            stored = self._manager.item_metadata(step)["state"]
+        except Exception:  # noqa: BLE001 - unreadable metadata is the corruption case
+            return None
+        if stored is None:
+            return None
+        stored = shapes_by_name(stored)
+        targets = [abstract_state, *(t for t in (layout.target(abstract_state) for layout in older) if t is not None)]
+        if any(shapes_by_name(t) == stored for t in targets):
+            return None
+        new = shapes_by_name(abstract_state)
+        only = sorted(set(stored) ^ set(new), key=lambda n: (n.count("/"), n))  # params/x before opt_state/.../x
+        return first_shape_change(stored, new) or (
+            f"{only[0]} is in the {'checkpoint' if only[0] in stored else 'new state'} only" if only else None)
 
     def _quarantine(self, step: int, error: Exception) -> str:
         src = os.path.join(self.directory, str(step))

@@ -5,7 +5,8 @@ A checkpoint records its resolved config and the shape and dtype of every state 
 changed config resumes when the state keeps its structure (steps, learning rate and schedule,
 logging, checkpointing, mesh, micro-batches, model numerics such as remat or the attention kernel);
 a change of the state's shapes or structure (model size, vocabulary, optional optimizer state) is a
-ConfigError naming the first config key that differs, and nothing is moved or overwritten.
+ConfigError naming the first config key that differs (or, if no key explains it, the first array
+whose shape differs), and nothing is moved or overwritten.
 Checkpoints written before `state_shapes` existed are compared by the config keys that shape the state.
 
 This module reads JSON only: no Orbax, so a refused resume costs nothing and touches nothing.
@@ -34,6 +35,27 @@ def state_shapes(state: Any) -> list[list]:
     """[[path, shape, dtype], ...] of every array of `state` (concrete or abstract), in leaf order."""
     return [[jax.tree_util.keystr(path), list(x.shape), str(x.dtype)]
             for path, x in jax.tree_util.tree_leaves_with_path(state)]
+
+
+def shapes_by_name(tree: Any) -> dict[str, list[int]]:
+    """{"params/blocks/attn/wk": shape, ...} of every array of `tree`: the path as names only, so a
+    TrainState and Orbax's metadata of it (dicts and lists where the state has fields and
+    NamedTuples) name an array alike."""
+    def name(key: Any) -> str:
+        return str(next((getattr(key, a) for a in ("name", "key", "idx") if hasattr(key, a)), key))
+
+    return {"/".join(map(name, path)): list(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(tree)
+            if hasattr(x, "shape")}
+
+
+def first_shape_change(old: dict[str, list[int]], new: dict[str, list[int]]) -> str | None:
+    """The first array both {name: shape} maps hold with different shapes, as "NAME: checkpoint
+    [..], now [..]"; None when every common array keeps its shape (arrays only one side has are a
+    change of structure, which the restore's older layouts may explain)."""
+    for name, shape in new.items():
+        if name in old and list(old[name]) != list(shape):
+            return f"{name}: checkpoint {list(old[name])}, now {list(shape)}"
+    return None
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -111,4 +133,11 @@ def check(config: dict, checkpoint_dir: str, abstract_state: Any, run_dir: str,
         raise ConfigError(f"{key}: checkpoint {show(old[key])}, now {show(new[key])}: the run in "
                           f"{run_dir} (step {step}) has a state of other shapes; {_fix()}, or resume "
                           f"with {key}={show(old[key])}")
+    if saved_shapes is not None:  # no key explains it, but an array changed shape: never a restore to try
+        moved = first_shape_change({p: shape for p, shape, _ in saved_shapes},
+                                   {p: shape for p, shape, _ in state_shapes(abstract_state)})
+        if moved:
+            raise ConfigError(f"the run in {run_dir} (step {step}) has a state of other shapes ({moved}); "
+                              f"{_fix()}, or resume with the config that checkpoint was written with "
+                              f"({meta_path(checkpoint_dir, step)})")
     return step

@@ -132,7 +132,7 @@ class MeshConfig:
     # ZeRO-3 weights: per_micro_batch gathers them where each micro-batch needs them | per_step gathers
     # the step's compute-dtype weights once and keeps them for every micro-batch and the backward.
     fsdp_regather: str = "per_micro_batch"
-    reduce_dtype: str = "float32"  # dtype of the gradient reductions (float32 | bfloat16)
+    reduce_dtype: str = "float32"  # micro-batch gradient sums and their once-per-step reduction (float32 | bfloat16)
 
     # pipeline > 1: gpipe | 1f1b | interleaved | zero_bubble (lumen_jax/parallel/pipeline/schedule.py); its
     # micro-batches are train.micro_batches

@@ -152,6 +152,13 @@ def _fold(rule: Callable[[jax.Array, jax.Array], jax.Array], x_r: jax.Array) -> 
     return x_r[0]
 
 
+def _sum_replicas(g_r: jax.Array) -> jax.Array:
+    """The replica groups' gradient sums [R, ...] added in their own dtype (`sc.reduce_dtype`): this
+    is the step's reduction over the replica axes. (`jnp.sum` would add bfloat16 in float32, and
+    the reduction would cross the mesh in float32 whatever the setting.)"""
+    return jax.lax.reduce(g_r, jnp.zeros((), g_r.dtype), jax.lax.add, (0,))
+
+
 def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: jax.Array, sc: StepConfig,
                          placement: Placement = Placement()) -> tuple[jax.Array, dict, dict, dict]:
     """(mean token cross-entropy, gradients of the scaled objective, the model state's next value,
@@ -206,7 +213,7 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
     micro = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1) if r > 1 else x[:, None],  # [M, R, B/(R M), ...]
                          pipeline_step.split_micro_batches(batch, m, r))
     (grads_r, ce_sum, state_r), aux = jax.lax.scan(accumulate, carry, micro)
-    grads = placement.grads(f32(jax.tree.map(lambda g: g.sum(0), grads_r)))
+    grads = placement.grads(f32(jax.tree.map(_sum_replicas, grads_r)))
     state_new = jax.tree.map(_fold, sc.state_combine, state_r)
     return ce_sum / total_tokens, grads, state_new, jax.tree.map(lambda v: v.mean(0), aux)
 

@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
-from helpers.hf import TOKENS, hf_logits, make_hf, our_logits
+from helpers.hf import HF_KW, TOKENS, hf_logits, make_hf, our_logits
 from helpers.tolerances import FP32_RTOL
 from lumen_jax.checkpoint import weights
 from lumen_jax.convert.__main__ import main as convert
@@ -79,6 +79,62 @@ def _drop_tensor(src: str, dst: str, name: str, reshape: bool = False) -> str:
         del t[name]
     save_file(t, path)
     return dst
+
+
+def _rewrite_config(src: str, dst: str, edit) -> str:
+    """A copy of the HF directory `src` at `dst` whose config.json is `edit(config)` (a new dict)."""
+    shutil.copytree(src, dst)
+    with open(os.path.join(src, "config.json")) as f:
+        c = edit(json.load(f))
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(c, f)
+    return dst
+
+
+def _as_4x(c: dict, rope_scaling: dict | None) -> dict:
+    """`c` (written by transformers 5.x) as transformers 4.x wrote it: `rope_theta` at the top level,
+    Llama-3 scaling in `rope_scaling`, `torch_dtype`, no `rope_parameters` (Llama-3.1-8B's own
+    config.json has this form)."""
+    rope = c["rope_parameters"]
+    c = {k: v for k, v in c.items() if k not in ("rope_parameters", "dtype")}
+    return {**c, "rope_theta": rope["rope_theta"], "rope_scaling": rope_scaling, "torch_dtype": "float32",
+            "transformers_version": "4.46.0"}
+
+
+def _default_rope(c: dict) -> dict:
+    """`c` without Llama-3 scaling: plain rope of the same theta (5.x spelling)."""
+    return {**c, "rope_parameters": {"rope_type": "default", "rope_theta": c["rope_parameters"]["rope_theta"]}}
+
+
+LLAMA3 = {k: HF_KW["rope_parameters"][k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                  "original_max_position_embeddings")}
+# name: (the 4.x config.json from the 5.x one, the 5.x config whose logits it must give)
+HF_4X = {
+    "llama3": (lambda c: _as_4x(c, {"rope_type": "llama3", **LLAMA3}), lambda c: c),
+    "llama3-type-key": (lambda c: _as_4x(c, {"type": "llama3", **LLAMA3}), lambda c: c),  # early 4.x key name
+    "default": (lambda c: _as_4x(c, None), _default_rope),
+}
+
+
+@pytest.mark.parametrize("case", list(HF_4X))
+def test_from_hf_reads_transformers_4x_rope_fields(hf_dirs, tmp_path, case):
+    """A config.json in the 4.x spelling (written by hand: the installed transformers writes only 5.x
+    `rope_parameters`) converts to the logits of the same weights under the 5.x spelling. Here
+    rope_theta is 100: read as the default 10000, or the scaling dropped, the logits move."""
+    to_4x, reference = HF_4X[case]
+    src = hf_dirs["untied"]
+    old = _rewrite_config(src, str(tmp_path / "hf4"), to_4x)
+    new = _rewrite_config(src, str(tmp_path / "hf5"), reference)
+    with open(os.path.join(old, "config.json")) as f:
+        assert "rope_parameters" not in json.load(f)
+    ref = hf_logits(new, TOKENS)
+    run_dir = str(tmp_path / "run")
+    assert convert(["from-hf", "--hf-dir", old, "--out", run_dir]) == 0
+    m = weights.read_config(run_dir, 0).model
+    assert (m.rope_theta, m.rope_scaling) == (HF_KW["rope_parameters"]["rope_theta"],
+                                              "none" if case == "default" else "llama3")
+    assert_logits_close(our_logits(run_dir, TOKENS), ref)
+    assert_logits_close(hf_logits(old, TOKENS), ref)  # transformers reads the hand-written file the same way
 
 
 BAD_HF = {

@@ -10,6 +10,8 @@ def read_metrics(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def losses(run_dir: str) -> dict[int, float]:
-    """{step: loss}; a resumed run logs some steps again: the same values, the last row kept."""
-    return {row["step"]: row["loss"] for row in read_metrics(run_dir)}
+def losses_and_grad_norms(run_dir: str) -> dict[int, tuple[float, float]]:
+    """{step: (loss, grad_norm)}; a resumed run logs some steps again: the same values, the last row
+    kept. Runs are compared on both: Adam divides a gradient's scale out, so the losses stay close
+    even where the gradients are off by a factor."""
+    return {row["step"]: (row["loss"], row["grad_norm"]) for row in read_metrics(run_dir)}

@@ -150,11 +150,45 @@ def test_peak_flops_per_device_table_and_unknown():
     assert metrics.peak_flops_per_device([unknown], "bfloat16")[0] is None
 
 
-def test_peak_flops_per_device_measures_on_cpu():
+def test_peak_flops_per_device_measures_on_cpu(monkeypatch):
+    """The host's measured peak, shared by the process's 8 emulated CPU devices (fp8 measured as
+    float32: XLA:CPU upcasts it); the measurement itself is the next test's."""
     import jax
 
+    asked = []
+    monkeypatch.setattr(metrics, "measure_cpu_matmul_peak", lambda dtype: asked.append(dtype) or 8e10)
     value, source = metrics.peak_flops_per_device(jax.devices("cpu"), "float32")
-    assert value is not None and value > 0 and source.startswith("measured")
+    assert (value, source) == (1e10, "measured: cpu float32 matmul 80.0 GFLOP/s per host, shared by 8 device(s)")
+    assert metrics.peak_flops_per_device(jax.devices("cpu"), "fp8")[0] == 1e10
+    assert asked == ["float32", "float32"]
+
+
+def test_cpu_matmul_peak_is_the_best_timed_call(monkeypatch):
+    """2 n^3 FLOPs over the fastest of the timed calls (a fake clock: each call lasts the next
+    duration), stopping once 0.5 s were spent; and on the real clock a finite positive figure."""
+    import jax
+
+    def clock(durations):
+        now, ticks = [0.0], iter(durations)
+
+        def perf_counter():  # called at each start and end: an end advances by the call's duration
+            perf_counter.calls += 1
+            if perf_counter.calls % 2 == 0:
+                now[0] += next(ticks)
+            return now[0]
+        perf_counter.calls = 0
+        return types.SimpleNamespace(perf_counter=perf_counter)
+
+    try:
+        monkeypatch.setattr(metrics, "time", clock([0.004, 0.002, 0.003]))
+        assert metrics.measure_cpu_matmul_peak("float32", n=64, repeats=3) == 2 * 64**3 / 0.002
+        monkeypatch.setattr(metrics, "time", clock([0.3, 0.3, 0.001]))  # 0.6 s spent after two: stop
+        assert metrics.measure_cpu_matmul_peak("float32", n=32, repeats=3) == 2 * 32**3 / 0.3
+    finally:
+        metrics.measure_cpu_matmul_peak.cache_clear()  # not these figures for later callers
+    monkeypatch.undo()
+    real = metrics.measure_cpu_matmul_peak("float32", n=64, repeats=2)
+    assert math.isfinite(real) and real > 0
 
 
 def _read_tb_scalars(path: str) -> dict[str, list[tuple[int, float]]]:

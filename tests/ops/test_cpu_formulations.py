@@ -90,13 +90,19 @@ def test_the_trainer_chooses_them_on_one_cpu_device_only():
         assert build(cfg, mesh_of(n)).ops.cpu == expected
 
 
+# The CPU formulations count 0.38-0.58% fewer compiled FLOPs than the plain ones under each policy
+# (they skip some elementwise work); the policies differ from each other by 1.1% and more
+# (save_attention_out and full: 1.25%; dots_saveable and none: 1.14%): the bound sits between.
+REMAT_FLOPS_RTOL = 0.006
+
+
 @pytest.mark.parametrize("remat", [r for r in REMAT_POLICIES if r not in ("none", "offload_dots")])
 def test_remat_policies_see_the_projections_as_dots(remat):
     """The same compiled FLOPs with and without the CPU formulations: a policy that saves dots saves
     the token-gradient projections too (without `ops.projection.remat_policy` it would see one
-    opaque custom_vjp_call and recompute every projection)."""
+    opaque custom_vjp_call and recompute every projection), and each policy stays itself."""
     cfg = dataclasses.replace(SHAPE, remat=remat)
     params = init_params(cfg, seed=0)
     flops = {name: jax.jit(traced(jax.grad(loss_fn(cfg, n)), mesh)).lower(params, *batch()).compile()
              .cost_analysis()["flops"] for name, n, mesh in (("plain", None, None), ("cpu", 1, mesh_of(1)))}
-    assert flops["cpu"] == pytest.approx(flops["plain"], rel=0.01), flops
+    assert flops["cpu"] == pytest.approx(flops["plain"], rel=REMAT_FLOPS_RTOL), flops

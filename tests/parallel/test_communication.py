@@ -123,6 +123,57 @@ def test_weights_are_cast_to_bf16_while_sharded(regather):
     assert weights and not missing, f"{regather}: no bf16 constraint of the weight's shape for {missing}"
 
 
+def _compiled_and_partitioned(cfg, tmp_path):
+    """The trainer's step for `cfg` compiled (never run), and the HLO module right after SPMD
+    partitioning: XLA:CPU then runs every bf16 collective in f32, so the dtype a GPU would move is
+    read there (docs/PLATFORM.md)."""
+    from lumen_jax.train.build import build
+    from lumen_jax.plan.compiled import abstract_step_args
+    from lumen_jax.parallel.mesh import make_mesh
+
+    shape = {a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}
+    trainer = build(cfg, make_mesh(shape, jax.devices()[:int(np.prod(list(shape.values())))]))
+    lowered = trainer.step.lower(*abstract_step_args(trainer, cfg))
+    from jax.experimental.compilation_cache import compilation_cache
+
+    dump = str(tmp_path / "dump")
+    # A program found in the persistent cache is not compiled, so nothing would be dumped: the cache
+    # is off for this compile (reset_cache makes JAX read the setting again).
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        compiled = lowered.compile(compiler_options={"xla_dump_to": dump,
+                                                     "xla_dump_hlo_pass_re": "spmd-partitioning"})
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
+    [after] = [f for f in os.listdir(dump) if "after_spmd-partitioning" in f and f.endswith(".txt")]
+    with open(os.path.join(dump, after)) as f:
+        partitioned = hlo.parse(f.read())
+    return trainer, hlo.parse(compiled.as_text()), hlo.on_mesh(partitioned, shape)
+
+
+@pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])
+def test_reduce_dtype_sets_the_accumulators_and_the_reduction(reduce_dtype, tmp_path):
+    """bfloat16 compute, data=2, 2 micro-batches: the micro-batch loop carries one gradient sum per
+    parameter in `mesh.reduce_dtype` (norm scales too), and the step's one gradient reduction over
+    `data` moves 4 bytes per parameter in float32, 2 in bfloat16 (as partitioned for the mesh)."""
+    cfg = _cfg(2, "bfloat16", data=2, reduce_dtype=reduce_dtype)
+    trainer, compiled, collectives = _compiled_and_partitioned(cfg, tmp_path)
+    params = jax.tree.leaves(jax.eval_shape(trainer.init).params)
+    carried = [a for i in compiled.where("while") for a in i.arrays]
+    want = {"float32": "f32", "bfloat16": "bf16"}[reduce_dtype]
+    for p in params:  # the accumulator of `p`: [R on this device = 1, *p.shape]
+        found = {a.dtype for a in carried if a.dims == (1, *p.shape)}
+        assert found == {want}, f"accumulator of a {p.shape} parameter: {found}, want {want}"
+    count = sum(int(np.prod(p.shape)) for p in params)
+    reduced = {}
+    for c in collectives:
+        if c.axes == ("data",) and c.kind == "all-reduce" and c.bytes > 8:  # not the loss's scalars
+            reduced[c.dtype] = reduced.get(c.dtype, 0) + c.total
+    assert reduced == {want: count * {"f32": 4, "bf16": 2}[want]}, reduced
+
+
 @pytest.fixture(scope="module")
 def reference32():
     return run(with_mesh(BASE32), devices=jax.devices()[:1])

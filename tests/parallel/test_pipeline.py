@@ -45,6 +45,32 @@ def test_pipeline_matches_single_device(reference, schedule, stages, virtual):
     assert_same_run(got, reference, f"pipeline={stages} {schedule} V={virtual}")
 
 
+# Four stages of one layer each, the smallest shapes: at P=2 a stage's two neighbours are one device,
+# so only P >= 3 sees a cotangent sent the wrong way round the ring.
+TINY4 = BASE.replace(model=dataclasses.replace(BASE.model, d_model=32, num_layers=4, num_heads=2, num_kv_heads=1,
+                                               ffn_dim=64, vocab_size=64),
+                     data=dataclasses.replace(BASE.data, seq_len=8, global_batch_size=8))
+
+
+def test_four_stage_gradients_equal_one_device():
+    """The pipelined step's loss and gradients on 4 stages x 4 micro-batches against one device, once
+    (no optimizer steps): every stage's block gradients need the cotangent from the stage after it.
+    (Every schedule's cotangents take the same ppermute; the heavy cases above run them all at P=4.)"""
+    from helpers.data import packed_batch
+    from helpers.tolerances import assert_tree_close
+
+    cfg = lambda stages: with_mesh(TINY4, micro_batches=4, pipeline=stages, pipeline_schedule="1f1b")  # noqa: E731
+    batch = packed_batch(8, 8, TINY4.model.vocab_size, seed=0)
+    out = {}
+    for stages in (1, 4):
+        trainer = build(cfg(stages), make_mesh({a: getattr(cfg(stages).mesh, a) for a in MeshConfig.AXES},
+                                               jax.devices()[:stages]))
+        out[stages] = jax.device_get(trainer.grads(trainer.init().params, trainer.shard_batch(batch)))
+    (loss1, grads1), (loss4, grads4) = out[1], out[4]
+    np.testing.assert_allclose(loss4, loss1, rtol=FP32_RTOL)
+    assert_tree_close(grads4, grads1, FP32_RTOL, what="1f1b P=4 gradients ")
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize("mesh", [dict(fsdp=2, tensor=2, sequence_parallel=True), dict(data=2, context=2),
                                   dict(data=2, fsdp=2, fsdp_grad_reduce="once", pipeline_schedule="zero_bubble")],
@@ -151,7 +177,7 @@ def _trainer(stages: int):
 @pytest.mark.parametrize("first,then", [(4, 1), (1, 4)])
 def test_checkpoint_moves_between_pipeline_depths(reference, tmp_path, first, then):
     """One step at pipeline=`first`, saved, restored at pipeline=`then`: the next two steps' losses
-    are the uninterrupted run's."""
+    and grad norms are the uninterrupted run's."""
     writer = _trainer(first)
     data = batches(CFG)
     state, _ = writer.step(writer.init(), writer.shard_batch(data[0]))
@@ -163,11 +189,13 @@ def test_checkpoint_moves_between_pipeline_depths(reference, tmp_path, first, th
     state = Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig()).restore_latest(reader.abstract_state()).state
     for got, sh in zip(jax.tree.leaves(state.params), jax.tree.leaves(reader.state_shardings.params)):
         assert got.sharding == sh
-    losses = []
+    losses, norms = [], []
     for batch in data[1:]:
         state, m = reader.step(state, reader.shard_batch(batch))
         losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
     np.testing.assert_allclose(losses, reference["losses"][1:], rtol=FP32_RTOL)
+    np.testing.assert_allclose(norms, reference["grad_norms"][1:], rtol=FP32_RTOL)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])

@@ -17,14 +17,30 @@ def shapes(name: str):
                 yield p, m, v
 
 
+def forwards_before_first_backward(s: pipeline.Schedule, stage: int) -> int:
+    first = next(t for t, row in enumerate(s.table) if row[stage] is not None and row[stage].kind == "B")
+    return sum(row[stage] is not None and row[stage].kind == "F" for row in s.table[:first])
+
+
+def papers_warm_up(name: str, p: int, m: int, v: int, stage: int) -> int:
+    """Forwards a stage runs before its first backward: GPipe all of them; 1F1B and ZB-H1 the P-s-1
+    warm-up ones and the first of the steady state; Megatron's interleaved 2(P-s-1) + (V-1)P, + 1."""
+    return {"gpipe": m, "1f1b": min(p - stage, m), "zero_bubble": min(p - stage, m),
+            "interleaved": min(2 * (p - stage - 1) + (v - 1) * p + 1, v * m)}[name]
+
+
 @pytest.mark.parametrize("name", pipeline.SCHEDULES)
 def test_tables_valid_and_bubble_is_the_formula(name):
+    """Valid tables whose idle fraction is the papers' bubble and whose stages warm up as the papers
+    say (the bubble alone does not see an extra warm-up forward: the table keeps its length)."""
     seen = 0
     for p, m, v in shapes(name):
         s = pipeline.build(name, p, m, v)
         assert pipeline.validate(s) == [], f"{name} P={p} m={m} V={v}:\n{pipeline.render(s)}"
         assert s.bubble() == pytest.approx(pipeline.bubble_formula(name, p, m, v), abs=1e-12), \
             f"{name} P={p} m={m} V={v}:\n{pipeline.render(s)}"
+        assert [forwards_before_first_backward(s, st) for st in range(p)] == \
+            [papers_warm_up(name, p, m, v, st) for st in range(p)], f"{name} P={p} m={m} V={v}:\n{pipeline.render(s)}"
         seen += 1
     assert seen >= 15
 

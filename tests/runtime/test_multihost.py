@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from helpers.metrics import losses
+from helpers.metrics import losses_and_grad_norms
 from helpers.paths import REPO, load_script
 from helpers.tolerances import FP32_RTOL
 from lumen_jax.runtime import distributed as D
@@ -52,7 +52,8 @@ def _local(processes: int, devices: int, run_dir: str, *extra: str) -> list[str]
             "--grace", "20", "--", *COMMON, f"train.run_dir={run_dir}", *extra]
 
 
-def _assert_losses(got: dict[int, float], want: dict[int, float], steps: range) -> None:
+def _assert_losses(got: dict[int, tuple[float, float]], want: dict[int, tuple[float, float]], steps: range) -> None:
+    """Losses and grad norms ({step: (loss, grad_norm)}) of every step."""
     assert sorted(got) == list(steps), got
     # float32 (tiny.yaml computes in float32); gloo may add up in another order than one process
     np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=FP32_RTOL)
@@ -231,11 +232,11 @@ def _load_launcher():
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Losses of 8 steps in one process with 8 devices."""
+    """Losses and grad norms of 8 steps in one process with 8 devices."""
     run_dir = str(tmp_path_factory.mktemp("one_process"))
     out = _run(_local(1, 8, run_dir, "train.steps=8"), timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
-    return losses(run_dir)
+    return losses_and_grad_norms(run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +261,7 @@ def test_two_processes_match_one_and_a_killed_process_restarts_the_job(reference
     assert "attempt 1: killed by SIGKILL" in out.stdout and "final: done" in out.stdout
     starts = [e for e in map(json.loads, open(os.path.join(run_dir, "events.jsonl"))) if e["event"] == "start"]
     assert len(starts) == 2 and starts[0]["attempt"] != starts[1]["attempt"]
-    _assert_losses(losses(run_dir), reference, range(1, 5))
+    _assert_losses(losses_and_grad_norms(run_dir), reference, range(1, 5))
     logs = sorted(os.listdir(os.path.join(run_dir, "logs")))
     assert logs == ["process-0.log", "process-1.log"]
 
@@ -285,4 +286,4 @@ def test_checkpoint_moves_between_process_counts(reference, killed_run, tmp_path
     line = next(x for x in two.stderr.splitlines() if x.startswith("local: process 1 ended (") and "after" in x)
     assert float(line.split(", ")[-1].split("s after")[0]) <= HEARTBEAT_S + 5, line
     assert "attempt 1: killed by SIGKILL" in two.stdout and "final: done" in two.stdout
-    _assert_losses(losses(run_dir), reference, range(1, 9))
+    _assert_losses(losses_and_grad_norms(run_dir), reference, range(1, 9))

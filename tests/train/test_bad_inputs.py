@@ -40,6 +40,7 @@ def _a_file(tmp):
 # shared run directory. Cases the issue found BAD or WEAK first, then ones that were already good.
 FIXED = {
     "resume: model shape changed": (["model.d_model=128"], ["model.d_model: checkpoint 64, now 128", "train.run_dir"]),
+    "resume: kv heads changed": (["model.num_kv_heads=4"], ["model.num_kv_heads: checkpoint 2, now 4"]),
     "resume: optional state dropped": (["optim.grad_clip=0"], ["optim.grad_clip: checkpoint 1.0, now 0.0"]),
     "resume: data stream changed": (["data.seq_len=64"], ["seq_len: saved 32, now 64"]),
     "train.steps below the step reached": (["train.steps=1"], ["train.steps=1", f"step {RUN_STEPS}", "{run}"]),

@@ -17,7 +17,7 @@ import pytest
 from helpers.data import packed_batch
 from helpers.faults import RUN_STEPS, args, snapshot, tmpfs, trained_run
 from helpers.meshes import mesh_shape, one_device_mesh
-from helpers.metrics import read_metrics
+from helpers.metrics import losses_and_grad_norms, read_metrics
 from helpers.paths import REPO
 from helpers.run import BASE, with_mesh
 from lumen_jax.train import cli as train_cli
@@ -61,6 +61,61 @@ def test_a_change_that_keeps_the_state_resumes_and_marks_its_rows(shared, tmp_pa
         *((s, None) for s in range(1, RUN_STEPS + 1)), (RUN_STEPS + 1, 2)]
     with open(os.path.join(run, "config.json")) as f:
         assert json.load(f)["optim"]["lr"] == 1e-3
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["shapes-recorded", "older-checkpoint"])
+def test_a_shape_key_taken_for_numeric_still_exits_2_and_moves_nothing(shared, tmp_path, capfd, monkeypatch,
+                                                                       recorded):
+    """The review's plant, as a user meets it: model.num_kv_heads listed as a numeric-only key, and
+    a rerun with model.num_kv_heads=4. With the checkpoint's recorded state shapes the start-up check
+    names the array; without them (a checkpoint of an older version) the restore fails on shapes,
+    which is a config error too: exit 2, one line, the checkpoint where it was (before: moved to
+    corrupt-2, and the next rerun started from step 0). The rerun with the old config resumes."""
+    from lumen_jax.checkpoint import resume
+    from lumen_jax.checkpoint.layout import meta_path
+
+    run = _copy(shared, tmp_path)
+    ckpts = os.path.join(run, "checkpoints")
+    if not recorded:
+        with open(meta_path(ckpts, RUN_STEPS)) as f:
+            meta = json.load(f)
+        del meta["state_shapes"]
+        with open(meta_path(ckpts, RUN_STEPS), "w") as f:
+            json.dump(meta, f)
+    monkeypatch.setattr(resume, "_NUMERIC_MODEL_KEYS", resume._NUMERIC_MODEL_KEYS | {"model.num_kv_heads"})
+    # Refused at start-up, nothing in the run directory changes; refused at the restore, config.json
+    # already holds the new config (written before the loop starts), the checkpoints are untouched.
+    kept = run if recorded else ckpts
+    before = snapshot(kept)
+    rc = train_cli.main(args(run, f"train.steps={RUN_STEPS + 1}", "model.num_kv_heads=4"))
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert rc == train_cli.EXIT_BAD_INPUT and len(lines) == 1, lines
+    assert "other shapes" in lines[0] and "[2, 64, 2, 16]" in lines[0] and "[2, 64, 4, 16]" in lines[0], lines[0]
+    assert snapshot(kept) == before
+    if not recorded:
+        monkeypatch.undo()
+        assert train_cli.main(args(run)) == 0  # train.steps reached: restores step 2, trains nothing
+        assert "nothing to train" in capfd.readouterr().out
+        assert sorted(os.listdir(ckpts)) == [str(RUN_STEPS)]
+
+
+def test_a_resumed_run_continues_the_data_stream_where_its_checkpoint_was(tmp_path, capfd):
+    """4 steps with a checkpoint after step 2 (and 4); the copy without step 4 resumes from step 2: its
+    steps 3 and 4 log the uninterrupted run's loss and grad norm bit for bit, which they do only if
+    the checkpoint recorded the data position after step 2's batch (not the batch prefetched for step
+    3) and the resume restored it (not the stream's start). In seconds, where before only the
+    SIGKILL test under the supervisor (heavy) saw it."""
+    reference = str(tmp_path / "reference")
+    assert train_cli.main(args(reference, f"train.steps={2 * RUN_STEPS}")) == 0
+    run = str(tmp_path / "run")
+    shutil.copytree(reference, run)
+    shutil.rmtree(os.path.join(run, "checkpoints", str(2 * RUN_STEPS)))
+    capfd.readouterr()
+    assert train_cli.main(args(run, f"train.steps={2 * RUN_STEPS}")) == 0
+    assert f"resumed from step {RUN_STEPS}" in capfd.readouterr().out
+    want, got = losses_and_grad_norms(reference), losses_and_grad_norms(run)
+    assert sorted(got) == list(range(1, 2 * RUN_STEPS + 1))
+    assert got == want
 
 
 def test_every_checkpoint_unusable_stops_with_exit_2(shared, tmp_path, capfd):
