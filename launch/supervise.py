@@ -9,7 +9,8 @@ codes 0 (done), 2 (bad input), 3 (diverged) and 4 (silent data corruption) end s
 running again would not help. Anything else (a crash, SIGKILL, 75 = preempted) is an interruption.
 
 At the end it prints each interruption (cause, steps lost, time lost) and the goodput: the share
-of wall time spent on training steps that were kept. It reads `<run-dir>/events.jsonl`, which the
+of wall time spent on training steps that were kept, and writes the same into
+`<run-dir>/goodput.json` (`python -m lumen_jax.report` shows it). It reads `<run-dir>/events.jsonl`, which the
 trainer writes at start, when compilation ends, after every step and at each checkpoint, and the
 checkpoints committed on disk: steps lost are those taken after the checkpoint the next attempt
 resumed from (or, for the last attempt, after the newest committed one); start-up, restore and
@@ -136,6 +137,24 @@ def account(attempts: Sequence[Attempt], events: Sequence[dict]) -> tuple[list[I
     return interruptions, (useful_s / wall if wall > 0 else 0.0)
 
 
+def write_goodput(run_dir: str, attempts: Sequence[Attempt], interruptions: Sequence[Interruption],
+                  goodput: float) -> None:
+    """`<run_dir>/goodput.json`: the attempts, the interruptions and the goodput (written whole, through
+    a temporary file; a failed write is a warning: the run's exit code stands)."""
+    path = os.path.join(run_dir, "goodput.json")
+    report = {"goodput": goodput, "wall_s": attempts[-1].ended - attempts[0].started if attempts else 0.0,
+              "attempts": [{"attempt": i, "cause": a.cause, "returncode": a.returncode, "started": a.started,
+                            "ended": a.ended} for i, a in enumerate(attempts)],
+              "interruptions": [dataclasses.asdict(it) for it in interruptions]}
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(f"{path}.tmp", "w") as f:
+            json.dump(report, f, indent=2)
+        os.replace(f"{path}.tmp", path)
+    except OSError as e:
+        print(f"supervise: warning: cannot write {path} ({e.strerror})", file=sys.stderr, flush=True)
+
+
 def supervise(command: Sequence[str], run_dir: str, max_restarts: int, backoff_s: float,
               max_backoff_s: float = 60.0) -> int:
     """Runs `command` until it finishes or fails for good; returns its last exit code."""
@@ -162,6 +181,7 @@ def supervise(command: Sequence[str], run_dir: str, max_restarts: int, backoff_s
         time.sleep(delay)
 
     interruptions, goodput = account(attempts, read_events(run_dir))
+    write_goodput(run_dir, attempts, interruptions, goodput)
     print(f"supervise: {len(attempts)} attempt(s), {len(interruptions)} interruption(s), "
           f"final: {attempts[-1].cause}")
     for it in interruptions:

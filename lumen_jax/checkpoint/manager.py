@@ -15,7 +15,9 @@ other shapes than the target is not corrupt but another run's: a ConfigError, an
 
 `Checkpointer.maybe_save`, called after every step, decides whether a save is due: every
 `every_steps` steps, every `every_minutes` minutes (process 0's clock), at the last step when
-either is set, and always on preemption.
+either is set, and always on preemption. `notify` hears `checkpoint_start` when a save starts and
+`checkpoint` once it is committed: when a later step finds the background write finished, or a
+wait for it returns (the loop writes both into events.jsonl).
 
 With several processes each writes its own shards (Orbax) and process 0 the JSON; a checkpoint
 restores in any process count, because arrays are read into the target shardings and the data
@@ -100,9 +102,10 @@ class Checkpointer:
     """Saves every `every_steps` steps and/or `every_minutes` minutes, at the last step and on
     preemption (`maybe_save` decides); restores the latest good step."""
 
-    def __init__(self, directory: str, cfg: CheckpointConfig):
+    def __init__(self, directory: str, cfg: CheckpointConfig, notify: Callable[..., None] | None = None):
         self.directory = os.path.abspath(directory)
         self.cfg = cfg
+        self._notify = notify or (lambda event, **fields: None)  # (event, step=N): checkpoint_start | checkpoint
         self._last_save_time = time.monotonic()
         self._in_flight: int | None = None  # the step being written in the background
         self._manager = self._open()
@@ -144,6 +147,7 @@ class Checkpointer:
           force: save whatever the schedule says (preemption), even with checkpointing off;
             only the last step with checkpointing off is never saved (the run ends there anyway).
         """
+        self._poll()
         if last and not self.enabled:
             return None
         if not (force or last or self._due(step)):
@@ -164,6 +168,7 @@ class Checkpointer:
                                  + f"; it was not saved; {self.last_committed()}")
         meta = {**meta, "checksums": checksum_list(state)}
         self.wait()  # Orbax waits for the previous write anyway; a failure of it is that step's
+        self._notify("checkpoint_start", step=step)
         try:
             self._in_flight = step
             self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -171,7 +176,14 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - disk full, permissions: name the folder and stop
             raise self._write_failed(e) from None
         self._last_save_time = time.monotonic()
-        return time.perf_counter() - t0
+        stalled = time.perf_counter() - t0
+        self._poll()  # a synchronous save (checkpoint.async_save=false) is committed already
+        return stalled
+
+    def _poll(self) -> None:
+        """Reports the save in flight as committed once its background write has finished (no wait)."""
+        if self._in_flight is not None and not self._manager.is_saving_in_progress():
+            self.wait()
 
     def wait(self) -> None:
         """Blocks until the last save is committed; raises CheckpointError if writing it failed."""
@@ -179,7 +191,9 @@ class Checkpointer:
             self._manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001
             raise self._write_failed(e) from None
-        self._in_flight = None
+        step, self._in_flight = self._in_flight, None
+        if step is not None:
+            self._notify("checkpoint", step=step)
 
     def _write_failed(self, e: Exception) -> CheckpointError:
         """The error for the write of step `_in_flight`, after removing its temporary folder."""

@@ -36,7 +36,7 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("data.num_workers", ">=", 0), ("data.eval_share", ">=", 0), ("data.eval_share", "<", 1),
     ("train.eval_every", ">=", 0), ("train.eval_batches", ">=", 1),
     ("train.steps", ">=", 1), ("train.micro_batches", ">=", 1), ("train.max_nonfinite_steps", ">=", 1),
-    ("train.sdc_check_every", ">=", 0), ("mesh.pipeline_virtual_stages", ">=", 1),
+    ("train.sdc_check_every", ">=", 0), ("train.slow_step_factor", ">", 1), ("mesh.pipeline_virtual_stages", ">=", 1),
     ("checkpoint.every_steps", ">=", 0), ("checkpoint.every_minutes", ">=", 0), ("checkpoint.keep", ">=", 1),
     ("checkpoint.keep_every", ">=", 0),
     ("log.every_steps", ">=", 1),
@@ -242,6 +242,17 @@ def _inputs(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
     yield (d.tokenizer == "byte" or os.path.isfile(d.tokenizer),
            f"data.tokenizer={d.tokenizer!r} does not exist; give the path of a Hugging Face tokenizer.json "
            "or use data.tokenizer=byte")
+
+
+@rule
+def _profile(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
+    """train.profile_steps: [start, stop], the steps start..stop-1 of this run."""
+    t = cfg.train
+    steps, start = list(t.profile_steps), min(20, t.steps)
+    yield (not steps or (len(steps) == 2 and 1 <= steps[0] < steps[1] <= t.steps + 1),
+           f"train.profile_steps={show(steps)} must be [start, stop] with 1 <= start < stop <= train.steps+1="
+           f"{t.steps + 1} (a trace of steps start..stop-1), e.g. train.profile_steps=[{start}, "
+           f"{min(start + 3, t.steps + 1)}], or [] for none")
 
 
 def validate(cfg: Config, num_devices: int) -> dict[str, int]:

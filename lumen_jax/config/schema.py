@@ -221,6 +221,8 @@ class TrainConfig:
     init_from: str = ""  # a new run starts from these weights: a run directory or a Hugging Face directory
     eval_every: int = 0  # evaluate on the held-out data (data.eval_paths / data.eval_share) every N steps
     eval_batches: int = 10  # batches of global_batch_size per evaluation
+    profile_steps: tuple[int, ...] = ()  # [start, stop]: a jax.profiler trace of steps start..stop-1 (<run_dir>/profile/)
+    slow_step_factor: float = 2.0  # a step this many times slower than the running median goes to events.jsonl
 
 
 @dataclasses.dataclass(frozen=True)

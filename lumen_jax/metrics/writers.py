@@ -78,8 +78,12 @@ class MetricsWriter:
         self.close()
 
 
+DATA_WAIT_SHOWN = 0.05  # the bar shows the data wait above this share of the loop's time per step
+
+
 class Progress:
-    """A tqdm bar showing step, loss, tokens/s and MFU; does nothing when disabled."""
+    """A tqdm bar showing step, loss, tokens/s and MFU, and, when they matter, the share of the step
+    spent waiting for data (over 5% of `loop_time_s`) and the straggler; does nothing when disabled."""
 
     def __init__(self, total_steps: int, enabled: bool = True, initial_step: int = 0, file: Any = None) -> None:
         """`file`: where the bar is drawn (None: sys.stderr as it is now)."""
@@ -95,6 +99,11 @@ class Progress:
         shown = {"loss": "loss {:.4f}", "tokens_per_sec": "{:,.0f} tok/s", "mfu": "MFU {:.1%}"}
         parts = [fmt.format(_to_python(metrics[k])) for k, fmt in shown.items()
                  if metrics.get(k) is not None]
+        wait, loop = metrics.get("data_wait_s"), metrics.get("loop_time_s")
+        if wait is not None and loop and wait > DATA_WAIT_SHOWN * loop:
+            parts.append(f"data wait {wait / loop:.0%}")
+        if metrics.get("straggler") is not None:
+            parts.append(f"straggler: process {metrics['straggler']}")
         self._bar.set_postfix_str(" ".join(parts), refresh=False)
         self._bar.update(step - self._bar.n)  # redraws with the new postfix
 

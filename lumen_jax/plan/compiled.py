@@ -20,6 +20,8 @@ import numpy as np
 from lumen_jax.train.build import Trainer, build
 from lumen_jax.config import Config, ConfigError, MeshConfig
 from lumen_jax.data import BATCH_KEYS
+from lumen_jax.metrics import memory
+from lumen_jax.metrics.memory import compiled_flops
 from lumen_jax.parallel.mesh import make_mesh
 from lumen_jax.plan import hlo
 from lumen_jax.plan.cost import compiled_flops_per_device
@@ -90,15 +92,7 @@ def abstract_step_args(trainer: Trainer, cfg: Config) -> tuple[TrainState, dict]
 def compiled_bytes(compiled: Any) -> int:
     """Per-device bytes XLA allocates for the step: arguments + outputs + temporaries - aliases
     (on CPU `peak_memory_in_bytes` leaves the temporaries out)."""
-    ma = compiled.memory_analysis()
-    return (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-            - ma.alias_size_in_bytes)
-
-
-def compiled_flops(compiled: Any) -> float:
-    """Per-device FLOPs XLA counts for the step (a loop body once, elementwise work included)."""
-    cost = compiled.cost_analysis()
-    return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+    return memory.compiled_bytes(compiled)["total"]
 
 
 def against_xla(cfg: Config, plan: Plan, compiled: Any = None) -> AgainstXla:

@@ -103,11 +103,31 @@ def train(cfg: Config, stop=None) -> dict:
     resume.check(config, os.path.join(run_dir, "checkpoints"), trainer.abstract_state(), run_dir, data.check_state)
     if jax.process_index() == 0:
         rundir.write_json(run_dir, "config.json", config)
+    planned, planned_error = _planned_bytes(cfg, trainer) if jax.process_index() == 0 else (None, "")
     spec = loop.RunSpec(train=cfg.train, checkpoint=cfg.checkpoint, log=cfg.log, config=config,
                         param_count=param_counts(cfg.model)["total"],
                         throughput=Throughput.of(cfg.model, cfg.data.seq_len, cfg.data.global_batch_size,
-                                                 jax.devices()))
+                                                 jax.devices()),
+                        planned_bytes=planned, planned_error=planned_error)
     return loop.run(trainer, data, run_dir, spec, stop, during_training(cfg.data, cfg.train, trainer, share, shares))
+
+
+def _planned_bytes(cfg: Config, trainer) -> tuple[dict | None, str]:
+    """The planner's bytes per device for this run (`python -m lumen_jax.plan`'s figures, for the
+    start-up memory line), or (None, why) when it cannot plan it: a diagnostic never stops a run."""
+    import dataclasses
+
+    from lumen_jax.plan.hardware import Hardware, Layout
+    from lumen_jax.plan.predict import predict
+    shape = dict(trainer.mesh.shape)
+    layout = Layout(dataclasses.replace(cfg.mesh, **shape), pipeline=shape["pipeline"],
+                    micro_batches=cfg.train.micro_batches)
+    device = trainer.mesh.devices.flat[0]
+    try:  # the device's memory and peak do not change the bytes: any values do
+        plan = predict(cfg, layout, Hardware(device.device_kind, 0.0, peak_flops=1.0), attention=trainer.ops.attention)
+    except Exception as e:  # noqa: BLE001 - a planner limitation is reported in the line, training goes on
+        return None, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    return plan.bytes_per_device, ""
 
 
 def _check_kept_weights_fit(cfg: Config, mesh) -> None:

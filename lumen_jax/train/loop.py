@@ -8,9 +8,11 @@ With several processes every process runs this loop in step: a checkpoint record
 data position (process 0 writes them all), and SIGTERM goes through JAX's preemption service, which
 picks one step at which all processes save and stop.
 
-Everything after a step is a hook (train/hooks.py: the non-finite guard, events, SDC checks,
-evaluation, logging, preemption, checkpointing); the loop body is the step, the next batch and
-`hooks(info)`.
+Everything after a step is a hook (train/hooks.py: the device wait, the non-finite guard, events, SDC
+checks, evaluation, device memory, stragglers, logging, preemption, checkpointing, the profiler, slow
+steps); the loop body is the step, the next batch and `hooks(info)`. Start-up wraps the data iterator
+and the compiled step in clocks (metrics/timing.py: where the step time goes) and writes compile.json
+(the compiled step's bytes per device next to the planner's).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from lumen_jax.checkpoint import resume, weights
 from lumen_jax.checkpoint.manager import Checkpointer
 from lumen_jax.config import CheckpointConfig, LogConfig, TrainConfig
 from lumen_jax.data import DataError
+from lumen_jax.metrics import memory, timing
 from lumen_jax.metrics.mfu import Throughput
-from lumen_jax.runtime import distributed, logs
+from lumen_jax.runtime import distributed, logs, rundir
 from lumen_jax.runtime.signals import StopSignal
 from lumen_jax.train import hooks as hooks_lib
 from lumen_jax.train.build import Trainer
@@ -44,6 +47,8 @@ class RunSpec:
     config: dict  # the resolved config as JSON, recorded in every checkpoint (resume.py compares it)
     throughput: Throughput
     param_count: int  # shown in the start-up line
+    planned_bytes: dict | None = None  # the planner's bytes per device for this config (train/cli.py)
+    planned_error: str = ""  # why there is no prediction
 
 
 def _all_data_states(state: dict) -> dict | None:
@@ -108,7 +113,8 @@ def _run(trainer: Trainer, data: Iterator, run_dir: str, spec: RunSpec, stop: St
     is_main = jax.process_index() == 0
     events = Events(run_dir, is_main)
     weights.refuse_weights_only(run_dir)  # restoring would move the imported weights aside as unreadable
-    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), spec.checkpoint)
+    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), spec.checkpoint, notify=events.write)
+    data = timing.TimedData(data)  # the seconds `next(data)` takes: data_wait_s
     state, start = _start(trainer, data, ckpt, spec.train.init_from)
     attempt = events.count("start") + 1  # this run directory's attempt number (1: the first start)
     events.write("start", resume_step=start, run_attempt=attempt)
@@ -116,10 +122,13 @@ def _run(trainer: Trainer, data: Iterator, run_dir: str, spec: RunSpec, stop: St
     t0 = time.perf_counter()
     batch = trainer.shard_batch(next(data))
     hooks_lib.fault_sigterm_at_startup()
-    step_fn = trainer.step.lower(state, batch).compile()
+    compiled = trainer.step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    step_fn = timing.StepClock(compiled, first_step=start + 1)  # dispatch and device times: step_time_s
     events.write("compiled")  # start-up and compilation end here: the supervisor counts them as overhead
     if stop.before_first_step():
         committed = ckpt.last_committed() if start else "no step had been taken"
+        step_fn.close()
         ckpt.close()
         raise Preempted(f"stopped by signal {stop.name} during start-up, before step {start + 1}; nothing was "
                         f"lost: {committed}; rerun to resume")
@@ -128,15 +137,21 @@ def _run(trainer: Trainer, data: Iterator, run_dir: str, spec: RunSpec, stop: St
               + " ".join(f"{k}={v}" for k, v in trainer.mesh.shape.items())
               + f", {spec.param_count / 1e6:.2f}M params, "
               + (f"{trainer.ops.note}, " if trainer.ops.note else "")
-              + f"compiled in {time.perf_counter() - t0:.1f}s, peak {spec.throughput.peaks.source}, run dir {run_dir}"
+              + f"compiled in {compile_s:.1f}s, peak {spec.throughput.peaks.source}, run dir {run_dir}"
               + (f", resumed from step {start}" if start else ""), flush=True)
+        rundir.write_json(run_dir, "compile.json", memory.report(
+            compiled, spec.planned_bytes, spec.planned_error, devices=jax.device_count(),
+            platform=jax.devices()[0].platform, mesh=trainer.mesh.shape, compile_s=compile_s))
+        print("lumen_jax: " + memory.memory_line(memory.compiled_bytes(compiled), spec.planned_bytes,
+                                                 spec.planned_error) + " (compile.json)", flush=True)
 
     shapes = resume.state_shapes(state)  # what a resume under another config compares (resume.py)
 
     def meta(data_state: dict) -> dict:  # only when saving: gathers every process's data position
         return {"data": _all_data_states(data_state), "config": spec.config, "state_shapes": shapes}
 
-    hooks, logging = standard_hooks(spec, trainer, run_dir, ckpt, events, stop, meta, evaluate, start, attempt)
+    times = timing.LoopTimes(data, step_fn)
+    hooks, logging = standard_hooks(spec, trainer, run_dir, ckpt, events, stop, meta, evaluate, start, attempt, times)
     steps = spec.train.steps
     try:
         for step in range(start + 1, steps + 1):
@@ -147,35 +162,45 @@ def _run(trainer: Trainer, data: Iterator, run_dir: str, spec: RunSpec, stop: St
             hooks(StepInfo(step=step, last=step == steps, state=state, metrics=step_metrics, data_state=data_state))
         ckpt.wait()
     finally:
-        logging.close()
+        hooks.close()
         ckpt.close()
     return logging.last
 
 
 def standard_hooks(spec: RunSpec, trainer: Trainer, run_dir: str, ckpt: Checkpointer, events: Events,
                    stop: StopSignal, meta: Callable[[dict], dict], evaluate: Callable[[Any], dict] | None,
-                   start: int, attempt: int) -> tuple[hooks_lib.Hooks, hooks_lib.Logging]:
+                   start: int, attempt: int, times: timing.LoopTimes) -> tuple[hooks_lib.Hooks, hooks_lib.Logging]:
     """The trainer's hooks in their order (each decides only its own job), and the logging hook
-    (whose last row is the run's result)."""
+    (whose last row is the run's result). A profile whose window opens at the first step starts here."""
     is_main = jax.process_index() == 0
-    t = spec.train
+    t, every_log = spec.train, spec.log.every_steps
     guard = hooks_lib.NonFiniteGuard(t.max_nonfinite_steps, ckpt.directory, ckpt.last_committed)
-    stall = hooks_lib.Stall()
     logging = hooks_lib.Logging(spec.log, run_dir, spec.throughput, t.steps, start, attempt, is_main,
-                                lambda: guard.skipped_total, stall)
+                                lambda: guard.skipped_total, times)
     preemption = hooks_lib.Preemption(stop, ckpt)
+    profiler = hooks_lib.Profiler(t.profile_steps, os.path.join(run_dir, "profile", f"process-{jax.process_index()}"),
+                                  times, is_main)
+    local = [d for d in trainer.mesh.devices.flat if d.process_index == jax.process_index()]
     hooks = hooks_lib.Hooks()
+    hooks.add(hooks_lib.DeviceWait(times.clock))  # waits for the previous step (what the guard reads), timed
     hooks.add(guard)  # checks the previous step's metrics (ready by now)
     hooks.add(events)  # a `step` event every step: the supervisor counts steps lost from these
     hooks.add(hooks_lib.SdcCheck(trainer.mesh), every=t.sdc_check_every)
     if evaluate is not None:
-        hooks.add(hooks_lib.Evaluation(evaluate), every=t.eval_every, at_last=bool(t.eval_every))
+        hooks.add(hooks_lib.Evaluation(evaluate, times), every=t.eval_every, at_last=bool(t.eval_every))
+    if hooks_lib.DeviceMemory.reported(local):  # GPUs: the allocator's peak in every logged row
+        hooks.add(hooks_lib.DeviceMemory(local), every=every_log, at_last=True)
+    if jax.process_count() > 1:
+        hooks.add(hooks_lib.Stragglers(t.slow_step_factor, events, times, start), every=every_log, at_last=True)
     hooks.add(logging)
     hooks.add(preemption.check)
-    hooks.add(hooks_lib.Checkpointing(ckpt, meta, events, stall))
+    hooks.add(hooks_lib.Checkpointing(ckpt, meta, times))
     hooks.add(preemption.stop)
-    for kill in hooks_lib.fault_hooks(run_dir):
-        hooks.add(lambda info, kill=kill: kill(info.step))
+    hooks.add(profiler)
+    for fault in hooks_lib.fault_hooks(run_dir):
+        hooks.add(lambda info, fault=fault: fault(info.step))
+    hooks.add(hooks_lib.SlowSteps(t.slow_step_factor, events, times))  # last: after the step's own stalls
+    profiler.begin_if_due(start + 1)
     return hooks, logging
 
 

@@ -136,6 +136,9 @@ class _RecordingManager:
     def wait_until_finished(self):
         pass
 
+    def is_saving_in_progress(self):
+        return False
+
     def close(self):
         pass
 
@@ -153,6 +156,31 @@ def _decisions(cfg: CheckpointConfig, steps: int, tmp_path, force_at=(), time_pa
         assert (stall is None) == (step not in manager.saved[-1:])
     assert metas == manager.saved  # meta is built only for a save
     return manager.saved
+
+
+def test_a_save_is_reported_when_it_starts_and_again_only_once_committed(tmp_path):
+    """The background write of step 2 is still in flight after step 3: no commit yet (a kill there loses
+    step 2); step 4 finds it finished. A wait (the end of the run, preemption) reports the last one."""
+    heard = []
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig(every_steps=2),
+                        notify=lambda event, step: heard.append((event, step)))
+    ckpt._manager.close()
+    ckpt._manager = manager = _RecordingManager()
+    writing = [True]  # an async write goes on in the background until the test ends it
+    manager.is_saving_in_progress = lambda: writing[0]
+    for step in (1, 2):
+        ckpt.maybe_save(step, {"w": np.arange(3.0)}, lambda: {}, last=False)
+    assert heard == [("checkpoint_start", 2)]
+    ckpt.maybe_save(3, {"w": np.arange(3.0)}, lambda: {}, last=False)
+    assert heard == [("checkpoint_start", 2)]
+    writing[0] = False
+    ckpt.maybe_save(4, {"w": np.arange(3.0)}, lambda: {}, last=False)  # step 2 done; step 4's is written at once
+    assert heard == [("checkpoint_start", 2), ("checkpoint", 2), ("checkpoint_start", 4), ("checkpoint", 4)]
+    writing[0] = True
+    ckpt.maybe_save(6, {"w": np.arange(3.0)}, lambda: {}, last=True)
+    assert heard[-1] == ("checkpoint_start", 6)
+    ckpt.wait()
+    assert heard[-1] == ("checkpoint", 6) and len(heard) == 6
 
 
 def test_maybe_save_decides_when_a_save_is_due(tmp_path):

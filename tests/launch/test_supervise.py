@@ -2,6 +2,7 @@
 code it trusts, and its restart loop over a child that exits with given codes. (A real run under the
 supervisor: tests/checkpoint/test_checkpoint.py and tests/runtime/test_multihost.py.)"""
 
+import json
 import os
 import sys
 import time
@@ -61,6 +62,10 @@ def test_supervisor_restarts_on_1_and_75_and_stops_on_2_3_4(codes, max_restarts,
     assert f"supervise: {attempts} attempt(s), {attempts - (last in (0, 2, 3, 4))} interruption(s)" in out.out, out
     if 75 in codes[:attempts - 1]:
         assert "ended (preempted (exit 75, checkpoint written)); restarting" in out.err
+    report = json.load(open(tmp_path / "goodput.json"))  # what python -m lumen_jax.report shows
+    assert [a["returncode"] for a in report["attempts"]] == codes[:attempts]
+    assert len(report["interruptions"]) == attempts - (last in (0, 2, 3, 4))
+    assert report["wall_s"] > 0 and 0 <= report["goodput"] <= 1
 
 
 def _attempt_events(pid, resume, steps, t0, compile_s=10.0):

@@ -90,7 +90,13 @@ ALREADY_GOOD = {
     "zero stage": (["mesh.zero_stage=4"], ["mesh.zero_stage=4"]),
     "half a multi-process setup": (["distributed.coordinator=nohost:1234"], ["distributed.num_processes"]),
 }
-CASES = {**FIXED, **ALREADY_GOOD}
+DIAGNOSTICS = {  # issue 30's settings
+    "profile window past the end": (["train.profile_steps=[1,9]"], ["train.profile_steps=[1, 9]", "train.steps+1=3"]),
+    "profile window of one step number": (["train.profile_steps=[2]"], ["train.profile_steps=[2]", "[start, stop]"]),
+    "profile window backwards": (["train.profile_steps=[2,1]"], ["train.profile_steps=[2, 1]", "start < stop"]),
+    "slow step factor of 1": (["train.slow_step_factor=1"], ["train.slow_step_factor=1.0 must be > 1"]),
+}
+CASES = {**FIXED, **ALREADY_GOOD, **DIAGNOSTICS}
 
 
 @pytest.fixture(scope="module")

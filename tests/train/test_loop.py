@@ -82,7 +82,7 @@ def test_metrics_rows_carry_stall_skipped_total_and_mfu_bf16(preempted_run):
     for r in rows:
         assert r["skipped_total"] == 0 and r["skipped"] == 0, r
         assert (r["checkpoint_stall_s"] > 0) == (r["step"] in saved_before), r
-        assert r["checkpoint_stall_s"] < r["step_time_s"], r
+        assert r["checkpoint_stall_s"] < r["loop_time_s"], r  # a part of the loop's time
         assert r["mfu"] > 0 and r["mfu_bf16"] > 0, r
     # Both from the same step time and FLOPs: their ratio is the ratio of the two peaks, every row.
     ratios = [r["mfu"] / r["mfu_bf16"] for r in rows]

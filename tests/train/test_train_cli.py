@@ -18,7 +18,8 @@ from lumen_jax.config.files import load_config
 TIMEOUT_S = 120
 EXIT_BAD_INPUT = 2
 METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "tokens_per_sec_per_device",
-               "tflops_per_device", "mfu", "hfu", "step_time_s")
+               "tflops_per_device", "mfu", "hfu", "loop_time_s", "step_time_s", "data_wait_s", "checkpoint_stall_s",
+               "host_overhead_s")
 
 
 def train(config: str, *overrides: str) -> subprocess.CompletedProcess:
