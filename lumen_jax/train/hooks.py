@@ -173,6 +173,14 @@ class Evaluation:
         info.host_s += time.perf_counter() - t0  # not part of the step time
 
 
+class DataTokens:
+    """A data mixture's tokens per source so far into the logged rows (`tokens_<name>`): the data state
+    carries them (data/mixture.py), the same on every process."""
+
+    def __call__(self, info: StepInfo) -> None:
+        info.row.update({f"tokens_{name}": n for name, n in info.data_state.get("tokens", {}).items()})
+
+
 class Stall:
     """Seconds the loop stalled for something other than steps (checkpoint saves), summed until the
     next logged row reads them (`take`)."""

@@ -170,6 +170,7 @@ def standard_hooks(spec: RunSpec, trainer: Trainer, run_dir: str, ckpt: Checkpoi
     hooks.add(hooks_lib.SdcCheck(trainer.mesh), every=t.sdc_check_every)
     if evaluate is not None:
         hooks.add(hooks_lib.Evaluation(evaluate), every=t.eval_every, at_last=bool(t.eval_every))
+    hooks.add(hooks_lib.DataTokens(), every=spec.log.every_steps, at_last=True)  # the rows logging writes
     hooks.add(logging)
     hooks.add(preemption.check)
     hooks.add(hooks_lib.Checkpointing(ckpt, meta, events, stall))
