@@ -10,8 +10,8 @@ formula of b (`rows_per_source`), the same on every process and after any resume
 tokens per source need no communication.
 
 `Select` is the documents-mode stream: stream r keeps one packed stream per source and takes its
-k-th row from the source of position k * G + r. Its state is the row count k and each source's
-packing state. With grain worker processes its selection is sliced with the packed streams, so
+k-th row from the source of position k * G + r. Its state is the row count k (the selection's
+position) and each source's packing state. With grain worker processes its selection is sliced with the packed streams, so
 worker w's k-th row is the stream's row k * W + w, which grain's round-robin puts back in place.
 """
 
@@ -61,39 +61,36 @@ class _StreamSource:
         return self.sources[k * self.num_streams + self.stream]
 
 
-def stream_selection(stream: int, num_streams: int, weights: Sequence[float]) -> grain.MapDataset:
-    """Row k of stream `stream` -> its source (a MapDataset, so grain workers slice it with the rows)."""
-    return grain.MapDataset.range(sys.maxsize).map(_StreamSource(stream, num_streams, weights))
+def stream_selection(stream: int, num_streams: int, weights: Sequence[float]) -> grain.IterDataset:
+    """Row k of stream `stream` -> its source, in order (an IterDataset over a MapDataset of positions,
+    so grain workers slice it as they slice the packed rows: worker w reads rows w, w+W, ...)."""
+    positions = grain.MapDataset.range(sys.maxsize).map(_StreamSource(stream, num_streams, weights))
+    return positions.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
 
 
 class Select(grain.IterDataset):
-    """Row k comes from `sources[selection[k]]` (each source an infinite IterDataset of rows)."""
+    """Row k comes from `sources[selection's k-th item]` (each source an infinite IterDataset of rows)."""
 
-    def __init__(self, selection: grain.MapDataset, sources: Sequence[grain.IterDataset]):
+    def __init__(self, selection: grain.IterDataset, sources: Sequence[grain.IterDataset]):
         super().__init__([selection, *sources])
-        self._selection, self._sources = selection, list(sources)
 
     def __iter__(self) -> grain.DatasetIterator:
-        return _SelectIterator(self._selection, [iter(s) for s in self._sources])
+        return _SelectIterator([iter(p) for p in self._parents])
 
     def __str__(self) -> str:
-        return f"Select({len(self._sources)} sources)"
+        return f"Select({len(self._parents) - 1} sources)"
 
 
 class _SelectIterator(grain.DatasetIterator):
-    def __init__(self, selection: grain.MapDataset, sources: list[grain.DatasetIterator]):
-        super().__init__(sources)
-        self._selection, self._index = selection, 0
+    def __init__(self, parents: list[grain.DatasetIterator]):
+        super().__init__(parents)  # the selection, then the sources
 
     def __next__(self) -> Any:
-        source = self._selection[self._index]
-        self._index += 1
-        return next(self._parents[source])
+        return next(self._parents[1 + next(self._parents[0])])
 
     def get_state(self) -> dict[str, Any]:
-        return {"index": self._index, "parents": [p.get_state() for p in self._parents]}
+        return {"parents": [p.get_state() for p in self._parents]}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self._index = state["index"]
         for p, s in zip(self._parents, state["parents"]):
             p.set_state(s)
