@@ -102,6 +102,8 @@ def test_workers_slice_the_selection_with_the_rows(sources):
     try:
         batches = [next(data) for _ in range(20)]
         code = code_rows(batches)
+        positions = source_positions((0.7, 0.3))
+        np.testing.assert_array_equal(code, [positions[g] == 1 for g in range(20 * 8)])  # row by row
         assert data.get_state()["tokens"] == {"web": int((~code).sum()) * 16, "code": int(code.sum()) * 16}
     finally:
         data.close()

@@ -78,6 +78,12 @@ def test_interrupted_prepare_redoes_only_unfinished_shards(corpus, tmp_path):
     assert "1 shards prepared, 2 were already done" in again.stdout
     assert {p: os.stat(out / p).st_mtime_ns for p in finished} == finished  # not rewritten
     assert snapshot(str(out)) == whole
+    # A finished shard damaged afterwards (its record intact, its tokens cut) is redone too.
+    with open(out / "shard-00002.bin", "r+b") as f:
+        f.truncate(6)
+    (out / "manifest.json").unlink()
+    assert "1 shards prepared, 2 were already done" in run_prepare(corpus, out, "--workers", "0").stdout
+    assert snapshot(str(out)) == whole
 
 
 def test_corrupt_input_lines_are_reported_with_file_and_line(corpus, tmp_path):
