@@ -75,6 +75,22 @@ def test_resume_mid_epoch_exactly(corpus, order, k):
     assert_same(take(resumed, 8), expected)
 
 
+@pytest.mark.parametrize("order", ["documents", "windows"])
+def test_prefetch_changes_nothing_but_when(corpus, order):
+    """data.prefetch=3 makes batches ahead in a thread: the same batches, and a state that resumes exactly."""
+    ahead = TrainData(prepared_cfg(corpus, order=order, prefetch=3), seed=6)
+    try:
+        first = take(ahead, 4)
+        state = json.loads(json.dumps(ahead.get_state()))
+        later = take(ahead, 4)
+    finally:
+        ahead.close()
+    assert_same(first + later, take(TrainData(prepared_cfg(corpus, order=order), seed=6), 8))
+    resumed = TrainData(prepared_cfg(corpus, order=order), seed=6)
+    resumed.set_state(state)
+    assert_same(take(resumed, 4), later)
+
+
 def test_windows_state_restores_another_process_count_and_worker_count(corpus):
     cfg = prepared_cfg(corpus, order="windows")
     one = TrainData(cfg, seed=2)
