@@ -49,14 +49,16 @@ class RunSpec:
 def _all_data_states(state: dict) -> dict | None:
     """Every process's data position, merged (on process 0; None on the others).
 
-    Stream states merge into one state that restores any process count (data/pipeline.py); grain
-    worker states (data.num_workers > 0) only restore the same processes, so they are kept as a list.
+    Stream states merge into one state that restores any process count (data/pipeline.py; a
+    data.order=windows state has no streams, only the batch count every process shares); grain
+    worker states (data.num_workers > 0, documents order) only restore the same processes, so they
+    are kept as a list.
     """
     states = distributed.gather_json(state, to_all=False)
     if states is None or len(states) == 1:
         return None if states is None else states[0]
-    if all("streams" in s for s in states):
-        return {**states[0], "streams": {r: s for st in states for r, s in st["streams"].items()}}
+    if all("workers" not in s for s in states):
+        return {**states[0], "streams": {r: s for st in states for r, s in st.get("streams", {}).items()}}
     return {"processes": states}
 
 

@@ -112,6 +112,30 @@ def test_windows_state_restores_another_process_count_and_worker_count(corpus):
         workers.close()
 
 
+def test_the_loops_merged_windows_state_restores_another_process_count(corpus, monkeypatch):
+    """Two processes' windows states, merged as the loop merges them for a checkpoint, restore one."""
+    from lumen_jax.train import loop
+
+    cfg = prepared_cfg(corpus, order="windows", num_workers=0)
+    halves = [TrainData(cfg, seed=2, process_index=p, process_count=2) for p in range(2)]
+    for h in halves:
+        take(h, 4)
+    monkeypatch.setattr(loop.distributed, "gather_json", lambda state, to_all=True: [h.get_state() for h in halves])
+    merged = json.loads(json.dumps(loop._all_data_states(halves[0].get_state())))
+    whole = TrainData(cfg, seed=2)
+    whole.set_state(loop._own_data_state(merged))
+    expected = [np.concatenate([next(h)["inputs"] for h in halves]) for _ in range(2)]
+    assert_same([{"inputs": b["inputs"]} for b in take(whole, 2)], [{"inputs": e} for e in expected])
+
+
+def test_eval_paths_may_be_prepared_directories_or_globs(corpus):
+    prepared = TrainData(prepared_cfg(corpus, eval_paths=(corpus["dir"],)), seed=0, split="eval")
+    text = TrainData(prepared_cfg(corpus, eval_paths=corpus["globs"]), seed=0, split="eval")
+    assert_same(take(prepared, 3), take(text, 3))
+    with pytest.raises(DataError, match=r"mixes prepared directories and globs of files; give one kind"):
+        TrainData(prepared_cfg(corpus, eval_paths=(corpus["dir"], *corpus["globs"])), seed=0, split="eval")
+
+
 def test_a_tokenizer_other_than_the_manifests_is_refused(corpus, tmp_path):
     from helpers.data import write_bpe_tokenizer
 
