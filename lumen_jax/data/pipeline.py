@@ -62,7 +62,7 @@ from lumen_jax.config import DataConfig, MixtureSource
 from lumen_jax.data import mixture
 from lumen_jax.data.errors import DataError
 from lumen_jax.data.prepared import MANIFEST, PreparedDocuments
-from lumen_jax.data.sources import Documents, HeldOut, builtin_documents, file_documents
+from lumen_jax.data.sources import HeldOut, builtin_documents, file_documents
 from lumen_jax.data.tokenizer import build_tokenizer
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")

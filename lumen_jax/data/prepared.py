@@ -81,7 +81,7 @@ class _Shard:
         self.bin = os.path.join(directory, info["name"] + ".bin")
         self.idx = os.path.join(directory, info["name"] + ".idx")
         self.documents, self.tokens, self.dtype = int(info["documents"]), int(info["tokens"]), dtype
-        fix = f"run the same python -m lumen_jax.data.prepare command again: it redoes damaged shards"
+        fix = "run the same python -m lumen_jax.data.prepare command again: it redoes damaged shards"
         for path, want in ((self.bin, self.tokens * np.dtype(dtype).itemsize), (self.idx, 8 * (self.documents + 1))):
             try:
                 size = os.path.getsize(path)
