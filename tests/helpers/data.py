@@ -1,4 +1,4 @@
-"""Synthetic packed batches for model and step tests (no data pipeline involved)."""
+"""Synthetic packed batches for model and step tests; small corpora on disk and `python -m lumen_jax.data.prepare`."""
 
 import numpy as np
 
