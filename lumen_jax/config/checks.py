@@ -33,7 +33,7 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("optim.z_loss", ">=", 0), ("optim.loss_scale_init", ">", 0),
     ("optim.loss_scale_growth_interval", ">=", 1),
     ("data.seq_len", ">=", 1), ("data.global_batch_size", ">=", 1), ("data.builtin_max_bytes", ">=", 1),
-    ("data.num_workers", ">=", 0), ("data.eval_share", ">=", 0), ("data.eval_share", "<", 1),
+    ("data.num_workers", ">=", 0), ("data.prefetch", ">=", 0), ("data.eval_share", ">=", 0), ("data.eval_share", "<", 1),
     ("train.eval_every", ">=", 0), ("train.eval_batches", ">=", 1),
     ("train.steps", ">=", 1), ("train.micro_batches", ">=", 1), ("train.max_nonfinite_steps", ">=", 1),
     ("train.sdc_check_every", ">=", 0), ("train.slow_step_factor", ">", 1), ("mesh.pipeline_virtual_stages", ">=", 1),
@@ -205,12 +205,43 @@ def _schedule(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
 @rule
 def _data_source(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
     d = cfg.data
-    yield (d.source == "files" or not d.paths,
+    yield (d.source != "builtin" or not d.paths,
            f"data.paths={show(d.paths)} is set but data.source={d.source!r} ignores it; set data.source=files "
-           "to train on those files, or remove data.paths")
-    yield (d.source != "files" or bool(d.paths),
-           "data.source='files' but data.paths=[] is empty; set data.paths=[glob, ...] "
+           "(or prepared) to train on those paths, or remove data.paths")
+    yield (d.source == "builtin" or bool(d.paths) or bool(d.mixture),
+           f"data.source={d.source!r} but data.paths=[] is empty; set data.paths=[...] (or data.mixture) "
            "or data.source=builtin")
+
+
+@rule
+def _data_mixture(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
+    """data.mixture: sources with weights, instead of data.paths; data.order=windows needs prepared data."""
+    d = cfg.data
+    yield (not d.mixture or not d.paths,
+           f"data.mixture and data.paths={show(d.paths)} are both set; list every source in data.mixture "
+           "(paths and weight each) and remove data.paths")
+    yield (not d.mixture or d.source != "builtin",
+           "data.mixture needs data.source=files or prepared (the builtin corpus is one source)")
+    names = []
+    for i, m in enumerate(d.mixture):
+        yield (bool(m.paths), f"data.mixture[{i}].paths is empty; give the source's "
+               + ("prepared directories" if d.source == "prepared" else "globs"))
+        yield (m.weight > 0 and math.isfinite(m.weight), f"data.mixture[{i}].weight={show(m.weight)} must be a "
+               "positive number; remove the source "
+               "to leave it out")
+        names.append(m.label)
+    dup = sorted({n for n in names if names.count(n) > 1})
+    yield (not dup, f"data.mixture has two sources named {dup[0] if dup else ''!r}; give each a "
+           "distinct name (data.mixture[i].name)")
+    yield (d.order == "documents" or d.source == "prepared",
+           f"data.order=windows cuts the prepared token stream into windows; it needs data.source=prepared "
+           f"(not {d.source!r}), or data.order=documents")
+    yield (d.order == "documents" or not d.eval_share,
+           f"data.order=windows cuts whole token streams and cannot hold out data.eval_share={d.eval_share} of "
+           "their documents; hold out data with data.eval_paths, or use data.order=documents")
+    for p in d.paths if d.source == "prepared" else ():
+        yield (os.path.isdir(p), f"data.paths entry {p!r} is not a directory; data.source=prepared reads "
+               "directories written by python -m lumen_jax.data.prepare --out DIR")
 
 
 @rule

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
+import re
 import types
 import typing
 from typing import Any, Mapping, Sequence
@@ -192,11 +194,32 @@ class OptimConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MixtureSource:
+    """One source of `data.mixture`: its paths (as data.paths for data.source), its share of the rows."""
+
+    paths: tuple[str, ...] = ()
+    weight: float = 1.0  # rows drawn in proportion to the weights (normalised over the mixture)
+    name: str = ""  # in metrics (tokens_<name>); "": the first path's last name before any glob
+
+    @property
+    def label(self) -> str:
+        """`name`, else the first path's last component before any glob: data/web -> web,
+        corpus/code/*.jsonl -> code."""
+        if self.name:
+            return self.name
+        parts = [p for p in re.split(r"[\\/]", self.paths[0]) if p] if self.paths else []
+        fixed = list(itertools.takewhile(lambda p: not any(c in p for c in "*?["), parts))
+        return fixed[-1] if fixed else "source"
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Token source, tokenizer and packing."""
 
-    source: str = "builtin"  # builtin (Python stdlib text, no download) | files
-    paths: tuple[str, ...] = ()  # globs of .txt / .jsonl / .parquet files when source=files
+    source: str = "builtin"  # builtin (Python stdlib text, no download) | files | prepared
+    paths: tuple[str, ...] = ()  # source=files: globs of .txt / .jsonl / .parquet; prepared: directories
+    mixture: tuple[MixtureSource, ...] = ()  # instead of paths: sources with weights (files or prepared)
+    order: str = "documents"  # documents (shuffle documents, pack per row) | windows (prepared: shuffle windows)
     text_field: str = "text"  # field holding the text in jsonl / parquet rows
     tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizers JSON file
     seq_len: int = 128
@@ -204,6 +227,7 @@ class DataConfig:
     builtin_max_bytes: int = 4_000_000  # cap on the builtin corpus (bytes of source text)
     shuffle: bool = True
     num_workers: int = 0  # grain worker processes (0: in-process)
+    prefetch: int = 0  # batches made ahead in the background (a thread; with num_workers, per worker)
     eval_paths: tuple[str, ...] = ()  # globs of held-out files for evaluation (same formats as paths)
     eval_share: float = 0.0  # without eval_paths: this share of the documents is held out of training
 
@@ -311,7 +335,8 @@ class Config:
 SCHEDULES = ("cosine", "linear", "constant")
 ZERO_STAGES = (1, 2, 3)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")  # lumen_jax.parallel.pipeline.schedule.SCHEDULES
-DATA_SOURCES = ("builtin", "files")
+DATA_SOURCES = ("builtin", "files", "prepared")
+DATA_ORDERS = ("documents", "windows")
 PLATFORMS = ("", "cpu", "gpu", "cuda", "rocm", "tpu")
 
 # Enum-like fields: the allowed values, checked on load and in `validate`.
@@ -333,6 +358,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "mesh.reduce_dtype": ("float32", "bfloat16"),
     "mesh.pipeline_schedule": PIPELINE_SCHEDULES,
     "data.source": DATA_SOURCES,
+    "data.order": DATA_ORDERS,
     "runtime.platform": PLATFORMS,
     "runtime.malloc": ("reuse", "default"),
 }
@@ -352,8 +378,11 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 # Sub-sections one level down (`model.fp8.recipe`): a field whose type is a dataclass.
 NESTED: dict[str, type] = {"model.fp8": Fp8Config, "model.moe": MoeConfig}
+# Lists of sub-sections (`data.mixture: [{paths: [...], weight: 0.7}, ...]`): each item a mapping.
+ITEMS: dict[str, type] = {"data.mixture": MixtureSource}
 
 _TYPES = {section: _field_types(cls) for section, cls in {**SECTIONS, **NESTED}.items()}
+_ITEM_TYPES = {key: _field_types(cls) for key, cls in ITEMS.items()}
 
 # Keys that moved to another section: the old spelling is an error naming the new one.
 MOVED: dict[str, str] = {
@@ -436,6 +465,8 @@ def _convert(key: str, value: Any, typ: Any) -> Any:
     elif typ is str:
         if not isinstance(value, str):
             raise wrong("a str")
+    elif key in ITEMS:  # a list of sub-sections (data.mixture): mappings of the item's keys
+        return tuple(_convert_item(f"{key}[{i}]", v, key) for i, v in enumerate(_listed(key, value, wrong)))
     elif typing.get_origin(typ) is tuple:  # tuple[str, ...] or tuple[int, ...]
         item = typing.get_args(typ)[0]
         if not isinstance(value, (list, tuple)) or not all(
@@ -462,6 +493,34 @@ def _convert(key: str, value: Any, typ: Any) -> Any:
         raise ConfigError(f"{key}={show(value)} is not one of the allowed values; "
                           f"choose {key} from {', '.join(show(a) for a in allowed)}")
     return value
+
+
+def _listed(key: str, value: Any, wrong: Any) -> Sequence[Any]:
+    if not isinstance(value, (list, tuple)):
+        keys = ", ".join(_ITEM_TYPES[key])
+        raise wrong(f"a list of mappings ({keys}), e.g. {key}=[{{paths: [a], weight: 0.7}}, "
+                    "{paths: [b], weight: 0.3}]")
+    return value
+
+
+def _convert_item(where: str, value: Any, key: str) -> Any:
+    """One item of a list of sub-sections, e.g. `data.mixture[0]`: a mapping of the item class's keys."""
+    cls, types_ = ITEMS[key], _ITEM_TYPES[key]
+    if isinstance(value, cls):
+        value = dataclasses.asdict(value)
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}={show(value)} must be a mapping of {', '.join(types_)}; "
+                          f"got {type(value).__name__}")
+    fields = {}
+    for k, v in value.items():
+        if k not in types_:
+            close = _close(k, types_)
+            raise ConfigError(f"unknown key {where}.{k}" + (f"; did you mean {close}?" if close else "")
+                              + f" (keys of {key} items: {', '.join(types_)})")
+        if types_[k] == tuple[str, ...] and isinstance(v, str):
+            v = [v]  # paths: data/web, one item
+        fields[k] = _convert(f"{where}.{k}", v, types_[k])
+    return cls(**fields)
 
 
 def from_dict(d: Mapping[str, Any]) -> Config:
@@ -507,7 +566,7 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 # `from lumen_jax.config import ...` (the package re-exports these)
 __all__ = ["ConfigError", "ATTENTION_IMPLS", "CONTEXT_PARALLEL", "CONTEXT_BALANCE", "REMAT_POLICIES",
            "COMPUTE_DTYPES", "ROPE_SCALINGS", "FP8_RECIPES", "FP8_LAYERS", "FP8_KEEP_BF16",
-           "MOE_ROUTERS", "Fp8Config", "MoeConfig", "ModelConfig", "MeshConfig", "OptimConfig",
+           "MOE_ROUTERS", "Fp8Config", "MoeConfig", "MixtureSource", "DATA_ORDERS", "ITEMS", "ModelConfig", "MeshConfig", "OptimConfig",
            "DataConfig", "TrainConfig", "CheckpointConfig", "LogConfig", "RuntimeConfig",
            "DistributedConfig", "Config", "SCHEDULES", "ZERO_STAGES", "PIPELINE_SCHEDULES",
            "DATA_SOURCES", "PLATFORMS", "CHOICES", "SECTIONS", "NESTED", "MOVED", "show", "suggest_key",

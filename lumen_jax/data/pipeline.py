@@ -21,6 +21,22 @@ same for every process count: exactly what `jax.make_array_from_process_local_da
 of packing per stream instead of once globally: each row's packing context is its own stream (no effect
 on the token mix), and every process indexes the whole corpus's file list (cheap metadata).
 
+Sources. `data.source=prepared` reads documents already tokenized (prepared.py): the same documents
+in the same order as `files` over the inputs they were prepared from, so the same batches for the
+same seed. `data.mixture` gives several sources with weights: each row comes whole from one source,
+chosen by grain's mixing over the global row position (mixture.py); stream r then keeps one packed
+stream per source. The state also records the batches taken and, for a mixture, the tokens each
+source gave so far (the same number on every process; the loop logs them as tokens_<name>).
+
+Windows. `data.order=windows` (prepared data only) cuts each source's token stream, all documents back
+to back in order, into windows of seq_len + 1 tokens and shuffles the windows (a fresh permutation per
+epoch; the Megatron / nanoGPT sampler). A window is one row, segment ids and positions from the
+document boundaries inside it, exactly as packing would give for the same tokens. Global row
+position g = b*G + r is a pure function of (seed, g), so a batch is random access: the state is the
+batch count alone, and it restores any process count and any data.num_workers (grain workers take
+batches w, w+W, ... and give them back in order). With one stream and no shuffle the windows are
+exactly the rows documents-mode packing gives over the same tokens in their first epoch.
+
 State. A stream's state is grain's: its position in the document order plus the split point of the
 document in progress (concat-then-split re-reads and re-tokenizes that one document on restore).
 `get_state()` is `{"streams": {"r": state_r, ...}, "config": {...}}` for the process's own streams; the
@@ -32,16 +48,21 @@ worker) only restores the same num_workers and process count.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import sys
 import weakref
 from typing import Any, Iterator
 
 import grain
 import numpy as np
 
-from lumen_jax.config import DataConfig
+from lumen_jax.config import DataConfig, MixtureSource
+from lumen_jax.data import mixture
 from lumen_jax.data.errors import DataError
-from lumen_jax.data.sources import Documents, HeldOut, builtin_documents, file_documents
+from lumen_jax.data.prepared import MANIFEST, PreparedDocuments
+from lumen_jax.data.sources import HeldOut, builtin_documents, file_documents
 from lumen_jax.data.tokenizer import build_tokenizer
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -54,7 +75,9 @@ class _Tokenize:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def __call__(self, text: str) -> dict[str, np.ndarray]:
+    def __call__(self, text: str | np.ndarray) -> dict[str, np.ndarray]:
+        if isinstance(text, np.ndarray):  # a prepared document: [BOS, ids..., EOS] already
+            return {"tokens": text}
         ids = self.tokenizer.encode(text)
         tokens = np.empty(len(ids) + 2, np.int32)
         tokens[0], tokens[1:-1], tokens[-1] = self.tokenizer.bos_id, ids, self.tokenizer.eos_id
@@ -81,20 +104,46 @@ class _Row:
         }
 
 
+class _Window:
+    """Window w of a prepared token stream (seq_len + 1 tokens) -> one training row, its segments and
+    positions from the document starts inside it (a document cut at the window's start restarts at 0)."""
+
+    def __init__(self, docs: PreparedDocuments, seq_len: int, pad_id: int):
+        self.docs, self.length, self.row = docs, seq_len + 1, _Row(pad_id)
+
+    def __call__(self, w: int) -> dict[str, np.ndarray]:
+        tokens, starts = self.docs.span(w * self.length, (w + 1) * self.length)
+        at = np.arange(self.length)
+        return self.row({"tokens": tokens, "tokens_segment_ids": 1 + np.cumsum(starts) - starts[0],
+                         "tokens_positions": at - np.maximum.accumulate(np.where(starts, at, 0))})
+
+
+class _Batch:
+    """Global batch b -> this process's rows of it: global row positions b*G + r, r in `streams`."""
+
+    def __init__(self, rows: grain.MapDataset, streams: range, num_streams: int):
+        self.rows, self.streams, self.num_streams = rows, streams, num_streams
+
+    def __call__(self, b: int) -> dict[str, np.ndarray]:
+        return _stack(tuple(self.rows[b * self.num_streams + r] for r in self.streams))
+
+
 def _stack(rows: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray]:
     return {k: np.stack([r[k] for r in rows]) for k in BATCH_KEYS}
 
 
-def _shuffle_seed(seed: int) -> int:
+def _shuffle_seed(seed: int, source: int = 0) -> int:
     # grain reseeds epoch e with seed + e; mixing keeps seed s+1 from replaying seed s's epoch 1.
-    return int(np.random.SeedSequence(seed % 2**64).generate_state(1)[0])
+    entropy = seed % 2**64 if source == 0 else [seed % 2**64, source]
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0])
 
 
-def document_order(docs: Documents, *, seed: int, shuffle: bool) -> grain.MapDataset:
-    """The infinite global document order: a seeded permutation per epoch (or index order)."""
+def document_order(docs: Any, *, seed: int, shuffle: bool, source: int = 0) -> grain.MapDataset:
+    """The infinite global order of `docs` (documents, or window indices): a seeded permutation per
+    epoch (or index order). `source`: the mixture source, whose permutation is its own."""
     ds = grain.MapDataset.source(docs)
     if shuffle:
-        ds = ds.shuffle(seed=_shuffle_seed(seed))
+        ds = ds.shuffle(seed=_shuffle_seed(seed, source))
     return ds.repeat()
 
 
@@ -108,20 +157,46 @@ def packed_stream(order: grain.MapDataset, stream: int, num_streams: int, tokeni
     return ds.map(_Row(tokenizer.pad_id))
 
 
-def _documents(cfg: DataConfig, split: str) -> Documents | HeldOut:
-    """split='train': the training documents (without the held-out share); 'eval': the held-out ones
-    (data.eval_paths, else the data.eval_share of the training source)."""
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One source of the rows: its name (metrics), weight and documents."""
+
+    name: str
+    weight: float
+    documents: Any  # Documents | HeldOut | PreparedDocuments: len(), [i] -> text or tokens
+
+
+def _open(source: str, paths: tuple[str, ...], cfg: DataConfig, key: str) -> Any:
+    if source == "builtin":
+        return builtin_documents(cfg.builtin_max_bytes)
+    if source == "prepared":
+        return PreparedDocuments(paths, cfg.tokenizer, build_tokenizer(cfg.tokenizer), key)
+    return file_documents(paths, cfg.text_field)
+
+
+def sources(cfg: DataConfig, split: str) -> list[Source]:
+    """split='train': the training documents of each source (without the held-out share); 'eval': the
+    held-out ones (data.eval_paths, else the data.eval_share of each training source)."""
     if split not in ("train", "eval"):
         raise DataError(f"{split=} must be train or eval")
-    if split == "eval" and cfg.eval_paths:
-        return file_documents(cfg.eval_paths, cfg.text_field)
+    if split == "eval" and cfg.eval_paths:  # prepared directories or globs of files
+        prepared = [os.path.isfile(os.path.join(os.path.expanduser(p), MANIFEST)) for p in cfg.eval_paths]
+        if any(prepared) and not all(prepared):
+            raise DataError(f"data.eval_paths={list(cfg.eval_paths)} mixes prepared directories and globs of "
+                            "files; give one kind")
+        return [Source("eval", 1.0, _open("prepared" if all(prepared) else "files", cfg.eval_paths, cfg,
+                                          "data.eval_paths"))]
     if split == "eval" and not cfg.eval_share:
         raise DataError("no held-out data: set data.eval_paths=[glob, ...] or data.eval_share (e.g. 0.01)")
-    docs = (builtin_documents(cfg.builtin_max_bytes) if cfg.source == "builtin"
-            else file_documents(cfg.paths, cfg.text_field))
-    if cfg.eval_share and not cfg.eval_paths:
-        return HeldOut(docs, cfg.eval_share, held_out=split == "eval")
-    return docs
+    entries = cfg.mixture or (MixtureSource(paths=cfg.paths),)
+    out = []
+    for i, m in enumerate(entries):
+        key = f"data.mixture[{i}].paths" if cfg.mixture else "data.paths"
+        docs = _open(cfg.source, m.paths, cfg, key)
+        if cfg.eval_share:
+            docs = HeldOut(docs, cfg.eval_share, held_out=split == "eval")
+        out.append(Source(m.label if cfg.mixture else cfg.source, m.weight, docs))
+    return out
 
 
 def _close_iterator(holder: list) -> None:
@@ -159,30 +234,80 @@ class TrainData:
         if cfg.global_batch_size < 1 or cfg.global_batch_size % process_count:
             raise DataError(f"data.global_batch_size={cfg.global_batch_size} must be a positive multiple "
                             f"of the process count {process_count}")
-        if cfg.source not in ("builtin", "files"):
-            raise DataError(f"data.source={cfg.source!r} is not one of builtin, files")
+        if cfg.source not in ("builtin", "files", "prepared"):
+            raise DataError(f"data.source={cfg.source!r} is not one of builtin, files, prepared")
+        if cfg.order == "windows" and cfg.source != "prepared":
+            raise DataError(f"data.order=windows needs data.source=prepared (not {cfg.source!r}), "
+                            "or data.order=documents")
         self.cfg, self.seed = cfg, seed
         self.process_index, self.process_count = process_index, process_count
         self.local_batch_size = cfg.global_batch_size // process_count
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         self.split = split
-        self.documents = _documents(cfg, split)
+        self.sources = sources(cfg, split)
+        self.documents = self.sources[0].documents if len(self.sources) == 1 else None
+        if cfg.order == "windows" and cfg.eval_share:
+            raise DataError(f"data.order=windows cuts whole prepared token streams and cannot hold out "
+                            f"data.eval_share={cfg.eval_share} of their documents; hold out data with "
+                            "data.eval_paths (prepared directories), or use data.order=documents")
+        # Evaluation on text files (data.eval_paths globs) packs documents whatever data.order says.
+        self.windows = cfg.order == "windows" and all(isinstance(s.documents, PreparedDocuments)
+                                                      for s in self.sources)
         first = process_index * self.local_batch_size
         self.streams = range(first, first + self.local_batch_size)
-        order = document_order(self.documents, seed=seed, shuffle=cfg.shuffle)
-        ds = grain.experimental.ZipIterDataset(
-            [packed_stream(order, r, cfg.global_batch_size, self.tokenizer, cfg.seq_len)
-             for r in self.streams]).map(_stack)
-        if cfg.num_workers > 0:
+        self._batches = 0  # batches handed out (the windows' position, the mixture's token counts)
+        self._holder: list = []
+        self._finalizer = weakref.finalize(self, _close_iterator, self._holder)
+        self._start(0)
+
+    def _windows(self) -> grain.MapDataset:
+        """Global row position -> row, windows of every source mixed by weight (module docstring)."""
+        rows = []
+        for i, src in enumerate(self.sources):
+            prepared = src.documents
+            count = prepared.num_tokens // (self.cfg.seq_len + 1)
+            if not count:
+                raise DataError(f"data source {src.name!r} has {prepared.num_tokens} tokens, less than one window "
+                                f"of data.seq_len+1={self.cfg.seq_len + 1}; lower data.seq_len or add data")
+            order = document_order(grain.MapDataset.range(count), seed=self.seed, shuffle=self.cfg.shuffle, source=i)
+            rows.append(order.map(_Window(prepared, self.cfg.seq_len, self.tokenizer.pad_id)))
+        return rows[0] if len(rows) == 1 else grain.MapDataset.mix(rows, [s.weight for s in self.sources])
+
+    def _streams(self) -> grain.IterDataset:
+        """This process's packed streams (one per local row), each a mixture when there are sources."""
+        G, T, tok = self.cfg.global_batch_size, self.cfg.seq_len, self.tokenizer
+        orders = [document_order(s.documents, seed=self.seed, shuffle=self.cfg.shuffle, source=i)
+                  for i, s in enumerate(self.sources)]
+        if len(orders) == 1:
+            streams = [packed_stream(orders[0], r, G, tok, T) for r in self.streams]
+        else:
+            weights = [s.weight for s in self.sources]
+            streams = [mixture.Select(mixture.stream_selection(r, G, weights),
+                                      [packed_stream(o, r, G, tok, T) for o in orders]) for r in self.streams]
+        return grain.experimental.ZipIterDataset(streams).map(_stack)
+
+    def _start(self, batch: int) -> None:
+        """(Re)builds the iterator; windows start at global batch `batch` (random access)."""
+        _close_iterator(self._holder)
+        c = self.cfg
+        if self.windows:
+            ds = grain.MapDataset.range(batch, sys.maxsize).map(_Batch(self._windows(), self.streams,
+                                                                       c.global_batch_size))
+            ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+        else:
+            ds = self._streams()
+        if c.num_workers > 0:
             from absl import flags  # grain workers read absl flags; a non-absl program never parsed them
 
             if not flags.FLAGS.is_parsed():
                 flags.FLAGS.mark_as_parsed()
-            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers))
+            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=c.num_workers,
+                                                             per_worker_buffer_size=max(c.prefetch, 1)))
+        elif c.prefetch > 0:
+            ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=c.prefetch)
         # The iterator lives in a list the finalizer empties: closing and dropping it at collection or at
         # interpreter exit, while modules still exist (grain's own __del__ fails during teardown).
-        self._holder = [iter(ds)]
-        self._finalizer = weakref.finalize(self, _close_iterator, self._holder)
+        self._holder.append(iter(ds))
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self
@@ -195,32 +320,48 @@ class TrainData:
 
     def __next__(self) -> dict[str, np.ndarray]:
         batch = next(self._iterator)
+        self._batches += 1
         if self.cfg.num_workers > 0:  # own the memory: grain's shared-memory arrays leak if kept to exit
             batch = {k: np.array(v) for k, v in batch.items()}
         return batch
+
+    def tokens_per_source(self, batches: int) -> dict[str, int]:
+        """Tokens each source gave to the first `batches` global batches (every row: seq_len tokens)."""
+        rows = mixture.rows_per_source(batches * self.cfg.global_batch_size, [s.weight for s in self.sources])
+        return {s.name: n * self.cfg.seq_len for s, n in zip(self.sources, rows)}
 
     def _fingerprint(self) -> dict[str, Any]:
         c = self.cfg
         fp = {"version": _STATE_VERSION, "seed": self.seed, "shuffle": c.shuffle, "seq_len": c.seq_len,
               "global_batch_size": c.global_batch_size, "tokenizer": c.tokenizer,
-              "num_documents": len(self.documents), "num_workers": c.num_workers,
+              "num_documents": sum(len(s.documents) for s in self.sources), "num_workers": c.num_workers,
               **({"split": self.split, "eval_share": c.eval_share} if c.eval_share else {})}
-        if c.num_workers > 0:
+        if len(self.sources) > 1:
+            fp["mixture"] = [[s.name, s.weight, len(s.documents)] for s in self.sources]
+        if self.windows:  # batches are random access: any worker count, any process count
+            del fp["num_workers"]
+            fp["order"] = "windows"
+        elif c.num_workers > 0:
             fp.update(process_index=self.process_index, process_count=self.process_count)
         return fp
 
     def get_state(self) -> dict:
         """JSON-serialisable position of this process's streams (see the module docstring)."""
-        state = self._iterator.get_state()
+        state = {"config": self._fingerprint(), "batches": self._batches}
+        if len(self.sources) > 1:
+            state["tokens"] = self.tokens_per_source(self._batches)
+        if self.windows:
+            return state
+        grain_state = self._iterator.get_state()
         if self.cfg.num_workers > 0:
-            return {"config": self._fingerprint(), "workers": json.loads(json.dumps(state))}
-        return {"config": self._fingerprint(),
-                "streams": {str(r): s for r, s in zip(self.streams, state["parents"])}}
+            return {**state, "workers": json.loads(json.dumps(grain_state))}
+        return {**state, "streams": {str(r): s for r, s in zip(self.streams, grain_state["parents"])}}
 
     def check_state(self, state: dict) -> None:
         """Raises DataError when `get_state()` output was written by another data pipeline."""
         saved, now = state.get("config", {}), self._fingerprint()
         diff = [f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in now.items() if saved.get(k) != v]
+        diff += [f"{k}: saved {v!r}, now absent" for k, v in saved.items() if k not in now]
         if diff:
             raise DataError("data state does not match this data pipeline (" + "; ".join(diff)
                             + "); resume with the same data settings or start the data from scratch")
@@ -228,15 +369,18 @@ class TrainData:
     def set_state(self, state: dict) -> None:
         """Resume from `get_state()` output (after a JSON round trip is fine); raises DataError on mismatch."""
         self.check_state(state)
-        if self.cfg.num_workers > 0:
+        if self.windows:
+            self._start(state["batches"])
+        elif self.cfg.num_workers > 0:
             self._iterator.set_state(_tuples(state["workers"]))
-            return
-        missing = [r for r in self.streams if str(r) not in state["streams"]]
-        if missing:
-            raise DataError(f"data state has no entry for streams {missing} of process "
-                            f"{self.process_index}/{self.process_count}; pass the merged states of all "
-                            "processes when the process count changes")
-        self._iterator.set_state({"parents": [_tuples(state["streams"][str(r)]) for r in self.streams]})
+        else:
+            missing = [r for r in self.streams if str(r) not in state["streams"]]
+            if missing:
+                raise DataError(f"data state has no entry for streams {missing} of process "
+                                f"{self.process_index}/{self.process_count}; pass the merged states of all "
+                                "processes when the process count changes")
+            self._iterator.set_state({"parents": [_tuples(state["streams"][str(r)]) for r in self.streams]})
+        self._batches = state.get("batches", 0)  # states written before the count existed: counts from here
 
     def close(self) -> None:
         """Stops grain worker processes, if any. Also done when the object is collected or at exit."""

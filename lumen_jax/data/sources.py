@@ -21,6 +21,7 @@ import mmap
 import os
 import sys
 import sysconfig
+from typing import Iterator
 
 import numpy as np
 
@@ -59,11 +60,19 @@ class _TextFile:
                 raw = f.read() if self.limit is None else f.read(self.limit)
         except OSError as e:
             raise DataError(f"data file {self.path}: cannot read ({e.strerror})") from None
-        try:
-            return raw.decode("utf-8", errors="replace" if self.lenient else "strict")
-        except UnicodeDecodeError as e:
-            raise DataError(f"data file {self.path}: not valid UTF-8 at byte {e.start}; "
-                            "re-encode the file as UTF-8") from None
+        return raw.decode("utf-8", errors="replace") if self.lenient else utf8_text(raw, f"data file {self.path}")
+
+    def raw_records(self) -> Iterator[tuple[str, str, bytes]]:
+        """(where, kind, raw) of each document, in order, for `decode_record` (prepare reads these)."""
+        with open(self.path, "rb") as f:
+            yield f"data file {self.path}", "txt", f.read()
+
+
+def utf8_text(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not valid UTF-8 at byte {e.start}; re-encode the file as UTF-8") from None
 
 
 class _JsonlFile:
@@ -120,19 +129,31 @@ class _JsonlFile:
                 raw = f.read(int(self.ends[i] - self.starts[i]))
         except OSError as e:
             raise DataError(f"{where}: cannot read ({e.strerror})") from None
-        try:
-            record = json.loads(raw)
-        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-            raise DataError(f"{where}: not valid JSON ({_oneline(e)}); fix or remove the line") from None
-        if not isinstance(record, dict) or self.field not in record:
-            keys = ", ".join(map(str, record)) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
-            raise DataError(f"{where}: no field {self.field!r} (found {keys}); set data.text_field "
-                            "or fix the line")
-        text = record[self.field]
-        if not isinstance(text, str):
-            raise DataError(f"{where}: field {self.field!r} is {type(text).__name__}, not a string; "
-                            "fix or remove the line")
-        return text
+        return jsonl_text(raw, self.field, where)
+
+    def raw_records(self) -> Iterator[tuple[str, str, bytes]]:
+        if not len(self):
+            return
+        with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            for start, end, line in zip(self.starts.tolist(), self.ends.tolist(), self.lines.tolist()):
+                yield f"data file {self.path} line {line}", "jsonl", mm[start:end]
+
+
+def jsonl_text(raw: bytes, field: str, where: str) -> str:
+    """The string `field` of one jsonl line, or a DataError starting with `where` (file and line)."""
+    try:
+        record = json.loads(raw)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise DataError(f"{where}: not valid JSON ({_oneline(e)}); fix or remove the line") from None
+    if not isinstance(record, dict) or field not in record:
+        keys = ", ".join(map(str, record)) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+        raise DataError(f"{where}: no field {field!r} (found {keys}); set data.text_field "
+                        "or fix the line")
+    text = record[field]
+    if not isinstance(text, str):
+        raise DataError(f"{where}: field {field!r} is {type(text).__name__}, not a string; "
+                        "fix or remove the line")
+    return text
 
 
 class _ParquetFile:
@@ -172,11 +193,34 @@ class _ParquetFile:
             except (OSError, ValueError) as e:
                 raise DataError(f"data file {self.path}: cannot read column {self.field!r} "
                                 f"({_oneline(e)})") from None
-        text = self._column[i].as_py()
-        if text is None:
-            raise DataError(f"data file {self.path} row {i}: {self.field!r} is null; "
-                            "drop or fill null rows")
-        return text
+        return parquet_text(self._column[i].as_py(), self.field, f"data file {self.path} row {i}")
+
+    def raw_records(self) -> Iterator[tuple[str, str, str | None]]:
+        import pyarrow.parquet as pq
+
+        try:
+            i = 0
+            for batch in pq.ParquetFile(self.path).iter_batches(batch_size=4096, columns=[self.field]):
+                for text in batch.column(0).to_pylist():
+                    yield f"data file {self.path} row {i}", "parquet", text
+                    i += 1
+        except (OSError, ValueError) as e:
+            raise DataError(f"data file {self.path}: cannot read column {self.field!r} ({_oneline(e)})") from None
+
+
+def parquet_text(text: str | None, field: str, where: str) -> str:
+    if text is None:
+        raise DataError(f"{where}: {field!r} is null; drop or fill null rows")
+    return text
+
+
+def decode_record(kind: str, raw: bytes | str | None, field: str, where: str) -> str:
+    """The text of one `raw_records` item, or the DataError on-the-fly reading would raise for it."""
+    if kind == "jsonl":
+        return jsonl_text(raw, field, where)
+    if kind == "txt":
+        return utf8_text(raw, where)
+    return parquet_text(raw, field, where)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -249,37 +293,48 @@ def builtin_documents(max_bytes: int) -> Documents:
     return Documents(files, f"{len(files)} .py files, {max_bytes - max(left, 0)} bytes of {root}")
 
 
-def file_documents(patterns: tuple[str, ...] | list[str], text_field: str) -> Documents:
-    """The documents of the files matched by `patterns` (globs, `**` allowed), in sorted order per glob."""
+def list_files(patterns: tuple[str, ...] | list[str], key: str = "data.paths") -> list[str]:
+    """The files matched by `patterns` (globs, `**` allowed): sorted per glob, globs in order, no repeats."""
     if not patterns:
-        raise DataError("data.source=files needs data.paths: globs of .txt / .jsonl / .parquet files")
+        raise DataError(f"{key} is empty: give globs of .txt / .jsonl / .parquet files")
     paths: list[str] = []
     for pattern in patterns:
         matched = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
         if not matched:
-            raise DataError(f"data.paths entry {pattern!r} matches no files; check the path or glob")
+            raise DataError(f"{key} entry {pattern!r} matches no files; check the path or glob")
         for p in matched:
             if os.path.isdir(p):
-                raise DataError(f"data.paths entry {pattern!r} matches the directory {p}; "
+                raise DataError(f"{key} entry {pattern!r} matches the directory {p}; "
                                 f"use a glob such as {os.path.join(p, '*.jsonl')!r}")
             if p not in paths:
                 paths.append(p)
+    return paths
+
+
+def open_file(path: str, text_field: str) -> _TextFile | _JsonlFile | _ParquetFile | None:
+    """The document index of one file (None: an empty .txt file, which holds no document)."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".txt":
+        return _TextFile(path) if os.path.getsize(path) else None  # empty: it would train on BOS and EOS alone
+    if ext == ".jsonl":
+        return _JsonlFile(path, text_field)
+    if ext == ".parquet":
+        return _ParquetFile(path, text_field)
+    raise DataError(f"data file {path}: unsupported extension {ext!r}; use .txt (one document per "
+                    "file), .jsonl (one per line) or .parquet (column data.text_field)")
+
+
+def file_documents(patterns: tuple[str, ...] | list[str], text_field: str) -> Documents:
+    """The documents of the files matched by `patterns` (globs, `**` allowed), in sorted order per glob."""
+    if not patterns:
+        raise DataError("data.source=files needs data.paths: globs of .txt / .jsonl / .parquet files")
+    paths = list_files(patterns)
     files, empty = [], 0
     for p in paths:
-        ext = os.path.splitext(p)[1].lower()
-        if ext == ".txt":
-            if os.path.getsize(p) == 0:  # an empty document: it would train on BOS and EOS alone
-                empty += 1
-                continue
-            files.append(_TextFile(p))
-        elif ext == ".jsonl":
-            files.append(_JsonlFile(p, text_field))
-            empty += files[-1].empty
-        elif ext == ".parquet":
-            files.append(_ParquetFile(p, text_field))
-        else:
-            raise DataError(f"data file {p}: unsupported extension {ext!r}; use .txt (one document per "
-                            "file), .jsonl (one per line) or .parquet (column data.text_field)")
+        f = open_file(p, text_field)
+        empty += 1 if f is None else getattr(f, "empty", 0)
+        if f is not None:
+            files.append(f)
     docs = Documents(files, f"{len(files)} files from {', '.join(patterns)}")
     if not len(docs):
         raise DataError(f"data.paths {', '.join(patterns)} matched {len(paths)} files but no documents "

@@ -203,6 +203,14 @@ class Evaluation:
         self.times.excluded_s += time.perf_counter() - t0
 
 
+class DataTokens:
+    """A data mixture's tokens per source so far into the logged rows (`tokens_<name>`): the data state
+    carries them (data/mixture.py), the same on every process."""
+
+    def __call__(self, info: StepInfo) -> None:
+        info.row.update({f"tokens_{name}": n for name, n in info.data_state.get("tokens", {}).items()})
+
+
 class Logging:
     """Every `log.every_steps` steps, the last step and any step with values in its row (evaluation):
     the step's metrics, where the time went (metrics/timing.py), tokens/s and MFU into metrics.jsonl,

@@ -54,14 +54,16 @@ class RunSpec:
 def _all_data_states(state: dict) -> dict | None:
     """Every process's data position, merged (on process 0; None on the others).
 
-    Stream states merge into one state that restores any process count (data/pipeline.py); grain
-    worker states (data.num_workers > 0) only restore the same processes, so they are kept as a list.
+    Stream states merge into one state that restores any process count (data/pipeline.py; a
+    data.order=windows state has no streams, only the batch count every process shares); grain
+    worker states (data.num_workers > 0, documents order) only restore the same processes, so they
+    are kept as a list.
     """
     states = distributed.gather_json(state, to_all=False)
     if states is None or len(states) == 1:
         return None if states is None else states[0]
-    if all("streams" in s for s in states):
-        return {**states[0], "streams": {r: s for st in states for r, s in st["streams"].items()}}
+    if all("workers" not in s for s in states):
+        return {**states[0], "streams": {r: s for st in states for r, s in st.get("streams", {}).items()}}
     return {"processes": states}
 
 
@@ -192,6 +194,7 @@ def standard_hooks(spec: RunSpec, trainer: Trainer, run_dir: str, ckpt: Checkpoi
         hooks.add(hooks_lib.DeviceMemory(local), every=every_log, at_last=True)
     if jax.process_count() > 1:
         hooks.add(hooks_lib.Stragglers(t.slow_step_factor, events, times, start), every=every_log, at_last=True)
+    hooks.add(hooks_lib.DataTokens(), every=spec.log.every_steps, at_last=True)  # the rows logging writes
     hooks.add(logging)
     hooks.add(preemption.check)
     hooks.add(hooks_lib.Checkpointing(ckpt, meta, times))

@@ -372,6 +372,38 @@ def test_data_source_and_tokenizer(tmp_path):
     validate(with_(TINY, data=dict(tokenizer=str(tmp_path / "tok.json"))), 8)
 
 
+def test_data_mixture_from_yaml_and_overrides(tmp_path):
+    path = write(tmp_path, "mix.yaml", """
+        data:
+          source: prepared
+          mixture: [{paths: [data/web], weight: 0.7}, {paths: data/code, weight: 0.3, name: code}]
+        """)
+    mix = load_config(path).data.mixture
+    assert mix == (C.MixtureSource(paths=("data/web",), weight=0.7), C.MixtureSource(("data/code",), 0.3, "code"))
+    assert [m.label for m in mix] == ["web", "code"]
+    over = load_config(None, ["data.source=prepared", "data.mixture=[{paths: [data/web], weight: 1}]"]).data
+    assert over.mixture == (C.MixtureSource(paths=("data/web",), weight=1.0),)
+    assert from_dict(to_dict(load_config(path))) == load_config(path)  # round trip through JSON-like dicts
+    with pytest.raises(ConfigError, match=r"^unknown key data.mixture\[0\].wieght; did you mean weight\?"):
+        load_config(None, ["data.mixture=[{paths: [a], wieght: 1}]"])
+    with pytest.raises(ConfigError, match=r"^data.mixture\[0\]='a' must be a mapping of paths, weight, name"):
+        load_config(None, ["data.mixture=a"])
+    with pytest.raises(ConfigError, match=r"^data.mixture=3 must be a list of mappings \(paths, weight, name\)"):
+        from_dict({"data": {"mixture": 3}})
+
+
+@pytest.mark.parametrize("data, fragment", [
+    (dict(source="prepared", paths=("web",), mixture=(C.MixtureSource(("code",)),)), "data.mixture and data.paths"),
+    (dict(mixture=(C.MixtureSource(("code",)),)), "data.mixture needs data.source=files or prepared"),
+    (dict(source="files", mixture=(C.MixtureSource(("a",), 0.0),)), "data.mixture[0].weight=0.0 must be a positive"),
+    (dict(source="files", mixture=(C.MixtureSource(("x/a",)), C.MixtureSource(("y/a",)))), "data.mixture has two sources named 'a'"),
+    (dict(source="files", paths=("a.txt",), order="windows"), "data.order=windows cuts the prepared token stream"),
+    (dict(source="prepared", paths=("no/such/dir",)), "data.paths entry 'no/such/dir' is not a directory"),
+])
+def test_data_mixture_and_order_rules(data, fragment):
+    assert error(validate, with_(TINY, data=data), 8).startswith(fragment)
+
+
 def test_rope_llama3_factors():
     cfg = with_(TINY, model=dict(rope_scaling="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=4.0))
     assert "model.rope_high_freq_factor=4.0 must be > model.rope_low_freq_factor=4.0" in error(validate, cfg, 8)

@@ -5,7 +5,7 @@ root conftest.py, on sys.path; the test folders have no __init__.py, so test fil
   tolerances   relative tolerances by dtype; `assert_tree_close`
   meshes       mesh shapes with every axis 1 unless given; small meshes on the first devices
   metrics      a run directory's metrics.jsonl
-  data         synthetic packed batches
+  data         synthetic packed batches; small corpora on disk, a BPE tokenizer, the prepare command
   run          a small fp32 config, meshes over it and a 3-step run to compare; FAST_RUN
   faults       a tiny trained run directory, snapshots of files, a full disk
   hf           a small random Hugging Face Llama and its logits

@@ -1,0 +1,128 @@
+"""`python -m lumen_jax.data.prepare`: the tokens, slices and the join, resume, bad records, bad arguments."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from helpers.data import prepare, write_bpe_tokenizer, write_corpus
+from helpers.faults import snapshot
+from lumen_jax.data import DataError, PreparedDocuments, build_tokenizer, file_documents
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    globs = write_corpus(root / "text")
+    docs = file_documents(globs, "text")
+    tokenizer = write_bpe_tokenizer(root / "tokenizer.json", [docs[i] for i in range(len(docs))], vocab_size=300)
+    return {"root": root, "globs": globs, "tokenizer": tokenizer, "docs": docs}
+
+
+def run_prepare(corpus, out, *extra: str):
+    proc = prepare("--input", *corpus["globs"], "--tokenizer", corpus["tokenizer"], "--out", str(out), *extra)
+    return proc
+
+
+def test_prepared_tokens_are_the_on_the_fly_tokens(corpus, tmp_path):
+    proc = run_prepare(corpus, tmp_path / "out", "--workers", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""  # no bad records, no warnings
+    tok = build_tokenizer(corpus["tokenizer"])
+    prepared = PreparedDocuments([str(tmp_path / "out")], corpus["tokenizer"], tok)
+    docs = corpus["docs"]
+    assert len(prepared) == len(docs) == 30 + 15 + 2  # jsonl lines, parquet rows, txt files
+    for i in range(len(docs)):  # same documents, same order, same tokens
+        np.testing.assert_array_equal(prepared[i], [tok.bos_id, *tok.encode(docs[i]), tok.eos_id], err_msg=f"doc {i}")
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["documents"] == len(docs) and manifest["bad_records"] == 0
+    assert manifest["tokens"] == prepared.num_tokens == sum(len(prepared[i]) for i in range(len(docs)))
+    assert manifest["tokenizer"]["name"] == "tokenizer.json" and manifest["dtype"] == "uint16"
+    assert [s["files"] for s in manifest["shards"]] == [
+        [os.path.join(corpus["root"], "text", f)] for f in ("a.jsonl", "b.parquet")] + [
+        [os.path.join(corpus["root"], "text", f) for f in ("c1.txt", "c2.txt")]]  # .txt files share a shard
+
+
+def test_two_slices_and_the_join_equal_one_run(corpus, tmp_path):
+    assert run_prepare(corpus, tmp_path / "one", "--workers", "0").returncode == 0
+    sliced = tmp_path / "sliced"
+    first = run_prepare(corpus, sliced, "--shard", "1", "--num-shards", "2", "--workers", "0")
+    assert first.returncode == 0, first.stderr
+    assert "2 shards still to prepare" in first.stdout and not (sliced / "manifest.json").exists()
+    # Training cannot read it yet, and says how far prepare got.
+    with pytest.raises(DataError, match=r"has no manifest.json: prepare has finished 1 of 3 shards"):
+        PreparedDocuments([str(sliced)], corpus["tokenizer"], build_tokenizer(corpus["tokenizer"]))
+    early = run_prepare(corpus, sliced, "--join")
+    assert early.returncode == 2 and early.stderr.count("\n") == 1
+    assert early.stderr.startswith(f"error: {sliced}: 2 of 3 shards are not finished (shard-00000, shard-00002)")
+    last = run_prepare(corpus, sliced, "--shard", "0", "--num-shards", "2", "--workers", "2")
+    assert last.returncode == 0, last.stderr
+    assert snapshot(str(sliced)) == snapshot(str(tmp_path / "one"))  # every file, byte for byte
+
+
+def test_interrupted_prepare_redoes_only_unfinished_shards(corpus, tmp_path):
+    out = tmp_path / "out"
+    assert run_prepare(corpus, out, "--workers", "0").returncode == 0
+    whole = snapshot(str(out))
+    finished = {p: os.stat(out / p).st_mtime_ns for p in ("shard-00000.bin", "shard-00002.bin")}
+    # Cut short while writing shard 1: its record was never written, its tokens are partial.
+    (out / "shard-00001.json").unlink()
+    (out / "manifest.json").unlink()
+    with open(out / "shard-00001.bin", "r+b") as f:
+        f.truncate(10)
+    again = run_prepare(corpus, out, "--workers", "0")
+    assert again.returncode == 0, again.stderr
+    assert "1 shards prepared, 2 were already done" in again.stdout
+    assert {p: os.stat(out / p).st_mtime_ns for p in finished} == finished  # not rewritten
+    assert snapshot(str(out)) == whole
+    # A finished shard damaged afterwards (its record intact, its tokens cut) is redone too.
+    with open(out / "shard-00002.bin", "r+b") as f:
+        f.truncate(6)
+    (out / "manifest.json").unlink()
+    assert "1 shards prepared, 2 were already done" in run_prepare(corpus, out, "--workers", "0").stdout
+    assert snapshot(str(out)) == whole
+
+
+def test_corrupt_input_lines_are_reported_with_file_and_line(corpus, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "one"}\n{"text": "two"\n\n{"body": "x"}\n{"text": "five"}\n')
+    proc = prepare("--input", str(bad), "--tokenizer", "byte", "--out", str(tmp_path / "out"), "--workers", "0")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines[0].startswith(f"warning: skipped data file {bad} line 2: not valid JSON (")
+    assert lines[1] == (f"warning: skipped data file {bad} line 4: no field 'text' (found body); "
+                        "set --text-field or fix the line")
+    assert "2 bad records skipped" in proc.stdout
+    shard = json.loads((tmp_path / "out" / "shard-00000.json").read_text())
+    assert shard["bad_records"] == 2 and len(shard["bad"]) == 2 and "line 4" in shard["bad"][1]
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["bad_records"] == 2
+    docs = PreparedDocuments([str(tmp_path / "out")], "byte", build_tokenizer("byte"))
+    assert [bytes(docs[i][1:-1].astype(np.uint8)).decode() for i in range(len(docs))] == ["one", "five"]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("slice", "error: --shard 2 --num-shards 2: need 0 <= --shard < --num-shards"),
+    ("tokenizer", "error: data.tokenizer='missing.json': no such file"),
+    ("input", "error: --input entry 'nothing/*.jsonl' matches no files"),
+])
+def test_bad_arguments_exit_2_in_one_line(corpus, tmp_path, case, message):
+    inputs = ["nothing/*.jsonl"] if case == "input" else corpus["globs"]
+    tokenizer = "missing.json" if case == "tokenizer" else corpus["tokenizer"]
+    extra = ["--shard", "2", "--num-shards", "2"] if case == "slice" else []
+    proc = prepare("--input", *inputs, "--tokenizer", tokenizer, "--out", str(tmp_path / "out"), *extra)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(message)
+    assert not (tmp_path / "out").exists()
+
+
+def test_another_corpus_into_the_same_directory_is_refused(corpus, tmp_path):
+    out = tmp_path / "out"
+    assert run_prepare(corpus, out, "--workers", "0").returncode == 0
+    before = snapshot(str(out))
+    proc = prepare("--input", *corpus["globs"], "--tokenizer", "byte", "--out", str(out))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith(f"error: {out} was prepared from other tokenizer than this command's")
+    assert snapshot(str(out)) == before
