@@ -17,7 +17,7 @@ Three clocks, each a running total that readers difference between two `LoopTime
 Over an interval of k steps (train/hooks.py, `Logging`):
 
     loop_time_s        = (wall - excluded) / k               the pace: tokens/s and MFU derive from it
-    step_time_s        = device / k                          the device's time per step
+    step_time_s        = min(device, wall - excluded) / k    the device's time per step
     data_wait_s        = data / k
     checkpoint_stall_s = stall / k
     host_overhead_s    = (wall - excluded - blocked - data - stall) / k   the rest of the loop
@@ -160,7 +160,10 @@ class Totals:
     def per_step(self, steps: int) -> dict[str, float]:
         """This interval's figures per step, as metrics.jsonl has them (see the module docstring)."""
         loop = self.wall - self.excluded
-        return {"loop_time_s": loop / steps, "step_time_s": self.device / steps, "data_wait_s": self.data / steps,
+        # The steps' device times run between their readiness, which straddles the interval's ends
+        # (by less than a step): an interval's device time is at most its wall time.
+        return {"loop_time_s": loop / steps, "step_time_s": min(self.device, loop) / steps,
+                "data_wait_s": self.data / steps,
                 "checkpoint_stall_s": self.stall / steps,
                 "host_overhead_s": max(0.0, loop - self.blocked - self.data - self.stall) / steps}
 
