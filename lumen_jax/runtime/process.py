@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import Sequence
 
 from lumen_jax.config import ConfigError, MeshConfig, ModelConfig, RuntimeConfig
 from lumen_jax.metrics.flops import param_counts
@@ -111,6 +112,23 @@ def configure(rc: RuntimeConfig, gpu_flags: tuple[str, ...] = ()) -> None:
         jax.config.update("jax_compilation_cache_dir", os.path.abspath(rc.compilation_cache_dir))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def apply_cpu_devices(overrides: Sequence[str]) -> list[str]:
+    """Applies a `runtime.cpu_devices=N` among `overrides` (emulated CPU devices for a command that reads
+    a run, e.g. generate with mesh.tensor=2 on a CPU machine) before the backend starts; returns the others."""
+    from lumen_jax.config import from_dict
+    from lumen_jax.config.files import apply_overrides
+
+    cpu = [o for o in overrides if o.strip().startswith("runtime.cpu_devices=")]
+    if cpu:
+        import jax
+
+        n = from_dict(apply_overrides({}, cpu[-1:])).runtime.cpu_devices
+        if n < 1:
+            raise ConfigError(f"runtime.cpu_devices={n} must be >= 1 here")
+        jax.config.update("jax_num_cpu_devices", n)
+    return [o for o in overrides if o not in cpu]
 
 
 def device_count(rc: RuntimeConfig) -> int:
