@@ -84,9 +84,13 @@ def train(cfg: Config, stop=None) -> dict:
         distributed.check_devices(distributed.gather_json(distributed.describe_local_devices()))
     mesh_shape = validate(cfg, num_devices)
     run_dir = run_dir_for(cfg)
+    notes = []
+    if cfg.train.init_from:  # the tokenizer, RoPE, norm epsilon, ... of the weights it starts from
+        from lumen_jax.checkpoint import weights
+        cfg, notes = weights.defined_by_init_from(cfg, run_dir)
     if jax.process_index() == 0:
-        for line in warnings(cfg):
-            print(f"warning: {line}", file=sys.stderr, flush=True)
+        for line in [*notes, *(f"warning: {w}" for w in warnings(cfg))]:
+            print(line, file=sys.stderr, flush=True)
         rundir.prepare(run_dir)  # a file in its place, read-only, full: exit 2 before compiling
     trainer = build(cfg, make_mesh(mesh_shape, across_nodes=distributed.across_nodes(
         cfg.distributed, mesh_shape, jax.devices())))

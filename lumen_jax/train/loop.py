@@ -128,8 +128,12 @@ def _run(trainer: Trainer, data: Iterator, run_dir: str, spec: RunSpec, stop: St
               + " ".join(f"{k}={v}" for k, v in trainer.mesh.shape.items())
               + f", {spec.param_count / 1e6:.2f}M params, "
               + (f"{trainer.ops.note}, " if trainer.ops.note else "")
+              + (f"pipeline schedule {spec.config['mesh']['pipeline_schedule']}, " if trainer.mesh.shape["pipeline"] > 1
+                 else "")
               + f"compiled in {time.perf_counter() - t0:.1f}s, peak {spec.throughput.peaks.source}, run dir {run_dir}"
-              + (f", resumed from step {start}" if start else ""), flush=True)
+              + (f", resumed from step {start}" if start else "")
+              + (f", weights from train.init_from={spec.train.init_from}" if spec.train.init_from and not start
+                 else ""), flush=True)
 
     shapes = resume.state_shapes(state)  # what a resume under another config compares (resume.py)
 

@@ -81,7 +81,7 @@ def test_bad_inputs_are_one_line(imported, tmp_path, capsys):
             (["train.init_from=/nonexistent"], "train.init_from='/nonexistent' is not a directory")):
         with pytest.raises(ConfigError, match=expected):
             validate(load_config(None, overrides), 8)
-    for args, expected in ((["--step", "3"], "--step=3"), (["optim.lr=1"], "only mesh.* and data.*"),
+    for args, expected in ((["--step", "3"], "--step=3"), (["optim.lr=1"], "only mesh.*, data.* and runtime.cpu_devices"),
                            (["--batches", "0"], "--batches=0"),
                            (["--data", str(tmp_path / "none*.txt")], "matches no files")):
         assert evaluate_cli(["--run-dir", source, *args]) == 2
