@@ -179,7 +179,7 @@ def _main(cfg: Config, no_config_file: bool, stop) -> int:
         last = train(cfg, stop)
     except tuple(codes) as e:
         print(f"{'stopped' if isinstance(e, Preempted) else 'error'}: {e}", file=sys.stderr, flush=True)
-        return _leave(cfg, codes[type(e)])
+        return _leave(cfg, next(code for kind, code in codes.items() if isinstance(e, kind)))
     except OSError as e:  # a metrics or events write on a full disk: the environment, not a bug
         from lumen_jax.runtime.rundir import ENVIRONMENT_ERRNOS
         if e.errno not in ENVIRONMENT_ERRNOS:
