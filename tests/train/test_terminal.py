@@ -12,7 +12,7 @@ def test_progress_bar_reaches_the_terminal_not_the_log(tmp_path):
                             "train.steps=6", "optim.warmup_steps=2", "log.every_steps=3", "log.tensorboard=false", f"train.run_dir={run_dir}"])
     assert code == 0, out[-3000:]
     assert "6/6" in out and "tok/s" in out and "loss " in out, out[-3000:]
-    assert "done: step 6 loss" in out
+    assert "done: step 6 loss" in out and "no checkpoint was saved (checkpoint.every_steps=0)" in out
     log = run_dir / "library.log"
     logged = log.read_text() if log.exists() else ""
     assert "tok/s" not in logged and "step/s" not in logged, logged[-2000:]
