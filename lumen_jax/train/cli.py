@@ -196,5 +196,9 @@ def _main(cfg: Config, no_config_file: bool, stop) -> int:
     if "loss" not in last:  # nothing left to train: the run directory had reached train.steps
         print(f"done: step {cfg.train.steps} (already reached in {run_dir_for(cfg)}; nothing to train)")
     else:
-        print(f"done: step {cfg.train.steps} loss {last['loss']:.4f}")
+        from lumen_jax.checkpoint.layout import checkpoints_dir, committed_steps
+        kept = "" if committed_steps(checkpoints_dir(run_dir_for(cfg))) else (
+            "; no checkpoint was saved (checkpoint.every_steps=0): add checkpoint.every_steps=N to keep the "
+            "weights for generate, evaluate and to-hf")
+        print(f"done: step {cfg.train.steps} loss {last['loss']:.4f}{kept}")
     return EXIT_OK

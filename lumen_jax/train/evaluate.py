@@ -54,14 +54,12 @@ class Evaluator:
 
     def check_memory(self, params: dict, model_state: dict, batch: dict, fix: str) -> None:
         """Compiles the loss for `batch`'s shapes; ConfigError when it needs more memory than a device has."""
-        import jax
-
         from lumen_jax.runtime.process import check_fits
 
         t = self.trainer
         compiled = self._loss.lower(params, model_state, t.shard_batch(batch)).compile()
         rows, length = batch["inputs"].shape
-        check_fits(compiled, jax.devices(), f"evaluating a batch of {rows} x {length} tokens", fix)
+        check_fits(compiled, list(t.mesh.devices.flat), f"evaluating a batch of {rows} x {length} tokens", fix)
         self._loss = compiled
 
     def __call__(self, params: dict, model_state: dict, batches: Iterator[dict], num_batches: int,
