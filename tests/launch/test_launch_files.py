@@ -39,19 +39,21 @@ def test_local_console_shows_process_0_without_gloos_lines(tmp_path, monkeypatch
     monkeypatch.setattr(local.sys, "stdout", type("Out", (), {"buffer": console})())
     read, write = os.pipe()
     log = open(tmp_path / "log", "wb")
-    tee = threading.Thread(target=local._tee, args=(os.fdopen(read, "rb"), log))
+    tee = threading.Thread(target=local._tee, args=(os.fdopen(read, "rb"), log), daemon=True)
     tee.start()
     chunks = [b"lumen_jax: 8 cpu devices\n[Gl", b"oo] Rank 0 is connected to 1 peer ranks.\n",
               b"\r 10%|# | 2/20", b"\r 20%|## | 4/20", b"\n[Gloo] Rank 1\n", b"done: step 20"]
-    for chunk in chunks:
-        os.write(write, chunk)
-        if chunk.startswith(b"\r 10%"):  # the bar reaches the console before its line ends
-            deadline = time.monotonic() + 10
-            while b"2/20" not in console.getvalue():
-                assert time.monotonic() < deadline, console.getvalue()
-                time.sleep(0.01)
-    os.close(write)
-    tee.join(timeout=10)
+    try:
+        for chunk in chunks:
+            os.write(write, chunk)
+            if chunk.startswith(b"\r 10%"):  # the bar reaches the console before its line ends
+                deadline = time.monotonic() + 10
+                while b"2/20" not in console.getvalue():
+                    assert time.monotonic() < deadline, console.getvalue()
+                    time.sleep(0.01)
+    finally:
+        os.close(write)
+        tee.join(timeout=10)
     log.close()
     assert (tmp_path / "log").read_bytes() == b"".join(chunks)
     assert console.getvalue() == b"lumen_jax: 8 cpu devices\n\r 10%|# | 2/20\r 20%|## | 4/20\ndone: step 20"
