@@ -441,11 +441,14 @@ def test_cli_table_and_search(capsys):
     (["--devices", "8", "--efficiency", "1.5"], "--efficiency"),
     (["--devices", "8", "--against-xla", "--search"], "--against-xla"),
     (["--devices", "8", "--against-xla", "optim.zero_stage=1"], "optim.zero_stage moved to mesh.zero_stage"),
+    (["--devices", "8", "--device", "tpu9"], "argument --device: invalid choice: 'tpu9' (choose from"),
+    (["--devices", "0"], "--devices 0 must be >= 1"),
 ])
 def test_cli_bad_input_exits_2(capsys, argv, message):
     assert main(["--config", "configs/tiny.yaml", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.heavy
