@@ -199,7 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.devices % stages or cfg.model.num_layers % stages:
                 raise ConfigError(f"mesh.pipeline={stages} must divide --devices {args.devices} and "
                                   f"model.num_layers={cfg.model.num_layers}")
-            plans = search(cfg, args.devices, hw, pipeline=args.pipeline, top=args.top, **kwargs)
+            from tqdm import tqdm
+            with tqdm(desc="search", unit=" plans", leave=False, disable=None, file=sys.stderr) as bar:  # a terminal
+                plans = search(cfg, args.devices, hw, pipeline=args.pipeline, top=args.top, on_plan=bar.update,
+                               **kwargs)
             text = (json.dumps([p.to_json() for p in plans], indent=2) if args.json else format_search(plans))
         else:
             layout = layout_from_config(cfg, args.devices, args.pipeline, args.pipeline_microbatches or None)

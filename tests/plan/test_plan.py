@@ -417,7 +417,12 @@ def test_cli_json(capsys):
     assert out["device_memory_bytes"] == 80e9
 
 
-def test_cli_table_and_search(capsys):
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_cli_table_and_search(capsys, monkeypatch):
     assert main(["--config", "configs/llama3_70b.yaml", "--devices", "512"]) == 0
     table = capsys.readouterr().out
     assert "memory per device" in table and table.splitlines()[-1].startswith("fits: ")
@@ -426,8 +431,11 @@ def test_cli_table_and_search(capsys):
     verdict = capsys.readouterr().out.splitlines()[-1]
     assert verdict.startswith("does not fit: ") and "parameters + gradients + optimizer" in verdict
     # 8 devices: every axis still has splits to rank; 64 took twice as long (more context sizes to probe)
+    terminal = _Terminal()  # the search's progress bar shows on a terminal
+    monkeypatch.setattr(sys, "stderr", terminal)
     assert main(["--config", "configs/llama3_8b.yaml", "--devices", "8", "--search", "--top", "3",
                  "--json"]) == 0
+    assert re.search(r"search: [1-9]\d* plans \[", terminal.getvalue()), terminal.getvalue()[-500:]
     ranked = json.loads(capsys.readouterr().out)
     assert len(ranked) == 3 and all(r["fits"] for r in ranked)
     mfus = [r["predicted_mfu"] for r in ranked]
