@@ -304,7 +304,8 @@ def mesh_overrides(cfg: Config, overrides: Sequence[str], base: dict | None = No
         raw["mesh"] = {**raw["mesh"], **base}
     bad = [o for o in overrides if not o.strip().startswith("mesh.")]
     if bad:
-        raise ConfigError(f"override {bad[0]!r}: only mesh.* overrides apply here (e.g. mesh.tensor=2)")
+        raise ConfigError(f"override {bad[0]!r}: only mesh.* overrides apply here (e.g. mesh.tensor=2; on CPU with "
+                          "runtime.cpu_devices=2)")
     return from_dict(apply_overrides(raw, overrides))
 
 
