@@ -9,7 +9,7 @@ sets JAX_COORDINATOR_ADDRESS (127.0.0.1 and a port free at start-up), JAX_NUM_PR
 JAX_PROCESS_ID. Each process is one emulated node (LUMEN_NODE=local-<i>).
 
 Logs: `<run_dir>/logs/process-<i>.log` for each process (or --log-dir), appended to by each launch;
-process 0 also on the console.
+process 0 also on the console, without gloo's `[Gloo]` line per connection.
 
 Failure: when a process fails, the others stop by themselves within `distributed.heartbeat_timeout_s`
 (JAX's coordination service); local.py waits that long plus --grace seconds, then kills what is left.
@@ -56,14 +56,25 @@ def _describe(code: int) -> str:
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
+GLOO = b"[Gloo]"  # gloo prints a line per connection: kept in the log, not shown on the console
+
+
 def _tee(src: IO[bytes], log: IO[bytes]) -> None:
-    """Copies process 0's output to its log and the console, as it comes (progress bars included)."""
+    """Copies process 0's output to its log and the console, as it comes (progress bars included), all
+    but gloo's lines on the console."""
     out = sys.stdout.buffer
+    pending = b""  # a line so far that may still turn out to be gloo's
     while chunk := os.read(src.fileno(), 65536):
         log.write(chunk)
         log.flush()
-        out.write(chunk)
+        *lines, pending = (pending + chunk).split(b"\n")
+        shown = b"".join(line + b"\n" for line in lines if not line.startswith(GLOO))
+        if not (GLOO.startswith(pending[:len(GLOO)]) and (pending.startswith(GLOO) or len(pending) < len(GLOO))):
+            shown, pending = shown + pending, b""  # a progress bar's line, written as it comes
+        out.write(shown)
         out.flush()
+    out.write(b"" if pending.startswith(GLOO) else pending)
+    out.flush()
 
 
 def launch(train_args: Sequence[str], num_processes: int, devices_per_process: int, log_dir: str,
@@ -143,7 +154,7 @@ def launch(train_args: Sequence[str], num_processes: int, devices_per_process: i
 
 def _print_tail(path: str, lines: int = 15) -> None:
     with open(path, errors="replace") as f:
-        tail = [line for line in f if not line.startswith("[Gloo]")][-lines:]  # gloo prints one per connection
+        tail = [line for line in f if not line.startswith(GLOO.decode())][-lines:]
     print(f"local: last lines of {path}:\n" + "".join("  | " + line for line in tail), file=sys.stderr, flush=True)
 
 

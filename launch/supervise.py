@@ -16,6 +16,12 @@ checkpoints committed on disk: steps lost are those taken after the checkpoint t
 resumed from (or, for the last attempt, after the newest committed one); start-up, restore and
 compilation count as lost time, not useful work.
 
+SIGTERM or SIGINT to the supervisor stops supervision: it is passed on to the command as one SIGTERM
+(the trainer finishes its step, writes a checkpoint and exits 75; a second signal kills it), the
+supervisor waits for it, prints its summary and exits 75. The command runs in its own process group,
+so a Ctrl-C on the terminal reaches it once, through the supervisor, and it gets SIGTERM if the
+supervisor itself dies (PR_SET_PDEATHSIG on Linux): no trainer outlives its supervisor.
+
 The command may start several processes (srun, launch/local.py): the whole job is one attempt, and
 it is restarted as a whole. Each attempt gets LUMEN_ATTEMPT_ID in its environment, which the trainer
 copies into its events, so they are matched to the attempt whatever process wrote them.
@@ -28,6 +34,7 @@ copies into its events, so they are matched to the attempt whatever process wrot
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import os
@@ -38,6 +45,63 @@ import time
 from typing import Sequence
 
 FINAL_CODES = {0: "done", 2: "bad input", 3: "diverged", 4: "silent data corruption"}
+EXIT_PREEMPTED = 75
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+# Looked up before any fork: the child only calls it.
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def _own_group_and_die_with_parent() -> None:
+    """In the child, before exec: its own process group (a terminal's Ctrl-C reaches the supervisor only,
+    which passes it on once) and SIGTERM when the supervisor dies (Linux), so it never runs orphaned."""
+    os.setpgid(0, 0)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the supervisor around the start
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class _Woken(Exception):
+    """Raised by the signal handler to end the backoff sleep early."""
+
+
+class StopRequest:
+    """SIGTERM/SIGINT to the supervisor: the first is passed to the running command as SIGTERM, a second
+    as SIGKILL; supervision ends after the command exits (and a backoff in progress is cut short)."""
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+        self.child: subprocess.Popen | None = None
+        self._sleeping = False
+        self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.signals.append(signum)
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signal.SIGTERM if len(self.signals) == 1 else signal.SIGKILL)
+        if self._sleeping:
+            raise _Woken
+
+    def sleep(self, seconds: float) -> None:
+        """`time.sleep(seconds)`, ended by a signal."""
+        try:
+            try:
+                self._sleeping = True
+                if not self.signals:
+                    time.sleep(seconds)
+            finally:
+                self._sleeping = False
+        except _Woken:
+            pass
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signals[0]).name if self.signals else ""
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
 
 
 @dataclasses.dataclass
@@ -157,29 +221,56 @@ def write_goodput(run_dir: str, attempts: Sequence[Attempt], interruptions: Sequ
 
 def supervise(command: Sequence[str], run_dir: str, max_restarts: int, backoff_s: float,
               max_backoff_s: float = 60.0) -> int:
-    """Runs `command` until it finishes or fails for good; returns its last exit code."""
+    """Runs `command` until it finishes or fails for good, or the supervisor is told to stop (SIGTERM,
+    SIGINT: passed on, then 75); returns its last exit code."""
+    stop = StopRequest()
+    try:
+        attempts = _attempts(command, run_dir, max_restarts, backoff_s, max_backoff_s, stop)
+    finally:
+        stop.restore()
+    if stop.signals:
+        ended = f"; attempt {len(attempts)} ended ({attempts[-1].cause})" if attempts else ""
+        print(f"supervise: stopped by {stop.name}{ended}", file=sys.stderr, flush=True)
+    if not attempts:
+        return EXIT_PREEMPTED
+    _summary(attempts, run_dir)
+    last = attempts[-1].returncode
+    if stop.signals and last not in FINAL_CODES:
+        return EXIT_PREEMPTED
+    return last if last >= 0 else 1
+
+
+def _attempts(command: Sequence[str], run_dir: str, max_restarts: int, backoff_s: float, max_backoff_s: float,
+              stop: StopRequest) -> list[Attempt]:
     attempts: list[Attempt] = []
     while True:
         started = time.time()
         attempt_id = f"{os.getpid()}.{len(attempts) + 1}"
-        proc = subprocess.Popen(command, env={**os.environ, "LUMEN_ATTEMPT_ID": attempt_id})
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # a signal now is handled once the child is known
         try:
-            returncode = proc.wait()
-        except KeyboardInterrupt:  # the supervisor itself is stopped: pass it on, then report
-            proc.send_signal(signal.SIGTERM)
-            returncode = proc.wait()
+            if stop.signals:
+                break
+            stop.child = proc = subprocess.Popen(command, env={**os.environ, "LUMEN_ATTEMPT_ID": attempt_id},
+                                                 preexec_fn=_own_group_and_die_with_parent)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        returncode = proc.wait()
+        stop.child = None
         returncode = reported_exit(read_events(run_dir), attempt_id, returncode)
         committed = committed_steps(run_dir)
         attempts.append(Attempt(proc.pid, started, time.time(), returncode, attempt_id,
                                 committed[-1] if committed else 0))
         restarts = len(attempts) - 1
-        if returncode in FINAL_CODES or restarts >= max_restarts:
+        if returncode in FINAL_CODES or restarts >= max_restarts or stop.signals:
             break
         delay = min(backoff_s * 2 ** restarts, max_backoff_s)
         print(f"supervise: attempt {len(attempts)} ended ({attempts[-1].cause}); restarting in {delay:.1f}s "
               f"({restarts + 1}/{max_restarts})", file=sys.stderr, flush=True)
-        time.sleep(delay)
+        stop.sleep(delay)
+    return attempts
 
+
+def _summary(attempts: Sequence[Attempt], run_dir: str) -> None:
     interruptions, goodput = account(attempts, read_events(run_dir))
     write_goodput(run_dir, attempts, interruptions, goodput)
     print(f"supervise: {len(attempts)} attempt(s), {len(interruptions)} interruption(s), "
@@ -187,8 +278,8 @@ def supervise(command: Sequence[str], run_dir: str, max_restarts: int, backoff_s
     for it in interruptions:
         print(f"  attempt {it.attempt + 1}: {it.cause}; steps lost {it.steps_lost}, "
               f"time lost {it.time_lost_s:.1f}s")
-    print(f"supervise: goodput {100 * goodput:.1f}% of {attempts[-1].ended - attempts[0].started:.1f}s wall time")
-    return attempts[-1].returncode if attempts[-1].returncode >= 0 else 1
+    print(f"supervise: goodput {100 * goodput:.1f}% of {attempts[-1].ended - attempts[0].started:.1f}s wall time",
+          flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -199,8 +290,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        p.error("give the training command after --")
+    for bad, message in ((not command, "give the training command after --"),
+                         (args.max_restarts < 0, f"--max-restarts={args.max_restarts} must be >= 0 (0: never restart)"),
+                         (not args.backoff >= 0, f"--backoff={args.backoff} must be >= 0 seconds")):
+        if bad:
+            print(f"error: {message}; usage: python launch/supervise.py --run-dir DIR [--max-restarts N] "
+                  "[--backoff S] -- COMMAND", file=sys.stderr, flush=True)
+            return 2
     return supervise(command, args.run_dir, args.max_restarts, args.backoff)
 
 

@@ -11,8 +11,15 @@ host reads token i while step i+1 runs, and streams the text of a single prompt 
 logits and a token is drawn with a key derived from `--seed` and the step. The mesh defaults to one
 device; `mesh.tensor=N` splits heads, the vocabulary and the cache over N devices, `mesh.data=N`
 the prompts (on a CPU machine add `runtime.cpu_devices=N` for N emulated devices). With
-`--prompt-ids` the last line of stdout is the generated ids, space-separated.
+`--prompt-ids` the last line of stdout is the generated ids, space-separated, streamed as they come.
 Text prompts start with the tokenizer's BOS (as every training document) and stop at its EOS.
+
+A prompt and its new tokens fit the model's context: an imported model's `max_position_embeddings`,
+else the `data.seq_len` the run trained at. `--max-new-tokens` beyond it is capped, with a note: past
+it come positions the model never saw. A progress bar on a terminal's stderr counts the tokens
+(when the text is not already streaming to that terminal). The checkpoint is verified as it is read
+(checkpoint/weights.py): a damaged newest step is named and the previous one used; a damaged `--step`
+is one line, exit 2.
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ import numpy as np
 
 from lumen_jax.config import COMPUTE_DTYPES, ConfigError
 
-ONE_DEVICE = {"data": 1, "fsdp": 1, "context": 1, "tensor": 1}
+from lumen_jax.config.schema import MeshConfig
+
+ONE_DEVICE = {a: 1 for a in MeshConfig.AXES}  # whatever mesh the run trained on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,17 +225,33 @@ class _Stream:
         self.shown = text
 
 
-def _cpu_devices(overrides: Sequence[str]) -> list[str]:
-    """Applies `runtime.cpu_devices=N` (emulated CPU devices, e.g. for mesh.tensor=2 on a CPU machine)
-    before the backend starts; returns the other overrides."""
-    cpu = [o for o in overrides if o.strip().startswith("runtime.cpu_devices=")]
-    if cpu:
-        import jax
+class _Ids:
+    """Prints the ids of one row as they arrive (the line they make is the last line of stdout)."""
 
-        from lumen_jax.config import from_dict
-        from lumen_jax.config.files import apply_overrides
-        jax.config.update("jax_num_cpu_devices", from_dict(apply_overrides({}, cpu[-1:])).runtime.cpu_devices)
-    return [o for o in overrides if o not in cpu]
+    def __call__(self, i: int, tokens_b: np.ndarray) -> None:
+        print(("" if i == 0 else " ") + str(int(tokens_b[0])), end="", flush=True)
+
+
+def _cap(max_new_tokens: int, prompts: list[list[int]], context: int, what: str) -> int:
+    """`max_new_tokens`, capped so that the longest prompt and its new tokens fit the `context`."""
+    longest = max(len(p) for p in prompts)
+    room = context - longest
+    if room < 1:
+        raise ConfigError(f"the prompt has {longest} tokens and fills the model's context of {context} ({what}); "
+                          "shorten the prompt")
+    if max_new_tokens > room:
+        print(f"note: --max-new-tokens={max_new_tokens} capped at {room}: the model's context is {context} tokens "
+              f"({what}) and the prompt takes {longest}; beyond it come positions the model never saw",
+              file=sys.stderr, flush=True)
+    return min(max_new_tokens, room)
+
+
+def _progress(total: int, streaming: bool):
+    """A tqdm bar of the new tokens on stderr when it is a terminal and the text is not streaming there."""
+    from tqdm import tqdm
+
+    shown = sys.stderr.isatty() and not (streaming and sys.stdout.isatty())
+    return tqdm(total=total, desc="generate", unit="tok", leave=False, disable=not shown, file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -238,7 +263,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lumen_jax.data import build_tokenizer
         from lumen_jax.model import abstract_model
 
-        loaded = weights.load_onto_mesh(args.run_dir, args.step, _cpu_devices(args.overrides), base_mesh=ONE_DEVICE)
+        from lumen_jax.runtime.process import apply_cpu_devices
+
+        loaded = weights.load_onto_mesh(args.run_dir, args.step, apply_cpu_devices(args.overrides),
+                                        base_mesh=ONE_DEVICE)
         if args.dtype:
             model_cfg = dataclasses.replace(loaded.cfg.model, compute_dtype=args.dtype)
             loaded = dataclasses.replace(loaded, cfg=loaded.cfg.replace(model=model_cfg),
@@ -248,17 +276,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"the run's tokenizer ({loaded.cfg.data.tokenizer!r}, {tokenizer.vocab_size} ids) is "
                               f"larger than model.vocab_size={loaded.cfg.model.vocab_size}; use --prompt-ids")
         texts, prompts = _prompts(args, tokenizer, loaded.cfg.model.vocab_size)
-        stream = _Stream(tokenizer) if texts is not None and len(texts) == 1 else None
-        if stream:
+        new_tokens = _cap(args.max_new_tokens, prompts, *weights.context_length(args.run_dir, loaded.step, loaded.cfg))
+        stream = _Ids() if texts is None else _Stream(tokenizer) if len(texts) == 1 else None
+        generator = Generator(loaded, sampling)
+        if isinstance(stream, _Stream):
             print(texts[0], end="", flush=True)
-        rows = Generator(loaded, sampling).generate(prompts, args.max_new_tokens, args.seed, on_token=stream,
-                                                    stop_id=None if texts is None else tokenizer.eos_id)
+        with _progress(new_tokens, stream is not None) as bar:
+            def on_token(i: int, tokens_b: np.ndarray) -> None:
+                if stream is not None:
+                    stream(i, tokens_b)
+                bar.update(1)
+
+            rows = generator.generate(prompts, new_tokens, args.seed, on_token=on_token,
+                                      stop_id=None if texts is None else tokenizer.eos_id)
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    if texts is None:
-        print(" ".join(map(str, rows[0])))
-    elif stream:
+    if stream is not None:
         print()
     else:
         for text, row in zip(texts, rows):

@@ -1,5 +1,11 @@
 """Generation with a KV cache: greedy equals recomputing the prefix and transformers' greedy `generate`,
-padded batches equal their rows alone, seeded sampling is reproducible, tensor=2 equals one device."""
+padded batches equal their rows alone, seeded sampling is reproducible, tensor=2 equals one device; a
+mixture-of-experts model decodes as its forward and evaluates on the devices at hand (to-hf refuses it);
+--max-new-tokens is capped at the model's context; the progress bar on a terminal."""
+
+import os
+import re
+import sys
 
 import jax
 import numpy as np
@@ -7,10 +13,14 @@ import pytest
 
 from helpers import hf
 from helpers.hf import hf_greedy
+from helpers.terminal import run_in_pty
 from helpers.tolerances import FP32_RTOL
 from lumen_jax.checkpoint import weights
+from lumen_jax.config import Config, DataConfig, MeshConfig, ModelConfig, MoeConfig
+from lumen_jax.convert.__main__ import main as convert
 from lumen_jax.generate import ONE_DEVICE, Generator, Sampling, main as generate, sample
-from lumen_jax.model import apply
+from lumen_jax.model import apply, init_params
+from lumen_jax.train.evaluate import evaluate, main as evaluate_cli
 
 PROMPTS = [[5, 17, 60, 3, 88, 41, 12], [70, 2, 9]]
 NEW = 8
@@ -129,3 +139,66 @@ def test_the_top_token_survives_every_filter_wherever_it_is():
               Sampling(temperature=0.2, top_k=1, top_p=1e-3)):
         assert drawable(probs, s, seed=1) == {2}, s
     assert drawable(probs, Sampling(temperature=1.0, top_p=0.7)) == {2, 3}
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    """Random mixture-of-experts weights (every second layer MoE) in a run directory whose config records a
+    training mesh of 16 devices (data=2 pipeline=2 expert=4): more than this machine has."""
+    model = ModelConfig(d_model=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=48, vocab_size=512,
+                        init_std=0.3, compute_dtype="float32",
+                        moe=MoeConfig(num_experts=4, top_k=2, every_n_layers=2, expert_ffn_dim=32))
+    cfg = Config(model=model, mesh=MeshConfig(data=2, fsdp=1, pipeline=2, expert=4),
+                 data=DataConfig(seq_len=32, global_batch_size=8, builtin_max_bytes=200_000))
+    run_dir = str(tmp_path_factory.mktemp("moe") / "run")
+    weights.save_weights(run_dir, cfg, jax.device_get(init_params(model, seed=3)))
+    return run_dir
+
+
+def test_moe_decodes_as_its_forward_and_evaluates_on_the_devices_at_hand(moe_run, tmp_path, capsys):
+    loaded = weights.load_onto_mesh(moe_run, None, base_mesh=ONE_DEVICE)
+    assert loaded.mesh.devices.size == 1
+    tokens, logits = Generator(loaded, Sampling()).generate([PROMPTS[0]], NEW, return_logits=True)
+    want, want_logits = greedy_without_cache(loaded, PROMPTS[0], NEW, with_logits=True)
+    assert tokens[0] == want and len(set(want)) > 1
+    np.testing.assert_allclose(logits[0], want_logits, rtol=FP32_RTOL, atol=FP32_RTOL * np.abs(want_logits).max())
+    assert generate(["--run-dir", moe_run, "--prompt-ids", ",".join(map(str, PROMPTS[0])),
+                     "--max-new-tokens", str(NEW)]) == 0
+    assert [int(t) for t in capsys.readouterr().out.strip().splitlines()[-1].split()] == want
+
+    assert evaluate_cli(["--run-dir", moe_run, "--data", "train", "--batches", "1"]) == 0
+    assert capsys.readouterr().out.startswith("step 0: eval_loss ")
+    spread = evaluate(moe_run, None, "train", 1)  # fsdp=8, whatever the training mesh
+    alone = evaluate(moe_run, None, "train", 1, ["mesh.fsdp=1"])  # one device
+    np.testing.assert_allclose(spread["eval_loss"], alone["eval_loss"], rtol=FP32_RTOL)
+
+    out = str(tmp_path / "hf")
+    assert convert(["to-hf", "--run-dir", moe_run, "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "mixture-of-experts model (model.moe.num_experts=4)" in err, err
+    assert not os.path.exists(out)
+
+
+def test_max_new_tokens_is_capped_at_the_models_context(run, moe_run, capsys):
+    _, imported = run
+    for run_dir, context, source in ((imported, 128, "max_position_embeddings of the imported model"),
+                                     (moe_run, 32, "data.seq_len=32, the length it was trained at")):
+        assert generate(["--run-dir", run_dir, "--prompt-ids", "70,2,9", "--max-new-tokens", "100000"]) == 0
+        out, err = capsys.readouterr()
+        assert err.startswith(f"note: --max-new-tokens=100000 capped at {context - 3}: the model's context is "
+                              f"{context} tokens ({source}) and the prompt takes 3"), err
+        assert len(out.strip().splitlines()[-1].split()) == context - 3
+    assert generate(["--run-dir", moe_run, "--prompt-ids", ",".join(["7"] * 32)]) == 2
+    assert "fills the model's context of 32" in capsys.readouterr().err
+
+
+def test_a_terminal_shows_the_progress_of_a_batch(run, tmp_path):
+    _, run_dir = run
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def main(\nimport os\n")
+    with open(tmp_path / "out.txt", "w") as stdout:
+        code, terminal = run_in_pty([sys.executable, "-m", "lumen_jax.generate", "--run-dir", run_dir, "--prompts",
+                                     str(prompts), "--max-new-tokens", "40"], stdout=stdout)
+    assert code == 0, terminal[-3000:]
+    assert re.search(r"generate: +\d+%\|.*\| +\d+/40 \[", terminal) and "tok" in terminal, terminal[-3000:]
+    assert (tmp_path / "out.txt").read_text().startswith("def main(")

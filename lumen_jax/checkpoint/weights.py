@@ -5,6 +5,12 @@ A run directory's checkpoints (manager.py) hold the whole training state; an imp
 in its JSON. `load_params` reads the parameters of either straight into the target shardings (a
 partial Orbax restore: the optimizer state is never read), so generate, evaluate, to-hf and
 `train.init_from` work on any mesh. The model config comes from the checkpoint's JSON (`read_config`).
+
+Every read is verified as the trainer's restore verifies (manager.py): a file that does not read back
+and an array whose checksum differs from the one recorded at save time make the step unusable
+(`UnusableCheckpoint`, one line naming the step and the file or array). A reader asked for a step
+stops there; asked for the latest (`newest_usable`), it names each unusable step in a warning and
+takes the previous one. Nothing on disk is moved (that is the trainer's restore's job).
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any, Sequence
+import re
+from typing import Any, Callable, Sequence, TypeVar
 
 import jax
 import numpy as np
@@ -22,7 +29,15 @@ import orbax.checkpoint as ocp
 
 from lumen_jax.checkpoint.layout import STATE, checkpoints_dir, committed_steps, item_dir, meta_path
 from lumen_jax.config import Config, ConfigError, from_dict, to_dict
-from lumen_jax.runtime.checksums import checksum_list
+from lumen_jax.runtime import logs as runlog
+from lumen_jax.runtime.checksums import checksum_list, nonfinite_paths
+
+
+T = TypeVar("T")
+
+
+class UnusableCheckpoint(ConfigError):
+    """A checkpoint step whose files do not read back as they were written (one line, exit 2)."""
 
 
 def steps(run_dir: str) -> list[int]:
@@ -50,12 +65,45 @@ def _meta(run_dir: str, step: int) -> dict:
         with open(path) as f:
             return json.load(f)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"checkpoint {path} cannot be read ({type(e).__name__}); "
-                          "the checkpoint is incomplete, choose another --step") from None
+        raise UnusableCheckpoint(f"checkpoint step {step}: {path} cannot be read ({type(e).__name__})") from None
 
 
 def is_weights_only(run_dir: str, step: int) -> bool:
-    return bool(_meta(run_dir, step).get("weights_only"))
+    """Whether step `step` holds imported weights (False when its JSON is unreadable: the restore reports that)."""
+    try:
+        return bool(_meta(run_dir, step).get("weights_only"))
+    except UnusableCheckpoint:
+        return False
+
+
+def newest_usable(run_dir: str, step: int | None, load: Callable[[int], T], what: str = "--run-dir") -> tuple[int, T]:
+    """(step, load(step)): the step asked for, or with `step` None the newest whose `load` succeeds.
+
+    `load(s)` raises UnusableCheckpoint for a damaged step. An asked-for step that is unusable stops
+    here (one line); otherwise each newer unusable step is named in a warning and the previous one
+    is tried, and when none is usable the error names the newest.
+    """
+    have = steps(run_dir)
+    resolve_step(run_dir, step, what)
+    if step is not None:
+        try:
+            return step, load(step)
+        except UnusableCheckpoint as e:
+            others = [s for s in have if s != step]
+            raise UnusableCheckpoint(f"{e}; choose another --step" + (f" ({', '.join(map(str, others))})"
+                                                                       if others else "")) from None
+    skipped = []
+    for s in reversed(have):
+        try:
+            value = load(s)
+        except UnusableCheckpoint as e:
+            skipped.append(str(e))
+            continue
+        for line in skipped:
+            print(f"warning: {line}; using step {s}", file=runlog.console(), flush=True)
+        return s, value
+    older = f" ({len(skipped) - 1} older {'ones are' if len(skipped) > 2 else 'one is'} unusable too)"
+    raise UnusableCheckpoint(f"no checkpoint of {run_dir} is usable: {skipped[0]}" + (older if len(skipped) > 1 else ""))
 
 
 def read_config(run_dir: str, step: int) -> Config:
@@ -68,6 +116,15 @@ def read_config(run_dir: str, step: int) -> Config:
         except (OSError, ValueError):
             raise ConfigError(f"{run_dir}: neither checkpoint {step} nor config.json records the config") from None
     return from_dict(d)
+
+
+def context_length(run_dir: str, step: int, cfg: Config) -> tuple[int, str]:
+    """(tokens, where the figure comes from): the longest sequence the model at `step` was made for, an
+    imported model's `max_position_embeddings`, else the `data.seq_len` the run trained at."""
+    imported = _meta(run_dir, step).get("max_position_embeddings")
+    if isinstance(imported, int) and imported > 0:
+        return imported, "max_position_embeddings of the imported model"
+    return cfg.data.seq_len, f"data.seq_len={cfg.data.seq_len}, the length it was trained at"
 
 
 def save_weights(run_dir: str, cfg: Config, params: dict, extra: dict | None = None) -> str:
@@ -91,12 +148,79 @@ def save_weights(run_dir: str, cfg: Config, params: dict, extra: dict | None = N
 
 def saved_shapes(run_dir: str, step: int) -> dict[str, tuple[int, ...]]:
     """{'a/b/c': shape} of the saved parameters at `step` (from Orbax's metadata; nothing is read)."""
-    with _quiet_absl():
-        meta = ocp.PyTreeCheckpointer().metadata(item_dir(checkpoints_dir(run_dir), step, STATE))
-    tree = getattr(meta, "item_metadata", meta)
-    tree = getattr(tree, "tree", tree)
-    flat = jax.tree_util.tree_flatten_with_path(tree["params"], is_leaf=lambda x: hasattr(x, "shape"))[0]
+    where = item_dir(checkpoints_dir(run_dir), step, STATE)
+    try:
+        with _quiet_absl(), runlog.library_output(run_dir):  # Orbax logs a damaged file and returns None
+            meta = ocp.PyTreeCheckpointer().metadata(where)
+        tree = getattr(meta, "item_metadata", meta)
+        tree = getattr(tree, "tree", tree)
+        flat = jax.tree_util.tree_flatten_with_path(tree["params"], is_leaf=lambda x: hasattr(x, "shape"))[0]
+    except Exception:  # noqa: BLE001 - any damaged metadata file: name it
+        raise UnusableCheckpoint(f"checkpoint step {step}: {_damaged_metadata(where)}") from None
     return {_key(p): tuple(v.shape) for p, v in flat}
+
+
+def _damaged_file(where: str) -> str | None:
+    """Which of Orbax's metadata files in the item folder `where` is missing or not JSON (None: all read)."""
+    import glob
+
+    names = ["_METADATA", "_sharding", *sorted(os.path.relpath(p, where) for p in
+                                              glob.glob(os.path.join(where, "array_metadatas", "*")))]
+    for name in names:
+        path = os.path.join(where, name)
+        if not os.path.isfile(path):
+            if name != "_sharding":  # optional: the restore target gives the shardings
+                return f"{path} is missing"
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+        except (OSError, ValueError) as e:
+            return f"{path} is damaged ({type(e).__name__}: not the JSON Orbax wrote)"
+    if not os.path.isfile(os.path.join(where, "manifest.ocdbt")):
+        return f"{os.path.join(where, 'manifest.ocdbt')} is missing"
+    return None
+
+
+def _damaged_metadata(where: str) -> str:
+    return _damaged_file(where) or f"the array index of {where} (manifest.ocdbt, ocdbt.process_*/) does not read back"
+
+
+def _read_error(error: BaseException) -> str:
+    """The reason a restore failed, from the error that names it (TensorStore names the array)."""
+    chain = []
+    while error is not None:
+        chain.append((type(error).__name__, " ".join(str(error).split())))
+        error = error.__cause__ or error.__context__
+    for _, text in chain:
+        m = re.search(r'Error reading "([^"/]+)/[^"]*" in OCDBT database at local file "[^"]*": (.*)', text)
+        if m:
+            return f"array {m.group(1).replace('.', '/')} is damaged ({m.group(2)[:160]})"
+    kind, text = chain[0]
+    return f"it does not read back ({kind}: {text[:200]})"
+
+
+def _verify(run_dir: str, step: int, params: dict) -> None:
+    """UnusableCheckpoint when `params` differ from the checksums step `step` recorded, or hold inf/NaN."""
+    meta = _meta(run_dir, step)
+    recorded, shapes = meta.get("checksums"), meta.get("state_shapes")
+    where = item_dir(checkpoints_dir(run_dir), step, STATE)
+    paths = [_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    if recorded is not None:
+        if shapes is not None:  # a training state: its parameters' entries, in the same (sorted) order
+            recorded = [c for c, (path, *_) in zip(recorded, shapes) if path.startswith(".params[")]
+        got = checksum_list(params)
+        if len(recorded) != len(got):
+            raise UnusableCheckpoint(f"checkpoint step {step}: {where} holds {len(got)} parameter arrays, "
+                                     f"its checksums name {len(recorded)}")
+        bad = [p for p, a, b in zip(paths, got, recorded) if a != b]
+        if bad:
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise UnusableCheckpoint(f"checkpoint step {step}: array params/{bad[0]}{more} in {where} differs from "
+                                     "the checksum recorded when it was saved (the files are damaged)")
+    bad = nonfinite_paths(params)
+    if bad:
+        raise UnusableCheckpoint(f"checkpoint step {step}: {bad[0]} in {where} holds inf or NaN")
 
 
 def _key(path: Any) -> str:
@@ -128,11 +252,18 @@ def load_params(run_dir: str, step: int, abstract_params: dict, source: str | No
     """
     check_shapes(abstract_params, saved_shapes(run_dir, step), source or f"checkpoint {run_dir} step {step}", fix)
     target = {"params": abstract_params}
-    with _quiet_absl():  # Orbax warns that the item folder has no checkpoint metadata (the step folder has)
-        restored = ocp.PyTreeCheckpointer().restore(
-        item_dir(checkpoints_dir(run_dir), step, STATE),
-            args=ocp.args.PyTreeRestore(item=target, partial_restore=True,
-                                        restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+    where = item_dir(checkpoints_dir(run_dir), step, STATE)
+    try:
+        # Orbax warns that the item folder has no checkpoint metadata (the step folder has); its
+        # tracebacks of a damaged file (and asyncio's, later) go to the run's library.log.
+        with _quiet_absl(), runlog.library_output(run_dir):
+            restored = ocp.PyTreeCheckpointer().restore(
+                where, args=ocp.args.PyTreeRestore(item=target, partial_restore=True,
+                                                   restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+    except Exception as e:  # noqa: BLE001 - a damaged data file: TensorStore's error names the array
+        reason = _damaged_file(where) or f"{where}: {_read_error(e)}"
+        raise UnusableCheckpoint(f"checkpoint step {step}: {reason}") from None
+    _verify(run_dir, step, restored["params"])
     return restored["params"]
 
 
@@ -173,43 +304,136 @@ def mesh_overrides(cfg: Config, overrides: Sequence[str], base: dict | None = No
         raw["mesh"] = {**raw["mesh"], **base}
     bad = [o for o in overrides if not o.strip().startswith("mesh.")]
     if bad:
-        raise ConfigError(f"override {bad[0]!r}: only mesh.* overrides apply here (e.g. mesh.tensor=2)")
+        raise ConfigError(f"override {bad[0]!r}: only mesh.* overrides apply here (e.g. mesh.tensor=2; on CPU with "
+                          "runtime.cpu_devices=2)")
     return from_dict(apply_overrides(raw, overrides))
 
 
 def load_onto_mesh(run_dir: str, step: int | None, overrides: Sequence[str] = (),
                    base_mesh: dict | None = None) -> Loaded:
-    """The parameters of `run_dir`'s checkpoint `step` (None: latest) sharded on the mesh of its config
-    with `base_mesh` and the `mesh.*` overrides; the mesh spans the devices it needs (all for a -1 axis)."""
+    """The parameters of `run_dir`'s checkpoint `step` (None: the newest usable) sharded on the mesh of its
+    config with `base_mesh` and the `mesh.*` overrides; the mesh spans the devices it needs (all for a -1 axis)."""
     from lumen_jax.model import abstract_model
     from lumen_jax.parallel.mesh import make_mesh
     from lumen_jax.parallel.rules import Rules
 
-    step = resolve_step(run_dir, step)
-    cfg = mesh_overrides(read_config(run_dir, step), overrides, base_mesh)
-    sizes = [getattr(cfg.mesh, a) for a in cfg.mesh.AXES]
-    devices = jax.devices()
-    n = len(devices) if -1 in sizes else int(np.prod(sizes))
-    if n > len(devices):
-        raise ConfigError(f"the mesh {dict(zip(cfg.mesh.AXES, sizes))} needs {n} devices, {len(devices)} are "
-                          "available; lower the mesh.* overrides")
-    shape = cfg.mesh.shape(n)
-    m = cfg.model
-    for k in ("num_heads", "num_kv_heads", "vocab_size"):
-        if getattr(m, k) % shape["tensor"]:
-            raise ConfigError(f"mesh.tensor={shape['tensor']} does not divide model.{k}={getattr(m, k)}; "
-                              "choose a divisor")
-    if m.d_model % shape["fsdp"]:
-        raise ConfigError(f"mesh.fsdp={shape['fsdp']} does not divide model.d_model={m.d_model}; choose a divisor")
-    mesh = make_mesh(shape, devices[:n])
-    rules = Rules(zero_stage=cfg.mesh.zero_stage, sequence_parallel=False)
-    model = abstract_model(m)
-    specs = rules.tree_specs(model.param_names, "params")
-    target = jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype,
-                                                               sharding=jax.sharding.NamedSharding(mesh, spec)),
-                          model.params, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    return Loaded(cfg=cfg, step=step, mesh=mesh, rules=rules, model=model,
-                  params=load_params(run_dir, step, target))
+    def load(s: int) -> Loaded:
+        cfg = mesh_overrides(read_config(run_dir, s), overrides, base_mesh)
+        sizes = [getattr(cfg.mesh, a) for a in cfg.mesh.AXES]
+        devices = jax.devices()
+        n = len(devices) if -1 in sizes else int(np.prod(sizes))
+        if n > len(devices):
+            raise ConfigError(f"the mesh {dict(zip(cfg.mesh.AXES, sizes))} needs {n} devices, {len(devices)} are "
+                              "available; lower the mesh.* overrides (on CPU: or add runtime.cpu_devices=N)")
+        shape = cfg.mesh.shape(n)
+        m = cfg.model
+        for k in ("num_heads", "num_kv_heads", "vocab_size"):
+            if getattr(m, k) % shape["tensor"]:
+                raise ConfigError(f"mesh.tensor={shape['tensor']} does not divide model.{k}={getattr(m, k)}; "
+                                  "choose a divisor")
+        if m.d_model % shape["fsdp"]:
+            raise ConfigError(f"mesh.fsdp={shape['fsdp']} does not divide model.d_model={m.d_model}; choose a divisor")
+        if m.moe.enabled and m.moe.num_experts % shape["expert"]:
+            raise ConfigError(f"mesh.expert={shape['expert']} does not divide model.moe.num_experts="
+                              f"{m.moe.num_experts}; choose a divisor")
+        mesh = make_mesh(shape, devices[:n])
+        rules = Rules(zero_stage=cfg.mesh.zero_stage, sequence_parallel=False)
+        model = abstract_model(m)
+        specs = rules.tree_specs(model.param_names, "params")
+        target = jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                   sharding=jax.sharding.NamedSharding(mesh, spec)),
+                              model.params, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+        return Loaded(cfg=cfg, step=s, mesh=mesh, rules=rules, model=model, params=load_params(run_dir, s, target))
+
+    return newest_usable(run_dir, step, load)[1]
+
+
+def _is_hf_dir(path: str) -> bool:
+    return not steps(path) and any(os.path.isfile(os.path.join(path, f))
+                                   for f in ("model.safetensors", "model.safetensors.index.json"))
+
+
+# What the weights of `train.init_from` define besides their shapes: a run starting from them takes these
+# from them (rotary embedding, norm epsilon, routing), and its tokenizer when they name one.
+DEFINED_BY_WEIGHTS = ("norm_eps", "rope_theta", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
+                      "rope_high_freq_factor", "rope_original_max_len", "moe.top_k", "moe.router")
+# Their shapes: the config must give the same (one line naming the key otherwise).
+SHAPED_BY_WEIGHTS = ("vocab_size", "tie_embeddings", "d_model", "num_layers", "num_heads", "num_kv_heads",
+                     "resolved_head_dim", "ffn_dim", "moe.num_experts", "moe.every_n_layers", "moe.shared_experts",
+                     "expert_ffn_dim")
+
+
+def _get(model: Any, key: str) -> Any:
+    for part in key.split("."):
+        model = getattr(model, part)
+    return model
+
+
+def _source(path: str) -> tuple[Config, str | None, str]:
+    """(the config the weights at `path` were written with, their tokenizer or None when they name none,
+    how to call them)."""
+    if _is_hf_dir(path):
+        from lumen_jax.convert.hf_dir import read_hf_config
+
+        cfg = read_hf_config(path)[0]
+        return cfg, (cfg.data.tokenizer if cfg.data.tokenizer != "byte" else None), f"the Hugging Face model {path}"
+    step, cfg = newest_usable(path, None, lambda s: read_config(path, s), "train.init_from")
+    copied = os.path.join(path, "tokenizer", "tokenizer.json")  # an import's, wherever the folder now lies
+    tokenizer = copied if os.path.isfile(copied) else None if is_weights_only(path, step) else cfg.data.tokenizer
+    return cfg, (os.path.abspath(tokenizer) if tokenizer not in (None, "byte") else tokenizer), f"{path} step {step}"
+
+
+def defined_by_init_from(cfg: Config, run_dir: str) -> tuple[Config, list[str]]:
+    """`cfg` with the settings that `train.init_from`'s weights define (DEFINED_BY_WEIGHTS and the
+    tokenizer) taken from them, and the lines to print: what changed, or that the run resumes instead.
+
+    A run directory that has checkpoints resumes from them: the settings come from its own newest
+    checkpoint (they were taken from the weights when it started), so a resume keeps them. A shape
+    key (SHAPED_BY_WEIGHTS) that differs from the weights' is a ConfigError naming it.
+    """
+    notes = []
+    source = cfg.train.init_from
+    if steps(run_dir):
+        have = [s for s in steps(run_dir) if _readable_meta(run_dir, s)]
+        if not have:  # the restore reports the damaged checkpoints
+            return cfg, notes
+        notes.append(f"note: train.init_from={source} is not used: {run_dir} has checkpoints and the run resumes "
+                     f"from them (with the model settings they record)")
+        source = run_dir
+    theirs, tokenizer, name = _source(source)
+    for key in SHAPED_BY_WEIGHTS if source != run_dir else ():  # a resume: resume.py names a changed shape
+        mine, other = _get(cfg.model, key), _get(theirs.model, key)
+        if mine != other:
+            key = key.replace("resolved_head_dim", "head_dim").replace("expert_ffn_dim", "moe.expert_ffn_dim")
+            raise ConfigError(f"model.{key}={mine} differs from the weights of train.init_from={cfg.train.init_from} "
+                              f"({name}: {other}); set model.{key}={other}")
+    changed, model = [], cfg.model
+    for key in DEFINED_BY_WEIGHTS:
+        mine, other = _get(model, key), _get(theirs.model, key)
+        if mine != other:
+            changed.append(f"model.{key}={other} (the config had {mine})")
+            if key.startswith("moe."):
+                model = dataclasses.replace(model, moe=dataclasses.replace(model.moe, **{key[4:]: other}))
+            else:
+                model = dataclasses.replace(model, **{key: other})
+    data = cfg.data
+    if tokenizer is not None and tokenizer != data.tokenizer:
+        changed.append(f"data.tokenizer={tokenizer} (the config had {data.tokenizer})")
+        data = dataclasses.replace(data, tokenizer=tokenizer)
+    elif tokenizer is None and data.tokenizer == "byte":
+        notes.append(f"warning: train.init_from={cfg.train.init_from} names no tokenizer (no tokenizer.json): training "
+                     "with data.tokenizer=byte, which is not the model's unless it was trained on bytes; give "
+                     "data.tokenizer=PATH of its tokenizer.json")
+    if changed and source != run_dir:
+        notes.append(f"note: {name} defines " + ", ".join(changed) + "; the run uses those")
+    return cfg.replace(model=model, data=data), notes
+
+
+def _readable_meta(run_dir: str, step: int) -> bool:
+    try:
+        return isinstance(_meta(run_dir, step).get("config"), dict)
+    except UnusableCheckpoint:
+        return False
 
 
 def init_from(path: str, abstract_params: dict) -> dict:
@@ -220,15 +444,14 @@ def init_from(path: str, abstract_params: dict) -> dict:
     else a ConfigError naming the first parameter that differs.
     """
     fix = "make the model section of the config match the weights'"
-    if not steps(path) and any(os.path.isfile(os.path.join(path, f))
-                               for f in ("model.safetensors", "model.safetensors.index.json")):
+    if _is_hf_dir(path):
         from lumen_jax.convert.hf_dir import read_hf
         _, params = read_hf(path)
         got = {_key(p): tuple(v.shape) for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
         check_shapes(abstract_params, got, f"train.init_from={path!r}", fix)
         return jax.tree.map(lambda x, a: jax.device_put(x.astype(a.dtype), a.sharding), params, abstract_params)
-    step = resolve_step(path, None, "train.init_from")
-    return load_params(path, step, abstract_params, f"train.init_from={path!r} (step {step})", fix)
+    return newest_usable(path, None, lambda step: load_params(
+        path, step, abstract_params, f"train.init_from={path!r} (step {step})", fix), "train.init_from")[1]
 
 
 def refuse_weights_only(run_dir: str) -> None:

@@ -149,10 +149,11 @@ def _pipeline(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
            f"mesh.pipeline_virtual_stages={v} is for mesh.pipeline_schedule=interleaved, not "
            f"{mesh.pipeline_schedule}; set mesh.pipeline_virtual_stages=1 or mesh.pipeline_schedule=interleaved")
     yield (p == 1 or layers % chunks == 0,
-           f"model.num_layers={layers} is not divisible by mesh.pipeline={p}"
-           + (f"*mesh.pipeline_virtual_stages={v}={chunks}" if v > 1 else "")
-           + f"; every stage holds the same number of layers, so use a multiple of {chunks} layers "
-           f"or a mesh.pipeline among the divisors of {layers}")
+           (f"model.num_layers={layers} is not divisible by mesh.pipeline*mesh.pipeline_virtual_stages={p}*{v}="
+            f"{chunks}; every chunk holds the same number of layers, so use a multiple of {chunks} layers or a "
+            f"mesh.pipeline and mesh.pipeline_virtual_stages whose product divides {layers}") if v > 1 else
+           (f"model.num_layers={layers} is not divisible by mesh.pipeline={p}; every stage holds the same number "
+            f"of layers, so use a multiple of {p} layers or a mesh.pipeline among the divisors of {layers}"))
     yield (p == 1 or mesh.pipeline_schedule == "gpipe" or m >= p,
            f"mesh.pipeline_schedule={mesh.pipeline_schedule} needs train.micro_batches={m} >= mesh.pipeline={p} "
            f"(each stage keeps up to {p} micro-batches in flight); raise train.micro_batches to {p} or more "
@@ -182,14 +183,17 @@ def _batch_and_sequence(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bo
            f"data.global_batch_size={d.global_batch_size} is not divisible by mesh.data*mesh.fsdp*mesh.expert*"
            f"train.micro_batches={shape['data']}*{shape['fsdp']}*{ep}*{cfg.train.micro_batches}={batch_shards}; "
            f"use a multiple of {batch_shards} or change the mesh or train.micro_batches")
+    zigzag = cp > 1 and mesh.context_balance == "zigzag"
+    need = math.lcm(2 * cp if zigzag else cp, cp * tp if mesh.sequence_parallel else 1)  # every rule below at once
     yield (d.seq_len % cp == 0,
-           f"data.seq_len={d.seq_len} is not divisible by mesh.context={cp}; use a multiple of {cp}")
+           f"data.seq_len={d.seq_len} is not divisible by mesh.context={cp}; use a multiple of {need}"
+           + (f" (mesh.context_balance=zigzag cuts it into 2*mesh.context={2 * cp} chunks)" if need != cp else ""))
     yield (not mesh.sequence_parallel or d.seq_len % (cp * tp) == 0,
            f"mesh.sequence_parallel=true needs data.seq_len={d.seq_len} divisible by mesh.context*mesh.tensor="
-           f"{cp * tp}; use a multiple of {cp * tp} or set mesh.sequence_parallel=false")
-    yield (cp == 1 or mesh.context_balance != "zigzag" or d.seq_len % (2 * cp) == 0,
+           f"{cp * tp}; use a multiple of {need} or set mesh.sequence_parallel=false")
+    yield (not zigzag or d.seq_len % (2 * cp) == 0,
            f"mesh.context_balance=zigzag cuts data.seq_len={d.seq_len} into 2*mesh.context={2 * cp} chunks; "
-           f"use a multiple of {2 * cp} or mesh.context_balance=contiguous")
+           f"use a multiple of {need} or mesh.context_balance=contiguous")
 
 
 @rule
@@ -326,4 +330,12 @@ def warnings(cfg: Config) -> list[str]:
     if o.warmup_steps >= t.steps:
         out.append(f"optim.warmup_steps={o.warmup_steps} >= train.steps={t.steps}: the learning rate never "
                    f"reaches optim.lr={show(o.lr)}; lower optim.warmup_steps unless this is a smoke test")
+    if cfg.mesh.sequence_parallel and cfg.mesh.tensor == 1:
+        out.append("mesh.sequence_parallel=true does nothing with mesh.tensor=1 (it splits the residual stream "
+                   "over the tensor axis); set mesh.tensor>1 or mesh.sequence_parallel=false")
+    c = cfg.model.moe.capacity_factor
+    if cfg.model.moe.enabled and c is not None and c < 1:
+        out.append(f"model.moe.capacity_factor={show(c)} < 1 drops at least {100 * (1 - c):.0f}% of the tokens' "
+                   "expert assignments even when the routing is balanced (moe/dropped_fraction); use >= 1, or "
+                   "null for dropless")
     return out

@@ -24,7 +24,7 @@ import numpy as np
 
 from lumen_jax.config import ConfigError
 from lumen_jax.convert import hf
-from lumen_jax.convert.hf_dir import INDEX, read_hf
+from lumen_jax.convert.hf_dir import INDEX, read_hf, read_hf_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")
@@ -32,12 +32,20 @@ def from_hf(hf_dir: str, out: str) -> str:
     if os.path.exists(out) and os.listdir(out):
         raise hf.ConvertError(f"--out={out!r} exists and is not empty; choose a new run directory")
     cfg, params = read_hf(hf_dir)
+    _, _, raw = read_hf_config(hf_dir)
     from lumen_jax.checkpoint import weights
     copied = _copy_tokenizer(hf_dir, os.path.join(out, "tokenizer"))
     if "tokenizer.json" in copied:
         cfg = cfg.replace(data=dataclasses.replace(cfg.data, tokenizer=os.path.abspath(
             os.path.join(out, "tokenizer", "tokenizer.json"))))
-    return weights.save_weights(out, cfg, params, extra={"imported_from": os.path.abspath(hf_dir)})
+    else:
+        print(f"warning: {hf_dir} has no tokenizer.json: the imported run uses data.tokenizer=byte, which is not "
+              "this model's tokenizer unless it was trained on bytes; add the model's tokenizer.json there and "
+              "import again", file=sys.stderr, flush=True)
+    extra = {"imported_from": os.path.abspath(hf_dir)}
+    if isinstance(raw.get("max_position_embeddings"), int):
+        extra["max_position_embeddings"] = raw["max_position_embeddings"]  # generate's context
+    return weights.save_weights(out, cfg, params, extra=extra)
 
 
 def _copy_tokenizer(src: str, dst: str) -> list[str]:
@@ -49,21 +57,31 @@ def _copy_tokenizer(src: str, dst: str) -> list[str]:
     return names
 
 
-def to_hf(run_dir: str, step: int | None, out: str, max_shard_bytes: int) -> str:
+def to_hf(run_dir: str, step: int | None, out: str, max_shard_bytes: float) -> str:
     import jax
     from safetensors.numpy import save_file
 
     from lumen_jax.checkpoint import weights
     from lumen_jax.model import abstract_model
 
-    step = weights.resolve_step(run_dir, step)
-    cfg = weights.read_config(run_dir, step)
+    if max_shard_bytes <= 0:
+        raise hf.ConvertError(f"--max-shard-gb={max_shard_bytes / 2**30:g} must be > 0 (the most a safetensors "
+                              "file holds, e.g. 5)")
     if os.path.exists(out) and os.listdir(out):
         raise hf.ConvertError(f"--out={out!r} exists and is not empty; choose a new directory")
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=cpu),
-                          abstract_model(cfg.model).params)
-    params = weights.to_numpy(weights.load_params(run_dir, step, target))
+
+    def load(s: int) -> tuple:
+        cfg = weights.read_config(run_dir, s)
+        if cfg.model.moe.enabled:
+            raise hf.ConvertError(f"{run_dir} is a mixture-of-experts model (model.moe.num_experts="
+                                  f"{cfg.model.moe.num_experts}); to-hf writes LlamaForCausalLM, which has no "
+                                  "experts: export a dense run")
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu),
+                              abstract_model(cfg.model).params)
+        return cfg, weights.to_numpy(weights.load_params(run_dir, s, target))
+
+    step, (cfg, params) = weights.newest_usable(run_dir, step, load)
     dtype = cfg.model.compute_dtype
     tensors = hf.hf_from_params(params, cfg.model, jax.numpy.dtype(dtype))
     os.makedirs(out, exist_ok=True)
@@ -109,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "from-hf":
             where = from_hf(args.hf_dir, args.out)
         else:
-            where = to_hf(args.run_dir, args.step, args.out, int(args.max_shard_gb * 2**30))
+            where = to_hf(args.run_dir, args.step, args.out, args.max_shard_gb * 2**30)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

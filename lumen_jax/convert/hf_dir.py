@@ -6,8 +6,10 @@ mapping is hf.py's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -39,15 +41,26 @@ def _tensor_files(hf_dir: str) -> dict[str, str]:
     if not os.path.isfile(single):
         raise hf.ConvertError(f"--hf-dir={hf_dir!r} has neither model.safetensors nor {INDEX}; "
                               "from-hf reads safetensors checkpoints (save with safe_serialization=True)")
-    from safetensors import safe_open
-    with safe_open(single, framework="numpy") as f:
+    with _opened(single) as f:
         return {name: single for name in f.keys()}
 
 
-def read_hf(hf_dir: str) -> tuple[Config, dict]:
-    """(the run config, our float32 parameter tree) of the HF Llama directory `hf_dir`."""
+@contextlib.contextmanager
+def _opened(path: str) -> Iterator[Any]:
+    """`safe_open(path)`; a truncated or damaged file is a ConvertError naming it."""
     from safetensors import SafetensorError, safe_open
 
+    try:
+        with safe_open(path, framework="numpy") as f:
+            yield f
+    except (SafetensorError, OSError) as e:
+        raise hf.ConvertError(f"{path} is not a readable safetensors file ({' '.join(str(e).split())[:160]}); "
+                              "it may be truncated: download or save it again") from None
+
+
+def read_hf_config(hf_dir: str) -> tuple[Config, dict[str, str], dict]:
+    """(the run config, {tensor name: safetensors file}, the raw config.json) of the HF Llama directory
+    `hf_dir`; no tensor is read. `data.tokenizer` is its tokenizer.json when it has one."""
     if not os.path.isdir(hf_dir):
         raise hf.ConvertError(f"--hf-dir={hf_dir!r} is not a directory; give a Hugging Face model directory")
     config = _read_json(os.path.join(hf_dir, "config.json"))
@@ -57,25 +70,34 @@ def read_hf(hf_dir: str) -> tuple[Config, dict]:
             raise hf.ConvertError(f"{os.path.join(hf_dir, INDEX)} names {os.path.basename(path)}, which is missing")
     dtype = config.get("dtype") or config.get("torch_dtype")
     if dtype is None:  # older configs: the first tensor's
-        with safe_open(next(iter(files.values())), framework="numpy") as f:
+        with _opened(next(iter(files.values()))) as f:
             stored = str(f.get_slice(next(iter(f.keys()))).get_dtype())
         dtype = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(stored, stored)
     if dtype not in hf.DTYPES:
         raise hf.ConvertError(f"config.json dtype={dtype!r} is not supported; use float32, bfloat16 or float16")
     m = hf.model_config(config, hf.DTYPES[dtype])
-    handles: dict[str, object] = {}
-
-    def get(name: str) -> np.ndarray:
-        path = files[name]
-        try:
-            if path not in handles:
-                handles[path] = safe_open(path, framework="numpy")
-            return handles[path].get_tensor(name)
-        except (SafetensorError, OSError) as e:
-            raise hf.ConvertError(f"{path}: cannot read tensor {name} ({e})") from None
-
-    params = hf.params_from_hf(get, set(files), m)
     tokenizer = os.path.join(hf_dir, "tokenizer.json")
     data = DataConfig(tokenizer=os.path.abspath(tokenizer)) if os.path.isfile(tokenizer) else DataConfig()
     name = os.path.basename(os.path.normpath(hf_dir)) or "imported"
-    return Config(model=m, data=data, name=name), params
+    return Config(model=m, data=data, name=name), files, config
+
+
+def read_hf(hf_dir: str) -> tuple[Config, dict]:
+    """(the run config, our float32 parameter tree) of the HF Llama directory `hf_dir`."""
+    cfg, files, _ = read_hf_config(hf_dir)
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, Any] = {}
+
+        def get(name: str) -> np.ndarray:
+            from safetensors import SafetensorError
+
+            path = files[name]
+            if path not in handles:
+                handles[path] = stack.enter_context(_opened(path))
+            try:
+                return handles[path].get_tensor(name)
+            except (SafetensorError, OSError) as e:
+                raise hf.ConvertError(f"{path}: cannot read tensor {name} ({e}); it may be truncated: "
+                                      "download or save it again") from None
+
+        return cfg, hf.params_from_hf(get, set(files), cfg.model)

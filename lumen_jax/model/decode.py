@@ -5,7 +5,8 @@ sized), S = the longest prompt plus the tokens to generate. Prompts of different
 left-padded: slot s of row b holds a real token when `valid_bs[b, s]`; a padded slot is never attended
 to, and positions count from each row's first real token, so a row's result does not depend on its
 padding. Prefill is the training forward (causal attention, padding as its own document) that also
-returns K/V; decode attends one query per row to the filled, valid slots of the cache.
+returns K/V; decode attends one query per row to the filled, valid slots of the cache. Mixture-of-experts
+layers route each token as in training (dropless; with a capacity factor the groups are the decoded rows).
 Single-device math; the caller jits these under the sharding rules (lumen_jax/generate.py).
 """
 
@@ -47,19 +48,47 @@ def _logits(model: Transformer, x_btd: jax.Array) -> jax.Array:
 
 
 def _layers(model: Transformer, x_btd: jax.Array, cache: dict, attend) -> tuple[jax.Array, dict]:
-    """Runs the blocks (a scan); `attend(attn_module, h_btd, k_cache, v_cache) -> (o, k_cache, v_cache)`."""
-    graphdef, layer_state = nnx.split(model.blocks)
+    """Runs the blocks (a scan); `attend(attn_module, h_btd, k_cache, v_cache) -> (o, k_cache, v_cache)`.
 
-    def body(x_btd: jax.Array, xs: tuple) -> tuple[jax.Array, tuple]:
-        state, k_cache, v_cache = xs
-        block = nnx.merge(graphdef, state)
-        o, k_cache, v_cache = attend(block.attn, block.attn_norm(x_btd), k_cache, v_cache)
-        x_btd = x_btd + block.attn.out(o, model.ops)
-        x_btd = x_btd + block.mlp(block.mlp_norm(x_btd), model.ops)
-        return x_btd, (constrain(k_cache, CACHE_AXES), constrain(v_cache, CACHE_AXES))
+    With mixture-of-experts layers the stack is, as in training, groups of `moe.every_n_layers`: n-1
+    dense blocks, then an MoE block (its routing losses are dropped); the cache's layer l is layer l."""
+    def scan(stack: nnx.Module, x_btd: jax.Array, k_cache: jax.Array, v_cache: jax.Array):
+        graphdef, layer_state = nnx.split(stack)
 
-    x_btd, (k, v) = jax.lax.scan(body, x_btd, (layer_state, cache["k"], cache["v"]))
-    return x_btd, {"k": k, "v": v}
+        def body(x_btd: jax.Array, xs: tuple) -> tuple[jax.Array, tuple]:
+            state, k_cache, v_cache = xs
+            block = nnx.merge(graphdef, state)
+            o, k_cache, v_cache = attend(block.attn, block.attn_norm(x_btd), k_cache, v_cache)
+            x_btd = x_btd + block.attn.out(o, model.ops)
+            y_btd = block.mlp(block.mlp_norm(x_btd), model.ops)
+            x_btd = x_btd + (y_btd[0] if isinstance(y_btd, tuple) else y_btd)  # MoE: (y, aux)
+            return x_btd, (constrain(k_cache, CACHE_AXES), constrain(v_cache, CACHE_AXES))
+
+        return jax.lax.scan(body, x_btd, (layer_state, k_cache, v_cache))
+
+    if not model.cfg.moe.enabled:
+        x_btd, (k, v) = scan(model.blocks, x_btd, cache["k"], cache["v"])
+        return x_btd, {"k": k, "v": v}
+    n = model.cfg.moe.every_n_layers
+    grouped = {name: c.reshape(-1, n, *c.shape[1:]) for name, c in cache.items()}  # [L/n, n, B, S, K, H]
+    dense = None
+    if n > 1:
+        dense_graph, dense_state = nnx.split(model.blocks)
+        dense = jax.tree.map(lambda v: v.reshape(-1, n - 1, *v.shape[1:]), dense_state)
+    moe_graph, moe_state = nnx.split(model.moe_blocks)
+
+    def group(x_btd: jax.Array, xs: tuple) -> tuple[jax.Array, tuple]:
+        dense_g, moe_g, k_g, v_g = xs
+        ks, vs = [], []
+        if dense_g is not None:
+            x_btd, (k, v) = scan(nnx.merge(dense_graph, dense_g), x_btd, k_g[:n - 1], v_g[:n - 1])
+            ks, vs = [k], [v]
+        moe_one = jax.tree.map(lambda v: v[None], moe_g)  # the group's MoE block as a stack of one
+        x_btd, (k, v) = scan(nnx.merge(moe_graph, moe_one), x_btd, k_g[n - 1:], v_g[n - 1:])
+        return x_btd, (jnp.concatenate([*ks, k]), jnp.concatenate([*vs, v]))
+
+    x_btd, (k, v) = jax.lax.scan(group, x_btd, (dense, moe_state, grouped["k"], grouped["v"]))
+    return x_btd, {"k": k.reshape(cache["k"].shape), "v": v.reshape(cache["v"].shape)}
 
 
 def prefill(model: Transformer, tokens_bt: jax.Array, valid_bt: jax.Array, cache: dict) -> tuple[jax.Array, dict]:

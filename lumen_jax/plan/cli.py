@@ -108,8 +108,13 @@ def format_search(plans: Sequence[Plan]) -> str:
     return "\n".join([head, *rows]) if rows else "no candidate fits"
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints its usage too)
+        raise ConfigError(f"{message}; see python -m lumen_jax.plan --help")
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m lumen_jax.plan", description=USAGE)
+    p = _Parser(prog="python -m lumen_jax.plan", description=USAGE)
     p.add_argument("--config", help="YAML or gin file (configs/*.yaml)")
     p.add_argument("--devices", type=int, required=True, help="devices the run will use")
     p.add_argument("--device", default="h100", choices=sorted(DEVICES), help="accelerator (default h100)")
@@ -165,8 +170,10 @@ def emulate_cpu_devices(n: int, what: str = "--against-xla") -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
     try:
+        args = parse_args(argv)
+        if args.devices < 1:
+            raise ConfigError(f"--devices {args.devices} must be >= 1: the devices the run will use")
         if args.against_xla:  # before anything starts JAX (the planner's probe traces the model)
             if args.search or args.pipeline != 1:
                 raise ConfigError("--against-xla compiles the config's own layout; drop --search and --pipeline "
@@ -192,7 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.devices % stages or cfg.model.num_layers % stages:
                 raise ConfigError(f"mesh.pipeline={stages} must divide --devices {args.devices} and "
                                   f"model.num_layers={cfg.model.num_layers}")
-            plans = search(cfg, args.devices, hw, pipeline=args.pipeline, top=args.top, **kwargs)
+            from tqdm import tqdm
+            with tqdm(desc="search", unit=" plans", leave=False, disable=None, file=sys.stderr) as bar:  # a terminal
+                plans = search(cfg, args.devices, hw, pipeline=args.pipeline, top=args.top, on_plan=bar.update,
+                               **kwargs)
             text = (json.dumps([p.to_json() for p in plans], indent=2) if args.json else format_search(plans))
         else:
             layout = layout_from_config(cfg, args.devices, args.pipeline, args.pipeline_microbatches or None)

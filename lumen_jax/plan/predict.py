@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any
+from typing import Any, Callable
 
 from lumen_jax.metrics import flops
 from lumen_jax.config import ATTENTION_IMPLS, Config, MeshConfig, ModelConfig
@@ -181,8 +181,9 @@ def _schedules(model: ModelConfig, mesh: MeshConfig, stages: int, micro_batches:
 
 
 def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, top: int = 5,
-           **predict_kwargs: Any) -> list[Plan]:
-    """The `top` fitting (mesh x remat x micro-batch) candidates, best predicted MFU first.
+           on_plan: Callable[[int], Any] | None = None, **predict_kwargs: Any) -> list[Plan]:
+    """The `top` fitting (mesh x remat x micro-batch) candidates, best predicted MFU first; `on_plan(1)`
+    is called after each candidate is planned (a progress bar).
 
     Tries tensor sizes that fit in a node and divide the heads, kv heads, ffn and vocab; context
     sizes that divide the sequence; every fsdp x data split of the rest; sequence parallelism on
@@ -225,6 +226,8 @@ def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, to
                                 layout = Layout(staged, pipeline=pipeline, micro_batches=steps)
                                 for remat in SEARCH_REMATS:
                                     plan = predict(cfg, layout, hw, remat=remat, **predict_kwargs)
+                                    if on_plan is not None:
+                                        on_plan(1)
                                     if plan.fits:
                                         found.append(plan)
     found.sort(key=lambda p: (-round(p.mfu, 4), p.bytes_per_device["total"]))

@@ -55,7 +55,11 @@ class _Log:
 
 @contextlib.contextmanager
 def library_output(run_dir: str, name: str = "") -> Iterator[None]:
-    """Sends libraries' stderr output to `<run_dir>/<name or library.log>` until the block ends."""
+    """Sends libraries' stderr output to `<run_dir>/<name or library.log>` until the block ends (inside
+    another such block: to that block's log)."""
+    if _console:
+        yield
+        return
     terminal = sys.stderr
     log = _Log(os.path.join(run_dir, name or LOG_NAME))
     handlers = [h for name in ("", "absl") for h in logging.getLogger(name).handlers

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import Any, Sequence
 
 from lumen_jax.config import ConfigError, MeshConfig, ModelConfig, RuntimeConfig
 from lumen_jax.metrics.flops import param_counts
@@ -113,6 +114,23 @@ def configure(rc: RuntimeConfig, gpu_flags: tuple[str, ...] = ()) -> None:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def apply_cpu_devices(overrides: Sequence[str]) -> list[str]:
+    """Applies a `runtime.cpu_devices=N` among `overrides` (emulated CPU devices for a command that reads
+    a run, e.g. generate with mesh.tensor=2 on a CPU machine) before the backend starts; returns the others."""
+    from lumen_jax.config import from_dict
+    from lumen_jax.config.files import apply_overrides
+
+    cpu = [o for o in overrides if o.strip().startswith("runtime.cpu_devices=")]
+    if cpu:
+        import jax
+
+        n = from_dict(apply_overrides({}, cpu[-1:])).runtime.cpu_devices
+        if n < 1:
+            raise ConfigError(f"runtime.cpu_devices={n} must be >= 1 here")
+        jax.config.update("jax_num_cpu_devices", n)
+    return [o for o in overrides if o not in cpu]
+
+
 def device_count(rc: RuntimeConfig) -> int:
     """Starts JAX's backend and returns the device count; a platform this machine lacks is a ConfigError."""
     import jax
@@ -125,3 +143,32 @@ def device_count(rc: RuntimeConfig) -> int:
         reason = " ".join(str(e).split())[:200]
         raise ConfigError(f"runtime.platform={rc.platform} cannot start on this machine ({reason}); "
                           "set runtime.platform=cpu, or leave it empty to let JAX choose") from None
+
+
+def device_memory(devices: Sequence[Any]) -> tuple[float, str] | None:
+    """(bytes one of `devices` can hold, what that is): a GPU's `bytes_limit`; on CPU the host's available
+    memory shared by its devices of `devices`; None when unknown."""
+    stats = devices[0].memory_stats() or {}
+    if stats.get("bytes_limit"):
+        return float(stats["bytes_limit"]), f"the {devices[0].device_kind} memory"
+    if devices[0].platform != "cpu":
+        return None
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+    local = sum(d.process_index == devices[0].process_index for d in devices)
+    return available / local, f"the host's available memory shared by {local} CPU device(s)"
+
+
+def check_fits(compiled: Any, devices: Sequence[Any], what: str, fix: str) -> None:
+    """ConfigError when the compiled program needs more memory per device than `devices` have
+    (XLA's `memory_analysis()`: arguments, outputs and temporaries), before it runs."""
+    have = device_memory(devices)
+    ma = compiled.memory_analysis()
+    if have is None or ma is None:
+        return
+    need = ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes
+    if need > have[0]:
+        raise ConfigError(f"{what} needs {need / 2**30:.1f} GiB per device, more than {have[1]} "
+                          f"({have[0] / 2**30:.1f} GiB); {fix}")

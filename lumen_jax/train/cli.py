@@ -84,9 +84,13 @@ def train(cfg: Config, stop=None) -> dict:
         distributed.check_devices(distributed.gather_json(distributed.describe_local_devices()))
     mesh_shape = validate(cfg, num_devices)
     run_dir = run_dir_for(cfg)
+    notes = []
+    if cfg.train.init_from:  # the tokenizer, RoPE, norm epsilon, ... of the weights it starts from
+        from lumen_jax.checkpoint import weights
+        cfg, notes = weights.defined_by_init_from(cfg, run_dir)
     if jax.process_index() == 0:
-        for line in warnings(cfg):
-            print(f"warning: {line}", file=sys.stderr, flush=True)
+        for line in [*notes, *(f"warning: {w}" for w in warnings(cfg))]:
+            print(line, file=sys.stderr, flush=True)
         rundir.prepare(run_dir)  # a file in its place, read-only, full: exit 2 before compiling
     trainer = build(cfg, make_mesh(mesh_shape, across_nodes=distributed.across_nodes(
         cfg.distributed, mesh_shape, jax.devices())))
@@ -194,7 +198,7 @@ def _main(cfg: Config, no_config_file: bool, stop) -> int:
         last = train(cfg, stop)
     except tuple(codes) as e:
         print(f"{'stopped' if isinstance(e, Preempted) else 'error'}: {e}", file=sys.stderr, flush=True)
-        return _leave(cfg, codes[type(e)])
+        return _leave(cfg, next(code for kind, code in codes.items() if isinstance(e, kind)))
     except OSError as e:  # a metrics or events write on a full disk: the environment, not a bug
         from lumen_jax.runtime.rundir import ENVIRONMENT_ERRNOS
         if e.errno not in ENVIRONMENT_ERRNOS:
@@ -211,5 +215,9 @@ def _main(cfg: Config, no_config_file: bool, stop) -> int:
     if "loss" not in last:  # nothing left to train: the run directory had reached train.steps
         print(f"done: step {cfg.train.steps} (already reached in {run_dir_for(cfg)}; nothing to train)")
     else:
-        print(f"done: step {cfg.train.steps} loss {last['loss']:.4f}")
+        from lumen_jax.checkpoint.layout import checkpoints_dir, committed_steps
+        kept = "" if committed_steps(checkpoints_dir(run_dir_for(cfg))) else (
+            "; no checkpoint was saved (checkpoint.every_steps=0): add checkpoint.every_steps=N to keep the "
+            "weights for generate, evaluate and to-hf")
+        print(f"done: step {cfg.train.steps} loss {last['loss']:.4f}{kept}")
     return EXIT_OK

@@ -139,8 +139,12 @@ def _run(trainer: Trainer, data: Iterator, run_dir: str, spec: RunSpec, stop: St
               + " ".join(f"{k}={v}" for k, v in trainer.mesh.shape.items())
               + f", {spec.param_count / 1e6:.2f}M params, "
               + (f"{trainer.ops.note}, " if trainer.ops.note else "")
+              + (f"pipeline schedule {spec.config['mesh']['pipeline_schedule']}, " if trainer.mesh.shape["pipeline"] > 1
+                 else "")
               + f"compiled in {compile_s:.1f}s, peak {spec.throughput.peaks.source}, run dir {run_dir}"
-              + (f", resumed from step {start}" if start else ""), flush=True)
+              + (f", resumed from step {start}" if start else "")
+              + (f", weights from train.init_from={spec.train.init_from}" if spec.train.init_from and not start
+                 else ""), flush=True)
         rundir.write_json(run_dir, "compile.json", memory.report(
             compiled, spec.planned_bytes, spec.planned_error, devices=jax.device_count(),
             platform=jax.devices()[0].platform, mesh=trainer.mesh.shape, compile_s=compile_s))

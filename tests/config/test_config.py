@@ -340,6 +340,28 @@ def test_batch_and_sequence():
     validate(with_(cfg, data=dict(seq_len=16)), 8)
 
 
+def test_one_fix_for_every_rule_of_a_length_and_depth():
+    """The first message a user sees asks for what every rule needs, not what its own rule needs."""
+    for seq_len in (100, 9):  # not a multiple of 3; a multiple of 3 but not of 2*3
+        msg = error(validate, with_(TINY, data=dict(seq_len=seq_len), mesh=dict(context=3, fsdp=1, data=-1)), 6)
+        assert "use a multiple of 6" in msg, msg
+    msg = error(validate, with_(TINY, model=dict(num_layers=8), train=dict(micro_batches=2),
+                                mesh=dict(pipeline=2, pipeline_schedule="interleaved", pipeline_virtual_stages=3)), 8)
+    assert msg.startswith("model.num_layers=8 is not divisible by mesh.pipeline*mesh.pipeline_virtual_stages=2*3=6;")
+    assert "whose product divides 8" in msg, msg
+
+
+def test_settings_that_do_nothing_or_drop_most_tokens_warn():
+    from lumen_jax.config.checks import warnings
+
+    [line] = warnings(with_(TINY, mesh=dict(sequence_parallel=True)))
+    assert line.startswith("mesh.sequence_parallel=true does nothing with mesh.tensor=1")
+    moe = C.MoeConfig(num_experts=8, capacity_factor=0.1)
+    [line] = warnings(with_(TINY, model=dict(moe=moe)))
+    assert line.startswith("model.moe.capacity_factor=0.1 < 1 drops at least 90% of the tokens' expert assignments")
+    assert warnings(with_(TINY, model=dict(moe=dataclasses.replace(moe, capacity_factor=1.25)))) == []
+
+
 @pytest.mark.parametrize("key,value,fragment", [
     ("model.num_layers", 0, "model.num_layers=0 must be >= 1"),
     ("model.d_model", -1, "model.d_model=-1 must be >= 1"),

@@ -137,6 +137,14 @@ def test_from_hf_reads_transformers_4x_rope_fields(hf_dirs, tmp_path, case):
     assert_logits_close(hf_logits(old, TOKENS), ref)  # transformers reads the hand-written file the same way
 
 
+def _truncate(src: str, dst: str) -> str:
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:len(data) // 2])
+    return dst
+
+
 BAD_HF = {
     "mistral": (lambda s, d: _edit_config(s, d, model_type="mistral"), "model_type='mistral'"),
     "bias": (lambda s, d: _edit_config(s, d, attention_bias=True), "attention_bias=True"),
@@ -149,6 +157,7 @@ BAD_HF = {
                   "model.layers.0.self_attn.k_proj.weight has shape (31, 32)"),
     "no weights": (lambda s, d: shutil.copytree(s, d, ignore=shutil.ignore_patterns("*.safetensors")),
                    "neither model.safetensors"),
+    "truncated": (_truncate, "model.safetensors is not a readable safetensors file"),
 }
 
 
@@ -161,3 +170,17 @@ def test_from_hf_bad_input_exits_2_with_one_line(hf_dirs, tmp_path, capsys, case
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expected in err, err
     assert not os.path.exists(out)
+
+
+def test_without_a_tokenizer_from_hf_warns_and_to_hf_refuses_a_shard_size_of_0(hf_dirs, tmp_path, capsys):
+    run_dir = str(tmp_path / "run")
+    assert convert(["from-hf", "--hf-dir", hf_dirs["untied"], "--out", run_dir]) == 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"warning: {hf_dirs['untied']} has no tokenizer.json"), err
+    assert "data.tokenizer=byte" in err
+    for size in ("0", "-1"):
+        out = str(tmp_path / f"hf{size}")
+        assert convert(["to-hf", "--run-dir", run_dir, "--out", out, "--max-shard-gb", size]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"--max-shard-gb={size} must be > 0" in err, err
+        assert not os.path.exists(out)

@@ -8,5 +8,6 @@ root conftest.py, on sys.path; the test folders have no __init__.py, so test fil
   data         synthetic packed batches; small corpora on disk, a BPE tokenizer, the prepare command
   run          a small fp32 config, meshes over it and a 3-step run to compare; FAST_RUN
   faults       a tiny trained run directory, snapshots of files, a full disk
-  hf           a small random Hugging Face Llama and its logits
+  hf           a small random Hugging Face Llama and its logits, a small tokenizer
+  terminal     a command under a pseudo-terminal and what it wrote there
 """

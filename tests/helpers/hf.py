@@ -70,3 +70,19 @@ def hf_greedy(hf_dir: str, prompt: list[int], new_tokens: int) -> list[int]:
         out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def add_tokenizer(hf_dir: str) -> str:
+    """Writes a small byte-level BPE `tokenizer.json` (300 ids, `<s>`/`</s>`) into `hf_dir`; returns its path."""
+    import glob
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train(sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "json", "*.py"))), trainer)
+    path = os.path.join(hf_dir, "tokenizer.json")
+    tok.save(path)
+    return path

@@ -1,15 +1,22 @@
-"""launch/supervise.py without a trainer: its accounting of steps and time lost (goodput), the exit
-code it trusts, and its restart loop over a child that exits with given codes. (A real run under the
-supervisor: tests/checkpoint/test_checkpoint.py and tests/runtime/test_multihost.py.)"""
+"""launch/supervise.py: its accounting of steps and time lost (goodput), the exit code it trusts, its
+restart loop over a child that exits with given codes, SIGTERM/SIGINT passed to a real trainer (which
+checkpoints; then the summary and exit 75), no orphan when it is killed, its bad arguments. (More runs
+under the supervisor: tests/checkpoint/test_checkpoint.py and tests/runtime/test_multihost.py.)"""
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 
 import pytest
 
-from helpers.paths import load_script
+from helpers.paths import REPO, load_script
+
+# The supervisor starts its child with a preexec_fn (own process group, PR_SET_PDEATHSIG): a fork, which
+# JAX, imported by conftest, warns about; the child execs at once.
+pytestmark = pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
 
 
 def supervisor():
@@ -105,3 +112,93 @@ def test_supervisor_trusts_process_0s_final_code_over_the_launchers():
     assert sup.reported_exit(events, "7.2", 137) == 137  # another attempt's event
     crash = [{**events[0], "code": 1}]
     assert sup.reported_exit(crash, "7.1", -9) == -9  # the launcher names the death
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.heavy
+def test_sigterm_to_the_supervisor_reaches_the_trainer_which_checkpoints_then_the_summary_and_75(tmp_path):
+    """What a person sees: `kill <supervisor>` while it runs a trainer."""
+    from helpers.faults import IN_PROCESS, SMALL
+
+    run = str(tmp_path / "run")
+    train = [sys.executable, "-m", "lumen_jax.train", "--config", "configs/tiny.yaml", f"train.run_dir={run}",
+             *SMALL, *[o for o in IN_PROCESS if not o.startswith("runtime.")], "train.steps=100000",
+             "checkpoint.every_steps=0"]
+    sup = subprocess.Popen([sys.executable, "launch/supervise.py", "--run-dir", run, "--", *train], cwd=REPO,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    events = os.path.join(run, "events.jsonl")
+    _wait_for(lambda: os.path.exists(events) and '"step"' in open(events).read(), 300, "the trainer's first step")
+    trainer = next(e["pid"] for e in supervisor().read_events(run) if e["event"] == "start")
+    sup.send_signal(signal.SIGTERM)
+    out, err = sup.communicate(timeout=120)
+    assert sup.returncode == 75, err[-3000:]
+    assert "supervise: 1 attempt(s), 1 interruption(s), final: preempted (exit 75, checkpoint written)" in out, out
+    assert "supervise: goodput" in out
+    assert "supervise: stopped by SIGTERM; attempt 1 ended (preempted" in err, err[-3000:]
+    assert not _alive(trainer), "the trainer outlived its supervisor"
+    steps = supervisor().committed_steps(run)
+    assert steps and steps[-1] > 0, "no preemption checkpoint"
+
+
+# A child that, on SIGTERM, writes its pid's marker and exits 75 (as the trainer does); it writes `ready` first.
+_TRAPS = ("import os, signal, sys, time; d = sys.argv[1]; "
+          "signal.signal(signal.SIGTERM, lambda *a: (open(os.path.join(d, 'got-sigterm'), 'w').write(str(os.getppid())), "
+          "sys.exit(75))); open(os.path.join(d, 'ready'), 'w').write(str(os.getpid())); time.sleep(120); sys.exit(1)")
+
+
+def _supervised(tmp_path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "launch/supervise.py", "--run-dir", str(tmp_path), *extra, "--",
+                             sys.executable, "-c", _TRAPS, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_a_killed_supervisor_leaves_no_orphan(tmp_path):
+    sup = _supervised(tmp_path)
+    _wait_for(lambda: os.path.exists(tmp_path / "ready"), 60, "the child")
+    child = int((tmp_path / "ready").read_text())
+    sup.kill()  # SIGKILL: no handler runs; the child learns it from PR_SET_PDEATHSIG
+    sup.communicate(timeout=30)
+    _wait_for(lambda: not _alive(child), 30, "the orphan to stop")
+    assert (tmp_path / "got-sigterm").exists(), "the child was not told to stop (SIGTERM) when its supervisor died"
+
+
+def test_sigint_during_the_backoff_ends_supervision_with_75(tmp_path):
+    crashed = tmp_path / "crashed"
+    sup = subprocess.Popen([sys.executable, "launch/supervise.py", "--run-dir", str(tmp_path), "--backoff", "300",
+                            "--", sys.executable, "-c", "import sys; open(sys.argv[1], 'w'); sys.exit(1)",
+                            str(crashed)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(crashed.exists, 60, "the child's crash")
+    time.sleep(1)  # the child has exited 1 and the 300 s backoff runs
+    t0 = time.monotonic()
+    sup.send_signal(signal.SIGINT)
+    out, err = sup.communicate(timeout=60)
+    assert time.monotonic() - t0 < 30, "the backoff was slept to its end"
+    assert sup.returncode == 75, err
+    assert "restarting in 60.0s" in err and "supervise: stopped by SIGINT" in err, err
+    assert "supervise: 1 attempt(s), 1 interruption(s), final: exit code 1" in out, out
+
+
+@pytest.mark.parametrize("bad, expected", [(["--max-restarts", "-1"], "--max-restarts=-1 must be >= 0"),
+                                           (["--backoff", "-5"], "--backoff=-5.0 must be >= 0"),
+                                           ([], "give the training command after --")])
+def test_bad_arguments_are_one_line_exit_2(tmp_path, bad, expected):
+    command = ["--", sys.executable, "-c", "pass"] if bad else []
+    proc = subprocess.run([sys.executable, "launch/supervise.py", "--run-dir", str(tmp_path), *bad, *command],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr
+    assert os.listdir(tmp_path) == []  # nothing ran

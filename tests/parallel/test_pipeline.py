@@ -92,7 +92,7 @@ def _check(**changes):
 @pytest.mark.parametrize("changes,message", [
     (dict(pipeline=4, num_layers=6), "model.num_layers=6 is not divisible by mesh.pipeline=4"),
     (dict(pipeline=4, pipeline_schedule="interleaved", pipeline_virtual_stages=4),
-     "model.num_layers=8 is not divisible by mesh.pipeline=4*mesh.pipeline_virtual_stages=4=16"),
+     "model.num_layers=8 is not divisible by mesh.pipeline*mesh.pipeline_virtual_stages=4*4=16"),
     (dict(pipeline=8, pipeline_schedule="1f1b"),
      "mesh.pipeline_schedule=1f1b needs train.micro_batches=4 >= mesh.pipeline=8"),
     (dict(pipeline=4, pipeline_schedule="interleaved", pipeline_virtual_stages=2, micro_batches=6),

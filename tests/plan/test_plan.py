@@ -414,7 +414,12 @@ def test_cli_json(capsys):
     assert out["device_memory_bytes"] == 80e9
 
 
-def test_cli_table_and_search(capsys):
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_cli_table_and_search(capsys, monkeypatch):
     assert main(["--config", "configs/llama3_70b.yaml", "--devices", "512"]) == 0
     table = capsys.readouterr().out
     assert "memory per device" in table and table.splitlines()[-1].startswith("fits: ")
@@ -423,8 +428,11 @@ def test_cli_table_and_search(capsys):
     verdict = capsys.readouterr().out.splitlines()[-1]
     assert verdict.startswith("does not fit: ") and "parameters + gradients + optimizer" in verdict
     # 8 devices: every axis still has splits to rank; 64 took twice as long (more context sizes to probe)
+    terminal = _Terminal()  # the search's progress bar shows on a terminal
+    monkeypatch.setattr(sys, "stderr", terminal)
     assert main(["--config", "configs/llama3_8b.yaml", "--devices", "8", "--search", "--top", "3",
                  "--json"]) == 0
+    assert re.search(r"search: [1-9]\d* plans \[", terminal.getvalue()), terminal.getvalue()[-500:]
     ranked = json.loads(capsys.readouterr().out)
     assert len(ranked) == 3 and all(r["fits"] for r in ranked)
     mfus = [r["predicted_mfu"] for r in ranked]
@@ -438,11 +446,14 @@ def test_cli_table_and_search(capsys):
     (["--devices", "8", "--efficiency", "1.5"], "--efficiency"),
     (["--devices", "8", "--against-xla", "--search"], "--against-xla"),
     (["--devices", "8", "--against-xla", "optim.zero_stage=1"], "optim.zero_stage moved to mesh.zero_stage"),
+    (["--devices", "8", "--device", "tpu9"], "argument --device: invalid choice: 'tpu9' (choose from"),
+    (["--devices", "0"], "--devices 0 must be >= 1"),
 ])
 def test_cli_bad_input_exits_2(capsys, argv, message):
     assert main(["--config", "configs/tiny.yaml", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.heavy

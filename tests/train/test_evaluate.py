@@ -4,6 +4,7 @@ checkpoint of that step; the bad inputs are one line."""
 
 import dataclasses
 import math
+import re
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ import pytest
 import yaml
 
 from helpers import hf
+from helpers.faults import snapshot
 from helpers.metrics import read_metrics
 from helpers.paths import REPO
 from helpers.tolerances import FP32_RTOL
@@ -81,12 +83,29 @@ def test_bad_inputs_are_one_line(imported, tmp_path, capsys):
             (["train.init_from=/nonexistent"], "train.init_from='/nonexistent' is not a directory")):
         with pytest.raises(ConfigError, match=expected):
             validate(load_config(None, overrides), 8)
-    for args, expected in ((["--step", "3"], "--step=3"), (["optim.lr=1"], "only mesh.* and data.*"),
+    for args, expected in ((["--step", "3"], "--step=3"), (["optim.lr=1"], "only mesh.*, data.* and runtime.cpu_devices"),
                            (["--batches", "0"], "--batches=0"),
                            (["--data", str(tmp_path / "none*.txt")], "matches no files")):
         assert evaluate_cli(["--run-dir", source, *args]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and expected in err, (args, err)
+
+
+def test_a_batch_too_big_for_memory_and_no_held_out_data_are_one_line(imported, capfd):
+    _, source = imported
+    before = snapshot(source)
+    capfd.readouterr()
+    # 1 x 300000 tokens: the reference attention's [heads, T, T] scores alone are 1.4 TB.
+    assert evaluate_cli(["--run-dir", source, "--data", "train", "--batches", "1", "mesh.fsdp=1",
+                         "data.global_batch_size=1", "data.seq_len=300000"]) == 2
+    err = capfd.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert re.match(r"error: evaluating a batch of 1 x 300000 tokens needs \d+\.\d GiB per device, more than "
+                    r"the host's available memory shared by 1 CPU device\(s\) \(\d+\.\d GiB\); lower data.seq_len", err), err
+    assert evaluate_cli(["--run-dir", source, "--batches", "1"]) == 2  # it holds nothing out
+    err = capfd.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds no documents out" in err and "--data train" in err, err
+    assert snapshot(source) == before
 
 
 def test_held_out_share_is_disjoint_from_training():
