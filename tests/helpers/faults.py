@@ -8,7 +8,10 @@ import contextlib
 import errno
 import hashlib
 import os
+import signal
 import subprocess
+
+import pytest
 
 from helpers.paths import REPO
 from lumen_jax.train import cli as train_cli
@@ -72,3 +75,17 @@ def fill(path: str) -> None:
                 f.write(b"\0" * 4096)
         except OSError as e:
             assert e.errno == errno.ENOSPC, e
+
+
+def run_group(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Runs `cmd` in its own session; on timeout kills the whole group (launchers and their children)
+    and fails the test."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s:\n{out[-2000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers.metrics import losses_and_grad_norms
+from helpers.faults import run_group as _run
 from helpers.paths import REPO, load_script
 from helpers.tolerances import FP32_RTOL
 from lumen_jax.runtime import distributed as D
@@ -34,17 +35,6 @@ COMMON = ["--config", "configs/tiny.yaml", "mesh.fsdp=8", "optim.decay_steps=8",
           f"distributed.heartbeat_timeout_s={HEARTBEAT_S}"]
 
 
-def _run(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Runs `cmd` in its own session; on timeout kills the whole group (launchers and their children)."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s:\n{out[-2000:]}\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _local(processes: int, devices: int, run_dir: str, *extra: str) -> list[str]:

@@ -12,15 +12,13 @@ import gzip
 import html
 import json
 import os
-import signal
 import struct
-import subprocess
 import sys
 import time
 
 import pytest
 
-from helpers.faults import args as run_args
+from helpers.faults import args as run_args, run_group as _run
 from helpers.metrics import read_metrics
 from helpers.paths import REPO
 from lumen_jax import report
@@ -38,17 +36,6 @@ STRAGGLE_S = 0.8  # a quarter of a step even when the 2 cores are shared (steps 
 TIME_KEYS = ("loop_time_s", "step_time_s", "data_wait_s", "checkpoint_stall_s", "host_overhead_s")
 
 
-def _run(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`cmd` in its own session; on timeout the whole group is killed and the test fails."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s:\n{out[-2000:]}\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def events_of(run_dir: str) -> list[dict]:
