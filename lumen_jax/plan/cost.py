@@ -353,8 +353,27 @@ def _context(s: StepShape, add: Add) -> None:
 
 @counts_collectives
 def _pipeline(s: StepShape, add: Add) -> None:
-    """pipeline: activations sent forward and gradients back per micro-batch."""
-    add("pipeline", "send/recv", "stage activations and gradients", s.row, 2 * s.m, False)
+    """pipeline, as the lock-step program sends (`schedule.lockstep`): one activation forward per
+    forward tick and one cotangent back per backward tick ([tokens, D], fill and drain included),
+    the last stage's output summed over the stages for the shared loss and its cotangent (two
+    all-reduces per loss tick), and the replicated embedding, norm and output gradients summed once."""
+    layout, model = s.layout, s.model
+    if layout.pipeline == 1:
+        return
+    name, v = layout.schedule
+    prog = pipeline_lib.lockstep(name, layout.pipeline, s.m, v)
+    ticks = {k: sum(g.stop - g.start for g in prog.segments if getattr(g, k)) for k in ("forward", "backward", "head")}
+    add("pipeline", "send/recv", "stage activations, one per forward tick", s.row, ticks["forward"], False)
+    # The last tick's cotangent goes nowhere: XLA drops its send when that tick is a segment of its own.
+    last = prog.segments[-1]
+    add("pipeline", "send/recv", "cotangents, one per backward tick", s.row,
+        ticks["backward"] - (last.stop - last.start == 1), False)
+    add("pipeline", "all-reduce", "the last stage's output for the shared loss, and its cotangent", s.row,
+        2 * ticks["head"], False)
+    counts = flops.param_counts(model)
+    outside = counts["total"] - model.num_layers * (counts["layer_matmul"] + 2 * model.d_model)
+    add("pipeline", "all-reduce", "fp32 gradients of the replicated embedding, norm and output",
+        outside * F32_BYTES / layout.mesh.tensor, 1, True)
 
 
 @counts_collectives

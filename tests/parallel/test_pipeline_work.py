@@ -50,3 +50,34 @@ def test_executed_work_is_the_schedules(mesh, flat, schedules):
         if name != "zero_bubble":  # the issue's bound against the papers' tables
             assert ratio <= 1.15 * table, f"{name}: {ratio:.3f}x > 1.15 x {table:.3f}"
     assert ratios["zero_bubble"] <= ratios["1f1b"] * 1.0001  # no slower than 1f1b
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("stages,m,mesh", [(2, 4, dict(data=4)), (4, 8, dict(data=2))], ids=["pipeline2-data4", "pipeline4-data2"])
+def test_the_planner_counts_what_the_pipeline_sends(stages, m, mesh):
+    """The planner's collectives over `pipeline` (`plan/cost.py`) against the compiled step's, by kind:
+    one activation per forward tick and one cotangent per backward tick (collective-permutes), the
+    shared loss's all-reduces and the replicated weights' gradient sum."""
+    from lumen_jax import plan
+    from lumen_jax.plan.hardware import DEVICES
+
+    cfg = with_mesh(BASE, micro_batches=m, pipeline=stages, **mesh)
+    cfg = cfg.replace(data=dataclasses.replace(cfg.data, global_batch_size=32),
+                      model=dataclasses.replace(cfg.model, num_layers=2 * stages))
+    shape = {a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}
+    trainer = build(cfg, make_mesh(shape, jax.devices()))
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding)
+             for k, v in batches(cfg)[0].items()}
+    module = hlo.parse(trainer.step.lower(trainer.abstract_state(), batch).compile().as_text())
+    compiled: dict[str, int] = {}
+    for c in hlo.on_mesh(module, shape):
+        if c.axes == ("pipeline",) and c.bytes > 1024:  # the loss scalars left out
+            compiled[c.kind] = compiled.get(c.kind, 0) + c.bytes * c.count
+    planned: dict[str, float] = {}
+    for c in plan.predict(cfg, plan.layout_from_config(cfg, 8), DEVICES["h100"]).collectives:
+        if c.axis == "pipeline":
+            kind = "collective-permute" if c.kind == "send/recv" else c.kind
+            planned[kind] = planned.get(kind, 0) + c.payload_bytes * c.calls
+    assert set(planned) == set(compiled), (planned, compiled)
+    for kind, nbytes in compiled.items():
+        assert planned[kind] == pytest.approx(nbytes, rel=0.10), (kind, planned, compiled)
