@@ -198,7 +198,7 @@ def standard_hooks(spec: RunSpec, trainer: Trainer, run_dir: str, ckpt: Checkpoi
         hooks.add(hooks_lib.DeviceMemory(local), every=every_log, at_last=True)
     if jax.process_count() > 1:
         hooks.add(hooks_lib.Stragglers(t.slow_step_factor, events, times, start), every=every_log, at_last=True)
-    hooks.add(hooks_lib.DataTokens(), every=spec.log.every_steps, at_last=True)  # the rows logging writes
+    hooks.add(hooks_lib.DataTokens(), every=every_log, at_last=True)  # the rows logging writes
     hooks.add(logging)
     hooks.add(preemption.check)
     hooks.add(hooks_lib.Checkpointing(ckpt, meta, times))

@@ -98,7 +98,7 @@ def stage_fns(sc: StepConfig) -> pipeline_step.StageFns:
     def head(params: dict, y_btd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array):
         # The whole vocabulary on each device for the loss: XLA's SPMD partitioner (jaxlib 0.10.2) fails a
         # check ("partition_group_list.num_replica_groups() * ...") on the cross-entropy of vocab-sharded
-        # logits inside the pipeline's shard_map when the batch is sharded too (data or fsdp with tensor).
+        # logits inside the pipelined step (manual over `pipeline`) when the batch is sharded too (data or fsdp with tensor).
         logits_btv = constrain(merge(sc.graphdef, params).logits(y_btd), ("batch", "seq", None))
         return token_objective(logits_btv, targets_bt, mask_bt, sc.z_loss)
 

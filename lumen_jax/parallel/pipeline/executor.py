@@ -105,17 +105,16 @@ def total_tokens(batch: dict) -> jax.Array:
     return jnp.maximum(batch["loss_mask"].astype(jnp.float32).sum(), 1.0)
 
 
-def _varying(fn: Callable, weights: tuple, varying: tuple) -> list[bool]:
-    """Per output leaf of `fn(*weights, *varying)`, whether it depends on `varying` (a walk of the
-    jaxpr: an equation's outputs depend on what any of its inputs depends on)."""
-    closed = jax.make_jaxpr(fn)(*weights, *varying)
-    jaxpr = closed.jaxpr
+def _varying(fn: Callable, weights: tuple, varying: tuple) -> tuple[list[bool], list[Any]]:
+    """Per output leaf of `fn(*weights, *varying)`: whether it depends on `varying` (a walk of the
+    jaxpr: an equation's outputs depend on what any of its inputs depends on), and its shape and dtype."""
+    jaxpr = jax.make_jaxpr(fn)(*weights, *varying).jaxpr
     n_weights = len(jax.tree.leaves(weights))
     dep = set(jaxpr.invars[n_weights:])
     for eqn in jaxpr.eqns:
         if any(not hasattr(v, "val") and v in dep for v in eqn.invars):
             dep.update(eqn.outvars)
-    return [not hasattr(v, "val") and v in dep for v in jaxpr.outvars]
+    return [not hasattr(v, "val") and v in dep for v in jaxpr.outvars], [v.aval for v in jaxpr.outvars]
 
 
 def _strided(x: jax.Array, p: int, s: jax.Array) -> jax.Array:
@@ -167,8 +166,7 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
         # Which residuals depend on the micro-batch (stashed) and which on the weights alone (taken
         # again in the backward: XLA drops the rest of that second trace, whose outputs go unused).
         leaves_fn = lambda c, o, x, mb, v: jax.tree.leaves(residuals(c, o, x, mb, v)[1])  # noqa: E731
-        stashed = _varying(leaves_fn, (chunk0, other), (zeros_act, zero_mb, jnp.int32(0)))
-        shapes = jax.eval_shape(leaves_fn, chunk0, other, zeros_act, zero_mb, jnp.int32(0))
+        stashed, shapes = _varying(leaves_fn, (chunk0, other), (zeros_act, zero_mb, jnp.int32(0)))
         stash0 = [jnp.zeros((prog.slots + 1, *a.shape), a.dtype) for a, keep in zip(shapes, stashed) if keep]
 
         def head_loss(other: dict, y_last: jax.Array, mb: dict) -> tuple[jax.Array, jax.Array]:
