@@ -16,6 +16,9 @@ trace time where it runs. What is decided:
 - `moe_exchange`: how a mixture of experts' rows cross the `expert` mesh axis
   (`parallel/expert.py`): `ragged` (`ragged_all_to_all`, only the rows) on GPU, `padded`
   (`all_to_all` of worst-case buffers) elsewhere: XLA:CPU does not implement the ragged op.
+- `moe_matmul`: how the experts' grouped matmuls run (`ops/grouped.py`): `ragged`
+  (`jax.lax.ragged_dot`, a grouped GEMM) on GPU, `blocks` (a loop over row blocks in use)
+  elsewhere: XLA:CPU lowers `ragged_dot` as a dense matmul against every expert.
 - `fp8`: which layer types' projections run fp8 matmuls (`model.fp8`); `layer_runs` splits the
   layer stack into runs of equal setting (the first and last layers can stay in bf16).
 
@@ -44,6 +47,7 @@ class Ops:
     interpret: bool = False  # flash: Pallas's interpreter (the only mode on CPU)
     cpu: bool = False  # the ops/cpu.py formulations (the trainer's step on one CPU device)
     moe_exchange: str = "padded"  # padded | ragged: MoE rows over the `expert` axis (parallel/expert.py)
+    moe_matmul: str = "blocks"  # blocks | ragged: the experts' grouped matmuls (ops/grouped.py)
     fp8: Fp8Config = Fp8Config()  # model.fp8
     fp8_types: tuple[str, ...] = ()  # layer types with fp8 projections in some layer
     fp8_on: bool = True  # False inside a run of layers kept in the compute dtype (`layer_runs`)
@@ -63,13 +67,6 @@ class Ops:
         if layer_type in self.fp8_types:
             return "fp8" if self.fp8_on else "fp8_kept"
         return "token_grad" if self.cpu else "einsum"
-
-    def per_replica(self, model: ModelConfig) -> bool:
-        """Whether the model's ops run under the train step's replica `vmap` (gradients reduced once
-        per step, parallel/communication.py). Not with experts: `jax.lax.ragged_dot` has no batching
-        rule for a vmapped axis other than 0 on jax 0.10.2 ("ragged_dot vmap over any dim but 0 - NYI"),
-        so an MoE model reduces its gradients every micro-batch."""
-        return model.moe.num_experts == 0
 
     def weight_dtype(self, names: tuple[str | None, ...], compute_dtype: str) -> str:
         """The dtype the train step casts a parameter with logical axes `names` to while it is still
@@ -113,4 +110,5 @@ def choose(model: ModelConfig, devices: Sequence[Any]) -> Ops:
                                                                           model.flash_block_kv)
     return Ops.plain(model, attention=attention, flash_blocks=blocks, interpret=interpret,
                      cpu=platform == "cpu" and len(devices) == 1, note=note,
-                     moe_exchange="ragged" if platform == "gpu" else "padded")
+                     moe_exchange="ragged" if platform == "gpu" else "padded",
+                     moe_matmul="ragged" if platform == "gpu" else "blocks")

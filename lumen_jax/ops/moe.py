@@ -14,7 +14,8 @@ term of the model's output):
 - router z-loss (ST-MoE) `mean(logsumexp(logits)^2)`.
 
 The routed tokens go through `lumen_jax.parallel.expert.dispatch` (sorted by expert, grouped
-matmuls, all-to-all over the `expert` mesh axis); `Ops.moe_exchange` says how rows cross devices.
+matmuls, all-to-all over the `expert` mesh axis); `Ops.moe_exchange` says how rows cross devices,
+`Ops.moe_matmul` how the experts' grouped matmuls run (`ops.grouped`).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def moe(x_btd: jax.Array, w_router_de: jax.Array, w_gate_edf: jax.Array, w_up_ed
     """
     ids, weights, stats = route(x_btd, w_router_de, cfg)
     y_btd, kept = expert.dispatch(x_btd, ids, weights, w_gate_edf, w_up_edf, w_down_efd,
-                                  capacity_factor=cfg.capacity_factor, exchange=ops.moe_exchange)
+                                  capacity_factor=cfg.capacity_factor, exchange=ops.moe_exchange,
+                                  matmul=ops.moe_matmul)
     aux = {
         "loss": cfg.aux_loss_weight * stats["balance_loss"] + cfg.router_z_loss_weight * stats["router_z_loss"],
         "moe/balance_loss": stats["balance_loss"],

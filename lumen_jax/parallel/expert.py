@@ -12,8 +12,9 @@ the experts (E = the `expert` axis; each expert's hidden width split over `tenso
    collective) scatters them into a [E, S, D] buffer, S = the most rows one device can be sent,
    and exchanges it with `all_to_all`; `ragged` (GPU) sends only the rows with
    `jax.lax.ragged_all_to_all`, after an all-gather of the row counts.
-3. The receiving device sorts what it got by its local expert and runs the SwiGLU experts as grouped
-   matmuls (`jax.lax.ragged_dot`), then the rows travel back the same way.
+3. The receiving device runs the SwiGLU experts on what it got, grouped by its local expert
+   (`ops.grouped`: row blocks on CPU, `jax.lax.ragged_dot` on GPU), then the rows travel back the
+   same way. With one `expert` device nothing moves: each assignment reads its token's row.
 4. Each token adds its experts' outputs with the router weights (float32); under `tensor` the
    partial sums of the row-split down projections are summed over `tensor`.
 
@@ -26,10 +27,12 @@ N = B*T tokens, A = N*K assignments, R rows received.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
+from lumen_jax.ops import grouped
 from lumen_jax.parallel import shard
 
 EXCHANGES = ("padded", "ragged")
@@ -46,6 +49,13 @@ def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float |
     return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
 
 
+def _kept(ids_a: jax.Array, num_experts: int, cap: int) -> jax.Array:
+    """Which assignments [A] their expert keeps: the first `cap` of each expert, in token order."""
+    if cap >= ids_a.shape[0]:  # dropless
+        return jnp.ones(ids_a.shape, bool)
+    return _sort_by_expert(ids_a, num_experts, cap)[1]
+
+
 def _sort_by_expert(ids_a: jax.Array, num_experts: int, cap: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(order [A]: kept assignments grouped by expert in token order, dropped ones last; kept [A];
     kept rows per expert [E])."""
@@ -59,26 +69,8 @@ def _sort_by_expert(ids_a: jax.Array, num_experts: int, cap: int) -> tuple[jax.A
     return order, kept, jnp.minimum(counts, cap)
 
 
-def _experts(x_rd: jax.Array, group_sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-             w_down: jax.Array) -> jax.Array:
-    """SwiGLU experts over rows grouped by expert (`group_sizes` [X]; rows past their sum give 0)."""
-    dt = x_rd.dtype
-    gate = jax.lax.ragged_dot(x_rd, w_gate.astype(dt), group_sizes)
-    up = jax.lax.ragged_dot(x_rd, w_up.astype(dt), group_sizes)
-    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down.astype(dt), group_sizes)
-
-
-def _experts_unsorted(x_rd: jax.Array, local_r: jax.Array, weights: tuple[jax.Array, ...]) -> jax.Array:
-    """`_experts` of rows in arrival order, `local_r` their local expert (X: padding, gives 0)."""
-    x_local = weights[0].shape[0]
-    order = jnp.argsort(local_r, stable=True)
-    sizes = jnp.zeros((x_local,), jnp.int32).at[local_r].add(1, mode="drop")
-    y = _experts(x_rd[order], sizes, *weights)
-    return jnp.zeros_like(y).at[order].set(y)
-
-
 def _padded(rows_ad: jax.Array, key_a: jax.Array, dev_counts: jax.Array, ep: int, x_local: int, slots: int,
-            weights: tuple[jax.Array, ...]) -> jax.Array:
+            experts: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
     """Rows (sorted, grouped by device) -> experts -> back, through fixed-size `all_to_all` buffers."""
     a, d = rows_ad.shape
     dev_starts = jnp.cumsum(dev_counts) - dev_counts
@@ -88,13 +80,13 @@ def _padded(rows_ad: jax.Array, key_a: jax.Array, dev_counts: jax.Array, ep: int
     send_e = jnp.full((ep, slots), x_local, jnp.int32).at[dest, slot].set(key_a - dest * x_local, mode="drop")
     recv = jax.lax.all_to_all(send, "expert", 0, 0)  # [source device, slot, D]
     recv_e = jax.lax.all_to_all(send_e, "expert", 0, 0)
-    out = _experts_unsorted(recv.reshape(ep * slots, d), recv_e.reshape(-1), weights)
+    out = experts(recv.reshape(ep * slots, d), recv_e.reshape(-1))
     back = jax.lax.all_to_all(out.reshape(ep, slots, d), "expert", 0, 0)
     return back.at[dest, slot].get(mode="fill", fill_value=0)
 
 
 def _ragged(rows_ad: jax.Array, key_a: jax.Array, dev_counts: jax.Array, ep: int, x_local: int, slots: int,
-            weights: tuple[jax.Array, ...]) -> jax.Array:
+            experts: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
     """As `_padded`, sending only the rows (`jax.lax.ragged_all_to_all`; not on XLA:CPU)."""
     a, d = rows_ad.shape
     me = jax.lax.axis_index("expert")
@@ -109,14 +101,14 @@ def _ragged(rows_ad: jax.Array, key_a: jax.Array, dev_counts: jax.Array, ep: int
         x, out, dev_starts, dev_counts, at_receiver, recv_sizes, axis_name="expert")
     recv = exchange(rows_ad, jnp.zeros((ep * slots, d), rows_ad.dtype))
     recv_e = exchange(local_e, jnp.full((ep * slots,), x_local, jnp.int32))
-    out = _experts_unsorted(recv, recv_e, weights)
+    out = experts(recv, recv_e)
     return jax.lax.ragged_all_to_all(out, jnp.zeros((a, d), out.dtype), recv_starts, recv_sizes,
                                      starts[:, me], dev_counts, axis_name="expert")
 
 
 def dispatch(x_btd: jax.Array, ids_btk: jax.Array, weights_btk: jax.Array, w_gate_xdf: jax.Array,
              w_up_xdf: jax.Array, w_down_xfd: jax.Array, *, capacity_factor: float | None,
-             exchange: str = "padded") -> tuple[jax.Array, jax.Array]:
+             exchange: str = "padded", matmul: str = "blocks") -> tuple[jax.Array, jax.Array]:
     """The routed experts' combined output for each token (see the module docstring).
 
     Args:
@@ -126,6 +118,7 @@ def dispatch(x_btd: jax.Array, ids_btk: jax.Array, weights_btk: jax.Array, w_gat
       w_gate_xdf, w_up_xdf, w_down_xfd: the experts' SwiGLU weights [E, D, F], [E, D, F], [E, F, D].
       capacity_factor: None (dropless) or the factor of `capacity`.
       exchange: padded | ragged (how rows cross the `expert` axis).
+      matmul: blocks | ragged (the experts' grouped matmuls, `ops.grouped`).
 
     Returns:
       (y [B, T, D] in x's dtype, kept [B, T, K]: which assignments an expert took).
@@ -138,21 +131,26 @@ def dispatch(x_btd: jax.Array, ids_btk: jax.Array, weights_btk: jax.Array, w_gat
         b, t, d = x_btd.shape
         k = ids_btk.shape[-1]
         ep, tp = shard.mesh_axis_size("expert"), shard.mesh_axis_size("tensor")
-        x_local = w_gate.shape[0]
-        cap = capacity(b * t, k, num_experts, capacity_factor)
+        x_local, n, a = w_gate.shape[0], b * t, b * t * k
+        cap = capacity(n, k, num_experts, capacity_factor)
         ids_a = ids_btk.reshape(-1).astype(jnp.int32)
-        order, kept_a, kept_counts = _sort_by_expert(ids_a, num_experts, cap)
-        rows = x_btd.reshape(b * t, d)[order // k]
+        x_nd = x_btd.reshape(n, d)
         weights = (w_gate, w_up, w_down)
-        if ep == 1:  # sorted rows are already grouped by expert: no exchange
-            y_sorted = _experts(rows, kept_counts, *weights)
+        if ep == 1:  # no exchange: each assignment's row is its token's
+            kept_a = _kept(ids_a, num_experts, cap)
+            y_akd = grouped.swiglu(x_nd, jnp.arange(a, dtype=jnp.int32) // k,
+                                   jnp.where(kept_a, ids_a, num_experts), weights, matmul).reshape(n, k, d)
         else:
+            order, kept_a, kept_counts = _sort_by_expert(ids_a, num_experts, cap)
             key = jnp.where(kept_a, ids_a, num_experts)[order]
-            slots = min(b * t * k, x_local * cap)  # the most rows one device can be sent by one other
+            slots = min(a, x_local * cap)  # the most rows one device can be sent by one other
             move = _padded if exchange == "padded" else _ragged
-            y_sorted = move(rows, key, kept_counts.reshape(ep, x_local).sum(1), ep, x_local, slots, weights)
-        y_akd = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(b * t, k, d)
-        gate = (weights_btk.reshape(b * t, k) * kept_a.reshape(b * t, k)).astype(jnp.float32)
+            experts = lambda rows, local_r: grouped.swiglu(  # noqa: E731
+                rows, jnp.arange(rows.shape[0], dtype=jnp.int32), local_r, weights, matmul, expected_rows=a)
+            y_sorted = move(x_nd[order // k], key, kept_counts.reshape(ep, x_local).sum(1), ep, x_local, slots,
+                            experts)
+            y_akd = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, d)
+        gate = (weights_btk.reshape(n, k) * kept_a.reshape(n, k)).astype(jnp.float32)
         y_nd = jnp.einsum("nk,nkd->nd", gate, y_akd.astype(jnp.float32))
         if tp > 1:
             y_nd = jax.lax.psum(y_nd, "tensor")

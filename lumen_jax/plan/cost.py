@@ -212,11 +212,6 @@ class StepShape:
         return self.tokens * self.model.d_model * self.c
 
     @property
-    def per_replica(self) -> bool:
-        # An MoE model reduces every micro-batch (Ops.per_replica: ragged_dot cannot run under the replica vmap).
-        return self.model.moe.num_experts == 0
-
-    @property
     def grads(self) -> float:  # one device's gradient bytes in mesh.reduce_dtype
         return state_bytes(self.model, self.layout)["grads"] * _reduce_bytes(self.layout) / F32_BYTES
 
@@ -277,8 +272,7 @@ def _weights_and_gradients(s: StepShape, add: Add) -> None:
     dt = {2: "bf16", 4: "fp32"}[gather]
     red = _reduce_bytes(layout)
     red_dt = {2: "bf16", 4: "fp32"}[red]
-    per_replica = s.per_replica
-    grad_calls = 1 if mesh.fsdp_grad_reduce == "once" and per_replica else m
+    grad_calls = 1 if mesh.fsdp_grad_reduce == "once" else m
     if mesh.zero_stage >= 3:
         if mesh.fsdp_regather == "per_step":
             add("fsdp", "all-gather", f"{dt} weights, once per step (kept)", weights * gather / F32_BYTES, 1, True)
@@ -287,7 +281,7 @@ def _weights_and_gradients(s: StepShape, add: Add) -> None:
                 2 * m, True)
             add("fsdp", "all-gather", f"{dt} embedding and logits weights (hoisted)",
                 (weights - layer_weights) * gather / F32_BYTES, 1, True)
-    joint = mesh.fsdp_grad_reduce == "once" and m > 1 and mesh.data > 1 and mesh.fsdp > 1 and per_replica
+    joint = mesh.fsdp_grad_reduce == "once" and m > 1 and mesh.data > 1 and mesh.fsdp > 1
     if joint:  # the step's one reduction spans both batch axes: full-size sums over data x fsdp
         add("data+fsdp", "all-reduce", f"{red_dt} gradients, once per step", weights * red / F32_BYTES, 1, True)
     elif mesh.zero_stage >= 3:
@@ -298,8 +292,7 @@ def _weights_and_gradients(s: StepShape, add: Add) -> None:
             add("fsdp", kind, f"{red_dt} gradients", weights * red / F32_BYTES, grad_calls, True)
         add("fsdp", "all-gather", "updated fp32 weights", weights, 1, True)
     if not joint:
-        add("data", "all-reduce", f"{red_dt} gradients" + (", once per step" if per_replica else ""), s.grads,
-            1 if per_replica else m, True)
+        add("data", "all-reduce", f"{red_dt} gradients, once per step", s.grads, 1, True)
 
 
 @counts_collectives

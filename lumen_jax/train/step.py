@@ -196,7 +196,7 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
     if r > 1:
         replica_grad = jax.vmap(grad_fn, in_axes=(None, None, 0, None, None, None, None),
                                 spmd_axis_name=placement.replica_axes)
-    else:  # one group: no vmap (ops without a batching rule, e.g. ragged_dot, run as they are)
+    else:  # one group: no vmap
         def replica_grad(*args: Any) -> Any:
             one = jax.tree.map(lambda x: x[0], args[2])
             return jax.tree.map(lambda x: x[None], grad_fn(*args[:2], one, *args[3:]))
