@@ -147,20 +147,55 @@ def moe_reference():
     return run(with_mesh(MOE, expert=1), devices=jax.devices()[:1])
 
 
-EP_MESHES = {
-    "expert=4,data=2": dict(expert=4, data=2),
-    "expert=2,tensor=2,fsdp=2": dict(expert=2, tensor=2, fsdp=2),
-    "expert=2,fsdp=2,data=2": dict(expert=2, fsdp=2, data=2),
-    "expert=2,context=2,fsdp=2": dict(expert=2, context=2, fsdp=2),  # ring attention, zigzag tokens
+# Fine-grained (DeepSeekMoE, Qwen3-MoE): 64 experts of width 16, top-6, one shared expert. No balance
+# loss: with micro-batches it is a mean over each micro-batch of each replica group (a product of two
+# means, so not the whole batch's); every other term of the objective is a sum over tokens.
+FINE = BASE.replace(model=dataclasses.replace(BASE.model, moe=MoeConfig(
+    num_experts=64, top_k=6, shared_experts=1, expert_ffn_dim=16, aux_loss_weight=0.0)))
+EP_MESHES = {  # (config, micro-batches, mesh); 2 micro-batches: the step's replica vmap over `data` (x fsdp)
+    "fine expert=4,data=2, 2 micro-batches": (FINE, 2, dict(expert=4, data=2)),
+    "fine expert=8": (FINE, 1, dict(expert=8)),
+    "fine expert=2,tensor=2,fsdp=2": (FINE, 1, dict(expert=2, tensor=2, fsdp=2)),
+    "fine expert=2,fsdp=2,data=2, 2 micro-batches": (FINE, 2, dict(expert=2, fsdp=2, data=2, fsdp_grad_reduce="once")),
+    "expert=2,context=2,fsdp=2": (MOE, 1, dict(expert=2, context=2, fsdp=2)),  # ring attention, zigzag tokens
 }
+
+
+@pytest.fixture(scope="module")
+def fine_reference():
+    return run(with_mesh(FINE, expert=1), devices=jax.devices()[:1])
 
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("name", list(EP_MESHES))
-def test_dropless_expert_parallel_matches_one_device(name, moe_reference):
-    got = run(with_mesh(MOE, **EP_MESHES[name]))
-    assert np.all(np.diff(moe_reference["losses"]) < 0), moe_reference["losses"]
-    assert_same_run(got, moe_reference, name)
+def test_dropless_expert_parallel_matches_one_device(name, request):
+    cfg, micro_batches, mesh = EP_MESHES[name]
+    ref = request.getfixturevalue("fine_reference" if cfg is FINE else "moe_reference")
+    got = run(with_mesh(cfg, micro_batches, **mesh))
+    assert np.all(np.diff(ref["losses"]) < 0), ref["losses"]
+    assert_same_run(got, ref, name)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("mesh", [dict(expert=8), dict(expert=4, data=2)])
+def test_fine_grained_step_has_no_tokens_by_experts_by_d_array(mesh):
+    """The compiled step of 64 experts, top-6, holds no array of a device's tokens x experts x D
+    elements (XLA:CPU lowers `ragged_dot` with a [experts, rows, D] mask; the largest left are the
+    padded exchange's [E, rows one device may send, D] buffers, tokens x top_k x E x D). One layer:
+    the layer scan stacks each layer's residuals into [layers, ...] arrays."""
+    from lumen_jax.plan import hlo
+    from lumen_jax.plan.compiled import compile_step
+    from lumen_jax.plan.hardware import layout_from_config
+
+    cfg = with_mesh(FINE.replace(model=dataclasses.replace(FINE.model, num_layers=1)), 2 if "data" in mesh else 1,
+                    **mesh)
+    module = hlo.parse(compile_step(cfg, layout_from_config(cfg, 8)).as_text())
+    tokens = cfg.data.global_batch_size * cfg.data.seq_len // 8 // cfg.train.micro_batches
+    limit = tokens * cfg.model.moe.num_experts * cfg.model.d_model
+    big = max((a for i in module.instrs for a in i.arrays), key=lambda a: math.prod(a.dims))
+    assert math.prod(big.dims) < limit, f"{big} has >= {tokens} tokens x 64 experts x D elements"
+    exchanged = mesh["expert"] * tokens * cfg.model.moe.top_k * cfg.model.d_model
+    assert any(sum(math.prod(a.dims) for a in i.arrays) == exchanged for i in module.where("all-to-all"))
 
 
 def _train_router(aux_loss_weight: float, steps: int = 100) -> tuple[list[float], dict]:

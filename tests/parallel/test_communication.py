@@ -15,7 +15,7 @@ import pytest
 
 from helpers.paths import REPO
 from helpers.run import BASE, assert_same_run, run, with_mesh
-from lumen_jax.config import MeshConfig
+from lumen_jax.config import MeshConfig, MoeConfig
 from lumen_jax.plan import hlo
 from lumen_jax.plan.compiled import compile_step
 from lumen_jax.plan.hardware import layout_from_config
@@ -45,6 +45,21 @@ def test_data_parallel_gradients_cross_once_per_step():
     four = _bytes(_collectives(_cfg(4, data=8)), "data")
     assert one > 0
     assert abs(four - one) <= 0.05 * one, f"gradient reduction bytes per step: m=1 {one}, m=4 {four}"
+
+
+@pytest.mark.heavy
+def test_moe_gradients_cross_data_once_per_step():
+    """8 experts, top-2 on expert=4 x data=2: with 4 micro-batches the gradients cross `data` once
+    per step, as with 1 (the experts' grouped matmuls run under the replica vmap, ops/grouped.py;
+    before, 4 times). Over `expert`, which splits the tokens as `data` does, the other weights'
+    gradients are still summed every micro-batch (as under fsdp_grad_reduce=every_micro_batch)."""
+    moe = lambda m: dataclasses.replace(  # noqa: E731
+        _cfg(m, expert=4, data=2), model=dataclasses.replace(
+            BASE32.model, moe=MoeConfig(num_experts=8, top_k=2, expert_ffn_dim=32)))
+    one = _bytes(_collectives(moe(1)), "data")
+    four = _bytes(_collectives(moe(4)), "data")
+    assert one > 0
+    assert abs(four - one) <= 0.05 * one, f"MoE gradient reduction bytes over data per step: m=1 {one}, m=4 {four}"
 
 
 @pytest.mark.heavy
