@@ -15,6 +15,8 @@ XLA, and a worked 7B/70B example are in docs/PLANNING.md.
 - `memory`: `state_bytes` (exact, from the parameter shapes and the sharding rules), `activation_bytes`.
 - `cost`: `flops_per_device`, `compiled_flops_per_device`, `bubble_fraction`, `collectives` per mesh
   axis. FLOP counts per token are `lumen_jax.metrics.flops`'s (one count for the trainer and the planner).
+- `moe`: the mixture-of-experts terms: the dispatch's buffers, an MoE layer's bytes, its all-to-alls,
+  the FLOPs the compiler counts for it.
 - `predict`: `predict` -> `Plan` (bytes, FLOPs, step time, MFU, verdict), `search`.
 - `compiled`: `compile_step`, `against_xla`: the real step compiled on emulated CPU devices, XLA's
   bytes and FLOPs next to the plan's (`--against-xla`; imported on use: it loads the trainer).

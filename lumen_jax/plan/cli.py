@@ -189,6 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.against_xla and attention is None and cfg.model.attention == "auto":
             attention = "xla"  # what the step compiled on CPU runs
         kwargs = {"attention": attention, "efficiency": args.efficiency, "memory_fraction": args.memory_fraction}
+        if args.against_xla:  # the MoE exchange and grouped matmuls the step compiled on CPU runs
+            kwargs["moe_backend"] = "cpu"
         if args.search:  # the search picks the mesh (but `expert`) and the schedule: check everything else
             one = dataclasses.replace(cfg.mesh, data=1, fsdp=1, context=1, tensor=1, pipeline=1)
             validate(cfg.replace(mesh=one, train=dataclasses.replace(cfg.train, micro_batches=1)), max(one.expert, 1))

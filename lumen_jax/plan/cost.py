@@ -10,6 +10,7 @@ from lumen_jax.metrics import flops
 from lumen_jax.config import ModelConfig
 from lumen_jax.parallel import context as context_lib
 from lumen_jax.parallel.pipeline import schedule as pipeline_lib
+from lumen_jax.plan import moe as moe_plan
 from lumen_jax.plan.hardware import AXES, Hardware, Layout, compute_bytes
 from lumen_jax.plan.memory import F32 as F32_BYTES
 from lumen_jax.plan.memory import STATE_BYTES, computed_score_fraction, recomputes, state_bytes
@@ -77,7 +78,8 @@ def flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, global_ba
     total /= layout.num_devices
     if elementwise:
         tp, sp = layout.mesh.tensor, layout.mesh.sequence_parallel
-        local_tokens = global_batch * seq_len / (layout.mesh.data * layout.mesh.fsdp * layout.mesh.context)
+        local_tokens = global_batch * seq_len / (layout.mesh.data * layout.mesh.fsdp * layout.mesh.expert
+                                                 * layout.mesh.context)
         layers = m.num_layers / layout.pipeline
         per_token = (layers * (ELEMENTWISE_OPS["score"] * m.num_heads * seq_len * fraction / tp
                                + ELEMENTWISE_OPS["embed"] * m.d_model / (tp if sp else 1))
@@ -128,7 +130,10 @@ def compiled_flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, 
         return compiled_flops_per_device(model, flat, seq_len, global_batch) + (segments - layer - head) * tokens
     mesh = layout.mesh
     if mesh.context == 1:
-        return flops_per_device(model, layout, seq_len, micro_batch, causal=False, layers=1, elementwise=True)
+        # An MoE stack scans groups of every_n_layers layers (dense ones, then the MoE one): one group counted.
+        body = model.moe.every_n_layers if model.moe.enabled else 1
+        return (flops_per_device(model, layout, seq_len, micro_batch, causal=False, layers=body, elementwise=True)
+                + _counted_experts(model, layout, micro_batch * seq_len / (mesh.data * mesh.fsdp * mesh.expert)))
     hops = mesh.context if mesh.context_parallel == "ring" else 1
     total = flops_per_device(model, layout, seq_len, micro_batch, causal=False, layers=1, elementwise=True,
                              score_fraction=hops / mesh.context)
@@ -137,6 +142,15 @@ def compiled_flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, 
     local_tokens = micro_batch * seq_len / (mesh.data * mesh.fsdp * mesh.context)
     out_width = model.num_heads * model.resolved_head_dim / mesh.tensor
     return total + ELEMENTWISE_OPS["pair"] * pairs * out_width * local_tokens
+
+
+def _counted_experts(model: ModelConfig, layout: Layout, tokens: float) -> float:
+    """What `cost_analysis` counts for one MoE layer's routed experts minus what the plan counts
+    (`plan.moe.counted_expert_flops`: the experts' loops' bodies once); 0 without MoE."""
+    if not model.moe.enabled:
+        return 0.0
+    planned, counted = moe_plan.counted_expert_flops(model, layout, tokens, model.remat)
+    return counted - planned
 
 
 def bubble_fraction(stages: int, microbatches: int, interleave: int = 1) -> float:
@@ -190,6 +204,7 @@ class StepShape:
     seq_len: int
     micro_batch: int
     remat: str
+    moe_backend: str = "gpu"  # plan.moe.BACKENDS
 
     @property
     def m(self) -> int:  # micro-batches per step
@@ -236,7 +251,7 @@ def counts_collectives(fn: Callable[[StepShape, Add], None]) -> Callable[[StepSh
 
 
 def collectives(model: ModelConfig, layout: Layout, hw: Hardware, seq_len: int, micro_batch: int,
-                remat: str) -> list[Collective]:
+                remat: str, moe_backend: str = "gpu") -> list[Collective]:
     """The collectives of one step per mesh axis (see docs/PLANNING.md for each count), from every
     registered counter (`counts_collectives`): fsdp and data, tensor, context, pipeline, expert."""
     out: list[Collective] = []
@@ -247,7 +262,7 @@ def collectives(model: ModelConfig, layout: Layout, hw: Hardware, seq_len: int, 
             link, bw = link_of(axis.split("+")[0], layout, hw)
             out.append(Collective(axis, size, link, kind, what, payload, calls, overlapped, bw))
 
-    step = StepShape(model, layout, seq_len, micro_batch, remat)
+    step = StepShape(model, layout, seq_len, micro_batch, remat, moe_backend)
     for count in AXIS_COLLECTIVES:
         count(step, add)
     return out
@@ -268,6 +283,9 @@ def _weights_and_gradients(s: StepShape, add: Add) -> None:
     unsharded = dataclasses.replace(layout, mesh=dataclasses.replace(mesh, data=1, fsdp=1))
     weights = state_bytes(model, unsharded)["params"]  # fp32, /tp, /pp
     layer_weights = flops.param_counts(model)["layer_matmul"] * s.layers * F32_BYTES / tp  # the layer scan's
+    if model.moe.enabled:  # a layer holds its local experts, not its active ones: all but the embedding and output
+        outside = model.vocab_size * model.d_model * (1 if model.tie_embeddings else 2) / tp + model.d_model
+        layer_weights = weights - outside * F32_BYTES
     gather = c if model.fp8.recipe == "none" else F32_BYTES
     dt = {2: "bf16", 4: "fp32"}[gather]
     red = _reduce_bytes(layout)
@@ -371,19 +389,23 @@ def _pipeline(s: StepShape, add: Add) -> None:
 
 @counts_collectives
 def _expert(s: StepShape, add: Add) -> None:
-    """expert (model.moe): each MoE layer sends every token's top_k rows [tokens*k, D] to the experts'
-    devices and back, forward and backward (and again when the backward recomputes the layer: 2
-    more), balanced routing assumed (the GPU's ragged exchange sends only the rows); the batch is split
-    over `expert` too, so the gradients of the weights outside the experts are all-reduced over it."""
+    """expert (model.moe): each MoE layer sends its token rows to the experts' devices and back in
+    the forward, their cotangents both ways in the backward (and the forward's again when the
+    backward recomputes the layer): `plan.moe.all_to_all_bytes` (gpu: the routed rows, balanced
+    routing assumed; cpu: the padded exchange's worst-case buffers, and the int32 expert of each
+    slot once per forward). The batch is split over `expert` too, so the gradients of the weights
+    outside the experts are all-reduced over it, every micro-batch."""
     model, layout = s.model, s.layout
-    moe = model.moe
-    if not moe.enabled:
+    if not model.moe.enabled:
         return
     redo = 2 if s.redo else 0
-    moe_layers = -(-(model.num_layers // moe.every_n_layers) // layout.pipeline)
-    rows = s.tokens * moe.top_k * model.d_model * s.c
-    add("expert", "all-to-all", f"token rows to the experts and back, {4 + redo}/MoE layer", rows,
-        s.m * moe_layers * (4 + redo), False)
+    layers = moe_plan.moe_layers(model, layout)
+    sent = moe_plan.all_to_all_bytes(model, layout, s.tokens, s.moe_backend)
+    add("expert", "all-to-all", f"token rows to the experts and back, {4 + redo}/MoE layer", sent["rows"],
+        s.m * layers * (4 + redo), False)
+    if sent["ids"]:
+        add("expert", "all-to-all", "int32 expert of each padded slot, per forward", sent["ids"],
+            s.m * layers * (1 + redo // 2), False)
     counts = flops.param_counts(model)
     add("expert", "all-reduce", "fp32 gradients outside the experts",
         s.grads * (1 - counts["experts"] / counts["total"]), s.m, True)

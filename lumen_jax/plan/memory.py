@@ -25,6 +25,7 @@ from lumen_jax.ops.choice import Ops
 from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.parallel import rules as rules_lib
 from lumen_jax.parallel.rules import Rules
+from lumen_jax.plan import moe as moe_plan
 from lumen_jax.plan.hardware import Layout, compute_bytes
 
 F32 = 4
@@ -360,7 +361,7 @@ def working_bytes_per_token(model: ModelConfig, layout: Layout, seq_len: int, re
 
 
 def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_batch: int,
-                     remat: str | None = None, attention: str = "xla") -> Activations:
+                     remat: str | None = None, attention: str = "xla", moe_backend: str = "gpu") -> Activations:
     """Activation memory of one device for micro-batches of `micro_batch` sequences per device.
 
     `saved` = layers x (tokens x `saved_bytes_per_token` + the weight copies a layer keeps).
@@ -376,6 +377,9 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     the (sharded) gradients when micro-batches > 1 (none with a pipeline, but interleaved's
     reordered copy of the blocks and their gradients).
     `inputs` = the batch arrays of the whole step.
+    An MoE layer (`plan.moe`, `moe_backend` gpu or cpu) saves the layer's other residuals (its
+    shared experts as its MLP) and, without remat, its dispatch's buffers; its backward adds the
+    `moe` part of the working set (the buffers again, with remat recomputed first).
     """
     remat = model.remat if remat is None else remat
     c = compute_bytes(model)
@@ -412,6 +416,14 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     # in as many, and the activation and cotangent that arrived: [tokens, D] each.
     # The backward reads one slot's residuals out of the stash: one more chunk's worth, working.
     saved = (slots + 2) * layers * per_layer + (slots + 3) * tokens * widths["D"] * c if pipelined else layers * per_layer
+    n_moe = moe_plan.moe_layers(model, layout)
+    if n_moe and not pipelined:  # pipeline stages refuse MoE (config/checks.py)
+        shared = dataclasses.replace(model, ffn_dim=model.moe.shared_experts * model.expert_ffn_dim)
+        moe = moe_plan.layer_bytes(model, layout, tokens, moe_backend)
+        kept = moe["saved"] if remat == "none" else 0.0
+        moe_layer = tokens * saved_bytes_per_token(shared, layout, seq_len, remat, attention) + copies + kept
+        saved += n_moe * (moe_layer + moe["router"] - per_layer)
+        parts["moe"] = (moe["working"] if remat == "none" else moe["saved"]) / tokens
     return Activations(
         saved=saved, working=tokens * sum(parts.values()),
         phase=max(parts, key=parts.get), buffers=buffers,

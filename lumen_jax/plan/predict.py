@@ -116,8 +116,10 @@ def planned_attention(model: ModelConfig) -> str:
 
 
 def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = None,
-            attention: str | None = None, efficiency: float = 0.7, memory_fraction: float = 0.9) -> Plan:
-    """Bytes, FLOPs, collectives and a step time for `cfg` on `layout`.
+            attention: str | None = None, efficiency: float = 0.7, memory_fraction: float = 0.9,
+            moe_backend: str = "gpu") -> Plan:
+    """Bytes, FLOPs, collectives and a step time for `cfg` on `layout`. `moe_backend`: the MoE
+    dispatch's exchange and grouped matmuls as on GPU or as XLA:CPU compiles them (`plan.moe`).
 
     Step time = max(compute, overlapped communication) + exposed communication, stretched by the
     pipeline bubble; compute = hardware FLOPs per device / (peak x `efficiency`), where `efficiency`
@@ -134,7 +136,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     fraction = (context_score_fraction(layout.mesh.context, layout.mesh.context_balance, attention)
                 if layout.mesh.context > 1 else 0.5)
     hw_per_token = planned_flops_per_token(model, layout, seq, remat, score_fraction=fraction)
-    comms = tuple(collectives(model, layout, hw, seq, micro_batch, remat))
+    comms = tuple(collectives(model, layout, hw, seq, micro_batch, remat, moe_backend))
     compute_s = hw_per_token * tokens / layout.num_devices / (peak * efficiency)
     busy = (max(compute_s, sum(c.seconds for c in comms if c.overlapped))
             + sum(c.seconds for c in comms if not c.overlapped))
@@ -142,7 +144,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     return Plan(layout=layout, remat=remat, micro_batch=micro_batch, attention=attention,
                 state={**state_bytes(model, layout), **communication_bytes(model, layout)},
                 fp8=fp8_bytes(model, layout, micro_batch * seq / layout.mesh.context),
-                activations=activation_bytes(model, layout, seq, micro_batch, remat, attention),
+                activations=activation_bytes(model, layout, seq, micro_batch, remat, attention, moe_backend),
                 device_memory_bytes=hw.memory_bytes, usable_memory_bytes=hw.memory_bytes * memory_fraction,
                 flops_per_token=flops.flops_per_token(model, seq), hardware_flops_per_token=hw_per_token,
                 tokens_per_step=tokens, collectives=comms, bubble=bubble, compute_s=compute_s,

@@ -495,3 +495,55 @@ def test_fp8_scaling_state_and_ring_hops():
     kv_chunk = 2 * 8192 / 4 * 8 * 128 / 8 * 2  # K and V of one chunk, bf16, kv heads split by tensor
     assert hops[0].kind == "send/recv" and hops[0].payload_bytes == kv_chunk
     assert hops[0].calls == lay.micro_batches * 80 * 3 * 2  # C-1 hops, forward and its recompute
+
+
+# --------------------------------------------------------------------------------------------------
+# Mixture of experts
+# --------------------------------------------------------------------------------------------------
+
+MOE_RTOL = 0.10  # the issue's bound for --against-xla on MoE configs (bytes, FLOPs, all-to-all bytes)
+# configs/tiny_moe.yaml (8 experts of width 64, top-2, dropless, fp32) and a fine-grained variant: expert
+# parallelism with fsdp, with data under the replica vmap, with tensor; no recompute and full.
+MOE_XLA_CASES = {
+    "expert=4,fsdp=2 none": ["mesh.expert=4", "mesh.fsdp=2"],
+    "expert=8 full": ["mesh.expert=8", "mesh.fsdp=1", "model.remat=full"],
+    "expert=4,data=2 micro_batches=2": ["mesh.expert=4", "mesh.data=2", "mesh.fsdp=1", "train.micro_batches=2"],
+    "expert=2,tensor=2,fsdp=2 full": ["mesh.expert=2", "mesh.tensor=2", "mesh.fsdp=2", "model.remat=full"],
+    "64 experts top-8 expert=8": ["mesh.expert=8", "mesh.fsdp=1", "model.moe.num_experts=64", "model.moe.top_k=8",
+                                  "model.moe.expert_ffn_dim=16"],
+}
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("name", list(MOE_XLA_CASES))
+def test_moe_against_xla(name, capsys):
+    """`python -m lumen_jax.plan --against-xla` on MoE configs: bytes per device (the dispatch's
+    worst-case buffers, plan/moe.py), FLOPs as cost_analysis counts them, and the all-to-all bytes
+    of the padded exchange the CPU step runs, each within 10% of the compiled step's."""
+    argv = ["--config", "configs/tiny_moe.yaml", "--devices", "8", "--against-xla", "--json", *MOE_XLA_CASES[name]]
+    assert main(argv) == 0
+    check = json.loads(capsys.readouterr().out)["against_xla"]
+    for what, predicted, compiled in [("bytes", check["bytes_predicted"], check["bytes_compiled"]),
+                                      ("FLOPs", check["flops_predicted"], check["flops_compiled"]),
+                                      ("all-to-all bytes", *check["collectives"]["expert all-to-all"])]:
+        assert predicted == pytest.approx(compiled, rel=MOE_RTOL), (
+            f"{name}: {what} predicted {predicted:,.0f}, XLA {compiled:,.0f} ({predicted / compiled - 1:+.1%})")
+
+
+@pytest.mark.parametrize("config,total,active", [("mixtral_8x7b", 46.7e9, 12.9e9), ("qwen3_30b_a3b", 30.5e9, 3.3e9)])
+def test_moe_presets_plan_on_64_gpus(config, total, active, capsys):
+    """The MoE presets on 64 H100s (8 nodes): the published parameter counts (active ones with the
+    embedding), the experts' all-to-alls inside a node, the dispatch's buffers counted, and it fits."""
+    cfg = load_config(f"configs/{config}.yaml")
+    counts = flops.param_counts(cfg.model)
+    assert counts["total"] == pytest.approx(total, rel=0.01)
+    assert counts["matmul"] + counts["embedding"] == pytest.approx(active, rel=0.02)
+    assert main(["--config", f"configs/{config}.yaml", "--devices", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is True and out["layout"]["mesh"]["expert"] == 8, out["layout"]
+    exchange = [c for c in out["communication"] if c["kind"] == "all-to-all"]
+    assert exchange and all(c["axis"] == "expert" and c["link"] == "nvlink" for c in exchange)
+    layout = plan.layout_from_config(cfg, 64)
+    tokens = cfg.data.global_batch_size * cfg.data.seq_len / 64 / cfg.train.micro_batches
+    buffers = plan.moe.layer_bytes(cfg.model, layout, tokens)["saved"]  # remat full: one layer's, recomputed
+    assert out["activations"]["working"] >= buffers > 0
