@@ -8,18 +8,22 @@ the experts (E = the `expert` axis; each expert's hidden width split over `tenso
    earliest tokens of this device's slice (its *dispatch group*) come first. With a capacity C an
    expert keeps the first C assignments of the group and drops the rest (they add nothing: the
    token passes through the residual). Dropless: C = n*k, nothing is dropped.
-2. The rows go to the device of their expert: `padded` (any backend; XLA:CPU has no ragged
-   collective) scatters them into a [E, S, D] buffer, S = the most rows one device can be sent,
-   and exchanges it with `all_to_all`; `ragged` (GPU) sends only the rows with
-   `jax.lax.ragged_all_to_all`, after an all-gather of the row counts.
+2. The rows go to the device of their expert. `padded` (any backend; XLA:CPU has no ragged
+   collective) sends each token once to every device holding one of its kept experts, with its
+   local experts and router weights there, in fixed-size [E, n, ...] buffers (`all_to_all`; a
+   token goes to at most E devices, so n slots per device hold the worst case, not n*k);
+   `ragged` (GPU) sends one row per kept assignment with `jax.lax.ragged_all_to_all`, after an
+   all-gather of the row counts.
 3. The receiving device runs the SwiGLU experts on what it got, grouped by its local expert
-   (`ops.grouped`: row blocks on CPU, `jax.lax.ragged_dot` on GPU), then the rows travel back the
-   same way. With one `expert` device nothing moves: each assignment reads its token's row.
-4. Each token adds its experts' outputs with the router weights (float32); under `tensor` the
-   partial sums of the row-split down projections are summed over `tensor`.
+   (`ops.grouped`: row blocks on CPU, `jax.lax.ragged_dot` on GPU). `padded` adds each token's
+   outputs there with the router weights (float32) and sends the sums back (compute dtype); `ragged` sends the
+   rows back the same way. With one `expert` device nothing moves: each assignment reads its
+   token's row.
+4. Each token adds its experts' outputs (the devices' sums) with the router weights (float32);
+   under `tensor` the partial sums of the row-split down projections are summed over `tensor`.
 
-Both exchanges move the same rows to the same places, so they give the same result; dropless
-results do not depend on the mesh, capacity drops do (C is counted per device's slice).
+Both exchanges give the same result up to the order of the sums; dropless results do not depend
+on the mesh, capacity drops do (C is counted per device's slice).
 Shape letters: B batch, T sequence, D d_model, F expert ffn dim (local), K top-k, X experts (local),
 N = B*T tokens, A = N*K assignments, R rows received.
 """
@@ -69,25 +73,36 @@ def _sort_by_expert(ids_a: jax.Array, num_experts: int, cap: int) -> tuple[jax.A
     return order, kept, jnp.minimum(counts, cap)
 
 
-def _padded(rows_ad: jax.Array, key_a: jax.Array, dev_counts: jax.Array, ep: int, x_local: int, slots: int,
-            experts: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
-    """Rows (sorted, grouped by device) -> experts -> back, through fixed-size `all_to_all` buffers."""
-    a, d = rows_ad.shape
-    dev_starts = jnp.cumsum(dev_counts) - dev_counts
-    dest = key_a // x_local  # dropped rows (key = E) get dest = ep: out of bounds, not sent
-    slot = jnp.arange(a, dtype=jnp.int32) - dev_starts[jnp.minimum(dest, ep - 1)]
-    send = jnp.zeros((ep, slots, d), rows_ad.dtype).at[dest, slot].set(rows_ad, mode="drop")
-    send_e = jnp.full((ep, slots), x_local, jnp.int32).at[dest, slot].set(key_a - dest * x_local, mode="drop")
-    recv = jax.lax.all_to_all(send, "expert", 0, 0)  # [source device, slot, D]
-    recv_e = jax.lax.all_to_all(send_e, "expert", 0, 0)
-    out = experts(recv.reshape(ep * slots, d), recv_e.reshape(-1))
-    back = jax.lax.all_to_all(out.reshape(ep, slots, d), "expert", 0, 0)
-    return back.at[dest, slot].get(mode="fill", fill_value=0)
+def _padded(x_nd: jax.Array, key_nk: jax.Array, gate_nk: jax.Array, ep: int, x_local: int,
+            experts: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]) -> jax.Array:
+    """Each token once to every device holding one of its kept experts, with its experts there and
+    their router weights, through fixed-size `all_to_all` buffers [E, n, ...]; the receiving device
+    runs its experts and adds their outputs with the weights, and the sums come back the same way.
+    Returns the tokens' combined outputs [n, D] (float32)."""
+    n, d = x_nd.shape
+    devices = jnp.arange(ep, dtype=jnp.int32)
+    present = (key_nk[:, :, None] // x_local == devices).any(1)  # [n, E]: a kept expert of token n on e
+    slot = jnp.where(present, jnp.cumsum(present, axis=0) - 1, n)  # its place in the buffer for e (n: none)
+    dest = jnp.broadcast_to(devices, (n, ep))
+    src = jnp.full((ep, n), n, jnp.int32).at[dest, slot].set(
+        jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, ep)), mode="drop")  # [E, slot] -> token
+    tok = jnp.minimum(src, n - 1)
+    here = (key_nk[tok] // x_local == devices[:, None, None]) & (src < n)[..., None]  # [E, slot, K]
+    send_e = jnp.where(here, key_nk[tok] - devices[:, None, None] * x_local, x_local)
+    send_w = jnp.where(here, gate_nk[tok], 0.0)
+    send = x_nd.at[src].get(mode="fill", fill_value=0)  # [E, slot, D]
+    recv, recv_e, recv_w = (jax.lax.all_to_all(v, "expert", 0, 0) for v in (send, send_e, send_w))
+    k = key_nk.shape[1]
+    y_a = experts(recv.reshape(ep * n, d), jnp.arange(ep * n * k, dtype=jnp.int32) // k, recv_e.reshape(-1))
+    partial = jnp.einsum("rk,rkd->rd", recv_w.reshape(ep * n, k), y_a.reshape(ep * n, k, d).astype(jnp.float32))
+    back = jax.lax.all_to_all(partial.astype(x_nd.dtype).reshape(ep, n, d), "expert", 0, 0)
+    return back.at[dest, slot].get(mode="fill", fill_value=0).astype(jnp.float32).sum(1)
 
 
 def _ragged(rows_ad: jax.Array, key_a: jax.Array, dev_counts: jax.Array, ep: int, x_local: int, slots: int,
-            experts: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
-    """As `_padded`, sending only the rows (`jax.lax.ragged_all_to_all`; not on XLA:CPU)."""
+            experts: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]) -> jax.Array:
+    """Rows (sorted, grouped by device) -> experts -> back, sending only the rows
+    (`jax.lax.ragged_all_to_all`; not on XLA:CPU): one row per kept assignment."""
     a, d = rows_ad.shape
     me = jax.lax.axis_index("expert")
     dev_starts = jnp.cumsum(dev_counts) - dev_counts
@@ -101,7 +116,7 @@ def _ragged(rows_ad: jax.Array, key_a: jax.Array, dev_counts: jax.Array, ep: int
         x, out, dev_starts, dev_counts, at_receiver, recv_sizes, axis_name="expert")
     recv = exchange(rows_ad, jnp.zeros((ep * slots, d), rows_ad.dtype))
     recv_e = exchange(local_e, jnp.full((ep * slots,), x_local, jnp.int32))
-    out = experts(recv, recv_e)
+    out = experts(recv, jnp.arange(recv.shape[0], dtype=jnp.int32), recv_e)
     return jax.lax.ragged_all_to_all(out, jnp.zeros((a, d), out.dtype), recv_starts, recv_sizes,
                                      starts[:, me], dev_counts, axis_name="expert")
 
@@ -136,22 +151,26 @@ def dispatch(x_btd: jax.Array, ids_btk: jax.Array, weights_btk: jax.Array, w_gat
         ids_a = ids_btk.reshape(-1).astype(jnp.int32)
         x_nd = x_btd.reshape(n, d)
         weights = (w_gate, w_up, w_down)
-        if ep == 1:  # no exchange: each assignment's row is its token's
+        experts = lambda rows, row_a, group_a: grouped.swiglu(  # noqa: E731
+            rows, row_a, group_a, weights, matmul, expected_rows=a)
+        if ep > 1 and exchange == "padded":
             kept_a = _kept(ids_a, num_experts, cap)
-            y_akd = grouped.swiglu(x_nd, jnp.arange(a, dtype=jnp.int32) // k,
-                                   jnp.where(kept_a, ids_a, num_experts), weights, matmul).reshape(n, k, d)
+            key = jnp.where(kept_a, ids_a, num_experts).reshape(n, k)
+            gate = (weights_btk.reshape(n, k) * kept_a.reshape(n, k)).astype(jnp.float32)
+            y_nd = _padded(x_nd, key, gate, ep, x_local, experts)
         else:
-            order, kept_a, kept_counts = _sort_by_expert(ids_a, num_experts, cap)
-            key = jnp.where(kept_a, ids_a, num_experts)[order]
-            slots = min(a, x_local * cap)  # the most rows one device can be sent by one other
-            move = _padded if exchange == "padded" else _ragged
-            experts = lambda rows, local_r: grouped.swiglu(  # noqa: E731
-                rows, jnp.arange(rows.shape[0], dtype=jnp.int32), local_r, weights, matmul, expected_rows=a)
-            y_sorted = move(x_nd[order // k], key, kept_counts.reshape(ep, x_local).sum(1), ep, x_local, slots,
-                            experts)
-            y_akd = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, d)
-        gate = (weights_btk.reshape(n, k) * kept_a.reshape(n, k)).astype(jnp.float32)
-        y_nd = jnp.einsum("nk,nkd->nd", gate, y_akd.astype(jnp.float32))
+            if ep == 1:  # no exchange: each assignment's row is its token's
+                kept_a = _kept(ids_a, num_experts, cap)
+                y_a = experts(x_nd, jnp.arange(a, dtype=jnp.int32) // k, jnp.where(kept_a, ids_a, num_experts))
+            else:
+                order, kept_a, kept_counts = _sort_by_expert(ids_a, num_experts, cap)
+                key = jnp.where(kept_a, ids_a, num_experts)[order]
+                slots = min(a, x_local * cap)  # the most rows one device can be sent by one other
+                y_sorted = _ragged(x_nd[order // k], key, kept_counts.reshape(ep, x_local).sum(1), ep, x_local,
+                                   slots, experts)
+                y_a = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+            gate = (weights_btk.reshape(n, k) * kept_a.reshape(n, k)).astype(jnp.float32)
+            y_nd = jnp.einsum("nk,nkd->nd", gate, y_a.reshape(n, k, d).astype(jnp.float32))
         if tp > 1:
             y_nd = jax.lax.psum(y_nd, "tensor")
         return y_nd.reshape(b, t, d).astype(x_btd.dtype), kept_a.reshape(b, t, k)

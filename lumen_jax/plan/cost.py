@@ -391,21 +391,15 @@ def _pipeline(s: StepShape, add: Add) -> None:
 def _expert(s: StepShape, add: Add) -> None:
     """expert (model.moe): each MoE layer sends its token rows to the experts' devices and back in
     the forward, their cotangents both ways in the backward (and the forward's again when the
-    backward recomputes the layer): `plan.moe.all_to_all_bytes` (gpu: the routed rows, balanced
-    routing assumed; cpu: the padded exchange's worst-case buffers, and the int32 expert of each
-    slot once per forward). The batch is split over `expert` too, so the gradients of the weights
-    outside the experts are all-reduced over it, every micro-batch."""
+    backward recomputes the layer): `plan.moe.all_to_alls` (gpu: the routed rows, balanced
+    routing assumed; cpu: the padded exchange's buffers). The batch is split over `expert` too, so
+    the gradients of the weights outside the experts are all-reduced over it, every micro-batch."""
     model, layout = s.model, s.layout
     if not model.moe.enabled:
         return
-    redo = 2 if s.redo else 0
     layers = moe_plan.moe_layers(model, layout)
-    sent = moe_plan.all_to_all_bytes(model, layout, s.tokens, s.moe_backend)
-    add("expert", "all-to-all", f"token rows to the experts and back, {4 + redo}/MoE layer", sent["rows"],
-        s.m * layers * (4 + redo), False)
-    if sent["ids"]:
-        add("expert", "all-to-all", "int32 expert of each padded slot, per forward", sent["ids"],
-            s.m * layers * (1 + redo // 2), False)
+    for what, payload, calls in moe_plan.all_to_alls(model, layout, s.tokens, s.moe_backend, s.redo):
+        add("expert", "all-to-all", f"{what}, {calls}/MoE layer", payload, s.m * layers * calls, False)
     counts = flops.param_counts(model)
     add("expert", "all-reduce", "fp32 gradients outside the experts",
         s.grads * (1 - counts["experts"] / counts["total"]), s.m, True)

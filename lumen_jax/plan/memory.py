@@ -423,7 +423,7 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
         kept = moe["saved"] if remat == "none" else 0.0
         moe_layer = tokens * saved_bytes_per_token(shared, layout, seq_len, remat, attention) + copies + kept
         saved += n_moe * (moe_layer + moe["router"] - per_layer)
-        parts["moe"] = (moe["working"] if remat == "none" else moe["saved"]) / tokens
+        parts["moe"] = (moe["working"] if remat == "none" else moe["recomputed"]) / tokens
     return Activations(
         saved=saved, working=tokens * sum(parts.values()),
         phase=max(parts, key=parts.get), buffers=buffers,

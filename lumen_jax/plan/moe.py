@@ -7,8 +7,8 @@ device), so they follow from the config and the layout alone. Two backends:
 
 - `gpu`: `ragged_all_to_all` sends only the routed rows (balanced routing assumed for the bytes on
   the wire), into a receive buffer of the worst case; the experts are `ragged_dot` over the rows.
-- `cpu` (what `--against-xla` compiles): the padded exchange sends the worst-case buffers
-  [E, slots, D] each way (in f32: XLA:CPU promotes bf16 collectives), and the experts run as row
+- `cpu` (what `--against-xla` compiles): the padded exchange sends each token once to each device
+  [E, n, D] each way (in f32: XLA:CPU promotes bf16 collectives), and the experts run as row
   blocks (`ops.grouped`), each expert's rows padded to whole blocks.
 
 Shape letters as in `parallel/expert.py`: n a device's tokens in one micro-batch, K top-k, A = n*K,
@@ -29,9 +29,10 @@ F32 = 4
 I32 = 4
 # Transient bytes of an MoE layer's backward beyond what it saved, in copies of its saved bytes
 # (the cotangents of the rows and of the exchange's buffers, partly written over what the backward
-# has read): fitted to XLA:CPU's buffer assignment of 6 compiled steps (docs/PLANNING.md, "Mixture
-# of experts"). Under remat the recomputed layer's buffers are the working set (measured: 1.0 copy).
-BACKWARD_COPIES = 0.25
+# has read), and under remat the recomputed layer's buffers, in copies of what it would save: fitted
+# to XLA:CPU's buffer assignment of 6 compiled steps (docs/PLANNING.md, "Mixture of experts").
+BACKWARD_COPIES = 0.15
+RECOMPUTE_COPIES = 0.9
 # Elementwise work `cost_analysis` counts per element of the experts' padded rows [P, D] in one MoE
 # layer's forward and backward (zero-filled buffers, the gathers' fill selects, the loops' updates):
 # fitted to the same steps.
@@ -47,7 +48,7 @@ class Dispatch:
     experts: int  # X, local
     ep: int  # mesh.expert
     slots: int  # rows one device may send to one other
-    rows: int  # rows a device's experts may receive: ep * slots (ep > 1) or A
+    rows: int  # assignments a device's experts may receive: ep * slots (gpu), ep * A (cpu) or A (ep = 1)
     padded: int  # rows the experts compute over: `rows` (gpu); whole blocks per expert (cpu)
 
 
@@ -67,7 +68,8 @@ def dispatch(model: ModelConfig, layout: Layout, tokens: float, backend: str = "
     slots = min(a, x * cap)
     rows = ep * slots if ep > 1 else a
     padded = rows
-    if backend == "cpu":
+    if backend == "cpu":  # the padded exchange sends tokens: every one of the group's assignments may arrive
+        rows = ep * a
         block = block_rows(a, x)
         padded = (-(-rows // block) + x) * block
     return Dispatch(n, a, x, ep, slots, rows, padded)
@@ -75,35 +77,47 @@ def dispatch(model: ModelConfig, layout: Layout, tokens: float, backend: str = "
 
 def layer_bytes(model: ModelConfig, layout: Layout, tokens: float, backend: str = "gpu") -> dict[str, float]:
     """Bytes one MoE layer keeps on one device: `saved` for its backward (remat none), `working`
-    while its backward runs, `router` the router's fp32 rows (saved like the layer's others).
+    while its backward runs, `recomputed` the working set under remat, `router` the router's fp32
+    rows (saved like the layer's others).
 
     saved: the experts' input rows [P, D] and their gate and up outputs [P, F] (the grouped
-    SwiGLU's custom VJP), the received rows' buffer [rows, D] (the padded exchange also keeps the
-    rows coming back [E, slots, D]), the expert outputs per assignment [A, D] in fp32 and in the
-    compute dtype with the fill masks of their gathers [A, D] (bool), and the int32 row indices.
+    SwiGLU's custom VJP) and int32 row indices; the experts' outputs per assignment in the compute
+    dtype. With expert parallelism, gpu: the received rows [rows, D], and the outputs combined on
+    the sending device in fp32 with their fill masks [A, D]; cpu: the tokens received and their sums
+    sent back [E, n, D], the outputs combined on the receiving device [E x n x K, D] (and in fp32).
+    Without: the outputs [A, D] combined in fp32 with their fill masks.
     """
     d = dispatch(model, layout, tokens, backend)
     c, dim = compute_bytes(model), model.d_model
     f = model.expert_ffn_dim / layout.mesh.tensor
-    saved = c * (d.padded * dim + 2 * d.padded * f)
-    saved += I32 * (d.padded + 3 * d.assignments + d.rows)
-    if d.ep > 1:
-        saved += c * d.rows * dim  # the received rows (and, padded, the rows coming back)
-        if backend == "cpu":
-            saved += c * d.ep * d.slots * dim
-    saved += d.assignments * dim * (F32 + c + 2)
+    saved = c * (d.padded * dim + 2 * d.padded * f) + I32 * (d.padded + 3 * d.assignments + d.rows)
+    if d.ep > 1 and backend == "cpu":
+        saved += 2 * c * d.ep * d.tokens * dim + (c + F32) * d.rows * dim
+    else:
+        saved += (c * d.rows * dim if d.ep > 1 else 0) + d.assignments * dim * (F32 + c + 2)
     router = d.tokens * model.moe.num_experts * 3 * F32  # logits, probabilities, their one-hot counts
-    return {"saved": saved, "working": BACKWARD_COPIES * saved, "router": router}
+    return {"saved": saved, "working": BACKWARD_COPIES * saved, "recomputed": RECOMPUTE_COPIES * saved,
+            "router": router}
 
 
-def all_to_all_bytes(model: ModelConfig, layout: Layout, tokens: float, backend: str = "gpu") -> dict[str, float]:
-    """Payload of one exchange of one MoE layer on one device: `rows` (token rows, compute dtype)
-    and `ids` (the padded exchange's int32 local expert per slot; the ragged one sends counts)."""
+def all_to_alls(model: ModelConfig, layout: Layout, tokens: float, backend: str = "gpu",
+                recompute: bool = False) -> list[tuple[str, float, int]]:
+    """(what, payload bytes of one call on one device, calls per MoE layer) of the exchanges.
+
+    gpu (`ragged_all_to_all`): the routed rows [A, D] (balanced) out and back, forward and backward,
+    and once more each way when the backward recomputes the layer. cpu (the padded exchange):
+    each token once per device, [E, n, D] in f32 (XLA:CPU promotes bf16 collectives), out and back,
+    with its local experts (int32) and router weights (f32) [E, n, K] out; the backward sends the
+    rows' cotangents both ways and the weights' back; a recomputed forward drops the rows coming
+    back (nothing reads them).
+    """
     d = dispatch(model, layout, tokens, backend)
-    if backend == "gpu":  # only the routed rows, balanced
-        return {"rows": d.assignments * model.d_model * compute_bytes(model), "ids": 0.0}
-    # XLA:CPU runs bf16 collectives in f32 (docs/PLATFORM.md)
-    return {"rows": d.ep * d.slots * model.d_model * F32, "ids": d.ep * d.slots * I32}
+    if backend == "gpu":
+        return [("token rows to the experts and back", d.assignments * model.d_model * compute_bytes(model),
+                 4 + 2 * recompute)]
+    small = d.ep * d.tokens * model.moe.top_k * F32
+    return [("token rows to the experts and back, f32", d.ep * d.tokens * model.d_model * F32, 4 + recompute),
+            ("their local experts and router weights, and the weights' cotangents", small, 3 + 2 * recompute)]
 
 
 def counted_expert_flops(model: ModelConfig, layout: Layout, tokens: float, remat: str) -> tuple[float, float]:
