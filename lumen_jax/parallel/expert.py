@@ -87,8 +87,9 @@ def _padded(x_nd: jax.Array, key_nk: jax.Array, gate_nk: jax.Array, ep: int, x_l
     src = jnp.full((ep, n), n, jnp.int32).at[dest, slot].set(
         jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, ep)), mode="drop")  # [E, slot] -> token
     tok = jnp.minimum(src, n - 1)
-    here = (key_nk[tok] // x_local == devices[:, None, None]) & (src < n)[..., None]  # [E, slot, K]
-    send_e = jnp.where(here, key_nk[tok] - devices[:, None, None] * x_local, x_local)
+    key = key_nk[tok]  # [E, slot, K]
+    here = (key // x_local == devices[:, None, None]) & (src < n)[..., None]
+    send_e = jnp.where(here, key - devices[:, None, None] * x_local, x_local)
     send_w = jnp.where(here, gate_nk[tok], 0.0)
     send = x_nd.at[src].get(mode="fill", fill_value=0)  # [E, slot, D]
     recv, recv_e, recv_w = (jax.lax.all_to_all(v, "expert", 0, 0) for v in (send, send_e, send_w))

@@ -128,7 +128,8 @@ def _planned_bytes(cfg: Config, trainer) -> tuple[dict | None, str]:
                     micro_batches=cfg.train.micro_batches)
     device = trainer.mesh.devices.flat[0]
     try:  # the device's memory and peak do not change the bytes: any values do
-        plan = predict(cfg, layout, Hardware(device.device_kind, 0.0, peak_flops=1.0), attention=trainer.ops.attention)
+        plan = predict(cfg, layout, Hardware(device.device_kind, 0.0, peak_flops=1.0), attention=trainer.ops.attention,
+                       moe_backend="cpu" if device.platform == "cpu" else "gpu")
     except Exception as e:  # noqa: BLE001 - a planner limitation is reported in the line, training goes on
         return None, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
     return plan.bytes_per_device, ""
