@@ -164,12 +164,23 @@ def _pipeline(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
     yield (p == 1 or cfg.data.seq_len % p == 0,
            f"data.seq_len={cfg.data.seq_len} is not divisible by mesh.pipeline={p} (the stages share the "
            f"loss of the last stage's output, every {p}th token each); use a multiple of {p}")
-    yield (p == 1 or cfg.model.fp8.recipe == "none",
-           f"model.fp8.recipe={cfg.model.fp8.recipe} with mesh.pipeline={p}: fp8 scaling state does not travel "
-           "through pipeline stages yet; set model.fp8.recipe=none or mesh.pipeline=1")
-    yield (p == 1 or not cfg.model.moe.enabled,
-           f"model.moe.num_experts={cfg.model.moe.num_experts} with mesh.pipeline={p}: mixture-of-experts layers "
-           "do not run in pipeline stages yet; set mesh.pipeline=1 or model.moe.num_experts=0")
+    replicas = shape["data"] > 1 or (shape["fsdp"] > 1 and mesh.fsdp_grad_reduce == "once")
+    yield (p == 1 or not (mesh.sequence_parallel and shape["tensor"] > 1 and replicas),
+           f"mesh.sequence_parallel=true with mesh.pipeline={p} and replica groups (mesh.data={shape['data']}, "
+           f"mesh.fsdp={shape['fsdp']} fsdp_grad_reduce={mesh.fsdp_grad_reduce}) stops XLA's SPMD partitioner "
+           "(jaxlib 0.10.2, a check failure) on the stages' vmapped ticks; set mesh.sequence_parallel=false, or "
+           "put those devices on mesh.fsdp with mesh.fsdp_grad_reduce=every_micro_batch")
+    fp8 = cfg.model.fp8
+    yield (p == 1 or fp8.recipe == "none" or not fp8.keep_bf16,
+           f"model.fp8.keep_bf16={list(fp8.keep_bf16)} with mesh.pipeline={p}: every stage runs the same program, "
+           "so the layers kept in the compute dtype would have to be computed both ways on every stage; set "
+           "model.fp8.keep_bf16=[] (every layer in fp8) or mesh.pipeline=1")
+    moe = cfg.model.moe
+    groups = layers // moe.every_n_layers if moe.enabled else chunks
+    yield (p == 1 or groups % chunks == 0,
+           f"model.num_layers={layers} with model.moe.every_n_layers={moe.every_n_layers} makes {groups} groups of "
+           f"layers (n-1 dense, then one MoE), not divisible into mesh.pipeline*mesh.pipeline_virtual_stages={chunks} "
+           f"stages of whole groups; use a multiple of {chunks * moe.every_n_layers} layers")
 
 
 @rule
