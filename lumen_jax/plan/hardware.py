@@ -25,6 +25,7 @@ class Hardware:
     ib_bytes_per_s: float = 50e9  # across nodes (400 Gb/s NIC per GPU)
     devices_per_node: int = 8
     peak_flops: float | None = None  # None: the datasheet peak for the compute dtype
+    hbm_bytes_per_s: float = 3.35e12  # device memory bandwidth (H100 SXM)
 
     def peak(self, dtype: str) -> float:
         peak = self.peak_flops or metrics.device_peak_flops(self.kind, dtype)
@@ -35,8 +36,9 @@ class Hardware:
 
 DEVICES = {
     "h100": Hardware("NVIDIA H100 80GB HBM3", 80e9),
-    "h200": Hardware("NVIDIA H200", 141e9),
-    "a100": Hardware("NVIDIA A100-SXM4-80GB", 80e9, nvlink_bytes_per_s=600e9, ib_bytes_per_s=25e9),
+    "h200": Hardware("NVIDIA H200", 141e9, hbm_bytes_per_s=4.8e12),
+    "a100": Hardware("NVIDIA A100-SXM4-80GB", 80e9, nvlink_bytes_per_s=600e9, ib_bytes_per_s=25e9,
+                     hbm_bytes_per_s=2.0e12),
 }
 
 
