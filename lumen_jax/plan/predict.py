@@ -209,6 +209,8 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
 
 
 SEARCH_REMATS = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "full")
+SEARCH_DEPTHS = (1, 2, 4, 8, 16)  # pipeline stages --search tries when the config and --pipeline set none
+REDUCE_DTYPES = ("float32", "bfloat16")  # mesh.reduce_dtype, tried wherever gradients cross devices
 
 
 COMM_OPTIONS = {"fsdp_grad_reduce": ("every_micro_batch", "once"), "fsdp_regather": ("per_micro_batch", "per_step")}
@@ -248,12 +250,37 @@ def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, to
     sizes that divide the sequence; every fsdp x data split of the rest; sequence parallelism on
     and off; the remat policies in `SEARCH_REMATS`; and per-device micro-batches of 1, 2, 4, ...
     sequences; over fsdp, (ZeRO-3) `mesh.fsdp_regather` both ways and, with several micro-batches,
-    `mesh.fsdp_grad_reduce` both ways; with pipeline stages (`pipeline`, else `mesh.pipeline`) every
-    schedule that can run them (`_schedules`: its bubble and stash from its table). The ZeRO stage,
-    the pipeline depth and `mesh.expert` stay as given.
+    `mesh.fsdp_grad_reduce` both ways; the pipeline depths of `SEARCH_DEPTHS` that divide the devices and the layers (or the
+    one given: `pipeline`, else `mesh.pipeline`), each with every schedule that can run it
+    (`_schedules`: its bubble and stash from its table); then, for the `top` leaders, `mesh.reduce_dtype`
+    the other way (`REDUCE_DTYPES`: it changes only the gradient bytes). The ZeRO stage and `mesh.expert`
+    stay as given.
     """
-    m, seq, batch = cfg.model, cfg.data.seq_len, cfg.data.global_batch_size
+    m = cfg.model
     pipeline = pipeline if pipeline > 1 else cfg.mesh.pipeline
+    depths = [pipeline] if pipeline > 1 else [p for p in SEARCH_DEPTHS if num_devices % p == 0
+                                              and m.num_layers % p == 0]
+    found = []
+    for depth in depths:
+        found += _search_depth(cfg, num_devices, hw, depth, on_plan, **predict_kwargs)
+    rank = lambda p: (-round(p.mfu, 4), p.bytes_per_device["total"])  # noqa: E731
+    found.sort(key=rank)
+    # mesh.reduce_dtype changes only the gradient bytes: tried on the leaders, each kept as its own candidate
+    for plan in list(found[:top]):
+        for dtype in REDUCE_DTYPES:
+            mesh = plan.layout.mesh
+            if dtype != mesh.reduce_dtype and mesh.data * mesh.fsdp * mesh.pipeline > 1:
+                layout = dataclasses.replace(plan.layout, mesh=dataclasses.replace(mesh, reduce_dtype=dtype))
+                other = predict(cfg, layout, hw, remat=plan.remat, **predict_kwargs)
+                if other.fits:
+                    found.append(other)
+    found.sort(key=rank)
+    return found[:top]
+
+
+def _search_depth(cfg: Config, num_devices: int, hw: Hardware, pipeline: int,
+                  on_plan: Callable[[int], Any] | None, **predict_kwargs: Any) -> list[Plan]:
+    m, seq, batch = cfg.model, cfg.data.seq_len, cfg.data.global_batch_size
     ep = max(cfg.mesh.expert, 1)  # the expert axis splits the batch like data: in `rest`'s batch split
     per_stage = num_devices // pipeline // ep
     found = []
@@ -289,5 +316,4 @@ def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, to
                                         on_plan(1)
                                     if plan.fits:
                                         found.append(plan)
-    found.sort(key=lambda p: (-round(p.mfu, 4), p.bytes_per_device["total"]))
-    return found[:top]
+    return found

@@ -169,3 +169,19 @@ def test_cli_calibration_and_goodput():
     proc = run_plan("--config", "configs/llama3_405b.yaml", "--devices", "16384", "--storage-gbps", "0")
     assert proc.returncode == 2 and proc.stderr.startswith("error: --storage-gbps=0.0 must be > 0")
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.heavy
+def test_search_varies_the_depth_the_reduce_dtype_and_the_remat(capsys):
+    """Without stages in the config or --pipeline, --search tries every depth of SEARCH_DEPTHS that
+    divides the devices and the layers; the leaders get mesh.reduce_dtype the other way too."""
+    import json
+
+    from lumen_jax.plan.cli import main
+
+    assert main(["--config", "configs/tiny.yaml", "--devices", "4", "--search", "--top", "400", "--json",
+                 "model.num_layers=4"]) == 0
+    ranked = json.loads(capsys.readouterr().out)
+    assert {r["layout"]["pipeline"] for r in ranked} >= {1, 2}
+    assert {r["layout"]["mesh"]["reduce_dtype"] for r in ranked} == {"float32", "bfloat16"}
+    assert len({r["remat"] for r in ranked}) == 4
