@@ -12,6 +12,7 @@ from lumen_jax.metrics import flops
 from lumen_jax.plan.efficiency import Efficiency, Overlap
 from lumen_jax.plan.hardware import DEVICES, Hardware, Layout
 from lumen_jax.plan.predict import Plan, predict
+from lumen_jax.plan import recipe_memory
 from lumen_jax.plan.published import HARDWARE, TABLE, Published
 
 # The overlap a published recipe reaches on its tensor axis when it decomposes the layer's
@@ -61,11 +62,46 @@ def predict_row(row: Published, terms: Efficiency = Efficiency(), overlap: Overl
                    overlap=recipe)
 
 
+# A published run's device holds what its framework's allocator hands out: the capacity CUDA
+# reports (an "80 GB" H100 has 80 GiB of HBM3: 81,559 MiB in nvidia-smi, of which ~0.5 GiB is the
+# CUDA context) times the same 0.94 for the caching allocator's fragmentation as our program's
+# `predict.MEMORY_FRACTION` (docs/PLANNING.md, section 5, "Memory of a recipe").
+GIB = 2 ** 30
+CUDA_CONTEXT_BYTES = 0.5 * GIB
+RECIPE_MEMORY_FRACTION = 0.94
+
+
+def recipe_usable_bytes(row: Published) -> float:
+    """Bytes a recipe's allocator can hold on one of the row's devices: the nominal GB read as GiB
+    (HBM stacks are sized in GiB), less the CUDA context, times `RECIPE_MEMORY_FRACTION`."""
+    nominal = hardware_of(row).memory_bytes / 1e9 * GIB
+    return (nominal - CUDA_CONTEXT_BYTES) * RECIPE_MEMORY_FRACTION
+
+
+def recipe_memory_of(row: Published, plan: Plan) -> recipe_memory.RecipeMemory:
+    """The memory of the program that ran the row, by term; MaxText's is our program's plan (a JAX
+    program of the same structure: fp32 parameters, gradients and Adam sharded over its fsdp)."""
+    if row.family == "maxtext":
+        b = plan.bytes_per_device
+        terms = {k: float(v) for k, v in b.items() if k != "total"}
+        return recipe_memory.RecipeMemory("maxtext", "only", terms, {k: "as our program (plan.memory)" for k in terms})
+    mesh = MeshConfig(**{"fsdp": 1, **row.ours})
+    layout = recipe_memory.RecipeLayout.of(mesh, row.global_batch, row.micro_batches, row.seq_len)
+    return recipe_memory.recipe_memory(row.family, model_of(row), layout, row.remat)
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     published: Published
-    plan: Plan
+    plan: Plan  # our program's plan for the row (throughput, and our memory)
     measured: float  # tokens/s per GPU
+    memory: recipe_memory.RecipeMemory  # the recipe's own memory, by term
+    usable: float  # bytes its allocator can hold
+
+    @property
+    def fits(self) -> bool:
+        """The recipe that ran fits in its prediction."""
+        return self.memory.total <= self.usable
 
     @property
     def predicted(self) -> float:
@@ -76,8 +112,13 @@ class Row:
         return self.predicted / self.measured
 
 
+def row_of(r: Published, **kwargs) -> Row:
+    plan = predict_row(r, **kwargs)
+    return Row(r, plan, measured_tokens_per_gpu(r), recipe_memory_of(r, plan), recipe_usable_bytes(r))
+
+
 def rows(table: Iterable[Published] = TABLE, **kwargs) -> list[Row]:
-    return [Row(r, predict_row(r, **kwargs), measured_tokens_per_gpu(r)) for r in table]
+    return [row_of(r, **kwargs) for r in table]
 
 
 def statistics(found: list[Row]) -> dict[str, float]:
@@ -90,17 +131,21 @@ def statistics(found: list[Row]) -> dict[str, float]:
 
 
 def format_calibration(found: list[Row]) -> str:
-    """The table `--calibration` prints: measured vs predicted tokens/s per GPU, the ratio, whether
-    the plan fits, and the statistics."""
-    head = f"{'run':42s}{'layout':36s}{'measured':>10s}{'predicted':>11s}{'ratio':>7s}{'GB':>7s}  fits"
+    """The table `--calibration` prints: measured vs predicted tokens/s per GPU, the ratio, the
+    recipe's predicted memory per device (its framework's, `recipe_memory`) against what its
+    allocator can hold, whether it fits, our program's memory for the same layout, and the statistics."""
+    head = (f"{'run':42s}{'layout':36s}{'measured':>10s}{'predicted':>11s}{'ratio':>7s}{'recipe GB':>11s}"
+            f"{'usable':>8s}  fits  {'ours GB':>8s}")
     lines = [head]
     for r in found:
         lines.append(f"{r.published.name:42s}{r.published.layout:36s}{r.measured:10,.0f}{r.predicted:11,.0f}"
-                     f"{r.ratio:7.2f}{r.plan.bytes_per_device['total'] / 1e9:7.1f}  {'yes' if r.plan.fits else 'NO'}")
+                     f"{r.ratio:7.2f}{r.memory.total / 1e9:11.1f}{r.usable / 1e9:8.1f}  {'yes ' if r.fits else 'NO  '}"
+                     f"{r.plan.bytes_per_device['total'] / 1e9:8.1f}")
     s = statistics(found)
     lines += ["", f"{s['rows']} published runs: geometric-mean ratio {s['mean_ratio']:.3f}, typical error "
               f"x{s['typical_error']:.3f}, worst x{s['worst']:.3f}; every row fits: "
-              f"{all(r.plan.fits for r in found)}",
+              f"{all(r.fits for r in found)} (recipe memory: {', '.join(sorted({r.memory.family for r in found}))}; "
+              "lumen_jax/plan/recipe_memory.py)",
               "sources, FLOP conventions and assumptions: lumen_jax/plan/published.py"]
     return "\n".join(lines)
 
@@ -108,6 +153,9 @@ def format_calibration(found: list[Row]) -> str:
 def to_json(found: list[Row]) -> dict:
     return {"rows": [{"name": r.published.name, "layout": r.published.layout, "source": r.published.source,
                       "convention": r.published.convention, "notes": r.published.notes, "measured_tokens_per_gpu":
-                      r.measured, "predicted_tokens_per_gpu": r.predicted, "ratio": r.ratio, "fits": r.plan.fits,
-                      "bytes_per_device": r.plan.bytes_per_device["total"]} for r in found],
+                      r.measured, "predicted_tokens_per_gpu": r.predicted, "ratio": r.ratio, "fits": r.fits,
+                      "family": r.memory.family, "recipe_bytes_per_device": r.memory.total,
+                      "recipe_bytes_by_term": r.memory.terms, "recipe_stage": r.memory.stage,
+                      "usable_bytes": r.usable, "our_bytes_per_device": r.plan.bytes_per_device["total"],
+                      "our_plan_fits": r.plan.fits} for r in found],
             "statistics": statistics(found)}

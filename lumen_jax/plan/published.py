@@ -59,6 +59,14 @@ class Published:
     # pipeline sends with the next micro-batch (Megatron's tp_comm_overlap / overlap_p2p_comm, torchtitan's async TP)
     notes: str = ""
 
+    @property
+    def family(self) -> str:
+        """The framework whose memory model stands for the run (`plan.recipe_memory.FAMILIES`)."""
+        return next(f for prefix, f in FAMILY_OF_NAME.items() if self.name.startswith(prefix))
+
+
+# Which program ran each row: its memory is that program's (`plan.recipe_memory`), not ours.
+FAMILY_OF_NAME = {"NeMo": "megatron", "Llama 3": "llama3", "MaxText": "maxtext", "torchtitan": "torchtitan"}
 
 _NEMO = "NVIDIA/dgxc-benchmarking llama3.1/README_{}.md, NeMo 24.09 BF16 table (step time -> tokens/s)"
 _NEMO_NOTE = ("NeMo 24.09 perf recipe: sequence parallel and TP communication overlap on; no activation "
