@@ -26,6 +26,8 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("model.moe.num_experts", ">=", 0), ("model.moe.top_k", ">=", 1), ("model.moe.every_n_layers", ">=", 1),
     ("model.moe.shared_experts", ">=", 0), ("model.moe.aux_loss_weight", ">=", 0),
     ("model.moe.router_z_loss_weight", ">=", 0), ("model.moe.expert_ffn_dim", ">=", 0),
+    ("model.moe.routed_scaling", ">", 0), ("model.moe.groups", ">=", 1), ("model.moe.top_groups", ">=", 1),
+    ("model.moe.bias_update_rate", ">=", 0), ("model.moe.sequence_aux_loss_weight", ">=", 0),
     ("optim.lr", ">", 0), ("optim.min_lr_ratio", ">=", 0), ("optim.min_lr_ratio", "<=", 1),
     ("optim.warmup_steps", ">=", 0), ("optim.decay_steps", ">=", 0),
     ("optim.b1", ">=", 0), ("optim.b1", "<", 1), ("optim.b2", ">=", 0), ("optim.b2", "<", 1),
@@ -124,6 +126,19 @@ def _moe(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
     yield (moe.num_experts % ep == 0,
            f"mesh.expert={ep} does not divide model.moe.num_experts={moe.num_experts}; choose mesh.expert "
            f"among the divisors of {moe.num_experts} ({_divisors(moe.num_experts, moe.num_experts)})")
+    yield (moe.num_experts % moe.groups == 0,
+           f"model.moe.groups={moe.groups} does not divide model.moe.num_experts={moe.num_experts}; choose groups "
+           f"among the divisors of {moe.num_experts} ({_divisors(moe.num_experts, moe.num_experts)})")
+    yield (moe.top_groups <= moe.groups,
+           f"model.moe.top_groups={moe.top_groups} exceeds model.moe.groups={moe.groups}; "
+           f"choose top_groups between 1 and {moe.groups}")
+    per_group = moe.num_experts // moe.groups if moe.num_experts % moe.groups == 0 else moe.num_experts
+    yield (moe.top_k <= moe.top_groups * per_group,
+           f"model.moe.top_k={moe.top_k} exceeds the {moe.top_groups * per_group} experts of model.moe.top_groups="
+           f"{moe.top_groups} groups of {per_group}; raise top_groups or lower top_k")
+    yield (not moe.shared_gate or moe.shared_experts > 0,
+           "model.moe.shared_gate=true gates the shared experts but model.moe.shared_experts=0; "
+           "set shared_experts >= 1 or shared_gate=false")
     yield (moe.capacity_factor is None or moe.capacity_factor > 0,
            f"model.moe.capacity_factor={show(moe.capacity_factor)} must be > 0; "
            "use e.g. 1.25, or null for dropless")
