@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from typing import Callable, Sequence
 
@@ -81,28 +82,29 @@ class Generator:
         self.row_sh, self.rows_sh, self.scalar_sh = sh("batch"), sh("batch", None), sh()
         cache_sh = sh(None, *decode_lib.CACHE_AXES)
         self.cache_sh = {"k": cache_sh, "v": cache_sh}
-        param_sh = jax.tree.map(lambda x: x.sharding, loaded.params)
+        # The parameters and the model state that is not a parameter (an MoE router's balancing bias).
+        weights_sh = jax.tree.map(lambda x: x.sharding, (loaded.params, loaded.model_state))
 
-        def model_of(params):
+        def model_of(weights):
             from flax import nnx
-            return nnx.merge(graphdef, params, {})
+            return nnx.merge(graphdef, *weights)
 
-        def prefill(params, tokens_bt, valid_bt, seed, length):
+        def prefill(weights, tokens_bt, valid_bt, seed, length):
             with activate(mesh, rules):
-                model = model_of(params)
+                model = model_of(weights)
                 cache = decode_lib.init_cache(model, tokens_bt.shape[0], length)
                 logits, cache = decode_lib.prefill(model, tokens_bt, valid_bt, cache)
             return sample(logits, jax.random.fold_in(jax.random.key(seed), 0), sampling), logits, cache
 
-        def step(params, tokens_b, positions_b, slot, valid_bs, seed, cache):
+        def step(weights, tokens_b, positions_b, slot, valid_bs, seed, cache):
             with activate(mesh, rules):
-                logits, cache = decode_lib.decode(model_of(params), tokens_b, positions_b, slot, valid_bs, cache)
+                logits, cache = decode_lib.decode(model_of(weights), tokens_b, positions_b, slot, valid_bs, cache)
             return sample(logits, jax.random.fold_in(jax.random.key(seed), slot + 1), sampling), logits, cache
 
         self._prefill = jax.jit(prefill, static_argnums=4,
-                                in_shardings=(param_sh, self.rows_sh, self.rows_sh, self.scalar_sh),
+                                in_shardings=(weights_sh, self.rows_sh, self.rows_sh, self.scalar_sh),
                                 out_shardings=(self.row_sh, self.rows_sh, self.cache_sh))
-        self._step = jax.jit(step, in_shardings=(param_sh, self.row_sh, self.row_sh, self.scalar_sh,
+        self._step = jax.jit(step, in_shardings=(weights_sh, self.row_sh, self.row_sh, self.scalar_sh,
                                                  self.rows_sh, self.scalar_sh, self.cache_sh),
                              out_shardings=(self.row_sh, self.rows_sh, self.cache_sh), donate_argnums=6)
 
@@ -123,7 +125,8 @@ class Generator:
         import jax
 
         rows = len(prompts)
-        shards = self.loaded.mesh.shape["data"] * self.loaded.mesh.shape["fsdp"]  # rows split over these
+        split = self.row_sh.spec[0] or ()  # the mesh axes the rows are split over (data, fsdp, expert)
+        shards = math.prod(self.loaded.mesh.shape[a] for a in ((split,) if isinstance(split, str) else split))
         prompts = [*prompts, *[prompts[-1]] * (-rows % shards)]  # filler rows, dropped at the end
         b, t = len(prompts), max(len(p) for p in prompts)
         tokens = np.zeros((b, t), np.int32)
@@ -135,7 +138,7 @@ class Generator:
         lengths = np.array([len(p) for p in prompts], np.int32)
         put = lambda x, sh: jax.device_put(x, sh)  # noqa: E731
         seed_dev = put(np.uint32(seed), self.scalar_sh)
-        nxt, logits, cache = self._prefill(self.loaded.params, put(tokens, self.rows_sh),
+        nxt, logits, cache = self._prefill((self.loaded.params, self.loaded.model_state), put(tokens, self.rows_sh),
                                       put(valid[:, :t], self.rows_sh), seed_dev, t + max_new_tokens)
         valid_dev = put(valid, self.rows_sh)
         out = np.zeros((b, max_new_tokens), np.int32)
@@ -146,7 +149,7 @@ class Generator:
             if return_logits:
                 all_logits.append(np.asarray(jax.device_get(logits))[:rows])
             if i + 1 < max_new_tokens:  # dispatched before reading `current`: the device keeps working
-                nxt, logits, cache = self._step(self.loaded.params, current, put(lengths + i, self.row_sh),
+                nxt, logits, cache = self._step((self.loaded.params, self.loaded.model_state), current, put(lengths + i, self.row_sh),
                                            put(np.int32(t + i), self.scalar_sh), valid_dev, seed_dev, cache)
             out[:, i] = np.asarray(jax.device_get(current))
             if on_token is not None:

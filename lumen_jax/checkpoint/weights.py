@@ -146,15 +146,18 @@ def save_weights(run_dir: str, cfg: Config, params: dict, extra: dict | None = N
     return os.path.join(checkpoints_dir(run_dir), "0")
 
 
-def saved_shapes(run_dir: str, step: int) -> dict[str, tuple[int, ...]]:
-    """{'a/b/c': shape} of the saved parameters at `step` (from Orbax's metadata; nothing is read)."""
+def saved_shapes(run_dir: str, step: int, field: str = "params") -> dict[str, tuple[int, ...]] | None:
+    """{'a/b/c': shape} of the saved state's `field` at `step` (from Orbax's metadata; nothing is read);
+    None when the checkpoint has no such field (an imported model's model_state)."""
     where = item_dir(checkpoints_dir(run_dir), step, STATE)
     try:
         with _quiet_absl(), runlog.library_output(run_dir):  # Orbax logs a damaged file and returns None
             meta = ocp.PyTreeCheckpointer().metadata(where)
         tree = getattr(meta, "item_metadata", meta)
         tree = getattr(tree, "tree", tree)
-        flat = jax.tree_util.tree_flatten_with_path(tree["params"], is_leaf=lambda x: hasattr(x, "shape"))[0]
+        if field != "params" and field not in tree:
+            return None
+        flat = jax.tree_util.tree_flatten_with_path(tree[field], is_leaf=lambda x: hasattr(x, "shape"))[0]
     except Exception:  # noqa: BLE001 - any damaged metadata file: name it
         raise UnusableCheckpoint(f"checkpoint step {step}: {_damaged_metadata(where)}") from None
     return {_key(p): tuple(v.shape) for p, v in flat}
@@ -200,25 +203,26 @@ def _read_error(error: BaseException) -> str:
     return f"it does not read back ({kind}: {text[:200]})"
 
 
-def _verify(run_dir: str, step: int, params: dict) -> None:
-    """UnusableCheckpoint when `params` differ from the checksums step `step` recorded, or hold inf/NaN."""
+def _verify(run_dir: str, step: int, tree: dict, field: str = "params") -> None:
+    """UnusableCheckpoint when `tree` (the state's `field`: params or model_state) differs from the
+    checksums step `step` recorded, or holds inf/NaN."""
     meta = _meta(run_dir, step)
     recorded, shapes = meta.get("checksums"), meta.get("state_shapes")
     where = item_dir(checkpoints_dir(run_dir), step, STATE)
-    paths = [_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    paths = [_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
     if recorded is not None:
-        if shapes is not None:  # a training state: its parameters' entries, in the same (sorted) order
-            recorded = [c for c, (path, *_) in zip(recorded, shapes) if path.startswith(".params[")]
-        got = checksum_list(params)
+        if shapes is not None:  # a training state: this field's entries, in the same (sorted) order
+            recorded = [c for c, (path, *_) in zip(recorded, shapes) if path.startswith(f".{field}[")]
+        got = checksum_list(tree)
         if len(recorded) != len(got):
-            raise UnusableCheckpoint(f"checkpoint step {step}: {where} holds {len(got)} parameter arrays, "
+            raise UnusableCheckpoint(f"checkpoint step {step}: {where} holds {len(got)} {field} arrays, "
                                      f"its checksums name {len(recorded)}")
         bad = [p for p, a, b in zip(paths, got, recorded) if a != b]
         if bad:
             more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-            raise UnusableCheckpoint(f"checkpoint step {step}: array params/{bad[0]}{more} in {where} differs from "
+            raise UnusableCheckpoint(f"checkpoint step {step}: array {field}/{bad[0]}{more} in {where} differs from "
                                      "the checksum recorded when it was saved (the files are damaged)")
-    bad = nonfinite_paths(params)
+    bad = nonfinite_paths(tree)
     if bad:
         raise UnusableCheckpoint(f"checkpoint step {step}: {bad[0]} in {where} holds inf or NaN")
 
@@ -251,7 +255,12 @@ def load_params(run_dir: str, step: int, abstract_params: dict, source: str | No
       source, fix: how a shape mismatch names the checkpoint and the remedy (one line, ConfigError).
     """
     check_shapes(abstract_params, saved_shapes(run_dir, step), source or f"checkpoint {run_dir} step {step}", fix)
-    target = {"params": abstract_params}
+    return _restore_field(run_dir, step, "params", abstract_params)
+
+
+def _restore_field(run_dir: str, step: int, field: str, abstract: dict) -> dict:
+    """The saved state's `field` of checkpoint `step`, read into `abstract`'s shardings and verified."""
+    target = {field: abstract}
     where = item_dir(checkpoints_dir(run_dir), step, STATE)
     try:
         # Orbax warns that the item folder has no checkpoint metadata (the step folder has); its
@@ -263,8 +272,21 @@ def load_params(run_dir: str, step: int, abstract_params: dict, source: str | No
     except Exception as e:  # noqa: BLE001 - a damaged data file: TensorStore's error names the array
         reason = _damaged_file(where) or f"{where}: {_read_error(e)}"
         raise UnusableCheckpoint(f"checkpoint step {step}: {reason}") from None
-    _verify(run_dir, step, restored["params"])
-    return restored["params"]
+    _verify(run_dir, step, restored[field], field)
+    return restored[field]
+
+
+def load_model_state(run_dir: str, step: int, abstract_state: dict) -> dict:
+    """The model state that is not a parameter (ops/state.py: fp8 amax histories, an MoE router's
+    balancing bias) of checkpoint `step`, in `abstract_state`'s shardings; the fresh state (zeros, as
+    a run starts with) when the checkpoint holds none (imported weights) or other shapes."""
+    if not abstract_state:
+        return {}
+    saved = None if is_weights_only(run_dir, step) else saved_shapes(run_dir, step, "model_state")
+    want = {_key(p): tuple(v.shape) for p, v in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+    if saved != want:
+        return jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), abstract_state)
+    return _restore_field(run_dir, step, "model_state", abstract_state)
 
 
 @contextlib.contextmanager
@@ -293,6 +315,7 @@ class Loaded:
     rules: Any
     model: Any  # model.AbstractModel
     params: dict
+    model_state: dict = dataclasses.field(default_factory=dict)  # non-parameter model state (ops/state.py)
 
 
 def mesh_overrides(cfg: Config, overrides: Sequence[str], base: dict | None = None) -> Config:
@@ -339,11 +362,15 @@ def load_onto_mesh(run_dir: str, step: int | None, overrides: Sequence[str] = ()
         mesh = make_mesh(shape, devices[:n])
         rules = Rules(zero_stage=cfg.mesh.zero_stage, sequence_parallel=False)
         model = abstract_model(m)
-        specs = rules.tree_specs(model.param_names, "params")
-        target = jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                                   sharding=jax.sharding.NamedSharding(mesh, spec)),
-                              model.params, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-        return Loaded(cfg=cfg, step=s, mesh=mesh, rules=rules, model=model, params=load_params(run_dir, s, target))
+        def target(shapes: dict, names: dict) -> dict:
+            return jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                     sharding=jax.sharding.NamedSharding(mesh, spec)),
+                                shapes, rules.tree_specs(names, "params"),
+                                is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+        return Loaded(cfg=cfg, step=s, mesh=mesh, rules=rules, model=model,
+                      params=load_params(run_dir, s, target(model.params, model.param_names)),
+                      model_state=load_model_state(run_dir, s, target(model.state, model.state_names)))
 
     return newest_usable(run_dir, step, load)[1]
 
@@ -356,11 +383,12 @@ def _is_hf_dir(path: str) -> bool:
 # What the weights of `train.init_from` define besides their shapes: a run starting from them takes these
 # from them (rotary embedding, norm epsilon, routing), and its tokenizer when they name one.
 DEFINED_BY_WEIGHTS = ("norm_eps", "rope_theta", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
-                      "rope_high_freq_factor", "rope_original_max_len", "moe.top_k", "moe.router")
+                      "rope_high_freq_factor", "rope_original_max_len", "moe.top_k", "moe.router",
+                      "moe.normalize_top_k", "moe.routed_scaling", "moe.groups", "moe.top_groups")
 # Their shapes: the config must give the same (one line naming the key otherwise).
 SHAPED_BY_WEIGHTS = ("vocab_size", "tie_embeddings", "d_model", "num_layers", "num_heads", "num_kv_heads",
-                     "resolved_head_dim", "ffn_dim", "moe.num_experts", "moe.every_n_layers", "moe.shared_experts",
-                     "expert_ffn_dim")
+                     "resolved_head_dim", "ffn_dim", "qkv_bias", "qk_norm", "moe.num_experts", "moe.every_n_layers",
+                     "moe.shared_experts", "moe.shared_gate", "expert_ffn_dim")
 
 
 def _get(model: Any, key: str) -> Any:

@@ -26,6 +26,8 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("model.moe.num_experts", ">=", 0), ("model.moe.top_k", ">=", 1), ("model.moe.every_n_layers", ">=", 1),
     ("model.moe.shared_experts", ">=", 0), ("model.moe.aux_loss_weight", ">=", 0),
     ("model.moe.router_z_loss_weight", ">=", 0), ("model.moe.expert_ffn_dim", ">=", 0),
+    ("model.moe.routed_scaling", ">", 0), ("model.moe.groups", ">=", 1), ("model.moe.top_groups", ">=", 1),
+    ("model.moe.bias_update_rate", ">=", 0), ("model.moe.sequence_aux_loss_weight", ">=", 0),
     ("optim.lr", ">", 0), ("optim.min_lr_ratio", ">=", 0), ("optim.min_lr_ratio", "<=", 1),
     ("optim.warmup_steps", ">=", 0), ("optim.decay_steps", ">=", 0),
     ("optim.b1", ">=", 0), ("optim.b1", "<", 1), ("optim.b2", ">=", 0), ("optim.b2", "<", 1),
@@ -124,6 +126,19 @@ def _moe(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
     yield (moe.num_experts % ep == 0,
            f"mesh.expert={ep} does not divide model.moe.num_experts={moe.num_experts}; choose mesh.expert "
            f"among the divisors of {moe.num_experts} ({_divisors(moe.num_experts, moe.num_experts)})")
+    yield (moe.num_experts % moe.groups == 0,
+           f"model.moe.groups={moe.groups} does not divide model.moe.num_experts={moe.num_experts}; choose groups "
+           f"among the divisors of {moe.num_experts} ({_divisors(moe.num_experts, moe.num_experts)})")
+    yield (moe.top_groups <= moe.groups,
+           f"model.moe.top_groups={moe.top_groups} exceeds model.moe.groups={moe.groups}; "
+           f"choose top_groups between 1 and {moe.groups}")
+    per_group = moe.num_experts // moe.groups if moe.num_experts % moe.groups == 0 else moe.num_experts
+    yield (moe.top_k <= moe.top_groups * per_group,
+           f"model.moe.top_k={moe.top_k} exceeds the {moe.top_groups * per_group} experts of model.moe.top_groups="
+           f"{moe.top_groups} groups of {per_group}; raise top_groups or lower top_k")
+    yield (not moe.shared_gate or moe.shared_experts > 0,
+           "model.moe.shared_gate=true gates the shared experts but model.moe.shared_experts=0; "
+           "set shared_experts >= 1 or shared_gate=false")
     yield (moe.capacity_factor is None or moe.capacity_factor > 0,
            f"model.moe.capacity_factor={show(moe.capacity_factor)} must be > 0; "
            "use e.g. 1.25, or null for dropless")
@@ -164,12 +179,23 @@ def _pipeline(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
     yield (p == 1 or cfg.data.seq_len % p == 0,
            f"data.seq_len={cfg.data.seq_len} is not divisible by mesh.pipeline={p} (the stages share the "
            f"loss of the last stage's output, every {p}th token each); use a multiple of {p}")
-    yield (p == 1 or cfg.model.fp8.recipe == "none",
-           f"model.fp8.recipe={cfg.model.fp8.recipe} with mesh.pipeline={p}: fp8 scaling state does not travel "
-           "through pipeline stages yet; set model.fp8.recipe=none or mesh.pipeline=1")
-    yield (p == 1 or not cfg.model.moe.enabled,
-           f"model.moe.num_experts={cfg.model.moe.num_experts} with mesh.pipeline={p}: mixture-of-experts layers "
-           "do not run in pipeline stages yet; set mesh.pipeline=1 or model.moe.num_experts=0")
+    replicas = shape["data"] > 1 or (shape["fsdp"] > 1 and mesh.fsdp_grad_reduce == "once")
+    yield (p == 1 or not (mesh.sequence_parallel and shape["tensor"] > 1 and replicas),
+           f"mesh.sequence_parallel=true with mesh.pipeline={p} and replica groups (mesh.data={shape['data']}, "
+           f"mesh.fsdp={shape['fsdp']} fsdp_grad_reduce={mesh.fsdp_grad_reduce}) stops XLA's SPMD partitioner "
+           "(jaxlib 0.10.2, a check failure) on the stages' vmapped ticks; set mesh.sequence_parallel=false, or "
+           "put those devices on mesh.fsdp with mesh.fsdp_grad_reduce=every_micro_batch")
+    fp8 = cfg.model.fp8
+    yield (p == 1 or fp8.recipe == "none" or not fp8.keep_bf16,
+           f"model.fp8.keep_bf16={list(fp8.keep_bf16)} with mesh.pipeline={p}: every stage runs the same program, "
+           "so the layers kept in the compute dtype would have to be computed both ways on every stage; set "
+           "model.fp8.keep_bf16=[] (every layer in fp8) or mesh.pipeline=1")
+    moe = cfg.model.moe
+    groups = layers // moe.every_n_layers if moe.enabled else chunks
+    yield (p == 1 or groups % chunks == 0,
+           f"model.num_layers={layers} with model.moe.every_n_layers={moe.every_n_layers} makes {groups} groups of "
+           f"layers (n-1 dense, then one MoE), not divisible into mesh.pipeline*mesh.pipeline_virtual_stages={chunks} "
+           f"stages of whole groups; use a multiple of {chunks * moe.every_n_layers} layers")
 
 
 @rule

@@ -40,6 +40,7 @@ FP8_RECIPES = ("none", "current", "delayed", "blockwise")
 FP8_LAYERS = ("attention", "mlp")
 FP8_KEEP_BF16 = ("first", "last")
 MOE_ROUTERS = ("softmax", "sigmoid")
+MOE_BALANCE = ("aux_loss", "bias")  # how the load is balanced: the loss alone | a selection bias (aux-loss-free)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +62,17 @@ class MoeConfig:
     top_k: int = 2  # experts each token goes to
     every_n_layers: int = 1  # layers n-1, 2n-1, ... are MoE (1: every layer); must divide num_layers
     capacity_factor: float | None = None  # None: dropless; c: an expert takes ceil(c*tokens*top_k/E) per group
-    shared_experts: int = 0  # dense experts every token also goes through (DeepSeek)
-    router: str = "softmax"  # softmax (top-k, renormalised) | sigmoid (DeepSeek-V3: sigmoid, top-k, normalised)
-    aux_loss_weight: float = 0.01  # Switch load-balancing loss num_experts * sum_i f_i P_i
+    shared_experts: int = 0  # dense experts every token also goes through (DeepSeek, Qwen2-MoE)
+    shared_gate: bool = False  # the shared experts' output times sigmoid(x . w) of a learned [D] vector (Qwen2-MoE)
+    router: str = "softmax"  # softmax over all experts | sigmoid per expert (DeepSeek-V3)
+    normalize_top_k: bool = True  # the chosen experts' weights divided by their sum (Mixtral; Qwen2-MoE: false)
+    routed_scaling: float = 1.0  # the routed experts' weights times this (DeepSeek-V3: 2.5)
+    groups: int = 1  # experts in `groups` equal groups; a token picks its experts from `top_groups` of them
+    top_groups: int = 1  # groups kept per token, ranked by the sum of their two best scores (DeepSeek-V3: 8, 4)
+    balance: str = "aux_loss"  # aux_loss | bias: a per-expert bias on the scores for the choice only (DeepSeek-V3)
+    bias_update_rate: float = 0.001  # balance=bias: bias += rate * sign(mean load - load) after each step
+    aux_loss_weight: float = 0.01  # Switch load-balancing loss num_experts * sum_i f_i P_i over the batch
+    sequence_aux_loss_weight: float = 0.0  # the same loss per sequence, averaged (DeepSeek-V3: 0.0001)
     router_z_loss_weight: float = 0.001  # mean logsumexp(router logits)^2 (ST-MoE)
     expert_ffn_dim: int = 0  # each expert's (and shared expert's) hidden width; 0: model.ffn_dim
 
@@ -91,6 +100,8 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
     tie_embeddings: bool = False
+    qkv_bias: bool = False  # learned biases on the query, key and value projections (Qwen2, Qwen2-MoE)
+    qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding (Qwen3, Qwen3-MoE)
     init_std: float = 0.02
     attention: str = "xla"  # xla | flash | auto (auto: flash on GPU, xla on CPU)
     flash_block_q: int = 0  # flash kernel's query tile (forward, dQ); 0: tuned default
@@ -349,6 +360,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "model.fp8.layers": FP8_LAYERS,  # list fields: every item
     "model.fp8.keep_bf16": FP8_KEEP_BF16,
     "model.moe.router": MOE_ROUTERS,
+    "model.moe.balance": MOE_BALANCE,
     "optim.schedule": SCHEDULES,
     "mesh.zero_stage": ZERO_STAGES,
     "mesh.context_parallel": CONTEXT_PARALLEL,
@@ -566,7 +578,7 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 # `from lumen_jax.config import ...` (the package re-exports these)
 __all__ = ["ConfigError", "ATTENTION_IMPLS", "CONTEXT_PARALLEL", "CONTEXT_BALANCE", "REMAT_POLICIES",
            "COMPUTE_DTYPES", "ROPE_SCALINGS", "FP8_RECIPES", "FP8_LAYERS", "FP8_KEEP_BF16",
-           "MOE_ROUTERS", "Fp8Config", "MoeConfig", "MixtureSource", "DATA_ORDERS", "ITEMS", "ModelConfig", "MeshConfig", "OptimConfig",
+           "MOE_ROUTERS", "MOE_BALANCE", "Fp8Config", "MoeConfig", "MixtureSource", "DATA_ORDERS", "ITEMS", "ModelConfig", "MeshConfig", "OptimConfig",
            "DataConfig", "TrainConfig", "CheckpointConfig", "LogConfig", "RuntimeConfig",
            "DistributedConfig", "Config", "SCHEDULES", "ZERO_STAGES", "PIPELINE_SCHEDULES",
            "DATA_SOURCES", "PLATFORMS", "CHOICES", "SECTIONS", "NESTED", "MOVED", "show", "suggest_key",

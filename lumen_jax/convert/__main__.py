@@ -1,4 +1,4 @@
-"""`python -m lumen_jax.convert from-hf|to-hf`: Hugging Face Llama directories <-> run directories.
+"""`python -m lumen_jax.convert from-hf|to-hf`: Hugging Face directories <-> run directories.
 
     python -m lumen_jax.convert from-hf --hf-dir PATH --out RUN_DIR
     python -m lumen_jax.convert to-hf --run-dir RUN_DIR [--step N] --out PATH [--max-shard-gb 5]
@@ -6,8 +6,9 @@
 from-hf reads `config.json` and `model.safetensors` (or the shards named by
 `model.safetensors.index.json`) with the `safetensors` package, writes the weights as step 0 of a
 run directory (weights.py; any mesh restores it) and copies the tokenizer files to
-`RUN_DIR/tokenizer/`, which becomes `data.tokenizer`. to-hf writes what
-`LlamaForCausalLM.from_pretrained` loads. Bad input: one line, exit 2, nothing written.
+`RUN_DIR/tokenizer/`, which becomes `data.tokenizer`. It reads LlamaForCausalLM, MixtralForCausalLM,
+Qwen2MoeForCausalLM and Qwen3MoeForCausalLM (hf.py, hf_moe.py); to-hf writes what their
+`from_pretrained` loads (a mixture of experts as the family that expresses it, hf_moe.family_of). Bad input: one line, exit 2, nothing written.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from lumen_jax.config import ConfigError
-from lumen_jax.convert import hf
+from lumen_jax.convert import hf, hf_moe
 from lumen_jax.convert.hf_dir import INDEX, read_hf, read_hf_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -74,19 +75,18 @@ def to_hf(run_dir: str, step: int | None, out: str, max_shard_bytes: float) -> s
     def load(s: int) -> tuple:
         cfg = weights.read_config(run_dir, s)
         if cfg.model.moe.enabled:
-            raise hf.ConvertError(f"{run_dir} is a mixture-of-experts model (model.moe.num_experts="
-                                  f"{cfg.model.moe.num_experts}); to-hf writes LlamaForCausalLM, which has no "
-                                  "experts: export a dense run")
+            hf_moe.family_of(cfg.model)  # one line before anything is read when no architecture fits
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu),
                               abstract_model(cfg.model).params)
         return cfg, weights.to_numpy(weights.load_params(run_dir, s, target))
 
     step, (cfg, params) = weights.newest_usable(run_dir, step, load)
     dtype = cfg.model.compute_dtype
-    tensors = hf.hf_from_params(params, cfg.model, jax.numpy.dtype(dtype))
+    layout = hf_moe if cfg.model.moe.enabled else hf
+    tensors = layout.hf_from_params(params, cfg.model, jax.numpy.dtype(dtype))
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(hf.hf_config(cfg.model, dtype), f, indent=2)
+        json.dump(layout.hf_config(cfg.model, dtype), f, indent=2)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, t in tensors.items():  # greedy shards of at most max_shard_bytes (a bigger tensor alone)
@@ -114,10 +114,10 @@ def to_hf(run_dir: str, step: int | None, out: str, max_shard_bytes: float) -> s
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lumen_jax.convert", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("from-hf", help="a Hugging Face Llama directory -> a run directory")
+    a = sub.add_parser("from-hf", help="a Hugging Face directory (Llama, Mixtral, Qwen2-MoE, Qwen3-MoE) -> a run directory")
     a.add_argument("--hf-dir", required=True)
     a.add_argument("--out", required=True, help="the new run directory")
-    b = sub.add_parser("to-hf", help="a run directory's checkpoint -> a Hugging Face Llama directory")
+    b = sub.add_parser("to-hf", help="a run directory's checkpoint -> a Hugging Face directory")
     b.add_argument("--run-dir", required=True)
     b.add_argument("--step", type=int, default=None, help="default: the latest")
     b.add_argument("--out", required=True)

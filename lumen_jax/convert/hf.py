@@ -27,7 +27,7 @@ from lumen_jax.config import ConfigError, ModelConfig
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 # config.json fields that change nothing we compute (ids, bookkeeping, training-only defaults).
-_HARMLESS = frozenset({
+HARMLESS = frozenset({
     "architectures", "model_type", "transformers_version", "bos_token_id", "eos_token_id", "pad_token_id",
     "dtype", "torch_dtype", "initializer_range", "max_position_embeddings", "use_cache", "pretraining_tp",
     "_name_or_path", "output_attentions", "output_hidden_states", "return_dict", "tie_word_embeddings",
@@ -36,7 +36,7 @@ _HARMLESS = frozenset({
     "hidden_act", "attention_bias", "attention_dropout", "mlp_bias",
 })
 # Fields we support only at one value: (field, required value).
-_FIXED = (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("attention_dropout", 0.0))
+FIXED = (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("attention_dropout", 0.0))
 
 
 class ConvertError(ConfigError):
@@ -56,16 +56,22 @@ def _rope(hf: dict) -> dict:
 
 
 def model_config(hf: dict, dtype: str) -> ModelConfig:
-    """Our ModelConfig for the HF `config.json` dict `hf`; ConvertError for anything we would not honour."""
+    """Our ModelConfig for the HF Llama `config.json` dict `hf`; ConvertError for anything we would not honour."""
     arch = hf.get("architectures") or ["LlamaForCausalLM"]
     if hf.get("model_type", "llama") != "llama" or arch != ["LlamaForCausalLM"]:
         raise ConvertError(f"config.json: model_type={hf.get('model_type')!r} architectures={arch} is not "
                            "supported; from-hf reads Llama checkpoints (model_type 'llama', LlamaForCausalLM)")
-    unknown = sorted(set(hf) - _HARMLESS)
+    return ModelConfig(**base_fields(hf, HARMLESS, FIXED), compute_dtype=dtype)
+
+
+def base_fields(hf: dict, harmless: frozenset, fixed: tuple) -> dict[str, Any]:
+    """The ModelConfig fields every Llama-like decoder shares (shape, norm, rope, tying) from `hf`;
+    ConvertError for a field not in `harmless`, a `fixed` field at another value, or a rope we lack."""
+    unknown = sorted(set(hf) - harmless)
     if unknown:
         raise ConvertError(f"config.json field {unknown[0]}={hf[unknown[0]]!r} is not understood by the converter "
                            "and would be ignored; remove it if it changes nothing, else this model is not supported")
-    for field, value in _FIXED:
+    for field, value in fixed:
         if field in hf and hf[field] != value:
             raise ConvertError(f"config.json {field}={hf[field]!r} is not supported (only {value!r})")
     for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
@@ -93,16 +99,16 @@ def model_config(hf: dict, dtype: str) -> ModelConfig:
         raise ConvertError(f"config.json rope field {extra[0]}={rope[extra[0]]!r} is not supported "
                            f"for rope_type={kind!r} and would be ignored")
     n = hf["num_attention_heads"]
-    return ModelConfig(
+    return dict(
         d_model=hf["hidden_size"], num_layers=hf["num_hidden_layers"], num_heads=n,
         num_kv_heads=hf.get("num_key_value_heads") or n, head_dim=hf.get("head_dim") or hf["hidden_size"] // n,
         ffn_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"], norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope["rope_theta"]), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        compute_dtype=dtype, **scaling)
+        rope_theta=float(rope["rope_theta"]), tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **scaling)
 
 
 def hf_config(m: ModelConfig, dtype: str) -> dict:
-    """A transformers `config.json` for `m` (rope written both as 4.x `rope_scaling` and 5.x `rope_parameters`)."""
+    """A transformers `config.json` for the Llama `m` (rope written both as 4.x `rope_scaling` and 5.x
+    `rope_parameters`); hf_moe.hf_config adds a mixture of experts' fields to it."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
     if m.rope_scaling == "llama3":
         rope.update(rope_type="llama3", factor=m.rope_scaling_factor, low_freq_factor=m.rope_low_freq_factor,
@@ -163,22 +169,7 @@ def params_from_hf(get: Callable[[str], np.ndarray], names: set[str], m: ModelCo
 
     Raises ConvertError naming the first missing, misshapen or unexpected tensor.
     """
-    want = expected_tensors(m)
-    ignorable = {"lm_head.weight"} if m.tie_embeddings else set()  # a tied checkpoint may still store it
-    extra = sorted(x for x in names - set(want) - ignorable if not x.endswith("rotary_emb.inv_freq"))
-    if extra:
-        raise ConvertError(f"checkpoint tensor {extra[0]} has no place in a Llama model with this config.json; "
-                           "the checkpoint and its config do not match")
-
-    def read(name: str) -> np.ndarray:
-        if name not in names:
-            raise ConvertError(f"checkpoint has no tensor {name} (shape {want[name]}); the files are incomplete")
-        w = np.asarray(get(name))
-        if tuple(w.shape) != want[name]:
-            raise ConvertError(f"checkpoint tensor {name} has shape {tuple(w.shape)}, config.json implies "
-                               f"{want[name]}; the checkpoint and its config do not match")
-        return w.astype(np.float32)
-
+    read = checked_reader(get, names, expected_tensors(m), m.tie_embeddings, "a Llama model")
     blocks: dict[str, dict[str, np.ndarray]] = {}
     for suffix, ((group, leaf), _) in _layer_tensors(m).items():
         stacked = [_to_ours(suffix, read(f"model.layers.{i}.{suffix}"), m) for i in range(m.num_layers)]
@@ -190,8 +181,33 @@ def params_from_hf(get: Callable[[str], np.ndarray], names: set[str], m: ModelCo
     return params
 
 
+def checked_reader(get: Callable[[str], np.ndarray], names: set[str], want: dict[str, tuple[int, ...]],
+                   tied: bool, model: str) -> Callable[[str], np.ndarray]:
+    """`read(name)`: the float32 tensor `name` of shape `want[name]`, after checking that the checkpoint's
+    `names` hold nothing `want` lacks; ConvertError naming the first missing, misshapen or extra tensor."""
+    ignorable = {"lm_head.weight"} if tied else set()  # a tied checkpoint may still store it
+    extra = sorted(x for x in names - set(want) - ignorable if not x.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise ConvertError(f"checkpoint tensor {extra[0]} has no place in {model} with this config.json; "
+                           "the checkpoint and its config do not match")
+
+    def read(name: str) -> np.ndarray:
+        if name not in names:
+            raise ConvertError(f"checkpoint has no tensor {name} (shape {want[name]}); the files are incomplete")
+        w = np.asarray(get(name))
+        if tuple(w.shape) != want[name]:
+            raise ConvertError(f"checkpoint tensor {name} has shape {tuple(w.shape)}, config.json implies "
+                               f"{want[name]}; the checkpoint and its config do not match")
+        return w.astype(np.float32)
+
+    return read
+
+
 def hf_from_params(params: dict, m: ModelConfig, dtype: Any) -> dict[str, np.ndarray]:
     """HF tensors {name: array of `dtype`} from our parameter tree (numpy)."""
+    if m.qkv_bias or m.qk_norm:
+        raise ConvertError(f"model.{'qkv_bias' if m.qkv_bias else 'qk_norm'}=true has no place in LlamaForCausalLM; "
+                           "to-hf cannot export this dense model")
     d = m.d_model
     out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]["scale"]}
     if not m.tie_embeddings:

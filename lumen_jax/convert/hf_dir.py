@@ -1,7 +1,7 @@
-"""A Hugging Face Llama directory read into our config and parameters: `config.json` and
+"""A Hugging Face directory read into our config and parameters: `config.json` and
 `model.safetensors` (or the shards its index names). Used by `convert from-hf` and by
 `train.init_from` of a Hugging Face directory (checkpoint/weights.py); the name and shape
-mapping is hf.py's.
+mapping is hf.py's (Llama) or hf_moe.py's (Mixtral, Qwen2-MoE, Qwen3-MoE), chosen by `model_type`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from lumen_jax.config import Config, DataConfig
-from lumen_jax.convert import hf
+from lumen_jax.convert import hf, hf_moe
 
 INDEX = "model.safetensors.index.json"
 
@@ -75,7 +75,10 @@ def read_hf_config(hf_dir: str) -> tuple[Config, dict[str, str], dict]:
         dtype = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(stored, stored)
     if dtype not in hf.DTYPES:
         raise hf.ConvertError(f"config.json dtype={dtype!r} is not supported; use float32, bfloat16 or float16")
-    m = hf.model_config(config, hf.DTYPES[dtype])
+    if config.get("model_type") in hf_moe.FAMILIES:
+        m = hf_moe.model_config(config, hf.DTYPES[dtype])
+    else:
+        m = hf.model_config(config, hf.DTYPES[dtype])
     tokenizer = os.path.join(hf_dir, "tokenizer.json")
     data = DataConfig(tokenizer=os.path.abspath(tokenizer)) if os.path.isfile(tokenizer) else DataConfig()
     name = os.path.basename(os.path.normpath(hf_dir)) or "imported"
@@ -84,7 +87,7 @@ def read_hf_config(hf_dir: str) -> tuple[Config, dict[str, str], dict]:
 
 def read_hf(hf_dir: str) -> tuple[Config, dict]:
     """(the run config, our float32 parameter tree) of the HF Llama directory `hf_dir`."""
-    cfg, files, _ = read_hf_config(hf_dir)
+    cfg, files, raw = read_hf_config(hf_dir)
     with contextlib.ExitStack() as stack:
         handles: dict[str, Any] = {}
 
@@ -100,4 +103,10 @@ def read_hf(hf_dir: str) -> tuple[Config, dict]:
                 raise hf.ConvertError(f"{path}: cannot read tensor {name} ({e}); it may be truncated: "
                                       "download or save it again") from None
 
-        return cfg, hf.params_from_hf(get, set(files), cfg.model)
+        kind = raw.get("model_type")
+        if kind not in hf_moe.FAMILIES:
+            return cfg, hf.params_from_hf(get, set(files), cfg.model)
+        m = cfg.model
+        read = hf.checked_reader(get, set(files), hf_moe.expected_tensors(m, kind), m.tie_embeddings,
+                                 f"a {hf_moe.FAMILIES[kind].architecture}")
+        return cfg, hf_moe.params_from_hf(read, m, kind)

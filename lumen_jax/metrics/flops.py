@@ -30,17 +30,20 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     d, h, v = cfg.d_model, cfg.resolved_head_dim, cfg.vocab_size
     attn = d * cfg.num_heads * h * 2 + d * cfg.num_kv_heads * h * 2  # wq, wo; wk, wv
     mlp = 3 * d * cfg.ffn_dim  # w_gate, w_up, w_down
-    layer = attn + mlp + 2 * d  # + attn_norm, mlp_norm
+    # attn_norm, mlp_norm; q/k/v biases (Qwen2), per-head q/k norms (Qwen3)
+    small = 2 * d + (cfg.num_heads + 2 * cfg.num_kv_heads) * h * cfg.qkv_bias + 2 * h * cfg.qk_norm
+    layer = attn + mlp + small
     embedding = v * d
     lm_head = 0 if cfg.tie_embeddings else d * v
     moe = cfg.moe
     n_moe = cfg.num_layers // moe.every_n_layers if moe.enabled else 0
     expert = 3 * d * cfg.expert_ffn_dim
-    moe_active = (moe.top_k + moe.shared_experts) * expert + d * moe.num_experts  # + router
-    moe_all = (moe.num_experts + moe.shared_experts) * expert + d * moe.num_experts
+    router = d * moe.num_experts + d * moe.shared_gate  # + the shared experts' gate vector
+    moe_active = (moe.top_k + moe.shared_experts) * expert + router
+    moe_all = (moe.num_experts + moe.shared_experts) * expert + router
     layers_matmul = (cfg.num_layers - n_moe) * (attn + mlp) + n_moe * (attn + moe_active)
     return {
-        "total": (embedding + (cfg.num_layers - n_moe) * layer + n_moe * (attn + moe_all + 2 * d)
+        "total": (embedding + (cfg.num_layers - n_moe) * layer + n_moe * (attn + moe_all + small)
                   + d + lm_head),  # + final_norm
         "embedding": embedding,
         "layer_matmul": attn + mlp if not n_moe else layers_matmul / cfg.num_layers,

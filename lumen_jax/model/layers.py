@@ -83,6 +83,13 @@ class Attention(nnx.Module):
         # Output projection scaled down by depth (GPT-2 / Megatron residual init).
         self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"),
                          cfg.init_std / math.sqrt(2 * cfg.num_layers))
+        if cfg.qkv_bias:  # Qwen2: learned biases of the q, k, v projections (zero at init)
+            self.bq = nnx.Param(jnp.zeros((n, h), jnp.float32), out_sharding=("heads", "head_dim"))
+            self.bk = nnx.Param(jnp.zeros((k, h), jnp.float32), out_sharding=("kv_heads", "head_dim"))
+            self.bv = nnx.Param(jnp.zeros((k, h), jnp.float32), out_sharding=("kv_heads", "head_dim"))
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each query and key head's H dims, before the rotation
+            self.q_norm = RMSNorm(h, cfg.norm_eps)
+            self.k_norm = RMSNorm(h, cfg.norm_eps)
         self.projections = projection_state(ops, "attention", ("q", "k", "v", "o"))
 
     def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array | None,
@@ -97,6 +104,10 @@ class Attention(nnx.Module):
         q = proj("btd,dnh->btnh", x_btd, self.wq, "q")
         k = proj("btd,dkh->btkh", x_btd, self.wk, "k")
         v = proj("btd,dkh->btkh", x_btd, self.wv, "v")
+        if hasattr(self, "bq"):
+            q, k, v = (y + b[...].astype(y.dtype) for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(apply_rope(q, positions_bt, inv_freq), ("batch", "seq", "act_heads", None))
         k = constrain(apply_rope(k, positions_bt, inv_freq), ("batch", "seq", "act_kv_heads", None))
         return q, k, constrain(v, ("batch", "seq", "act_kv_heads", None))

@@ -2,8 +2,11 @@
 
 Single-device math in logical axes: the experts' weights are stacked on an `experts` axis
 ([E, D, F], [E, F, D]); how tokens reach them (sorting, grouped matmuls, all-to-all across devices)
-is `ops.moe`. Shared experts (DeepSeek) are one dense SwiGLU MLP of width shared_experts * F that
-every token goes through, equal to that many separate experts summed.
+is `ops.moe`, and so is the routing (`ops.moe.route`: scores, choice, weights, balancing). Shared
+experts (DeepSeek, Qwen2-MoE) are one dense SwiGLU MLP of width shared_experts * F that every token
+goes through, equal to that many separate experts summed; with `shared_gate` (Qwen2-MoE) its output
+is scaled per token by sigmoid(x . w_shared_gate). `balance: bias` keeps the router's bias and load
+as model state (`ops.moe.balance_state`), not parameters.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from lumen_jax.config import ModelConfig
@@ -32,10 +36,18 @@ class MoE(nnx.Module):
         self.w_down = _param(rngs, (e, f, d), ("experts", "mlp", "embed"), cfg.init_std / math.sqrt(2 * cfg.num_layers))
         if cfg.moe.shared_experts:
             self.shared = MLP(dataclasses.replace(cfg, ffn_dim=cfg.moe.shared_experts * f), ops, rngs=rngs)
+        if cfg.moe.shared_gate:
+            self.shared_gate = _param(rngs, (d,), ("embed",), cfg.init_std)
+        self.balance = moe_ops.balance_state(cfg.moe)
 
     def __call__(self, x_btd: jax.Array, ops: Ops) -> tuple[jax.Array, dict[str, jax.Array]]:
+        state = None if self.balance is None else {k: v[...] for k, v in self.balance.items()}
         y_btd, aux = moe_ops.moe(x_btd, self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...],
-                                 self.moe, ops)
+                                 self.moe, ops, state)
         if self.moe.shared_experts:
-            y_btd = y_btd + self.shared(x_btd, ops)
+            shared_btd = self.shared(x_btd, ops)
+            if self.moe.shared_gate:
+                gate_bt = jax.nn.sigmoid(jnp.einsum("btd,d->bt", x_btd.astype(jnp.float32), self.shared_gate[...]))
+                shared_btd = (gate_bt[..., None] * shared_btd.astype(jnp.float32)).astype(x_btd.dtype)
+            y_btd = y_btd + shared_btd
         return y_btd, aux

@@ -13,8 +13,10 @@ from lumen_jax.metrics import flops
 from lumen_jax.config import Config, ConfigError, RuntimeConfig
 from lumen_jax.config.checks import validate
 from lumen_jax.config.files import load_config
+from lumen_jax.plan import goodput as goodput_lib
+from lumen_jax.plan.goodput import Goodput
 from lumen_jax.plan.hardware import DEVICES, Hardware, layout_from_config
-from lumen_jax.plan.predict import Plan, predict, search
+from lumen_jax.plan.predict import MEMORY_FRACTION, Plan, predict, search
 
 EXIT_BAD_INPUT = 2
 USAGE = "count the bytes, FLOPs and collectives of a run before launch (docs/PLANNING.md)"
@@ -24,7 +26,14 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:10.2f} GB"
 
 
-def format_plan(plan: Plan, cfg: Config) -> str:
+def format_goodput(g: Goodput) -> str:
+    return (f"failures: one every {g.mtbf_s / 3600:.1f} h on {g.devices} devices (Llama 3's rate); checkpoint "
+            f"{g.checkpoint_bytes / 1e12:.2f} TB in {g.checkpoint_s:.1f} s, restart {g.restart_s:.0f} s; Young-Daly "
+            f"interval {g.interval_s / 60:.1f} min: checkpoint.every_steps={g.every_steps}; expected goodput "
+            f"{g.goodput:.1%}")
+
+
+def format_plan(plan: Plan, cfg: Config, g: Goodput | None = None) -> str:
     """The human-readable report of one plan."""
     b, a, lay = plan.bytes_per_device, plan.activations, plan.layout
     n_params = flops.param_counts(cfg.model)["total"]
@@ -73,6 +82,7 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         + ("" if plan.overlapped_comm_s <= plan.compute_s else
            f" (communication-bound: overlapped collectives take {plan.overlapped_comm_s / plan.compute_s:.1f}x"
            " the compute)"),
+        *([format_goodput(g)] if g is not None else []),
         "",
         plan.verdict(),
     ]
@@ -116,7 +126,7 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = _Parser(prog="python -m lumen_jax.plan", description=USAGE)
     p.add_argument("--config", help="YAML or gin file (configs/*.yaml)")
-    p.add_argument("--devices", type=int, required=True, help="devices the run will use")
+    p.add_argument("--devices", type=int, help="devices the run will use (required but with --calibration)")
     p.add_argument("--device", default="h100", choices=sorted(DEVICES), help="accelerator (default h100)")
     p.add_argument("--pipeline", type=int, default=1, help="plan this many pipeline stages around the config's mesh "
                    "(the trainer's stages are mesh.pipeline)")
@@ -125,13 +135,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--attention", choices=("xla", "flash"),
                    help="xla keeps the S x S scores in memory, flash does not (default: from model.attention, "
                         "where auto means flash on a GPU when the trainer has it)")
-    p.add_argument("--efficiency", type=float, default=0.7, help="fraction of peak FLOP/s the matmuls reach")
-    p.add_argument("--memory-fraction", type=float, default=0.9, help="fraction of device memory usable")
+    p.add_argument("--efficiency", type=float, help="one fraction of peak FLOP/s for every matmul (default: "
+                   "each GEMM's efficiency by its shape, fitted to published runs: --calibration)")
+    p.add_argument("--memory-fraction", type=float, default=MEMORY_FRACTION,
+                   help=f"fraction of device memory the allocator can use (default {MEMORY_FRACTION})")
     p.add_argument("--memory-gb", type=float, help="device memory in GB (default: the device's)")
     p.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device (default: datasheet)")
     p.add_argument("--nvlink-gbps", type=float, help="GB/s per device inside a node (default 900)")
     p.add_argument("--ib-gbps", type=float, help="GB/s per device across nodes (default 50)")
     p.add_argument("--devices-per-node", type=int, help="devices per node (default 8)")
+    p.add_argument("--storage-gbps", type=float, default=goodput_lib.STORAGE_GBPS,
+                   help=f"aggregate checkpoint write bandwidth in GB/s (default {goodput_lib.STORAGE_GBPS:g})")
+    p.add_argument("--restart-s", type=float, default=goodput_lib.RESTART_S,
+                   help=f"seconds from a failure to training again (default {goodput_lib.RESTART_S:g})")
+    p.add_argument("--calibration", action="store_true",
+                   help="print the published H100 runs of lumen_jax/plan/published.py next to the planner's "
+                        "predictions, and the statistics (no --config or --devices needed)")
     p.add_argument("--search", action="store_true", help="rank fitting meshes x remat x micro-batch sizes")
     p.add_argument("--top", type=int, default=5, help="candidates --search lists")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -172,6 +191,17 @@ def emulate_cpu_devices(n: int, what: str = "--against-xla") -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(argv)
+        if args.calibration:
+            from lumen_jax.plan import calibration
+
+            found = calibration.rows()
+            print(json.dumps(calibration.to_json(found), indent=2) if args.json else calibration.format_calibration(found))
+            return 0
+        if args.devices is None:
+            raise ConfigError("--devices is required: the devices the run will use (or --calibration)")
+        for name, value in (("--storage-gbps", args.storage_gbps), ("--restart-s", args.restart_s)):
+            if not value > 0:
+                raise ConfigError(f"{name}={value} must be > 0")
         if args.devices < 1:
             raise ConfigError(f"--devices {args.devices} must be >= 1: the devices the run will use")
         if args.against_xla:  # before anything starts JAX (the planner's probe traces the model)
@@ -183,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hw = hardware_from_args(args)
         for name, value, low, high in (("--efficiency", args.efficiency, 0, 1),
                                        ("--memory-fraction", args.memory_fraction, 0, 1)):
-            if not low < value <= high:
+            if value is not None and not low < value <= high:
                 raise ConfigError(f"{name}={value} must be in ({low}, {high}]")
         attention = args.attention
         if args.against_xla and attention is None and cfg.model.attention == "auto":
@@ -209,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             layout = layout_from_config(cfg, args.devices, args.pipeline, args.pipeline_microbatches or None)
             plan = predict(cfg, layout, hw, **kwargs)
+            g = goodput_lib.of_plan(plan, cfg.model, storage_gbps=args.storage_gbps, restart_s=args.restart_s)
             check = None
             if args.against_xla:
                 from lumen_jax.plan.compiled import against_xla  # the trainer: imported only for this
@@ -216,11 +247,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 check = against_xla(cfg, plan)
             if args.json:
                 out = plan.to_json()
+                out["goodput"] = {"mtbf_s": g.mtbf_s, "checkpoint_bytes": g.checkpoint_bytes,
+                                  "checkpoint_s": g.checkpoint_s, "restart_s": g.restart_s,
+                                  "interval_s": g.interval_s, "every_steps": g.every_steps, "goodput": g.goodput}
                 if check is not None:
                     out["against_xla"] = check.to_json()
                 text = json.dumps(out, indent=2)
             else:
-                text = format_plan(plan, cfg)
+                text = format_plan(plan, cfg, g)
                 if check is not None:
                     text += "\n\n" + format_against_xla(check, args.devices)
     except ConfigError as e:

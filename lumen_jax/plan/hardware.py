@@ -25,6 +25,7 @@ class Hardware:
     ib_bytes_per_s: float = 50e9  # across nodes (400 Gb/s NIC per GPU)
     devices_per_node: int = 8
     peak_flops: float | None = None  # None: the datasheet peak for the compute dtype
+    hbm_bytes_per_s: float = 3.35e12  # device memory bandwidth (H100 SXM)
 
     def peak(self, dtype: str) -> float:
         peak = self.peak_flops or metrics.device_peak_flops(self.kind, dtype)
@@ -35,8 +36,9 @@ class Hardware:
 
 DEVICES = {
     "h100": Hardware("NVIDIA H100 80GB HBM3", 80e9),
-    "h200": Hardware("NVIDIA H200", 141e9),
-    "a100": Hardware("NVIDIA A100-SXM4-80GB", 80e9, nvlink_bytes_per_s=600e9, ib_bytes_per_s=25e9),
+    "h200": Hardware("NVIDIA H200", 141e9, hbm_bytes_per_s=4.8e12),
+    "a100": Hardware("NVIDIA A100-SXM4-80GB", 80e9, nvlink_bytes_per_s=600e9, ib_bytes_per_s=25e9,
+                     hbm_bytes_per_s=2.0e12),
 }
 
 
@@ -74,6 +76,7 @@ class Layout:
     def describe(self) -> str:
         parts = [f"{a}={self.size(a)}" for a in AXES if self.size(a) > 1 or a in ("data", "fsdp")]
         comm = [v for v in (self.mesh.fsdp_grad_reduce, self.mesh.fsdp_regather) if v in ("once", "per_step")]
+        comm += ["bf16-reduce"] if self.mesh.reduce_dtype == "bfloat16" else []
         name, v = self.schedule
         stages = [f"{name}" + (f" V={v}" if v > 1 else "")] if self.pipeline > 1 else []
         return " ".join(parts + (["sp"] if self.mesh.sequence_parallel else []) + comm + stages)

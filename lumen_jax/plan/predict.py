@@ -11,8 +11,10 @@ from lumen_jax.config import ATTENTION_IMPLS, Config, MeshConfig, ModelConfig
 from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.plan.cost import (Collective, collectives, context_score_fraction,
                                  planned_flops_per_token)
+from lumen_jax.plan.efficiency import Compute, Efficiency, Overlap, compute_seconds
 from lumen_jax.plan.hardware import Hardware, Layout
-from lumen_jax.plan.memory import Activations, activation_bytes, communication_bytes, fp8_bytes, state_bytes
+from lumen_jax.plan.memory import (Activations, activation_bytes, communication_bytes, fp8_bytes, recomputes,
+                                   state_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,10 +34,12 @@ class Plan:
     hardware_flops_per_token: float  # + the remat recompute
     tokens_per_step: int
     collectives: tuple[Collective, ...]
+    exposed: tuple[float, ...]  # per collective, the seconds that do not hide under compute
     bubble: float
     compute_s: float
     step_time_s: float
     peak_flops: float
+    compute: Compute | None = None  # by part; None with one --efficiency for every matmul
 
     @property
     def bytes_per_device(self) -> dict[str, float]:
@@ -60,11 +64,17 @@ class Plan:
 
     @property
     def exposed_comm_s(self) -> float:
-        return sum(c.seconds for c in self.collectives if not c.overlapped)
+        return sum(self.exposed)
 
     @property
     def overlapped_comm_s(self) -> float:
-        return sum(c.seconds for c in self.collectives if c.overlapped)
+        return sum(c.seconds for c in self.collectives) - self.exposed_comm_s
+
+    def exposed_by_axis(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for c, e in zip(self.collectives, self.exposed):
+            out[c.axis] = out.get(c.axis, 0.0) + e
+        return out
 
     def verdict(self) -> str:
         b, gb = self.bytes_per_device, lambda x: f"{x / 1e9:.1f} GB"
@@ -98,8 +108,8 @@ class Plan:
             "fits": self.fits, "verdict": self.verdict(),
             "flops_per_token": self.flops_per_token, "hardware_flops_per_token": self.hardware_flops_per_token,
             "tokens_per_step": self.tokens_per_step, "flops_per_step": self.flops_per_step,
-            "communication": [{**dataclasses.asdict(c), "wire_bytes": c.wire_bytes, "seconds": c.seconds}
-                              for c in self.collectives],
+            "communication": [{**dataclasses.asdict(c), "wire_bytes": c.wire_bytes, "seconds": c.seconds,
+                               "exposed_s": e} for c, e in zip(self.collectives, self.exposed)],
             "pipeline_bubble": self.bubble, "compute_s": self.compute_s,
             "exposed_comm_s": self.exposed_comm_s, "overlapped_comm_s": self.overlapped_comm_s,
             "predicted_step_time_s": self.step_time_s, "predicted_tokens_per_s": self.tokens_per_s,
@@ -115,15 +125,57 @@ def planned_attention(model: ModelConfig) -> str:
     return "flash" if model.attention == "flash" else "xla"
 
 
+MEMORY_FRACTION = 0.94  # of device memory the allocator can hand out (docs/PLANNING.md, "Headroom")
+
+
+def _windows(compute: Compute, m: int) -> dict[str, float]:
+    """The compute each kind of collective can run under: weight gathers the whole step (prefetched
+    a layer ahead), gradient reductions the backward (the once-per-step sums the last micro-batch's
+    backward), the tensor and expert axes the matmuls, the ring the attention."""
+    backward = compute.total_s * compute.backward_share
+    return {"gather": compute.total_s, "reduce": backward, "step": backward / m, "tensor": compute.matmul_s,
+            "expert": compute.matmul_s, "context": compute.attention_s, "pipeline": compute.total_s}
+
+
+def _window_of(c: Collective) -> str:
+    axis = c.axis.split("+")[0]
+    if axis in ("tensor", "context") or (axis in ("expert", "pipeline") and not c.overlapped):
+        return axis
+    if c.kind == "all-gather":
+        return "gather"
+    return "step" if c.calls == 1 else "reduce"  # a reduction once per step runs behind one backward
+
+
+def exposed_seconds(comms: tuple[Collective, ...], compute: Compute, m: int, overlap: Overlap) -> tuple[float, ...]:
+    """Per collective, the seconds the step waits for it: the collectives of one axis that share a
+    window of compute (`_windows`) hide `overlap.of(axis)` of min(their transfer, the window); the
+    rest shows. A collective the program cannot overlap (`Collective.overlapped` false: the
+    all-gather attention's K/V) is all exposed; the tensor, pipeline and expert axes' collectives
+    hide as far as `overlap` says (0 for our program's tensor axis)."""
+    windows = _windows(compute, m)
+    keys = [(_window_of(c), c.axis.split("+")[0]) for c in comms]
+    groups: dict[tuple[str, str], float] = {}
+    for c, key in zip(comms, keys):
+        groups[key] = groups.get(key, 0.0) + c.seconds
+    out = []
+    for c, key in zip(comms, keys):
+        share = overlap.of(key[1]) if c.overlapped or key[1] in ("tensor", "pipeline", "expert") else 0.0
+        total = groups[key]
+        hidden = share * min(total, windows[key[0]])
+        out.append(c.seconds * (1 - hidden / total) if total else 0.0)
+    return tuple(out)
+
+
 def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = None,
-            attention: str | None = None, efficiency: float = 0.7, memory_fraction: float = 0.9,
-            moe_backend: str = "gpu") -> Plan:
+            attention: str | None = None, efficiency: float | None = None, memory_fraction: float = MEMORY_FRACTION,
+            terms: Efficiency = Efficiency(), overlap: Overlap = Overlap(), moe_backend: str = "gpu") -> Plan:
     """Bytes, FLOPs, collectives and a step time for `cfg` on `layout`. `moe_backend`: the MoE
     dispatch's exchange and grouped matmuls as on GPU or as XLA:CPU compiles them (`plan.moe`).
 
-    Step time = max(compute, overlapped communication) + exposed communication, stretched by the
-    pipeline bubble; compute = hardware FLOPs per device / (peak x `efficiency`), where `efficiency`
-    is the fraction of the datasheet peak the matmuls reach.
+    Step time = compute + the communication that does not hide under it (`exposed_seconds`, per
+    axis: `overlap`), stretched by the pipeline bubble. Compute is each GEMM's time by its shape,
+    the attention core's and the memory-bound work's (`efficiency.compute_seconds` with `terms`);
+    with `efficiency` (a fraction of the datasheet peak) every FLOP runs at that one rate instead.
     """
     model, seq = cfg.model, cfg.data.seq_len
     remat = model.remat if remat is None else remat
@@ -137,9 +189,15 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
                 if layout.mesh.context > 1 else 0.5)
     hw_per_token = planned_flops_per_token(model, layout, seq, remat, score_fraction=fraction)
     comms = tuple(collectives(model, layout, hw, seq, micro_batch, remat, moe_backend))
-    compute_s = hw_per_token * tokens / layout.num_devices / (peak * efficiency)
-    busy = (max(compute_s, sum(c.seconds for c in comms if c.overlapped))
-            + sum(c.seconds for c in comms if not c.overlapped))
+    if efficiency is None:
+        redo = recomputes(remat, layout.mesh.context, layout.mesh.context_parallel)
+        parts = compute_seconds(model, layout, seq, micro_batch, redo, attention, hw, terms, score_fraction=fraction)
+    else:  # one rate for every FLOP; the backward is 2/3 of them
+        total = hw_per_token * tokens / layout.num_devices / (peak * efficiency)
+        parts = Compute(matmul_s=total, attention_s=0.0, elementwise_s=0.0, backward_share=2 / 3)
+    compute_s = parts.total_s
+    exposed = exposed_seconds(comms, parts, layout.micro_batches, overlap)
+    busy = compute_s + sum(exposed)
     bubble = _bubble(layout)
     return Plan(layout=layout, remat=remat, micro_batch=micro_batch, attention=attention,
                 state={**state_bytes(model, layout), **communication_bytes(model, layout)},
@@ -147,11 +205,13 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
                 activations=activation_bytes(model, layout, seq, micro_batch, remat, attention, moe_backend),
                 device_memory_bytes=hw.memory_bytes, usable_memory_bytes=hw.memory_bytes * memory_fraction,
                 flops_per_token=flops.flops_per_token(model, seq), hardware_flops_per_token=hw_per_token,
-                tokens_per_step=tokens, collectives=comms, bubble=bubble, compute_s=compute_s,
-                step_time_s=busy / (1 - bubble), peak_flops=peak)
+                tokens_per_step=tokens, collectives=comms, exposed=exposed, bubble=bubble, compute_s=compute_s,
+                step_time_s=busy / (1 - bubble), peak_flops=peak, compute=parts if efficiency is None else None)
 
 
 SEARCH_REMATS = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "full")
+SEARCH_DEPTHS = (1, 2, 4, 8, 16)  # pipeline stages --search tries when the config and --pipeline set none
+REDUCE_DTYPES = ("float32", "bfloat16")  # mesh.reduce_dtype, tried wherever gradients cross devices
 
 
 COMM_OPTIONS = {"fsdp_grad_reduce": ("every_micro_batch", "once"), "fsdp_regather": ("per_micro_batch", "per_step")}
@@ -191,12 +251,37 @@ def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, to
     sizes that divide the sequence; every fsdp x data split of the rest; sequence parallelism on
     and off; the remat policies in `SEARCH_REMATS`; and per-device micro-batches of 1, 2, 4, ...
     sequences; over fsdp, (ZeRO-3) `mesh.fsdp_regather` both ways and, with several micro-batches,
-    `mesh.fsdp_grad_reduce` both ways; with pipeline stages (`pipeline`, else `mesh.pipeline`) every
-    schedule that can run them (`_schedules`: its bubble and stash from its table). The ZeRO stage,
-    the pipeline depth and `mesh.expert` stay as given.
+    `mesh.fsdp_grad_reduce` both ways; the pipeline depths of `SEARCH_DEPTHS` that divide the devices and the layers (or the
+    one given: `pipeline`, else `mesh.pipeline`), each with every schedule that can run it
+    (`_schedules`: its bubble and stash from its table); then, for the `top` leaders, `mesh.reduce_dtype`
+    the other way (`REDUCE_DTYPES`: it changes only the gradient bytes). The ZeRO stage and `mesh.expert`
+    stay as given.
     """
-    m, seq, batch = cfg.model, cfg.data.seq_len, cfg.data.global_batch_size
+    m = cfg.model
     pipeline = pipeline if pipeline > 1 else cfg.mesh.pipeline
+    depths = [pipeline] if pipeline > 1 else [p for p in SEARCH_DEPTHS if num_devices % p == 0
+                                              and m.num_layers % p == 0]
+    found = []
+    for depth in depths:
+        found += _search_depth(cfg, num_devices, hw, depth, on_plan, **predict_kwargs)
+    rank = lambda p: (-round(p.mfu, 4), p.bytes_per_device["total"])  # noqa: E731
+    found.sort(key=rank)
+    # mesh.reduce_dtype changes only the gradient bytes: tried on the leaders, each kept as its own candidate
+    for plan in list(found[:top]):
+        for dtype in REDUCE_DTYPES:
+            mesh = plan.layout.mesh
+            if dtype != mesh.reduce_dtype and mesh.data * mesh.fsdp * mesh.pipeline > 1:
+                layout = dataclasses.replace(plan.layout, mesh=dataclasses.replace(mesh, reduce_dtype=dtype))
+                other = predict(cfg, layout, hw, remat=plan.remat, **predict_kwargs)
+                if other.fits:
+                    found.append(other)
+    found.sort(key=rank)
+    return found[:top]
+
+
+def _search_depth(cfg: Config, num_devices: int, hw: Hardware, pipeline: int,
+                  on_plan: Callable[[int], Any] | None, **predict_kwargs: Any) -> list[Plan]:
+    m, seq, batch = cfg.model, cfg.data.seq_len, cfg.data.global_batch_size
     ep = max(cfg.mesh.expert, 1)  # the expert axis splits the batch like data: in `rest`'s batch split
     per_stage = num_devices // pipeline // ep
     found = []
@@ -232,5 +317,4 @@ def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, to
                                         on_plan(1)
                                     if plan.fits:
                                         found.append(plan)
-    found.sort(key=lambda p: (-round(p.mfu, 4), p.bytes_per_device["total"]))
-    return found[:top]
+    return found

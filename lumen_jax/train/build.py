@@ -67,6 +67,13 @@ class Trainer:
                 for k in BATCH_KEYS}
 
 
+def _layer_stacks(names: dict) -> tuple[str, ...]:
+    """The top-level parameters stacked along `layers` (the dense and the MoE blocks): what pipeline stages cut."""
+    is_names = lambda x: isinstance(x, tuple)  # noqa: E731
+    return tuple(k for k, sub in names.items()
+                 if all(n[:1] == ("layers",) for n in jax.tree.leaves(sub, is_leaf=is_names)))
+
+
 def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
     """The run of `cfg` on `mesh`. `ops`: how the model's ops run; None chooses them from the mesh's
     devices (`ops.choice.choose`); `python -m lumen_jax.lower` passes the choice for a target GPU."""
@@ -79,7 +86,8 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
     tx = make_optimizer(cfg.optim, cfg.train.steps, names)
     fp16 = cfg.model.compute_dtype == "float16"
     pipe = (Pipeline.create(mesh, cfg.model.d_model, cfg.model.compute_dtype, cfg.mesh.pipeline_schedule,
-                            cfg.train.micro_batches, cfg.mesh.pipeline_virtual_stages)
+                            cfg.train.micro_batches, cfg.mesh.pipeline_virtual_stages,
+                            stacks=_layer_stacks(names))
             if mesh.shape["pipeline"] > 1 else None)
     sc = step_lib.StepConfig(graphdef=model.graphdef, tx=tx, lr_schedule=schedule(cfg.optim, cfg.train.steps),
                              micro_batches=cfg.train.micro_batches, z_loss=cfg.optim.z_loss,

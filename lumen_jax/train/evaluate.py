@@ -162,15 +162,17 @@ def evaluate(run_dir: str, step: int | None, which: str, batches: int | None,
         sizes = [getattr(cfg.mesh, a) for a in cfg.mesh.AXES]
         n = jax.device_count() if -1 in sizes else int(np.prod(sizes))
         trainer = build(cfg, make_mesh(validate(cfg, n), jax.devices()[:n]))
-        return cfg, trainer, weights.load_params(run_dir, s, trainer.abstract_state().params)
+        abstract = trainer.abstract_state()
+        return (cfg, trainer, weights.load_params(run_dir, s, abstract.params),
+                weights.load_model_state(run_dir, s, abstract.model_state))
 
-    step, (cfg, trainer, params) = weights.newest_usable(run_dir, step, load)
+    step, (cfg, trainer, params, model_state) = weights.newest_usable(run_dir, step, load)
     batches = cfg.train.eval_batches if batches is None else batches
     data = eval_data(cfg.data, cfg.train.seed, which)
     first = next(data)
     evaluator = Evaluator(trainer)
-    evaluator.check_memory(params, trainer.step_cfg.fresh_state, first,
+    evaluator.check_memory(params, model_state, first,
                            "lower data.seq_len or data.global_batch_size, or spread it over more devices "
                            "(mesh.fsdp, mesh.context; on CPU runtime.cpu_devices=N)")
-    result = evaluator(params, trainer.step_cfg.fresh_state, itertools.chain([first], data), batches, progress=True)
+    result = evaluator(params, model_state, itertools.chain([first], data), batches, progress=True)
     return {"step": step, **result}

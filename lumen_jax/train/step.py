@@ -23,11 +23,10 @@ import optax
 from flax import nnx, struct
 
 from lumen_jax.model import apply_with_aux
-from lumen_jax.model.loss import token_objective
+from lumen_jax.model.loss import token_objective, token_objective_vocab_sharded
 from lumen_jax.model.transformer import merge
 from lumen_jax.ops import state as state_lib
 from lumen_jax.parallel.pipeline import executor as pipeline_step
-from lumen_jax.parallel.rules import constrain
 
 Batch = dict[str, jax.Array]
 
@@ -92,18 +91,20 @@ def _micro_loss(params: dict, model_state: dict, mb: Batch, total_tokens: jax.Ar
 
 def stage_fns(sc: StepConfig) -> pipeline_step.StageFns:
     """The model's parts the pipelined step runs, each on the parameters of one stage's chunk."""
-    def layers(params: dict, x_btd: jax.Array, mb: Batch) -> jax.Array:
-        return merge(sc.graphdef, params).run_layers(x_btd, mb["positions"], mb["segment_ids"])[0]
+    def layers(params: dict, state: dict, x_btd: jax.Array, mb: Batch) -> tuple[jax.Array, jax.Array, dict]:
+        y_btd, aux = merge(sc.graphdef, params, state).run_layers(x_btd, mb["positions"], mb["segment_ids"])
+        return y_btd, aux.get("loss", jnp.zeros((), jnp.float32)), aux.get("metrics", {})
 
     def head(params: dict, y_btd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array):
-        # The whole vocabulary on each device for the loss: XLA's SPMD partitioner (jaxlib 0.10.2) fails a
-        # check ("partition_group_list.num_replica_groups() * ...") on the cross-entropy of vocab-sharded
-        # logits inside the pipelined step (manual over `pipeline`) when the batch is sharded too (data or fsdp with tensor).
-        logits_btv = constrain(merge(sc.graphdef, params).logits(y_btd), ("batch", "seq", None))
-        return token_objective(logits_btv, targets_bt, mask_bt, sc.z_loss)
+        logits_btv = merge(sc.graphdef, params, sc.fresh_state).logits(y_btd)  # sharded over `vocab` (tensor)
+        return token_objective_vocab_sharded(logits_btv, targets_bt, mask_bt, sc.z_loss)
 
-    return pipeline_step.StageFns(embed=lambda params, tokens: merge(sc.graphdef, params).embed_tokens(tokens),
-                                  layers=layers, head=head)
+    # The embedding and the head keep no model state (the config refuses ops that would): the
+    # fresh state only completes the graph.
+    return pipeline_step.StageFns(embed=lambda params, tokens: merge(sc.graphdef, params, sc.fresh_state).embed_tokens(tokens),
+                                  layers=layers, head=head,
+                                  combine_state=lambda a, b: state_lib.combine(sc.state_combine, a, b),
+                                  fold_state=lambda state_r: jax.tree.map(_fold, sc.state_combine, state_r))
 
 
 def _identity(tree: Any) -> Any:
@@ -177,11 +178,11 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
     so each device's slice of the batch stays on that device. The model state's next values
     combine by each variable's rule (`sc.state_combine`), across micro-batches and replicas.
     """
-    if sc.pipeline is not None:  # the model state's next value is the current one (config refuses stateful ops here)
-        loss, grads = pipeline_step.loss_and_grads(sc.pipeline, stage_fns(sc), params, batch, scale,
-                                                   lambda w: compute_weights(w, sc), placement.replicas,
-                                                   placement.replica_axes)
-        return loss, placement.grads(grads), model_state, {}
+    if sc.pipeline is not None:
+        loss, grads, state_new, aux = pipeline_step.loss_and_grads(
+            sc.pipeline, stage_fns(sc), params, batch, scale, lambda w: compute_weights(w, sc),
+            placement.replicas, placement.replica_axes, model_state)
+        return loss, placement.grads(grads), state_new, aux
     total_tokens = pipeline_step.total_tokens(batch)
     weights = placement.weights(compute_weights(params, sc))
     grad_fn = jax.grad(_micro_loss, argnums=(0, 1), has_aux=True)
@@ -250,9 +251,14 @@ def train_step(state: TrainState, batch: Batch, sc: StepConfig,
                            opt_state=keep(opt_state, state.opt_state),
                            loss_scale=loss_scale, good_steps=good_steps,
                            model_state=keep(model_state, state.model_state))
+    # The token count after the loss: nothing else waits for its all-reduce, and an emulated CPU device
+    # that ran it beside the step's loops while another ran their collectives would wait forever
+    # (docs/PLATFORM.md, rendezvous).
+    mask, _ = jax.lax.optimization_barrier((batch["loss_mask"], loss))
+    tokens = mask.astype(jnp.float32).sum()
     metrics = {"loss": loss, "grad_norm": grad_norm, "update_norm": update_norm, "lr": sc.lr_schedule(state.step),
                "loss_scale": state.loss_scale, "skipped": (~finite).astype(jnp.int32),
-               "tokens": batch["loss_mask"].astype(jnp.float32).sum(), **aux_metrics}
+               "tokens": tokens, **aux_metrics}
     if sc.pipeline is not None:  # the fill and drain's share of the work (parallel/pipeline/schedule.py)
         metrics["pipeline_bubble"] = jnp.asarray(sc.pipeline.bubble(), jnp.float32)
     return new_state, metrics

@@ -23,7 +23,7 @@ from lumen_jax.config.files import load_config
 CONFIGS = os.path.join(ROOT, "configs")
 
 # Device counts each shipped file is sized for (see the comment at the top of each file).
-DEVICES = {"base": 8, "tiny": 8, "llama3_1b": 64, "llama3_8b": 64, "llama3_70b": 512, "llama3_405b": 1024,
+DEVICES = {"base": 8, "tiny": 8, "llama3_1b": 64, "llama3_8b": 64, "llama3_70b": 512, "llama3_405b": 16384,
            "tiny_moe": 8, "mixtral_8x7b": 64, "qwen3_30b_a3b": 64}
 
 

@@ -1,5 +1,6 @@
-"""A small random Hugging Face Llama (transformers, CPU torch) and a run directory's logits, for the
-converter and generation tests. torch is imported only inside these functions."""
+"""Small random Hugging Face models (transformers, CPU torch: Llama, and Mixtral, Qwen2-MoE, Qwen3-MoE)
+and a run directory's logits, for the converter and generation tests. torch is imported only inside
+these functions."""
 
 import os
 
@@ -30,6 +31,39 @@ def make_hf(path: str, tied: bool, max_shard_size: str | None = None) -> str:
     return path
 
 
+# Tiny mixtures of experts: 8 experts, top-2; Qwen2-MoE of 3 layers with two dense ones first
+# (decoder_sparse_step 3), a shared expert twice an expert's width and unrenormalised top-k; Qwen3-MoE
+# renormalised.
+MOE_KW = {k: v for k, v in HF_KW.items() if k != "rope_parameters"}
+MOE_KW.update(num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+MOE_MODELS = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=8, intermediate_size=24)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=8, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                       num_hidden_layers=3, decoder_sparse_step=3, norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=8, moe_intermediate_size=16,
+                                                                 norm_topk_prob=True)),
+}
+
+
+def make_hf_moe(path: str, kind: str, max_shard_size: str | None = None) -> str:
+    """A random `kind` (MOE_MODELS) written with save_pretrained: norms, biases and the router
+    randomised too (a router of zeros or near-uniform scores would hide a wrong routing)."""
+    import torch
+    import transformers
+
+    config_cls, model_cls, extra = MOE_MODELS[kind]
+    torch.manual_seed(3)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**MOE_KW, **extra})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = 0.3 if "norm" in name else 1.0 if name.endswith("gate.weight") else 0.05
+            p.add_(torch.randn_like(p) * scale)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kw)
+    return path
+
+
 def imported(root: str, tied: bool, name: str) -> tuple[str, str]:
     """(HF dir, run dir): a small random Llama written with transformers under `root`, converted with from-hf."""
     from lumen_jax.convert.__main__ import main as convert
@@ -41,30 +75,38 @@ def imported(root: str, tied: bool, name: str) -> tuple[str, str]:
 
 def hf_logits(hf_dir: str, tokens: np.ndarray) -> np.ndarray:
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
 
 
-def our_logits(run_dir: str, tokens: np.ndarray) -> np.ndarray:
+def our_params(run_dir: str) -> tuple:
+    """(model config, parameters on one device) of the run's latest checkpoint."""
     step = weights.resolve_step(run_dir, None)
     cfg = weights.read_config(run_dir, step)
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     a = abstract_model(cfg.model)
-    params = weights.load_params(run_dir, step, jax.tree.map(
+    return cfg.model, weights.load_params(run_dir, step, jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), a.params))
+
+
+def logits_of(model_cfg, params: dict, tokens: np.ndarray) -> np.ndarray:
     positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
-    return np.asarray(apply(a.graphdef, params, tokens, positions))
+    return np.asarray(apply(abstract_model(model_cfg).graphdef, params, tokens, positions))
+
+
+def our_logits(run_dir: str, tokens: np.ndarray) -> np.ndarray:
+    return logits_of(*our_params(run_dir), tokens)
 
 
 def hf_greedy(hf_dir: str, prompt: list[int], new_tokens: int) -> list[int]:
     """transformers' `generate(do_sample=False)`: the new token ids (EOS does not stop it)."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new_tokens,

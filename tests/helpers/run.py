@@ -40,7 +40,8 @@ def batches(cfg: Config) -> list[dict]:
 
 
 def run(cfg: Config, devices=None) -> dict:
-    """Loss and grad norm per step, and the full gradients before the first and after the last step.
+    """Loss, grad norm and metrics per step, the full gradients before the first and after the last
+    step, and the model state after it.
 
     Parameters themselves are not compared: Adam divides by sqrt(v), so an element whose gradient
     is ~0 turns reduction-order noise into an lr-sized difference. The gradients after 3 steps
@@ -52,14 +53,16 @@ def run(cfg: Config, devices=None) -> dict:
     state = trainer.init()
     data = [trainer.shard_batch(b) for b in batches(cfg)]
     _, grads0 = trainer.grads(state.params, data[0])
-    losses, norms = [], []
+    losses, norms, metrics = [], [], []
     for b in data:
         state, m = trainer.step(state, b)
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
+        metrics.append(jax.device_get(m))
     _, grads_end = trainer.grads(state.params, data[-1])
-    return {"losses": np.array(losses), "grad_norms": np.array(norms),
-            "grads": jax.device_get(grads0), "grads_end": jax.device_get(grads_end)}
+    return {"losses": np.array(losses), "grad_norms": np.array(norms), "metrics": metrics,
+            "grads": jax.device_get(grads0), "grads_end": jax.device_get(grads_end),
+            "model_state": jax.device_get(state.model_state)}
 
 
 def assert_same_run(got: dict, ref: dict, name: str) -> None:

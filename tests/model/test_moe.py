@@ -238,6 +238,14 @@ BAD_MOE = {
     "every_n_layers": ({"every_n_layers": 3}, {}, "model.moe.every_n_layers=3 does not divide model.num_layers=2"),
     "expert axis without experts": ({"num_experts": 0}, {"expert": 2, "fsdp": 4},
                                     "mesh.expert=2 needs a mixture of experts"),
+    "groups % num_experts": ({"groups": 3}, {}, "model.moe.groups=3 does not divide model.moe.num_experts=8"),
+    "top_groups > groups": ({"groups": 2, "top_groups": 3}, {}, "model.moe.top_groups=3 exceeds model.moe.groups=2"),
+    "top_k above the kept groups": ({"groups": 4, "top_groups": 1, "top_k": 3}, {},
+                                    "model.moe.top_k=3 exceeds the 2 experts of model.moe.top_groups=1 groups of 2"),
+    "shared_gate without shared": ({"shared_experts": 0, "shared_gate": True}, {},
+                                   "model.moe.shared_gate=true gates the shared experts but model.moe.shared_experts=0"),
+    "unknown balance": ({"balance": "none"}, {}, "model.moe.balance='none' is not one of the allowed values"),
+    "routed_scaling <= 0": ({"routed_scaling": 0.0}, {}, "model.moe.routed_scaling=0.0"),
 }
 
 

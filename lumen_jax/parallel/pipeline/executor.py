@@ -43,18 +43,22 @@ from jax.sharding import Mesh, PartitionSpec as P
 from lumen_jax.parallel.pipeline import schedule as tables
 
 AXIS = "pipeline"
-BLOCKS = "blocks"  # the parameters stacked along `layers`, cut into stages
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 
 @dataclasses.dataclass(frozen=True)
 class StageFns:
-    """The model's parts, each a function of the full parameter tree (blocks: one chunk's slice)."""
+    """The model's parts, each a function of the full parameter tree (stacks: one chunk's slice)."""
 
     embed: Callable[[dict, jax.Array], jax.Array]  # (params, tokens [B, T]) -> [B, T, D]
-    layers: Callable[[dict, jax.Array, dict], jax.Array]  # (params, x [B, T, D], micro-batch) -> [B, T, D]
+    # layers: (params, model state, x [B, T, D], micro-batch) -> (y [B, T, D], the chunk's auxiliary
+    # loss (a scalar added to the objective; 0 without one), its metrics {name: scalar})
+    layers: Callable[[dict, dict, jax.Array, dict], tuple[jax.Array, jax.Array, dict]]
     head: Callable[[dict, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
     # head: (params, y [B, T', D], targets [B, T'], mask [B, T']) -> (summed objective, summed cross-entropy)
+    # The model state's next values: two micro-batches' merged (earlier, later), and [R, ...] -> one.
+    combine_state: Callable[[dict, dict], dict] = lambda earlier, later: later
+    fold_state: Callable[[dict], dict] = lambda state_r: jax.tree.map(lambda a: a[-1], state_r)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +69,13 @@ class Pipeline:
     program: tables.Lockstep
     d_model: int
     compute_dtype: str
+    stacks: tuple[str, ...] = ("blocks",)  # the top-level parameters stacked along `layers` (cut into stages)
 
     @classmethod
     def create(cls, mesh: Mesh, d_model: int, compute_dtype: str, schedule: str, micro_batches: int,
-               virtual: int = 1) -> "Pipeline":
+               virtual: int = 1, stacks: tuple[str, ...] = ("blocks",)) -> "Pipeline":
         return cls(mesh=mesh, program=tables.lockstep(schedule, mesh.shape[AXIS], micro_batches, virtual),
-                   d_model=d_model, compute_dtype=compute_dtype)
+                   d_model=d_model, compute_dtype=compute_dtype, stacks=stacks)
 
     def bubble(self) -> float:
         """The share of the executed work that is the fill and the drain (the `pipeline_bubble` metric)."""
@@ -125,14 +130,21 @@ def _strided(x: jax.Array, p: int, s: jax.Array) -> jax.Array:
 
 def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, scale: jax.Array,
                    cast: Callable[[dict], dict] = lambda w: w, replicas: int = 1,
-                   replica_axes: tuple[str, ...] = ()) -> tuple[jax.Array, dict]:
-    """(mean token cross-entropy of `batch`, float32 gradients of the scaled objective), pipelined.
+                   replica_axes: tuple[str, ...] = (),
+                   model_state: dict | None = None) -> tuple[jax.Array, dict, dict, dict]:
+    """(mean token cross-entropy of `batch`, float32 gradients of the scaled objective, the model
+    state's next value, the model's aux metrics averaged over layers and micro-batches), pipelined.
 
     `cast`: the parameters -> the weights the model computes with (`step.compute_weights`), applied
     to a stage's float32 slice where it is used, so the gradients stay float32.
     `replicas`, `replica_axes`: the replica groups of the communication plan (`step.Placement`).
     With R > 1 the ticks run under `jax.vmap` over R (`spmd_axis_name=replica_axes`): each group
     keeps its own stash and gradient sums and the R sums are added once, after the last tick.
+    `model_state`: non-parameter model state (ops/state.py), stacked along `layers` like the blocks
+    it belongs to and cut into the same stages; each micro-batch's next value is the backward's
+    "gradient" of it, merged by `fns.combine_state` (micro-batches) and `fns.fold_state` (replicas).
+    The model's auxiliary loss (a chunk's sum over its layers) enters the objective divided by
+    the micro-batches times the replica groups, as in the unpipelined step.
     """
     prog = pipe.program
     p, v_count, m, r = prog.stages, prog.virtual, prog.micro_batches, replicas
@@ -142,55 +154,68 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
     dt = jnp.dtype(pipe.compute_dtype)
     b, t = batch["inputs"].shape[0] // (m * r), batch["inputs"].shape[1]
     act_shape = (b, t, pipe.d_model)
-    others = {k: val for k, val in params.items() if k != BLOCKS}
+    model_state = model_state or {}
+    stacks = {k: params[k] for k in pipe.stacks}
+    others = {k: val for k, val in params.items() if k not in pipe.stacks}
+    if set(model_state) - set(pipe.stacks):  # the config refuses such ops (config/checks.py)
+        raise ValueError(f"model state outside the layer stacks {sorted(set(model_state) - set(pipe.stacks))} "
+                         "does not run in pipeline stages")
     fwd, bwd = np.asarray(prog.fwd, np.int32), np.asarray(prog.bwd, np.int32)  # [ticks, P, 4]
     head_rows = np.asarray(prog.head, np.int32)  # [ticks, 2]
+    aux_share = 1.0 / (m * r)  # the auxiliary loss of one micro-batch of one replica group
 
-    def stage(chunk: dict, other: dict, x_recv: jax.Array, mb: dict, v: jax.Array) -> jax.Array:
-        """Virtual stage v's forward of one micro-batch: [B, T, D] in the compute dtype."""
-        w = cast({**other, BLOCKS: chunk})
+    def stage(chunk: dict, other: dict, state: dict, x_recv: jax.Array, mb: dict, v: jax.Array):
+        """Virtual stage v's forward of one micro-batch: ((y [B, T, D] in the compute dtype, aux loss), metrics)."""
+        w = cast({**other, **chunk})
         x = jnp.where(v == 0, fns.embed(w, mb["inputs"]).astype(dt), x_recv)
-        return fns.layers(w, x, mb).astype(dt)
+        y, aux_loss, metrics = fns.layers(w, state, x, mb)
+        return (y.astype(dt), jnp.asarray(aux_loss, jnp.float32)), metrics
 
-    def residuals(chunk: dict, other: dict, x_recv: jax.Array, mb: dict, v: jax.Array):
-        y, vjp = jax.vjp(lambda c, o, x: stage(c, o, x, mb, v), chunk, other, x_recv)
-        return y, vjp
+    def residuals(chunk: dict, other: dict, state: dict, x_recv: jax.Array, mb: dict, v: jax.Array):
+        (y, _), vjp, metrics = jax.vjp(lambda c, o, st, x: stage(c, o, st, x, mb, v), chunk, other, state, x_recv,
+                                       has_aux=True)
+        return y, vjp, metrics
 
-    def local(blocks: dict, other: dict, mbs: dict, tokens: jax.Array, scale: jax.Array):
+    def local(stacked: dict, other: dict, state: dict, mbs: dict, tokens: jax.Array, scale: jax.Array):
         s = jax.lax.axis_index(AXIS)
-        blocks = jax.tree.map(lambda a: a.reshape(v_count, -1, *a.shape[1:]), blocks)  # [V, Lc, ...]
+        by_chunk = lambda tree: jax.tree.map(lambda a: a.reshape(v_count, -1, *a.shape[1:]), tree)  # noqa: E731
+        stacked, state = by_chunk(stacked), by_chunk(state)  # [V, Lc, ...]
         one_mb = jax.tree.map(lambda a: a[0, 0] if r > 1 else a[0], mbs)
         zeros_act = jnp.zeros(act_shape, dt)
         zero_mb = jax.tree.map(jnp.zeros_like, one_mb)
-        chunk0 = jax.tree.map(lambda a: a[0], blocks)
+        at = lambda tree, c: jax.tree.map(lambda a: a[c], tree)  # noqa: E731
+        chunk0, state0 = at(stacked, 0), at(state, 0)
         # Which residuals depend on the micro-batch (stashed) and which on the weights alone (taken
         # again in the backward: XLA drops the rest of that second trace, whose outputs go unused).
-        leaves_fn = lambda c, o, x, mb, v: jax.tree.leaves(residuals(c, o, x, mb, v)[1])  # noqa: E731
-        stashed, shapes = _varying(leaves_fn, (chunk0, other), (zeros_act, zero_mb, jnp.int32(0)))
+        leaves_fn = lambda c, o, st, x, mb, v: jax.tree.leaves(residuals(c, o, st, x, mb, v)[1])  # noqa: E731
+        stashed, shapes = _varying(leaves_fn, (chunk0, other, state0), (zeros_act, zero_mb, jnp.int32(0)))
         stash0 = [jnp.zeros((prog.slots + 1, *a.shape), a.dtype) for a, keep in zip(shapes, stashed) if keep]
+        metrics0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32),
+                                jax.eval_shape(lambda: residuals(chunk0, other, state0, zeros_act, zero_mb,
+                                                                 jnp.int32(0))[2]))
 
         def head_loss(other: dict, y_last: jax.Array, mb: dict) -> tuple[jax.Array, jax.Array]:
             """The loss of the last virtual stage's output (zeros elsewhere), each stage taking every
             P-th token: (scaled objective, cross-entropy) of this stage's tokens."""
             y_all = jax.lax.psum(y_last, AXIS)
-            w = cast({**other, BLOCKS: jax.lax.stop_gradient(chunk0)})
+            w = cast({**other, **jax.lax.stop_gradient(chunk0)})
             obj, ce = fns.head(w, _strided(y_all, p, s), _strided(mb["targets"], p, s),
                                _strided(mb["loss_mask"], p, s))
             return obj * scale / tokens, ce
 
         def tick(seg: tables.Segment, carry, rows, mbs):
-            stash, g_stash, x_recv, g_recv, acc, ce_acc = carry
+            stash, g_stash, x_recv, g_recv, acc, ce_acc, state_acc, metrics_acc = carry
             f_row, b_row, h_row = rows
-            a_blocks, a_other = acc
+            a_stacked, a_other = acc
             y = dx = None
             if seg.forward:
                 f_valid, f_mb, f_chunk, f_slot = (f_row[s, c] for c in range(4))
                 v = f_chunk * p + s
                 mb = jax.tree.map(lambda a: a[f_mb], mbs)
-                chunk = jax.tree.map(lambda a: a[f_chunk], blocks)
-                y, vjp = residuals(chunk, other, x_recv, mb, v)
+                y, vjp, metrics = residuals(at(stacked, f_chunk), other, at(state, f_chunk), x_recv, mb, v)
                 kept = iter([leaf for leaf, keep in zip(jax.tree.leaves(vjp), stashed) if keep])
                 stash = [buf.at[f_slot].set(next(kept)) for buf in stash]
+                metrics_acc = jax.tree.map(lambda a, x: a + f_valid.astype(jnp.float32) * x, metrics_acc, metrics)
             if seg.head:
                 h_valid, h_mb = h_row[0], h_row[1]
                 mb = jax.tree.map(lambda a: a[h_mb], mbs)
@@ -204,26 +229,40 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
             if seg.backward:
                 b_valid, b_mb, b_chunk, b_slot = (b_row[s, c] for c in range(4))
                 v = b_chunk * p + s
-                chunk = jax.tree.map(lambda a: a[b_chunk], blocks)
-                _, vjp = residuals(chunk, other, zeros_act, zero_mb, v)  # its structure and weight residuals
+                chunk_state = at(state, b_chunk)
+                # its structure and weight residuals
+                _, vjp, _ = residuals(at(stacked, b_chunk), other, chunk_state, zeros_act, zero_mb, v)
                 leaves, treedef = jax.tree.flatten(vjp)
                 kept = iter([buf[b_slot] for buf in stash])
                 vjp = jax.tree.unflatten(treedef, [next(kept) if keep else leaf for leaf, keep in zip(leaves, stashed)])
                 g = jnp.where(v == last_v, g_stash[b_slot], g_recv) * b_valid.astype(dt)
-                d_chunk, d_other, dx = vjp(g)
-                a_blocks = jax.tree.map(lambda a, d: a.at[b_chunk].add(d), a_blocks, d_chunk)
+                d_aux = b_valid.astype(jnp.float32) * scale * aux_share
+                # A bubble tick's backward runs on an empty slot, whose zero residuals can make inf and
+                # NaN (a router's weights divided by their zero sum): it adds nothing, selected away.
+                d_chunk, d_other, d_state, dx = jax.tree.map(lambda d: jnp.where(b_valid > 0, d, jnp.zeros_like(d)),
+                                                             vjp((g, d_aux)))
+                a_stacked = jax.tree.map(lambda a, d: a.at[b_chunk].add(d), a_stacked, d_chunk)
                 a_other = jax.tree.map(jnp.add, a_other, d_other)
+                merged = fns.combine_state(at(state_acc, b_chunk), d_state)
+                state_acc = jax.tree.map(lambda a, new: a.at[b_chunk].set(jnp.where(b_valid > 0, new, a[b_chunk])),
+                                         state_acc, merged)
             if y is not None:
                 x_recv = jax.lax.ppermute(y, AXIS, [(i, (i + 1) % p) for i in range(p)])
             if dx is not None:
                 g_recv = jax.lax.ppermute(dx.astype(dt), AXIS, [(i, (i - 1) % p) for i in range(p)])
-            return (stash, g_stash, x_recv, g_recv, (a_blocks, a_other), ce_acc), None
+            return (stash, g_stash, x_recv, g_recv, (a_stacked, a_other), ce_acc, state_acc, metrics_acc), None
 
-        acc0 = (jax.tree.map(jnp.zeros_like, blocks), jax.tree.map(jnp.zeros_like, other))
+        acc0 = (jax.tree.map(jnp.zeros_like, stacked), jax.tree.map(jnp.zeros_like, other))
         carry = (stash0, jnp.zeros((prog.slots + 1, *act_shape), dt), zeros_act, zeros_act, acc0,
-                 jnp.zeros((), jnp.float32))
+                 jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state), metrics0)
         if r > 1:  # one stash and one gradient sum per replica group (carry [R, ...]), see the docstring
             carry = jax.tree.map(lambda a: jnp.zeros((r, *a.shape), a.dtype), carry)
+        # Every device runs the token count's all-reduce (over the batch axes) before the first tick:
+        # the first activation received is zeros times it (XLA keeps a float product with 0, which
+        # is not 0 for inf or NaN). Else an emulated CPU device could run the fill's collectives
+        # while another runs the all-reduce, and each would wait for the other forever
+        # (docs/PLATFORM.md, rendezvous).
+        carry = (*carry[:2], carry[2] * tokens.astype(dt), *carry[3:])
         for seg in prog.segments:
             rows = tuple(jnp.asarray(a[seg.start:seg.stop]) for a in (fwd, bwd, head_rows))
             if r == 1:
@@ -233,17 +272,21 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
                                        spmd_axis_name=replica_axes)
                 body = lambda c, rw, per_replica=per_replica: per_replica(c, rw, mbs)  # noqa: E731
             carry, _ = jax.lax.scan(body, carry, rows)
-        (_, _, _, _, (d_blocks, d_other), ce) = carry
+        (_, _, _, _, (d_stacked, d_other), ce, state_new, metrics) = carry
         if r > 1:  # the replica groups' sums added: the step's one reduction over the replica axes
-            d_blocks, d_other, ce = jax.tree.map(lambda a: a.sum(0), (d_blocks, d_other, ce))
-        d_blocks = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), d_blocks)
-        return jax.lax.psum(ce, AXIS), d_blocks, jax.lax.psum(d_other, AXIS)
+            d_stacked, d_other, ce, metrics = jax.tree.map(lambda a: a.sum(0), (d_stacked, d_other, ce, metrics))
+            state_new = fns.fold_state(state_new)
+        flat = lambda tree: jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), tree)  # noqa: E731
+        metrics = jax.tree.map(lambda a: jax.lax.psum(a, AXIS) / (p * v_count * m * r), metrics)
+        return jax.lax.psum(ce, AXIS), flat(d_stacked), jax.lax.psum(d_other, AXIS), flat(state_new), metrics
 
-    blocks_spec = jax.tree.map(lambda _: P(AXIS), params[BLOCKS])
-    other_spec = jax.tree.map(lambda _: P(), others)
-    mbs_spec = jax.tree.map(lambda _: P(), mbs)
-    run = jax.shard_map(local, mesh=pipe.mesh, in_specs=(blocks_spec, other_spec, mbs_spec, P(), P()),
-                        out_specs=(P(), blocks_spec, other_spec), axis_names={AXIS}, check_vma=False)
-    ce, d_blocks, d_other = run(pipe.to_stages(params[BLOCKS]), others, mbs, tokens,
-                                jnp.asarray(scale, jnp.float32))
-    return ce / tokens, {**d_other, BLOCKS: pipe.from_stages(d_blocks)}
+    stage_spec = lambda tree: jax.tree.map(lambda _: P(AXIS), tree)  # noqa: E731
+    same_spec = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+    run = jax.shard_map(local, mesh=pipe.mesh,
+                        in_specs=(stage_spec(stacks), same_spec(others), stage_spec(model_state), same_spec(mbs),
+                                  P(), P()),
+                        out_specs=(P(), stage_spec(stacks), same_spec(others), stage_spec(model_state), P()),
+                        axis_names={AXIS}, check_vma=False)
+    ce, d_stacked, d_other, state_new, metrics = run(pipe.to_stages(stacks), others, pipe.to_stages(model_state),
+                                                     mbs, tokens, jnp.asarray(scale, jnp.float32))
+    return ce / tokens, {**d_other, **pipe.from_stages(d_stacked)}, pipe.from_stages(state_new), metrics

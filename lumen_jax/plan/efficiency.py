@@ -1,0 +1,118 @@
+"""Hardware terms of the step time: matmul efficiency by shape, attention, memory-bound work, and how
+much of each axis's collectives hides under compute. Fitted to measured H100 runs (`calibration`).
+
+Shape letters: M tokens of one micro-batch on one device, K the contracted width, N the output width,
+D d_model, F ffn, N*H query width, K*H key/value width, V vocab, t tensor, c context, p pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from lumen_jax.config import ModelConfig
+from lumen_jax.metrics import flops
+from lumen_jax.plan.hardware import Hardware, Layout, compute_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """What the GPU reaches of its datasheet, fitted to published runs (docs/PLANNING.md, section 5).
+
+    A GEMM of [M, K] x [K, N] takes 2MKN / (peak x `matmul`) + its operand and result bytes /
+    (HBM bandwidth x `matmul`): an additive roofline, so a large GEMM approaches `matmul` of the
+    peak and a thin one (tensor parallelism splitting N or K, few tokens per micro-batch) runs at its
+    memory speed. The flash attention core runs at `attention` of the peak; memory-bound elementwise
+    work (norms, residuals, RoPE, SwiGLU, cross-entropy) moves `elementwise_bytes` bytes per d_model
+    element of each layer per token through HBM.
+    """
+
+    # Fitted 2026-12-01 to the 19 runs of `published.TABLE` (benchmarks/calibrate_planner.py):
+    matmul: float = 0.79
+    attention: float = 0.19
+    elementwise_bytes: float = 33.0
+
+    def gemm_seconds(self, m: float, k: float, n: float, hw: Hardware, peak: float, itemsize: int = 2) -> float:
+        """One [m, k] x [k, n] GEMM in the compute dtype."""
+        return (2.0 * m * k * n / peak + itemsize * (m * k + k * n + m * n) / hw.hbm_bytes_per_s) / self.matmul
+
+
+# What a published run hides of each axis's collectives under compute (docs/PLANNING.md, section 5):
+# the fraction of min(transfer, the compute it can run under) that does not show in the step.
+@dataclasses.dataclass(frozen=True)
+class Overlap:
+    """Per axis, the share of a collective's transfer that runs under compute, up to the compute
+    there is to hide under (the exposed remainder is the transfer beyond it, plus the unhidden share).
+
+    `tensor`: the Megatron / async-TP decomposition of the layer's collectives into its matmuls
+    (0: our program, whose tensor-parallel collectives sit between the matmuls). `fsdp`: weight
+    gathers prefetched one layer ahead and gradient reduce-scatters behind the backward. `data`:
+    the gradient all-reduce behind the backward (ours: behind the last micro-batch's backward: the
+    sums cross `data` once per step). `context`: the ring's next hop under this hop's attention.
+    `pipeline`: stage sends under the next tick's compute.
+    """
+
+    tensor: float = 0.0
+    fsdp: float = 1.0
+    data: float = 0.0  # fitted: the published scale-outs show their data-parallel all-reduce whole
+    context: float = 1.0
+    pipeline: float = 0.0
+    expert: float = 0.0
+
+    def of(self, axis: str) -> float:
+        return getattr(self, axis.split("+")[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class Compute:
+    """Seconds of one device's compute in one step, by part (forward, backward and recompute)."""
+
+    matmul_s: float  # the layers' projections and the logits
+    attention_s: float  # the attention core (QK^T, softmax, PV)
+    elementwise_s: float
+    backward_share: float  # of the total: the backward (and its recompute), where gradients reduce
+
+    @property
+    def total_s(self) -> float:
+        return self.matmul_s + self.attention_s + self.elementwise_s
+
+
+def layer_gemms(model: ModelConfig, tensor: int) -> list[tuple[float, float]]:
+    """(K, N) of a layer's projections on one device: q, k, v, o, gate, up, down."""
+    h, d, t = model.resolved_head_dim, model.d_model, tensor
+    q, kv, ffn = model.num_heads * h / t, model.num_kv_heads * h / t, model.ffn_dim / t
+    return [(d, q), (d, kv), (d, kv), (q, d), (d, ffn), (d, ffn), (ffn, d)]
+
+
+def compute_seconds(model: ModelConfig, layout: Layout, seq_len: int, micro_batch: int, redo: dict[str, bool],
+                    attention: str, hw: Hardware, eff: Efficiency, *, score_fraction: float = 0.5) -> Compute:
+    """One device's compute per step: for each of the m micro-batches, the stage's layers' GEMMs
+    (forward 1, backward 2, +1 when the backward recomputes the projections: `redo`), the attention
+    core (forward 1, backward 2, or 2.5 under context parallelism, +1 when recomputed) over
+    `score_fraction` of the square, the logits GEMM (its share: 1/p of it per device) and the
+    memory-bound work."""
+    mesh, peak = layout.mesh, hw.peak(model.compute_dtype)
+    c = compute_bytes(model)
+    m_tokens = micro_batch * seq_len / mesh.context
+    layers = math.ceil(model.num_layers / layout.pipeline)
+    passes = 3.0 + (1.0 if redo["projections"] else 0.0)
+    per_layer = sum(eff.gemm_seconds(m_tokens, k, n, hw, peak, c) for k, n in layer_gemms(model, mesh.tensor))
+    logits = 3.0 * eff.gemm_seconds(m_tokens, model.d_model, model.vocab_size / mesh.tensor, hw, peak, c) / layout.pipeline
+    one = dataclasses.replace(model, num_layers=1)
+    core = flops.attention_forward_flops_per_token(one, seq_len, causal=False) * score_fraction / mesh.tensor
+    backward = 2.0 if mesh.context == 1 else 2.5
+    core_passes = 1.0 + backward + (1.0 if redo["attention"] else 0.0)
+    if attention == "flash":
+        core_s = core * m_tokens / (peak * eff.attention)
+    else:  # scores materialised: the two batched GEMMs plus the fp32 score rows through HBM (a few passes)
+        scores = model.num_heads / mesh.tensor * seq_len * score_fraction * m_tokens
+        core_s = core * m_tokens / (peak * eff.matmul) + 4 * 4 * scores / hw.hbm_bytes_per_s
+    width = model.d_model / (mesh.tensor if mesh.sequence_parallel else 1)
+    elementwise = layers * m_tokens * width * eff.elementwise_bytes / hw.hbm_bytes_per_s
+    m = layout.micro_batches
+    matmul_s = m * (layers * passes * per_layer + logits)
+    attention_s = m * layers * core_passes * core_s
+    backward_share = (layers * (passes - 1) * per_layer + 2 / 3 * logits + layers * (core_passes - 1) * core_s) / (
+        layers * passes * per_layer + logits + layers * core_passes * core_s)
+    return Compute(matmul_s=matmul_s, attention_s=attention_s, elementwise_s=m * elementwise,
+                   backward_share=backward_share)
