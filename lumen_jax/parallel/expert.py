@@ -92,8 +92,15 @@ def _padded(x_nd: jax.Array, key_nk: jax.Array, gate_nk: jax.Array, ep: int, x_l
     send_e = jnp.where(here, key - devices[:, None, None] * x_local, x_local)
     send_w = jnp.where(here, gate_nk[tok], 0.0)
     send = x_nd.at[src].get(mode="fill", fill_value=0)  # [E, slot, D]
-    recv, recv_e, recv_w = (jax.lax.all_to_all(v, "expert", 0, 0) for v in (send, send_e, send_w))
+    # Rows, experts (exact in float32) and weights in one exchange, so its transpose is one too:
+    # XLA:CPU runs independent collectives concurrently, and emulated devices that run them in
+    # different orders abort the rendezvous (docs/PLATFORM.md). float32 costs nothing there
+    # (XLA:CPU runs bf16 collectives in float32); GPUs take the ragged exchange.
     k = key_nk.shape[1]
+    packed = jnp.concatenate([send.astype(jnp.float32), send_e.astype(jnp.float32), send_w], -1)
+    packed = jax.lax.all_to_all(packed, "expert", 0, 0)
+    recv = packed[..., :d].astype(x_nd.dtype)
+    recv_e, recv_w = packed[..., d:d + k].astype(jnp.int32), packed[..., d + k:]
     y_a = experts(recv.reshape(ep * n, d), jnp.arange(ep * n * k, dtype=jnp.int32) // k, recv_e.reshape(-1))
     partial = jnp.einsum("rk,rkd->rd", recv_w.reshape(ep * n, k), y_a.reshape(ep * n, k, d).astype(jnp.float32))
     back = jax.lax.all_to_all(partial.astype(x_nd.dtype).reshape(ep, n, d), "expert", 0, 0)

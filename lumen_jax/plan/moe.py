@@ -106,18 +106,19 @@ def all_to_alls(model: ModelConfig, layout: Layout, tokens: float, backend: str 
 
     gpu (`ragged_all_to_all`): the routed rows [A, D] (balanced) out and back, forward and backward,
     and once more each way when the backward recomputes the layer. cpu (the padded exchange):
-    each token once per device, [E, n, D] in f32 (XLA:CPU promotes bf16 collectives), out and back,
-    with its local experts (int32) and router weights (f32) [E, n, K] out; the backward sends the
-    rows' cotangents both ways and the weights' back; a recomputed forward drops the rows coming
-    back (nothing reads them).
+    each token once per device with its local experts and router weights, one f32 array
+    [E, n, D + 2K] (XLA:CPU runs bf16 collectives in f32 anyway), and the devices' sums back
+    [E, n, D]; the backward sends both cotangents; a recomputed forward sends the tokens again
+    but not the sums (nothing reads them).
     """
     d = dispatch(model, layout, tokens, backend)
     if backend == "gpu":
         return [("token rows to the experts and back", d.assignments * model.d_model * compute_bytes(model),
                  4 + 2 * recompute)]
-    small = d.ep * d.tokens * model.moe.top_k * F32
-    return [("token rows to the experts and back, f32", d.ep * d.tokens * model.d_model * F32, 4 + recompute),
-            ("their local experts and router weights, and the weights' cotangents", small, 3 + 2 * recompute)]
+    tokens_bytes = d.ep * d.tokens * F32
+    return [("tokens with their local experts and router weights, f32", tokens_bytes * (model.d_model + 2 * model.moe.top_k),
+             2 + recompute),
+            ("the experts' weighted sums back, f32", tokens_bytes * model.d_model, 2)]
 
 
 def counted_expert_flops(model: ModelConfig, layout: Layout, tokens: float, remat: str) -> tuple[float, float]:

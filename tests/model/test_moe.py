@@ -182,7 +182,8 @@ def test_fine_grained_step_has_no_tokens_by_experts_by_d_array(mesh):
     """The compiled step of 64 experts, top-6, holds no array of a device's tokens x experts x D
     elements (XLA:CPU lowers `ragged_dot` with a [experts, rows, D] mask; the largest left are the
     experts' padded rows, up to E x tokens x top_k rows of D). The padded exchange sends each token
-    once per device, [E, tokens, D] (not one row per assignment, top_k times that). One layer: the
+    once per device, [E, tokens, D + 2 top_k] with its experts and weights (not one row per
+    assignment, top_k times that). One layer: the
     layer scan stacks each layer's residuals into [layers, ...] arrays."""
     from lumen_jax.plan import hlo
     from lumen_jax.plan.compiled import compile_step
@@ -196,7 +197,8 @@ def test_fine_grained_step_has_no_tokens_by_experts_by_d_array(mesh):
     big = max((a for i in module.instrs for a in i.arrays), key=lambda a: math.prod(a.dims))
     assert math.prod(big.dims) < limit, f"{big} has >= {tokens} tokens x 64 experts x D elements"
     exchanged = [sum(math.prod(a.dims) for a in i.arrays) for i in module.where("all-to-all")]
-    assert max(exchanged) == mesh["expert"] * tokens * cfg.model.d_model, exchanged
+    moe = cfg.model.moe  # each token with its experts and weights, [E, tokens, D + 2 top_k]
+    assert max(exchanged) == mesh["expert"] * tokens * (cfg.model.d_model + 2 * moe.top_k), exchanged
 
 
 def _train_router(aux_loss_weight: float, steps: int = 100) -> tuple[list[float], dict]:
