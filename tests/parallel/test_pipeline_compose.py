@@ -20,8 +20,11 @@ M = 4  # micro-batches
 
 
 def _moe(every_n: int):
+    """every_n=1 balances with the selection bias, whose state (bias, the step's expert load summed
+    over micro-batches) is cut into the stages with the MoE layers."""
     return BASE.replace(model=dataclasses.replace(BASE.model, num_layers=4, moe=MoeConfig(
-        num_experts=4, top_k=2, every_n_layers=every_n)))
+        num_experts=4, top_k=2, every_n_layers=every_n, balance="bias" if every_n == 1 else "aux_loss",
+        bias_update_rate=0.01)))
 
 
 def _devices(cfg):
@@ -46,6 +49,8 @@ def test_moe_in_stages_matches_one_device(moe_reference, every_n, mesh):
     validate(cfg, len(_devices(cfg)))
     got, ref = run(cfg, _devices(cfg)), moe_reference[every_n]
     assert_same_run(got, ref, f"MoE every {every_n} {mesh}")
+    assert_tree_close(got["model_state"], ref["model_state"], FP32_RTOL, what="MoE model state ")
+    assert bool(ref["model_state"]) == (every_n == 1)
     for step in range(STEPS):
         for key in (k for k in ref["metrics"][step] if k.startswith("moe/")):
             np.testing.assert_allclose(got["metrics"][step][key], ref["metrics"][step][key], rtol=FP32_RTOL,
