@@ -47,7 +47,7 @@ def _without(spec: P, axes: tuple[str, ...]) -> tuple:
 
 
 def gradient_plan(cfg: MeshConfig, micro_batches: int, mesh: Mesh, rules: Rules, names: Any,
-                  pipelined: bool = False) -> GradientPlan:
+                  pipelined: bool = False, per_replica: bool = True) -> GradientPlan:
     """The shardings for `cfg` on `mesh` (see the module docstring).
 
     Args:
@@ -58,10 +58,12 @@ def gradient_plan(cfg: MeshConfig, micro_batches: int, mesh: Mesh, rules: Rules,
       names: {path: logical axis names} of the parameters.
       pipelined: the step runs a pipeline schedule (parallel/pipeline/executor.py), whose stages sum
         their gradients over the schedule's ticks even with one micro-batch.
+      per_replica: whether the step may run under the replica vmap (`Ops.pipeline_replicas` for a
+        pipelined step); if not, there are no replica axes.
     """
     candidates = ("data", "fsdp") if cfg.fsdp_grad_reduce == "once" else ("data",)
     accumulates = micro_batches > 1 or pipelined
-    axes = tuple(a for a in candidates if mesh.shape[a] > 1) if accumulates else ()
+    axes = tuple(a for a in candidates if mesh.shape[a] > 1) if accumulates and per_replica else ()
     is_names = lambda x: isinstance(x, tuple)  # noqa: E731
     gathered = ("fsdp",) if cfg.fsdp_regather == "per_step" else ()
     weights = jax.tree.map(lambda n: P(*_without(rules.spec(n, "params"), gathered)), names, is_leaf=is_names)

@@ -119,7 +119,8 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
                                                             is_leaf=is_spec))
     batch_sh = named(rules.spec(BATCH_AXES))
     batch_shardings = {k: batch_sh for k in BATCH_KEYS}
-    plan = comm.gradient_plan(cfg.mesh, cfg.train.micro_batches, mesh, rules, names, pipelined=pipe is not None)
+    plan = comm.gradient_plan(cfg.mesh, cfg.train.micro_batches, mesh, rules, names, pipelined=pipe is not None,
+                              per_replica=pipe is None or ops.pipeline_replicas(cfg.model))
     pin = lambda specs: functools.partial(  # noqa: E731
         jax.lax.with_sharding_constraint, shardings=jax.tree.map(named, specs, is_leaf=is_spec))
     placement = step_lib.Placement(grads=pin(rules.tree_specs(names, "grads")), weights=pin(plan.weight_specs),

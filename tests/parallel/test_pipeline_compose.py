@@ -41,7 +41,8 @@ def moe_reference():
     (2, dict(pipeline=2, expert=2, tensor=2)),  # two stacks (dense, MoE) cut into stages; EP and TP in a stage
     (1, dict(pipeline=4, expert=2)),  # four stages, one MoE layer each
     (1, dict(pipeline=2, expert=2, fsdp=2, pipeline_schedule="zero_bubble")),
-], ids=["n2-pp2-ep2-tp2", "n1-pp4-ep2", "n1-pp2-ep2-fsdp2-zero_bubble"])
+    (1, dict(pipeline=2, expert=2, data=2)),  # data-parallel gradients without the replica vmap (Ops.pipeline_replicas)
+], ids=["n2-pp2-ep2-tp2", "n1-pp4-ep2", "n1-pp2-ep2-fsdp2-zero_bubble", "n1-pp2-ep2-dp2"])
 def test_moe_in_stages_matches_one_device(moe_reference, every_n, mesh):
     """Losses, grad norms, the gradients before and after 3 steps, and the `moe/...` metrics (the aux
     loss's share of the gradient flows back with the stage's cotangent)."""
