@@ -16,11 +16,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lumen_jax.runtime.process import add_xla_flags, set_cpu_xla_flags  # noqa: E402
+from lumen_jax.runtime.process import add_xla_flags, prepare_cpu_backend  # noqa: E402
 
 # Before JAX starts: the CPU flags, and XLA's CPU back end at -O0 as the tests compile (the HLO, and so
 # its collectives, is the same program; only the machine code is less optimized, and it compiles faster).
-set_cpu_xla_flags()
+prepare_cpu_backend()
 add_xla_flags(("--xla_backend_optimization_level=0",))
 import jax  # noqa: E402
 

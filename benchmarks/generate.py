@@ -18,9 +18,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lumen_jax.runtime.process import set_cpu_xla_flags  # noqa: E402
+from lumen_jax.runtime.process import prepare_cpu_backend  # noqa: E402
 
-set_cpu_xla_flags()
+prepare_cpu_backend()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 

@@ -2,9 +2,9 @@
 
 import os
 
-from lumen_jax.runtime.process import add_xla_flags, set_cpu_xla_flags
+from lumen_jax.runtime.process import add_xla_flags, prepare_cpu_backend
 
-set_cpu_xla_flags()  # before the backend starts: see lumen_jax/runtime/process.py
+prepare_cpu_backend()  # before the backend starts: see lumen_jax/runtime/process.py
 # The tests' programs are tiny: compiling them is most of the suite's time, running them little.
 # XLA's LLVM back end at -O0 compiles a 3-step mesh comparison in ~40% less time; the HLO, its
 # collectives and buffers are the same program (only the machine code is less optimized; float32

@@ -155,7 +155,7 @@ FINE = BASE.replace(model=dataclasses.replace(BASE.model, moe=MoeConfig(
 EP_MESHES = {  # (config, micro-batches, mesh); 2 micro-batches: the step's replica vmap over `data` (x fsdp)
     "fine expert=4,data=2, 2 micro-batches": (FINE, 2, dict(expert=4, data=2)),
     "fine expert=8": (FINE, 1, dict(expert=8)),
-    # (fine expert=2,tensor=2,fsdp=2 aborts the process under load on 2 cores: docs/PLATFORM.md)
+    "fine expert=2,tensor=2,fsdp=2": (FINE, 1, dict(expert=2, tensor=2, fsdp=2)),
     "fine expert=2,fsdp=2,data=2, 2 micro-batches": (FINE, 2, dict(expert=2, fsdp=2, data=2, fsdp_grad_reduce="once")),
     "expert=2,context=2,fsdp=2": (MOE, 1, dict(expert=2, context=2, fsdp=2)),  # ring attention, zigzag tokens
 }
