@@ -33,7 +33,8 @@ Shape letters: M micro-batches, B rows per micro-batch, T sequence, D d_model, S
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -128,6 +129,138 @@ def _strided(x: jax.Array, p: int, s: jax.Array) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(x.reshape(b, t // p, p, *x.shape[2:]), s, axis=2, keepdims=False)
 
 
+class _Carry(NamedTuple):
+    """What one device carries from tick to tick (with R > 1 replica groups: each leaf [R, ...])."""
+
+    stash: list  # per stashed residual leaf: [S + 1, ...], a forward's residuals until its backward
+    g_stash: jax.Array  # [S + 1, B, T, D]: the loss's cotangent of the last virtual stage's outputs
+    x_recv: jax.Array  # [B, T, D]: the activation the previous stage sent
+    g_recv: jax.Array  # [B, T, D]: the cotangent the next stage sent
+    d_stacked: dict  # [V, Lc, ...]: gradient sums of this device's chunks
+    d_other: dict  # gradient sums of the replicated parameters (embedding, final norm, head)
+    ce: jax.Array  # the summed cross-entropy of this device's share of the head's tokens
+    state: dict  # [V, Lc, ...]: the model state's next value (ops/state.py)
+    metrics: dict  # the model's aux metrics, summed over real forwards
+
+
+@dataclasses.dataclass(frozen=True)
+class _Device:
+    """One device of the `pipeline` axis inside the `shard_map`: its stage's parameters (chunks
+    [V, Lc, ...]) and the tick's three units of work, each one function."""
+
+    pipe: Pipeline
+    fns: StageFns
+    cast: Callable[[dict], dict]
+    s: jax.Array  # this device's stage index
+    stacked: dict  # [V, Lc, ...]
+    other: dict
+    state: dict  # [V, Lc, ...]
+    tokens: jax.Array
+    scale: jax.Array
+    aux_share: float  # the auxiliary loss's share of one micro-batch of one replica group
+    stashed: tuple = ()  # per residual leaf: whether the stash holds it (else taken again from the weights)
+
+    @property
+    def act_dtype(self):
+        return jnp.dtype(self.pipe.compute_dtype)
+
+    def chunk(self, tree: dict, c: jax.Array) -> dict:
+        return jax.tree.map(lambda a: a[c], tree)
+
+    def stage(self, chunk: dict, other: dict, state: dict, x_recv: jax.Array, mb: dict, v: jax.Array):
+        """Virtual stage v's forward of one micro-batch: ((y [B, T, D] in the compute dtype, aux loss), metrics)."""
+        w = self.cast({**other, **chunk})
+        x = jnp.where(v == 0, self.fns.embed(w, mb["inputs"]).astype(self.act_dtype), x_recv)
+        y, aux_loss, metrics = self.fns.layers(w, state, x, mb)
+        return (y.astype(self.act_dtype), jnp.asarray(aux_loss, jnp.float32)), metrics
+
+    def residuals(self, chunk: dict, other: dict, state: dict, x_recv: jax.Array, mb: dict, v: jax.Array):
+        """(y, the vjp holding the forward's residuals, metrics) of `stage`."""
+        (y, _), vjp, metrics = jax.vjp(lambda c, o, st, x: self.stage(c, o, st, x, mb, v), chunk, other, state,
+                                       x_recv, has_aux=True)
+        return y, vjp, metrics
+
+    def forward(self, c: _Carry, row: jax.Array, mbs: dict) -> tuple[_Carry, jax.Array]:
+        """The row's forward on the activation received; its residuals into the stash slot."""
+        valid, i, chunk, slot = (row[self.s, k] for k in range(4))
+        mb = jax.tree.map(lambda a: a[i], mbs)
+        y, vjp, metrics = self.residuals(self.chunk(self.stacked, chunk), self.other, self.chunk(self.state, chunk),
+                                         c.x_recv, mb, chunk * self.pipe.program.stages + self.s)
+        kept = iter([leaf for leaf, keep in zip(jax.tree.leaves(vjp), self.stashed) if keep])
+        stash = [buf.at[slot].set(next(kept)) for buf in c.stash]
+        metrics = jax.tree.map(lambda a, x: a + valid.astype(jnp.float32) * x, c.metrics, metrics)
+        return c._replace(stash=stash, metrics=metrics), y
+
+    def head_loss(self, other: dict, y_last: jax.Array, mb: dict) -> tuple[jax.Array, jax.Array]:
+        """The loss of the last virtual stage's output (zeros elsewhere), each stage taking every
+        P-th token: (scaled objective, cross-entropy) of this stage's tokens."""
+        p = self.pipe.program.stages
+        y_all = jax.lax.psum(y_last, AXIS)
+        w = self.cast({**other, **jax.lax.stop_gradient(self.chunk(self.stacked, 0))})
+        obj, ce = self.fns.head(w, _strided(y_all, p, self.s), _strided(mb["targets"], p, self.s),
+                                _strided(mb["loss_mask"], p, self.s))
+        return obj * self.scale / self.tokens, ce
+
+    def head(self, c: _Carry, row: jax.Array, f_row: jax.Array, y: jax.Array, mbs: dict) -> _Carry:
+        """The loss of this tick's last-virtual-stage output and its cotangent, into that forward's slot."""
+        prog = self.pipe.program
+        valid, i = row[0], row[1]
+        f_chunk, f_slot = f_row[self.s, 2], f_row[self.s, 3]
+        mb = jax.tree.map(lambda a: a[i], mbs)
+        y_last = jnp.where((self.s == prog.stages - 1) & (f_chunk == prog.virtual - 1), y, jnp.zeros_like(y))
+        (_, ce), head_vjp = jax.vjp(lambda o, yl: self.head_loss(o, yl, mb), self.other, y_last)
+        h = valid.astype(jnp.float32)
+        d_other, dy = head_vjp((h, jnp.zeros((), jnp.float32)))
+        return c._replace(d_other=jax.tree.map(jnp.add, c.d_other, d_other), ce=c.ce + h * ce,
+                          g_stash=c.g_stash.at[f_slot].set(dy.astype(self.act_dtype)))  # read by the last stage's backward
+
+    def backward(self, c: _Carry, row: jax.Array, zeros_act: jax.Array, zero_mb: dict) -> tuple[_Carry, jax.Array]:
+        """The row's backward from its stashed residuals and the cotangent received (the loss's on
+        the last virtual stage): gradients summed into the chunk's, the input's cotangent returned."""
+        prog = self.pipe.program
+        valid, i, chunk, slot = (row[self.s, k] for k in range(4))
+        v = chunk * prog.stages + self.s
+        chunk_state = self.chunk(self.state, chunk)
+        # its structure and weight residuals
+        _, vjp, _ = self.residuals(self.chunk(self.stacked, chunk), self.other, chunk_state, zeros_act, zero_mb, v)
+        leaves, treedef = jax.tree.flatten(vjp)
+        kept = iter([buf[slot] for buf in c.stash])
+        vjp = jax.tree.unflatten(treedef, [next(kept) if keep else leaf for leaf, keep in zip(leaves, self.stashed)])
+        g = jnp.where(v == prog.stages * prog.virtual - 1, c.g_stash[slot], c.g_recv) * valid.astype(self.act_dtype)
+        d_aux = valid.astype(jnp.float32) * self.scale * self.aux_share
+        # A bubble tick's backward runs on an empty slot, whose zero residuals can make inf and
+        # NaN (a router's weights divided by their zero sum): it adds nothing, selected away.
+        d_chunk, d_other, d_state, dx = jax.tree.map(lambda d: jnp.where(valid > 0, d, jnp.zeros_like(d)),
+                                                     vjp((g, d_aux)))
+        d_stacked = jax.tree.map(lambda a, d: a.at[chunk].add(d), c.d_stacked, d_chunk)
+        d_other = jax.tree.map(jnp.add, c.d_other, d_other)
+        merged = self.fns.combine_state(self.chunk(c.state, chunk), d_state)
+        state = jax.tree.map(lambda a, new: a.at[chunk].set(jnp.where(valid > 0, new, a[chunk])), c.state, merged)
+        return c._replace(d_stacked=d_stacked, d_other=d_other, state=state), dx
+
+    def send(self, c: _Carry, y: jax.Array | None, dx: jax.Array | None) -> _Carry:
+        """The activation one stage on, the cotangent one stage back: used in the next tick."""
+        p = self.pipe.program.stages
+        if y is not None:
+            c = c._replace(x_recv=jax.lax.ppermute(y, AXIS, [(i, (i + 1) % p) for i in range(p)]))
+        if dx is not None:
+            c = c._replace(g_recv=jax.lax.ppermute(dx.astype(self.act_dtype), AXIS, [(i, (i - 1) % p) for i in range(p)]))
+        return c
+
+    def tick(self, seg: tables.Segment, c: _Carry, rows: tuple, mbs: dict, zeros_act: jax.Array,
+             zero_mb: dict) -> tuple[_Carry, None]:
+        """One tick of segment `seg`: its kinds of work on this stage's rows, then the sends."""
+        f_row, b_row, h_row = rows
+        y = dx = None
+        if seg.forward:
+            c, y = self.forward(c, f_row, mbs)
+        if seg.head:
+            c = self.head(c, h_row, f_row, y, mbs)
+        if seg.backward:
+            c, dx = self.backward(c, b_row, zeros_act, zero_mb)
+        return self.send(c, y, dx), None
+
+
 def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, scale: jax.Array,
                    cast: Callable[[dict], dict] = lambda w: w, replicas: int = 1,
                    replica_axes: tuple[str, ...] = (),
@@ -148,113 +281,39 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
     """
     prog = pipe.program
     p, v_count, m, r = prog.stages, prog.virtual, prog.micro_batches, replicas
-    last_v = p * v_count - 1
     tokens = total_tokens(batch)
     mbs = split_micro_batches(batch, m, r)
     dt = jnp.dtype(pipe.compute_dtype)
     b, t = batch["inputs"].shape[0] // (m * r), batch["inputs"].shape[1]
-    act_shape = (b, t, pipe.d_model)
     model_state = model_state or {}
     stacks = {k: params[k] for k in pipe.stacks}
     others = {k: val for k, val in params.items() if k not in pipe.stacks}
     if set(model_state) - set(pipe.stacks):  # the config refuses such ops (config/checks.py)
         raise ValueError(f"model state outside the layer stacks {sorted(set(model_state) - set(pipe.stacks))} "
                          "does not run in pipeline stages")
-    fwd, bwd = np.asarray(prog.fwd, np.int32), np.asarray(prog.bwd, np.int32)  # [ticks, P, 4]
-    head_rows = np.asarray(prog.head, np.int32)  # [ticks, 2]
-    aux_share = 1.0 / (m * r)  # the auxiliary loss of one micro-batch of one replica group
-
-    def stage(chunk: dict, other: dict, state: dict, x_recv: jax.Array, mb: dict, v: jax.Array):
-        """Virtual stage v's forward of one micro-batch: ((y [B, T, D] in the compute dtype, aux loss), metrics)."""
-        w = cast({**other, **chunk})
-        x = jnp.where(v == 0, fns.embed(w, mb["inputs"]).astype(dt), x_recv)
-        y, aux_loss, metrics = fns.layers(w, state, x, mb)
-        return (y.astype(dt), jnp.asarray(aux_loss, jnp.float32)), metrics
-
-    def residuals(chunk: dict, other: dict, state: dict, x_recv: jax.Array, mb: dict, v: jax.Array):
-        (y, _), vjp, metrics = jax.vjp(lambda c, o, st, x: stage(c, o, st, x, mb, v), chunk, other, state, x_recv,
-                                       has_aux=True)
-        return y, vjp, metrics
+    rows_all = (np.asarray(prog.fwd, np.int32), np.asarray(prog.bwd, np.int32),  # [ticks, P, 4]
+                np.asarray(prog.head, np.int32))  # [ticks, 2]
 
     def local(stacked: dict, other: dict, state: dict, mbs: dict, tokens: jax.Array, scale: jax.Array):
-        s = jax.lax.axis_index(AXIS)
         by_chunk = lambda tree: jax.tree.map(lambda a: a.reshape(v_count, -1, *a.shape[1:]), tree)  # noqa: E731
-        stacked, state = by_chunk(stacked), by_chunk(state)  # [V, Lc, ...]
+        dev = _Device(pipe=pipe, fns=fns, cast=cast, s=jax.lax.axis_index(AXIS), stacked=by_chunk(stacked),
+                      other=other, state=by_chunk(state), tokens=tokens, scale=scale, aux_share=1.0 / (m * r))
         one_mb = jax.tree.map(lambda a: a[0, 0] if r > 1 else a[0], mbs)
-        zeros_act = jnp.zeros(act_shape, dt)
+        zeros_act = jnp.zeros((b, t, pipe.d_model), dt)
         zero_mb = jax.tree.map(jnp.zeros_like, one_mb)
-        at = lambda tree, c: jax.tree.map(lambda a: a[c], tree)  # noqa: E731
-        chunk0, state0 = at(stacked, 0), at(state, 0)
+        chunk0, state0 = dev.chunk(dev.stacked, 0), dev.chunk(dev.state, 0)
         # Which residuals depend on the micro-batch (stashed) and which on the weights alone (taken
         # again in the backward: XLA drops the rest of that second trace, whose outputs go unused).
-        leaves_fn = lambda c, o, st, x, mb, v: jax.tree.leaves(residuals(c, o, st, x, mb, v)[1])  # noqa: E731
+        leaves_fn = lambda c, o, st, x, mb, v: jax.tree.leaves(dev.residuals(c, o, st, x, mb, v)[1])  # noqa: E731
         stashed, shapes = _varying(leaves_fn, (chunk0, other, state0), (zeros_act, zero_mb, jnp.int32(0)))
-        stash0 = [jnp.zeros((prog.slots + 1, *a.shape), a.dtype) for a, keep in zip(shapes, stashed) if keep]
+        dev = dataclasses.replace(dev, stashed=tuple(stashed))
         metrics0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32),
-                                jax.eval_shape(lambda: residuals(chunk0, other, state0, zeros_act, zero_mb,
-                                                                 jnp.int32(0))[2]))
-
-        def head_loss(other: dict, y_last: jax.Array, mb: dict) -> tuple[jax.Array, jax.Array]:
-            """The loss of the last virtual stage's output (zeros elsewhere), each stage taking every
-            P-th token: (scaled objective, cross-entropy) of this stage's tokens."""
-            y_all = jax.lax.psum(y_last, AXIS)
-            w = cast({**other, **jax.lax.stop_gradient(chunk0)})
-            obj, ce = fns.head(w, _strided(y_all, p, s), _strided(mb["targets"], p, s),
-                               _strided(mb["loss_mask"], p, s))
-            return obj * scale / tokens, ce
-
-        def tick(seg: tables.Segment, carry, rows, mbs):
-            stash, g_stash, x_recv, g_recv, acc, ce_acc, state_acc, metrics_acc = carry
-            f_row, b_row, h_row = rows
-            a_stacked, a_other = acc
-            y = dx = None
-            if seg.forward:
-                f_valid, f_mb, f_chunk, f_slot = (f_row[s, c] for c in range(4))
-                v = f_chunk * p + s
-                mb = jax.tree.map(lambda a: a[f_mb], mbs)
-                y, vjp, metrics = residuals(at(stacked, f_chunk), other, at(state, f_chunk), x_recv, mb, v)
-                kept = iter([leaf for leaf, keep in zip(jax.tree.leaves(vjp), stashed) if keep])
-                stash = [buf.at[f_slot].set(next(kept)) for buf in stash]
-                metrics_acc = jax.tree.map(lambda a, x: a + f_valid.astype(jnp.float32) * x, metrics_acc, metrics)
-            if seg.head:
-                h_valid, h_mb = h_row[0], h_row[1]
-                mb = jax.tree.map(lambda a: a[h_mb], mbs)
-                y_last = jnp.where((s == p - 1) & (f_chunk == v_count - 1), y, jnp.zeros_like(y))
-                (_, ce), head_vjp = jax.vjp(lambda o, yl: head_loss(o, yl, mb), other, y_last)
-                h = h_valid.astype(jnp.float32)
-                d_other, dy = head_vjp((h, jnp.zeros((), jnp.float32)))
-                a_other = jax.tree.map(jnp.add, a_other, d_other)
-                ce_acc = ce_acc + h * ce
-                g_stash = g_stash.at[f_slot].set(dy.astype(dt))  # read by the last stage's backward
-            if seg.backward:
-                b_valid, b_mb, b_chunk, b_slot = (b_row[s, c] for c in range(4))
-                v = b_chunk * p + s
-                chunk_state = at(state, b_chunk)
-                # its structure and weight residuals
-                _, vjp, _ = residuals(at(stacked, b_chunk), other, chunk_state, zeros_act, zero_mb, v)
-                leaves, treedef = jax.tree.flatten(vjp)
-                kept = iter([buf[b_slot] for buf in stash])
-                vjp = jax.tree.unflatten(treedef, [next(kept) if keep else leaf for leaf, keep in zip(leaves, stashed)])
-                g = jnp.where(v == last_v, g_stash[b_slot], g_recv) * b_valid.astype(dt)
-                d_aux = b_valid.astype(jnp.float32) * scale * aux_share
-                # A bubble tick's backward runs on an empty slot, whose zero residuals can make inf and
-                # NaN (a router's weights divided by their zero sum): it adds nothing, selected away.
-                d_chunk, d_other, d_state, dx = jax.tree.map(lambda d: jnp.where(b_valid > 0, d, jnp.zeros_like(d)),
-                                                             vjp((g, d_aux)))
-                a_stacked = jax.tree.map(lambda a, d: a.at[b_chunk].add(d), a_stacked, d_chunk)
-                a_other = jax.tree.map(jnp.add, a_other, d_other)
-                merged = fns.combine_state(at(state_acc, b_chunk), d_state)
-                state_acc = jax.tree.map(lambda a, new: a.at[b_chunk].set(jnp.where(b_valid > 0, new, a[b_chunk])),
-                                         state_acc, merged)
-            if y is not None:
-                x_recv = jax.lax.ppermute(y, AXIS, [(i, (i + 1) % p) for i in range(p)])
-            if dx is not None:
-                g_recv = jax.lax.ppermute(dx.astype(dt), AXIS, [(i, (i - 1) % p) for i in range(p)])
-            return (stash, g_stash, x_recv, g_recv, (a_stacked, a_other), ce_acc, state_acc, metrics_acc), None
-
-        acc0 = (jax.tree.map(jnp.zeros_like, stacked), jax.tree.map(jnp.zeros_like, other))
-        carry = (stash0, jnp.zeros((prog.slots + 1, *act_shape), dt), zeros_act, zeros_act, acc0,
-                 jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state), metrics0)
+                                jax.eval_shape(lambda: dev.residuals(chunk0, other, state0, zeros_act, zero_mb,
+                                                                     jnp.int32(0))[2]))
+        carry = _Carry(stash=[jnp.zeros((prog.slots + 1, *a.shape), a.dtype) for a, keep in zip(shapes, stashed) if keep],
+                       g_stash=jnp.zeros((prog.slots + 1, *zeros_act.shape), dt), x_recv=zeros_act, g_recv=zeros_act,
+                       d_stacked=jax.tree.map(jnp.zeros_like, dev.stacked), d_other=jax.tree.map(jnp.zeros_like, other),
+                       ce=jnp.zeros((), jnp.float32), state=jax.tree.map(jnp.zeros_like, dev.state), metrics=metrics0)
         if r > 1:  # one stash and one gradient sum per replica group (carry [R, ...]), see the docstring
             carry = jax.tree.map(lambda a: jnp.zeros((r, *a.shape), a.dtype), carry)
         # Every device runs the token count's all-reduce (over the batch axes) before the first tick:
@@ -262,17 +321,17 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
         # is not 0 for inf or NaN). Else an emulated CPU device could run the fill's collectives
         # while another runs the all-reduce, and each would wait for the other forever
         # (docs/PLATFORM.md, rendezvous).
-        carry = (*carry[:2], carry[2] * tokens.astype(dt), *carry[3:])
+        carry = carry._replace(x_recv=carry.x_recv * tokens.astype(dt))
         for seg in prog.segments:
-            rows = tuple(jnp.asarray(a[seg.start:seg.stop]) for a in (fwd, bwd, head_rows))
+            rows = tuple(jnp.asarray(a[seg.start:seg.stop]) for a in rows_all)
+            tick = functools.partial(dev.tick, seg, zeros_act=zeros_act, zero_mb=zero_mb)
             if r == 1:
-                body = lambda c, rw, seg=seg: tick(seg, c, rw, mbs)  # noqa: E731
+                body = lambda c, rw, tick=tick: tick(c, rw, mbs)  # noqa: E731
             else:
-                per_replica = jax.vmap(lambda c, rw, mb, seg=seg: tick(seg, c, rw, mb), in_axes=(0, None, 0),
-                                       spmd_axis_name=replica_axes)
+                per_replica = jax.vmap(tick, in_axes=(0, None, 0), spmd_axis_name=replica_axes)
                 body = lambda c, rw, per_replica=per_replica: per_replica(c, rw, mbs)  # noqa: E731
             carry, _ = jax.lax.scan(body, carry, rows)
-        (_, _, _, _, (d_stacked, d_other), ce, state_new, metrics) = carry
+        d_stacked, d_other, ce, state_new, metrics = carry.d_stacked, carry.d_other, carry.ce, carry.state, carry.metrics
         if r > 1:  # the replica groups' sums added: the step's one reduction over the replica axes
             d_stacked, d_other, ce, metrics = jax.tree.map(lambda a: a.sum(0), (d_stacked, d_other, ce, metrics))
             state_new = fns.fold_state(state_new)
