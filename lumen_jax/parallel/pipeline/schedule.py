@@ -340,8 +340,9 @@ def _entry_tick(i: int, p: int, v: int) -> int:
 
 
 def lockstep(name: str, stages: int, micro_batches: int, virtual: int = 1) -> Lockstep:
-    """The lock-step program of schedule `name` (zero_bubble runs 1f1b's: in lock step its deferred
-    weight gradients have no idle tick to fill, README "Pipeline parallelism")."""
+    """The lock-step program of schedule `name` (zero_bubble runs 1f1b's: in lock step deferred weight
+    gradients shorten the program only with a weight-gradient unit that reuses the input-gradient
+    unit's per-projection cotangents, not built; README "Pipeline parallelism" has the count)."""
     problem = check_shape(name, stages, micro_batches, virtual)
     if problem:
         raise ValueError(problem)
