@@ -294,6 +294,18 @@ def _weights_and_gradients(s: StepShape, add: Add) -> None:
     if mesh.zero_stage >= 3:
         if mesh.fsdp_regather == "per_step":
             add("fsdp", "all-gather", f"{dt} weights, once per step (kept)", weights * gather / F32_BYTES, 1, True)
+        elif layout.pipeline > 1:
+            # The forward and the backward gather the weights of the chunk they run (1/V of the
+            # stage's). V = 1: the chunk is the same in every tick, and XLA hoists the gathers out of
+            # each segment's loop (once per unit kind per segment); V > 1: the chunk is chosen per
+            # tick, so every tick's forward and backward gather it.
+            prog = _lockstep(s)
+            calls = (sum(g.forward + g.backward for g in prog.segments) if prog.virtual == 1
+                     else sum((g.stop - g.start) * (g.forward + g.backward) for g in prog.segments))
+            add("fsdp", "all-gather", f"{dt} layer weights, per segment (V = 1) or tick (V > 1) and unit",
+                layer_weights * gather / F32_BYTES / prog.virtual, calls, True)
+            add("fsdp", "all-gather", f"{dt} embedding and logits weights (at least once)",
+                (weights - layer_weights) * gather / F32_BYTES, 1, True)
         else:
             add("fsdp", "all-gather", f"{dt} layer weights, forward and backward", layer_weights * gather / F32_BYTES,
                 2 * m, True)
@@ -371,9 +383,8 @@ def _pipeline(s: StepShape, add: Add) -> None:
     layout, model = s.layout, s.model
     if layout.pipeline == 1:
         return
-    name, v = layout.schedule
-    prog = pipeline_lib.lockstep(name, layout.pipeline, s.m, v)
-    ticks = {k: sum(g.stop - g.start for g in prog.segments if getattr(g, k)) for k in ("forward", "backward", "head")}
+    prog = _lockstep(s)
+    ticks = _ticks(prog)
     add("pipeline", "send/recv", "stage activations, one per forward tick", s.row, ticks["forward"], False)
     # The last tick's cotangent goes nowhere: XLA drops its send when that tick is a segment of its own.
     last = prog.segments[-1]
@@ -381,10 +392,22 @@ def _pipeline(s: StepShape, add: Add) -> None:
         ticks["backward"] - (last.stop - last.start == 1), False)
     add("pipeline", "all-reduce", "the last stage's output for the shared loss, and its cotangent", s.row,
         2 * ticks["head"], False)
-    counts = flops.param_counts(model)
-    outside = counts["total"] - model.num_layers * (counts["layer_matmul"] + 2 * model.d_model)
+    # the embedding, the final norm and the untied output: the parameters not cut into stages
+    outside = flops.param_counts(model)["embedding"] + model.d_model * (1 + model.vocab_size * (not model.tie_embeddings))
+    # summed as they are held: over `fsdp` too under ZeRO-3
+    shards = layout.mesh.tensor * (layout.mesh.fsdp if layout.mesh.zero_stage >= 3 else 1)
     add("pipeline", "all-reduce", "fp32 gradients of the replicated embedding, norm and output",
-        outside * F32_BYTES / layout.mesh.tensor, 1, True)
+        outside * F32_BYTES / shards, 1, True)
+
+
+def _lockstep(s: StepShape) -> pipeline_lib.Lockstep:
+    name, v = s.layout.schedule
+    return pipeline_lib.lockstep(name, s.layout.pipeline, s.m, v)
+
+
+def _ticks(prog: pipeline_lib.Lockstep) -> dict[str, int]:
+    """Ticks of `prog` with a forward, a backward, the loss (fill and drain included)."""
+    return {k: sum(g.stop - g.start for g in prog.segments if getattr(g, k)) for k in ("forward", "backward", "head")}
 
 
 @counts_collectives
