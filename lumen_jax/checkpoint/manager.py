@@ -85,6 +85,22 @@ def renamed_field(new: str, old: str, to_old: Callable[[Any], Any], from_old: Ca
     return OlderLayout(target, convert)
 
 
+def _same(tree: Any) -> Any:
+    return tree
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredLayout:
+    """How the state in memory differs from the state on disk (identity for most runs; uneven pipeline
+    stages hold padded layer stacks in memory and store the real layers only, `train/build.py`):
+    `save(state)` the state to write, `target(abstract_state)` the abstract state to read (shapes and
+    shardings), `load(stored)` the state in memory from a read one."""
+
+    save: Callable[[Any], Any] = _same
+    target: Callable[[Any], Any] = _same
+    load: Callable[[Any], Any] = _same
+
+
 def _without_empty(abstract: Any) -> dict | None:
     fields = _fields(abstract)
     kept = {k: v for k, v in fields.items() if jax.tree.leaves(v)}
@@ -102,9 +118,11 @@ class Checkpointer:
     """Saves every `every_steps` steps and/or `every_minutes` minutes, at the last step and on
     preemption (`maybe_save` decides); restores the latest good step."""
 
-    def __init__(self, directory: str, cfg: CheckpointConfig, notify: Callable[..., None] | None = None):
+    def __init__(self, directory: str, cfg: CheckpointConfig, notify: Callable[..., None] | None = None,
+                 layout: StoredLayout = StoredLayout()):
         self.directory = os.path.abspath(directory)
         self.cfg = cfg
+        self.layout = layout  # the state in memory <-> as written (real layers only)
         self._notify = notify or (lambda event, **fields: None)  # (event, step=N): checkpoint_start | checkpoint
         self._last_save_time = time.monotonic()
         self._in_flight: int | None = None  # the step being written in the background
@@ -161,6 +179,7 @@ class Checkpointer:
         waiting for it); the files are written in the background.
         """
         t0 = time.perf_counter()
+        state = self.layout.save(state)
         bad = nonfinite_paths(state)
         if bad:  # never commit a checkpoint that cannot be trained from
             raise NonFiniteState(f"the state after step {step} holds inf or NaN in {bad[0]}"
@@ -235,11 +254,13 @@ class Checkpointer:
 
         Args:
           abstract_state: a dataclass pytree (the TrainState) of `jax.ShapeDtypeStruct` with
-            `sharding` set: the target layout (any mesh, any device count).
+            `sharding` set: the target layout (any mesh, any device count), as in memory (the
+            stored one is `self.layout.target` of it).
           older: layouts in which earlier versions wrote the state, tried in order when a step does
             not read in the current one (after them, the layout without the fields that hold no arrays).
         """
         unusable, layouts = [], (*older, WITHOUT_EMPTY_FIELDS)
+        abstract_state = self.layout.target(abstract_state)  # what the steps hold
         for step in reversed(self.steps()):
             try:
                 out = self._restore(step, abstract_state, layouts)
@@ -251,7 +272,7 @@ class Checkpointer:
                     raise ValueError(f"{bad[0]} holds inf or NaN")
                 for line in unusable:  # one line each, once a good step is found
                     print(f"warning: {line}; resumed from step {step}", file=runlog.console(), flush=True)
-                return Restored(step=step, state=out["state"], meta=meta)
+                stored = out["state"]
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: report and fall back
                 moved = self._other_state(step, abstract_state, layouts)
                 if moved:  # written by a run of another shape: a config error, not corruption
@@ -261,6 +282,8 @@ class Checkpointer:
                                       "resume with the config it was written with (its meta/metadata), or "
                                       "use a new train.run_dir") from None
                 unusable.append(self._quarantine(step, e))
+                continue
+            return Restored(step=step, state=self.layout.load(stored), meta=meta)  # outside the try: never moves it
         if unusable:  # never start again from step 0 behind the user's back
             self.close()
             raise CheckpointError(f"every checkpoint in {self.directory} is unusable (newest: {unusable[0]}); "

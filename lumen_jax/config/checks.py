@@ -156,19 +156,41 @@ def _moe(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
 @rule
 def _pipeline(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
     """mesh.pipeline with its schedule (lumen_jax/parallel/pipeline/schedule.py). With one stage every
-    schedule is the same m forward-backward passes in a row (gradient accumulation): ignored."""
+    schedule is the same m forward-backward passes in a row (gradient accumulation): ignored, and so
+    is mesh.pipeline_layers (uneven stages)."""
     mesh, m, layers = cfg.mesh, cfg.train.micro_batches, cfg.model.num_layers
     p, v = shape["pipeline"], mesh.pipeline_virtual_stages
     chunks = p * v
     yield (v == 1 or mesh.pipeline_schedule == "interleaved",
            f"mesh.pipeline_virtual_stages={v} is for mesh.pipeline_schedule=interleaved, not "
            f"{mesh.pipeline_schedule}; set mesh.pipeline_virtual_stages=1 or mesh.pipeline_schedule=interleaved")
-    yield (p == 1 or layers % chunks == 0,
+    uneven = p > 1 and bool(mesh.pipeline_layers)
+    split = list(mesh.pipeline_layers)
+    yield (not uneven or len(split) == chunks,
+           f"mesh.pipeline_layers={split} has {len(split)} entries, not mesh.pipeline*mesh.pipeline_virtual_stages="
+           f"{p}*{v}={chunks} (one per virtual stage); give {chunks} layer counts or [] for even stages")
+    yield (not uneven or min(split) >= 1,
+           f"mesh.pipeline_layers={split} gives a stage {min(split, default=1)} layers; every stage holds at "
+           "least 1 layer")
+    yield (not uneven or sum(split) == layers,
+           f"mesh.pipeline_layers={split} sums to {sum(split)} layers, not model.num_layers={layers}; make "
+           f"the counts add up to {layers}")
+    fixes = f"use mesh.pipeline_layers (layers per stage, summing to {layers}), a multiple of {chunks} layers, or "
+    yield (p == 1 or uneven or layers % chunks == 0,
            (f"model.num_layers={layers} is not divisible by mesh.pipeline*mesh.pipeline_virtual_stages={p}*{v}="
-            f"{chunks}; every chunk holds the same number of layers, so use a multiple of {chunks} layers or a "
-            f"mesh.pipeline and mesh.pipeline_virtual_stages whose product divides {layers}") if v > 1 else
-           (f"model.num_layers={layers} is not divisible by mesh.pipeline={p}; every stage holds the same number "
-            f"of layers, so use a multiple of {p} layers or a mesh.pipeline among the divisors of {layers}"))
+            f"{chunks}; {fixes}a mesh.pipeline and mesh.pipeline_virtual_stages whose product divides {layers}")
+           if v > 1 else
+           (f"model.num_layers={layers} is not divisible by mesh.pipeline={p}; {fixes}a mesh.pipeline among the "
+            f"divisors of {layers}"))
+    padded = uneven and len(set(split)) > 1
+    # A stage's padding slots are zero layers: a zero router would add a balance loss, a zero weight
+    # an amax of 0 to the fp8 scales; neither is made exact, so those compositions are refused.
+    for key, value, off in (("model.moe.num_experts", cfg.model.moe.num_experts, 0),
+                            ("model.fp8.recipe", cfg.model.fp8.recipe, "none")):
+        yield (not padded or value == off,
+               f"mesh.pipeline_layers={split} (uneven stages) with {key}={value} is not supported (a "
+               f"stage's padding layers would route tokens or scale fp8); use even stages (mesh.pipeline_layers=[]) "
+               f"or {key}={off}")
     yield (p == 1 or mesh.pipeline_schedule == "gpipe" or m >= p,
            f"mesh.pipeline_schedule={mesh.pipeline_schedule} needs train.micro_batches={m} >= mesh.pipeline={p} "
            f"(each stage keeps up to {p} micro-batches in flight); raise train.micro_batches to {p} or more "
@@ -192,7 +214,7 @@ def _pipeline(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
            "model.fp8.keep_bf16=[] (every layer in fp8) or mesh.pipeline=1")
     moe = cfg.model.moe
     groups = layers // moe.every_n_layers if moe.enabled else chunks
-    yield (p == 1 or groups % chunks == 0,
+    yield (p == 1 or padded or groups % chunks == 0,
            f"model.num_layers={layers} with model.moe.every_n_layers={moe.every_n_layers} makes {groups} groups of "
            f"layers (n-1 dense, then one MoE), not divisible into mesh.pipeline*mesh.pipeline_virtual_stages={chunks} "
            f"stages of whole groups; use a multiple of {chunks * moe.every_n_layers} layers")

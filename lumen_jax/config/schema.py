@@ -127,7 +127,7 @@ class MeshConfig:
 
     data: int = 1
     fsdp: int = -1
-    pipeline: int = 1  # stages: the layer stack cut into `pipeline` parts of equal depth
+    pipeline: int = 1  # stages: the layer stack cut into `pipeline` parts (of equal depth unless pipeline_layers)
     expert: int = 1  # expert parallelism: groups of model.moe experts on different devices (shards the batch too)
     context: int = 1
     tensor: int = 1
@@ -151,6 +151,12 @@ class MeshConfig:
     # micro-batches are train.micro_batches
     pipeline_schedule: str = "1f1b"
     pipeline_virtual_stages: int = 1  # interleaved: chunks of layers per device
+    # Layers per virtual stage (pipeline * pipeline_virtual_stages numbers, in stage order, summing to
+    # model.num_layers), e.g. Llama 3's 126 layers on 16 stages: [7, 8, ..., 8, 7]; (): even stages.
+    # Every stage holds max(pipeline_layers) layer slots in memory; a stage with fewer layers fills its
+    # slots with zero layers (the identity), computed in lock step, so they cost FLOPs (not counted in
+    # the FLOPs/MFU metrics) but no step time. Ignored with one stage; checkpoints hold the real layers only.
+    pipeline_layers: tuple[int, ...] = ()
 
     # The mesh axes, the one list of their names, outermost to innermost (Llama 3's order: see README).
     AXES: typing.ClassVar[tuple[str, ...]] = ("data", "fsdp", "pipeline", "expert", "context", "tensor")

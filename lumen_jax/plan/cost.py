@@ -220,7 +220,7 @@ class StepShape:
 
     @property
     def layers(self) -> int:  # layers per pipeline stage
-        return -(-self.model.num_layers // self.layout.pipeline)
+        return self.layout.stage_layers(self.model.num_layers)
 
     @property
     def row(self) -> float:  # one micro-batch's activations [tokens, D] in the compute dtype

@@ -8,7 +8,6 @@ D d_model, F ffn, N*H query width, K*H key/value width, V vocab, t tensor, c con
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from lumen_jax.config import ModelConfig
 from lumen_jax.metrics import flops
@@ -94,7 +93,7 @@ def compute_seconds(model: ModelConfig, layout: Layout, seq_len: int, micro_batc
     mesh, peak = layout.mesh, hw.peak(model.compute_dtype)
     c = compute_bytes(model)
     m_tokens = micro_batch * seq_len / mesh.context
-    layers = math.ceil(model.num_layers / layout.pipeline)
+    layers = layout.stage_layers(model.num_layers)
     passes = 3.0 + (1.0 if redo["projections"] else 0.0)
     per_layer = sum(eff.gemm_seconds(m_tokens, k, n, hw, peak, c) for k, n in layer_gemms(model, mesh.tensor))
     logits = 3.0 * eff.gemm_seconds(m_tokens, model.d_model, model.vocab_size / mesh.tensor, hw, peak, c) / layout.pipeline

@@ -386,7 +386,7 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     tokens = micro_batch * seq_len / layout.mesh.context
     pipelined = layout.pipeline > 1
     name, virtual = layout.schedule
-    layers = -(-model.num_layers // (layout.pipeline * virtual))
+    layers = layout.chunk_layers(model.num_layers)
     parts = working_bytes_per_token(model, layout, seq_len, remat, attention)
     widths = _widths(model, layout, seq_len)
     slots = 0

@@ -40,6 +40,7 @@ class Trainer:
     param_names: dict  # {path: logical axis names}
     ops: Ops  # how the model's ops run (lumen_jax.ops.choice); `ops.note` goes into the start-up line
     older_layouts: tuple  # checkpoint.OlderLayout: how earlier versions wrote this state (restore_latest)
+    stored: checkpoint.StoredLayout  # the state in memory <-> on disk (uneven stages: padded <-> real layers)
     state_shardings: step_lib.TrainState
     batch_sharding: NamedSharding
     init: Any  # () -> TrainState
@@ -54,6 +55,10 @@ class Trainer:
         """Shapes, dtypes and target shardings of the state (for restoring onto this mesh)."""
         return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                             jax.eval_shape(self.init), self.state_shardings)
+
+    def stored_abstract_state(self) -> step_lib.TrainState:
+        """`abstract_state` as checkpoints hold it (the real layers only, in order)."""
+        return self.stored.target(self.abstract_state())
 
     def shard_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Global sharded arrays from this process's rows of the batch.
@@ -74,6 +79,50 @@ def _layer_stacks(names: dict) -> tuple[str, ...]:
                  if all(n[:1] == ("layers",) for n in jax.tree.leaves(sub, is_leaf=is_names)))
 
 
+def _on_stacks(pipe: Pipeline, fn: Any, tree: dict) -> dict:
+    """`fn` applied to the layer stacks of a params-like tree (params, model state), the rest kept."""
+    return {k: fn(v) if k in pipe.stacks else v for k, v in tree.items()}
+
+
+def _stored_sharding(sh: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
+    """The sharding of a stack's real layers [L, ...] as written: L need not divide over `pipeline`,
+    so `pipeline` moves from the layers axis to the first other axis it divides (else the layers
+    are replicated over it for the save): the save copies no more per device than the stage holds."""
+    spec = [*sh.spec, *(None,) * (len(shape) - len(sh.spec))]
+    as_tuple = lambda e: () if e is None else (e,) if isinstance(e, str) else tuple(e)  # noqa: E731
+    spec = [as_tuple(e) for e in spec]
+    p = sh.mesh.shape["pipeline"]
+    spec[0] = tuple(a for a in spec[0] if a != "pipeline")
+    for i in range(1, len(shape)):
+        if shape[i] % (int(np.prod([sh.mesh.shape[a] for a in spec[i]])) * p) == 0:
+            spec[i] = (*spec[i], "pipeline")
+            break
+    return NamedSharding(sh.mesh, P(*(e[0] if len(e) == 1 else (e or None) for e in spec)))
+
+
+def _stored_layout(pipe: Pipeline, tx: optax.GradientTransformation, abstract: step_lib.TrainState,
+                   state_sh: step_lib.TrainState) -> checkpoint.StoredLayout:
+    """Uneven stages: the padded stacks in memory (params, the optimizer's copies of them, model
+    state) <-> their real layers [L, ...] on disk, so a checkpoint restores under any stage split,
+    even stages or no pipeline (checkpoint.StoredLayout)."""
+    marks = {k: jax.tree.map(lambda _: k in pipe.stacks, v) for k, v in abstract.params.items()}
+
+    def convert(fn: Any, state: step_lib.TrainState) -> step_lib.TrainState:
+        opt = optax.tree_map_params(tx, lambda a, stack: fn(a) if stack else a, state.opt_state, marks,
+                                    transform_non_params=lambda a: a)
+        return state.replace(params=_on_stacks(pipe, fn, state.params), opt_state=opt,
+                             model_state=_on_stacks(pipe, fn, state.model_state))
+
+    stored = jax.eval_shape(functools.partial(convert, pipe.unpad), abstract)
+    stored_sh = jax.tree.map(lambda s, a, sh: sh if s.shape == a.shape else _stored_sharding(sh, s.shape),
+                             stored, abstract, state_sh)
+    to_disk = jax.jit(functools.partial(convert, pipe.unpad), out_shardings=stored_sh)
+    from_disk = jax.jit(functools.partial(convert, pipe.pad), out_shardings=state_sh)
+    with_sh = lambda _: jax.tree.map(  # noqa: E731
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), stored, stored_sh)
+    return checkpoint.StoredLayout(save=to_disk, target=with_sh, load=from_disk)
+
+
 def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
     """The run of `cfg` on `mesh`. `ops`: how the model's ops run; None chooses them from the mesh's
     devices (`ops.choice.choose`); `python -m lumen_jax.lower` passes the choice for a target GPU."""
@@ -87,7 +136,7 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
     fp16 = cfg.model.compute_dtype == "float16"
     pipe = (Pipeline.create(mesh, cfg.model.d_model, cfg.model.compute_dtype, cfg.mesh.pipeline_schedule,
                             cfg.train.micro_batches, cfg.mesh.pipeline_virtual_stages,
-                            stacks=_layer_stacks(names))
+                            stacks=_layer_stacks(names), layers=cfg.mesh.pipeline_layers)
             if mesh.shape["pipeline"] > 1 else None)
     sc = step_lib.StepConfig(graphdef=model.graphdef, tx=tx, lr_schedule=schedule(cfg.optim, cfg.train.steps),
                              micro_batches=cfg.train.micro_batches, z_loss=cfg.optim.z_loss,
@@ -107,6 +156,8 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
 
     def make_state() -> step_lib.TrainState:
         params, model_state = init_model(cfg.model, cfg.train.seed, ops)
+        if pipe is not None:  # uneven stages: the stacks padded with zero layers (Pipeline.pad)
+            params, model_state = _on_stacks(pipe, pipe.pad, params), _on_stacks(pipe, pipe.pad, model_state)
         return step_lib.init_state(params, tx, cfg.optim.loss_scale_init if fp16 else 1.0, model_state)
 
     abstract = jax.eval_shape(make_state)
@@ -142,5 +193,6 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
     grads = jax.jit(traced(lambda p, b: step_lib.loss_and_grads(p, b, 1.0, sc, placement)),
                     in_shardings=(param_sh, batch_shardings), out_shardings=(replicated, grad_sh))
     older = (checkpoint.renamed_field("model_state", *projection.legacy_state_layout()),)
+    stored = _stored_layout(pipe, tx, abstract, state_sh) if pipe is not None and pipe.layers else checkpoint.StoredLayout()
     return Trainer(cfg=cfg, mesh=mesh, rules=rules, step_cfg=sc, param_names=names, ops=ops, older_layouts=older,
-                   state_shardings=state_sh, batch_sharding=batch_sh, init=init, step=step, grads=grads)
+                   stored=stored, state_shardings=state_sh, batch_sharding=batch_sh, init=init, step=step, grads=grads)

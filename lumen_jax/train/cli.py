@@ -104,7 +104,8 @@ def train(cfg: Config, stop=None) -> dict:
                           f"set model.vocab_size>={data.tokenizer.vocab_size}")
     # Before anything in the run directory changes: does its checkpoint fit this config?
     config = to_dict(cfg)
-    resume.check(config, os.path.join(run_dir, "checkpoints"), trainer.abstract_state(), run_dir, data.check_state)
+    resume.check(config, os.path.join(run_dir, "checkpoints"), trainer.stored_abstract_state(), run_dir,
+                 data.check_state)
     if jax.process_index() == 0:
         rundir.write_json(run_dir, "config.json", config)
     planned, planned_error = _planned_bytes(cfg, trainer) if jax.process_index() == 0 else (None, "")

@@ -105,8 +105,10 @@ def _start(trainer: Trainer, data: Iterator, ckpt: Checkpointer, init_from: str)
         data.set_state(_own_data_state(restored.meta["data"]))
         return restored.state, restored.step
     state = trainer.init()
-    if init_from:
-        state = state.replace(params=weights.init_from(init_from, trainer.abstract_state().params))
+    if init_from:  # the weights are read as checkpoints hold them (the real layers), then laid out
+        stored = trainer.stored.save(state)
+        params = weights.init_from(init_from, trainer.stored_abstract_state().params)
+        state = trainer.stored.load(stored.replace(params=params))
     return state, 0
 
 
@@ -115,7 +117,8 @@ def _run(trainer: Trainer, data: Iterator, run_dir: str, spec: RunSpec, stop: St
     is_main = jax.process_index() == 0
     events = Events(run_dir, is_main)
     weights.refuse_weights_only(run_dir)  # restoring would move the imported weights aside as unreadable
-    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), spec.checkpoint, notify=events.write)
+    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), spec.checkpoint, notify=events.write,
+                        layout=trainer.stored)
     data = timing.TimedData(data)  # the seconds `next(data)` takes: data_wait_s
     state, start = _start(trainer, data, ckpt, spec.train.init_from)
     attempt = events.count("start") + 1  # this run directory's attempt number (1: the first start)
@@ -151,7 +154,7 @@ def _run(trainer: Trainer, data: Iterator, run_dir: str, spec: RunSpec, stop: St
         print("lumen_jax: " + memory.memory_line(memory.compiled_bytes(compiled), spec.planned_bytes,
                                                  spec.planned_error) + " (compile.json)", flush=True)
 
-    shapes = resume.state_shapes(state)  # what a resume under another config compares (resume.py)
+    shapes = resume.state_shapes(trainer.stored_abstract_state())  # what a resume under another config compares (resume.py)
 
     def meta(data_state: dict) -> dict:  # only when saving: gathers every process's data position
         return {"data": _all_data_states(data_state), "config": spec.config, "state_shapes": shapes}

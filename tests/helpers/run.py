@@ -41,7 +41,7 @@ def batches(cfg: Config) -> list[dict]:
 
 def run(cfg: Config, devices=None) -> dict:
     """Loss, grad norm and metrics per step, the full gradients before the first and after the last
-    step, and the model state after it.
+    step, the model state after it, the trainer and the last state.
 
     Parameters themselves are not compared: Adam divides by sqrt(v), so an element whose gradient
     is ~0 turns reduction-order noise into an lr-sized difference. The gradients after 3 steps
@@ -62,7 +62,7 @@ def run(cfg: Config, devices=None) -> dict:
     _, grads_end = trainer.grads(state.params, data[-1])
     return {"losses": np.array(losses), "grad_norms": np.array(norms), "metrics": metrics,
             "grads": jax.device_get(grads0), "grads_end": jax.device_get(grads_end),
-            "model_state": jax.device_get(state.model_state)}
+            "model_state": jax.device_get(state.model_state), "trainer": trainer, "state": state}
 
 
 def assert_same_run(got: dict, ref: dict, name: str) -> None:

@@ -549,3 +549,19 @@ def test_moe_presets_plan_on_64_gpus(config, total, active, capsys):
     tokens = cfg.data.global_batch_size * cfg.data.seq_len / 64 / cfg.train.micro_batches
     buffers = plan.moe.layer_bytes(cfg.model, layout, tokens)["saved"]  # remat full: one layer's, recomputed
     assert out["activations"]["working"] >= buffers > 0
+
+
+def test_uneven_stages_plan_the_dearest_stage():
+    """mesh.pipeline_layers=[2, 6] on 8 layers: every tick lasts as long as the 6-layer stage, so the
+    step's compute is that of even stages of 6 layers (12 layers), and the FLOPs counted (MFU) are
+    the 8 real layers'."""
+    def planned(layers: int, *split: str):
+        cfg = load_config("configs/tiny.yaml", [f"model.num_layers={layers}", "mesh.fsdp=1", "mesh.pipeline=2",
+                                                "train.micro_batches=4", *split])
+        return plan.predict(cfg, plan.layout_from_config(cfg, 2), H100)
+
+    uneven, deep, even = planned(8, "mesh.pipeline_layers=[2,6]"), planned(12), planned(8)
+    assert uneven.compute_s == pytest.approx(deep.compute_s, rel=1e-9)
+    assert uneven.compute_s > even.compute_s
+    assert uneven.flops_per_token == even.flops_per_token  # the real layers only
+    assert uneven.mfu == pytest.approx(even.mfu * even.step_time_s / uneven.step_time_s, rel=1e-6)

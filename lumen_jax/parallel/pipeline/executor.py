@@ -18,6 +18,11 @@ every stage, so there is no conditional and no stage computes a branch it drops:
   cotangent, which moves one stage back. The forward is not recomputed: residuals that depend only
   on the weights (their compute-dtype casts) are not stashed but taken again from the weights.
 
+Uneven stages (`mesh.pipeline_layers`) keep the stacks padded in memory (`Pipeline.pad`): each
+virtual stage holds max(pipeline_layers) layer slots, the ones past its own layers all zeros, which
+is exactly the identity; they are computed like the others (in lock step a tick lasts as long as
+the dearest stage, so a shorter stage would wait that long anyway: the padding costs FLOPs, not time).
+
 A stage with nothing to do in the fill or the drain computes on zeros and adds zeros: that work is
 the bubble (`Lockstep.bubble`, the schedule's formula). Gradients of the replicated parameters are
 summed over `pipeline` once at the end. With replica groups (`data`, and `fsdp` under
@@ -71,19 +76,47 @@ class Pipeline:
     d_model: int
     compute_dtype: str
     stacks: tuple[str, ...] = ("blocks",)  # the top-level parameters stacked along `layers` (cut into stages)
+    # Layers per virtual stage when they differ (`mesh.pipeline_layers`); (): even stages. See `pad`.
+    layers: tuple[int, ...] = ()
 
     @classmethod
     def create(cls, mesh: Mesh, d_model: int, compute_dtype: str, schedule: str, micro_batches: int,
-               virtual: int = 1, stacks: tuple[str, ...] = ("blocks",)) -> "Pipeline":
+               virtual: int = 1, stacks: tuple[str, ...] = ("blocks",), layers: tuple[int, ...] = ()) -> "Pipeline":
         return cls(mesh=mesh, program=tables.lockstep(schedule, mesh.shape[AXIS], micro_batches, virtual),
-                   d_model=d_model, compute_dtype=compute_dtype, stacks=stacks)
+                   d_model=d_model, compute_dtype=compute_dtype, stacks=stacks,
+                   layers=tuple(layers) if len(set(layers)) > 1 else ())
+
+    def _slots(self) -> np.ndarray:
+        """[L]: the padded slot of each real layer, w * Lmax + j for layer j of virtual stage w."""
+        lmax = max(self.layers)
+        return np.concatenate([w * lmax + np.arange(n) for w, n in enumerate(self.layers)])
+
+    def pad(self, stacks: Any) -> Any:
+        """Uneven stages (`layers`): [L, ...] (the real layers in order) -> [P*V*Lmax, ...], the layout
+        the stacks have in memory: every virtual stage w owns Lmax = max(layers) slots from w * Lmax,
+        its layers first, zeros in the rest (identity with even stages).
+
+        A slot of zeros is exactly the identity of the pre-norm residual block (zero norm scales give a
+        zero input, zero output projections add 0) and its gradients are exactly 0, so AdamW keeps it
+        zero: it is computed in lock step (a tick lasts as long as the dearest stage anyway) and adds nothing.
+        """
+        if not self.layers:
+            return stacks
+        slots, n = self._slots(), len(self.layers) * max(self.layers)
+        return jax.tree.map(lambda a: jnp.zeros((n, *a.shape[1:]), a.dtype).at[slots].set(a), stacks)
+
+    def unpad(self, stacks: Any) -> Any:
+        """The inverse of `pad`: [P*V*Lmax, ...] -> the real layers [L, ...] in order."""
+        if not self.layers:
+            return stacks
+        return jax.tree.map(lambda a: a[self._slots()], stacks)
 
     def bubble(self) -> float:
         """The share of the executed work that is the fill and the drain (the `pipeline_bubble` metric)."""
         return self.program.bubble()
 
     def to_stages(self, blocks: Any) -> Any:
-        """[L, ...] -> [P*V*Lc, ...] ordered device by device: device s holds chunks c = 0..V-1,
+        """[L, ...] (padded with uneven stages: `pad`) -> [P*V*Lc, ...] ordered device by device: device s holds chunks c = 0..V-1,
         the layers of virtual stages c*P + s (identity unless interleaved)."""
         p, v = self.program.stages, self.program.virtual
         if v == 1:

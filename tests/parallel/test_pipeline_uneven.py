@@ -1,0 +1,186 @@
+"""Uneven pipeline stages (`mesh.pipeline_layers`): the stacks padded with zero layers in memory, the
+real layers on disk. Losses, grad norms and gradients (real layers) against one device; the padding's
+gradients exactly zero and its weights still zero after the optimizer steps; checkpoints that move
+between stage splits; the config's refusals."""
+
+import dataclasses
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from helpers.paths import REPO
+from helpers.run import BASE, assert_same_run, batches, run, with_mesh
+from helpers.tolerances import FP32_RTOL, assert_tree_close
+from lumen_jax.checkpoint.manager import Checkpointer
+from lumen_jax.config import CheckpointConfig, ConfigError, Fp8Config, MeshConfig, MoeConfig
+from lumen_jax.config.checks import validate
+from lumen_jax.model import apply, init_params
+from lumen_jax.model.transformer import param_shapes_and_names
+from lumen_jax.parallel.mesh import make_mesh
+from lumen_jax.train.build import build
+
+M = 4  # micro-batches
+L3 = BASE.replace(model=dataclasses.replace(BASE.model, num_layers=3))
+L6 = BASE.replace(model=dataclasses.replace(BASE.model, num_layers=6))
+
+
+def _trainer(cfg):
+    shape = {a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}
+    return build(cfg, make_mesh(shape, jax.devices()[:int(np.prod(list(shape.values())))]))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {n: run(with_mesh(cfg, micro_batches=M), jax.devices()[:1]) for n, cfg in ((3, L3), (6, L6))}
+
+
+def _real_and_padding(got: dict, pipe) -> tuple[dict, list]:
+    """`run`'s result with the stacks' real layers only (as one device holds them), and the padding
+    slots' leaves of every padded tree (gradients before and after)."""
+    slots = set(pipe._slots().tolist())
+    pad = [i for i in range(len(pipe.layers) * max(pipe.layers)) if i not in slots]
+    out, padding = dict(got), []
+    for key in ("grads", "grads_end"):
+        out[key] = {k: pipe.unpad(v) if k in pipe.stacks else v for k, v in got[key].items()}
+        padding += [a[pad] for k in pipe.stacks for a in jax.tree.leaves(got[key][k])]
+    return out, padding
+
+
+CASES = [
+    ("1f1b", 2, 1, 3, [1, 2], {}),
+    ("gpipe", 2, 1, 3, [2, 1], {}),
+    pytest.param("zero_bubble", 2, 1, 3, [2, 1], {}, marks=pytest.mark.heavy),
+    pytest.param("interleaved", 2, 2, 6, [1, 2, 2, 1], {}, marks=pytest.mark.heavy),
+    pytest.param("1f1b", 2, 1, 3, [1, 2], dict(data=2), marks=pytest.mark.heavy),
+    pytest.param("1f1b", 2, 1, 3, [1, 2], dict(tensor=2), marks=pytest.mark.heavy),
+]
+
+
+@pytest.mark.parametrize("schedule,stages,virtual,layers,split,mesh", CASES)
+def test_uneven_stages_match_one_device(reference, schedule, stages, virtual, layers, split, mesh):
+    """3 steps: losses, grad norms, the real layers' gradients before and after them equal one
+    device's; the padding slots' gradients are exactly 0 and their weights still exactly 0."""
+    cfg = with_mesh(L3 if layers == 3 else L6, micro_batches=M, pipeline=stages, pipeline_schedule=schedule,
+                    pipeline_virtual_stages=virtual, pipeline_layers=tuple(split), **mesh)
+    validate(cfg, stages * int(np.prod(list(mesh.values()) or [1])))
+    got = run(cfg, jax.devices()[:stages * int(np.prod(list(mesh.values()) or [1]))])
+    pipe = got["trainer"].step_cfg.pipeline
+    assert pipe.layers == tuple(split)
+    real, padding = _real_and_padding(got, pipe)
+    assert_same_run(real, reference[layers], f"pipeline_layers={split} {schedule} {mesh}")
+    assert padding and all(not np.any(a) for a in padding), "padding slots with non-zero gradients"
+    # In memory virtual stage w holds pipeline_layers[w] real layers, then zero slots (the weights
+    # after 3 steps: the padding still exactly zero).
+    lmax, params = max(split), jax.device_get(got["state"].params)
+    for leaf in jax.tree.leaves({k: params[k] for k in pipe.stacks}):
+        used = [[bool(np.any(leaf[w * lmax + j])) for j in range(lmax)] for w in range(len(split))]
+        assert used == [[j < n for j in range(lmax)] for n in split], f"layer slots in use {used}, split {split}"
+
+
+def test_zero_layer_is_the_identity():
+    """The base of the padded layout: a block whose every weight is 0 (norm scales included) leaves
+    the residual stream bit for bit as it was, and its gradients are exactly 0."""
+    import jax.numpy as jnp
+
+    cfg = dataclasses.replace(BASE.model, num_layers=2, qk_norm=True, qkv_bias=True)
+    graphdef3, _, _ = param_shapes_and_names(dataclasses.replace(cfg, num_layers=3))
+    params = init_params(cfg, 0)
+    padded = {**params, "blocks": jax.tree.map(lambda a: jnp.concatenate([a[:1], jnp.zeros_like(a[:1]), a[1:]]),
+                                               params["blocks"])}
+    graphdef2, _, _ = param_shapes_and_names(cfg)
+    tokens = jnp.arange(64, dtype=jnp.int32).reshape(2, 32) % cfg.vocab_size
+    positions = jnp.broadcast_to(jnp.arange(32), (2, 32))
+    np.testing.assert_array_equal(apply(graphdef3, padded, tokens, positions), apply(graphdef2, params, tokens, positions))
+    grads = jax.grad(lambda p: apply(graphdef3, p, tokens, positions).sum())(padded)
+    assert all(not np.any(a[1]) for a in jax.tree.leaves(grads["blocks"]))
+    assert all(np.any(a[0]) for a in jax.tree.leaves(grads["blocks"]))  # the real layers do get gradients
+
+
+def _one_step_saved(cfg, path: str, data: list):
+    trainer = _trainer(cfg)
+    state, _ = trainer.step(trainer.init(), trainer.shard_batch(data[0]))
+    ckpt = Checkpointer(path, CheckpointConfig(), layout=trainer.stored)
+    ckpt.save(1, state, {})
+    ckpt.wait()
+    ckpt.close()
+    return trainer, state
+
+
+@pytest.mark.heavy
+def test_checkpoint_moves_between_stage_splits(reference, tmp_path):
+    """A step at pipeline_layers=[1, 2], saved (the real layers [3, ...] on disk), restored with no
+    pipeline and at [2, 1]: the restored real weights and moments are bit-identical to what was saved
+    (a copy), and the next two steps continue the uninterrupted one-device run (fp32 tolerance: the
+    stages add the gradients in another order)."""
+    data = batches(L3)
+    path = str(tmp_path / "ckpt")
+    uneven = with_mesh(L3, micro_batches=M, pipeline=2, pipeline_layers=(1, 2))
+    writer, saved = _one_step_saved(uneven, path, data)
+    stored = jax.device_get(writer.stored.save(saved))
+    assert jax.tree.leaves(stored.params["blocks"])[0].shape[0] == 3
+    for cfg in (with_mesh(L3, micro_batches=M), with_mesh(L3, micro_batches=M, pipeline=2, pipeline_layers=(2, 1))):
+        reader = _trainer(cfg)
+        restored = Checkpointer(path, CheckpointConfig(), layout=reader.stored).restore_latest(reader.abstract_state())
+        state = restored.state
+        for got, sh in zip(jax.tree.leaves(state), jax.tree.leaves(reader.state_shardings)):
+            assert got.sharding == sh
+        assert_tree_close(jax.device_get(reader.stored.save(state)), stored, 0.0, what="restored ")
+        losses, norms = [], []
+        for batch in data[1:]:
+            state, m = reader.step(state, reader.shard_batch(batch))
+            losses.append(float(m["loss"]))
+            norms.append(float(m["grad_norm"]))
+        np.testing.assert_allclose(losses, reference[3]["losses"][1:], rtol=FP32_RTOL)
+        np.testing.assert_allclose(norms, reference[3]["grad_norms"][1:], rtol=FP32_RTOL)
+
+
+def _check(layers=3, split=(1, 2), virtual=1, **model):
+    cfg = with_mesh(BASE.replace(model=dataclasses.replace(BASE.model, num_layers=layers, **model)), micro_batches=M,
+                    pipeline=2, pipeline_schedule="interleaved" if virtual > 1 else "1f1b",
+                    pipeline_virtual_stages=virtual, pipeline_layers=tuple(split))
+    return validate(cfg, 2)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(split=(1, 1, 1)), "mesh.pipeline_layers=[1, 1, 1] has 3 entries, not mesh.pipeline*"
+                            "mesh.pipeline_virtual_stages=2*1=2"),
+    (dict(split=(1, 2), virtual=2, layers=3), "mesh.pipeline_layers=[1, 2] has 2 entries, not "
+                                              "mesh.pipeline*mesh.pipeline_virtual_stages=2*2=4"),
+    (dict(split=(0, 3)), "mesh.pipeline_layers=[0, 3] gives a stage 0 layers"),
+    (dict(split=(1, 3)), "mesh.pipeline_layers=[1, 3] sums to 4 layers, not model.num_layers=3"),
+    (dict(layers=4, split=(1, 3), moe=MoeConfig(num_experts=4, every_n_layers=1)),
+     "mesh.pipeline_layers=[1, 3] (uneven stages) with model.moe.num_experts=4 is not supported"),
+    (dict(split=(1, 2), fp8=Fp8Config(recipe="delayed", keep_bf16=())),
+     "mesh.pipeline_layers=[1, 2] (uneven stages) with model.fp8.recipe=delayed is not supported"),
+])
+def test_config_errors(changes, message):
+    with pytest.raises(ConfigError) as e:
+        _check(**changes)
+    text = str(e.value)
+    assert text.startswith(message) and "\n" not in text, text
+
+
+def test_config_accepts():
+    assert _check()["pipeline"] == 2
+    assert _check(split=(2, 2), layers=4, moe=MoeConfig(num_experts=4, every_n_layers=2))["pipeline"] == 2  # even
+
+
+def _train(*overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lumen_jax.train", "--config", "configs/tiny.yaml", *overrides],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def test_train_cli_points_uneven_depths_to_pipeline_layers(tmp_path):
+    """What the issue's user saw: 126 layers on 16 stages refused; now the line names the key that does it."""
+    proc = _train("model.num_layers=3", "mesh.pipeline=2", f"train.run_dir={tmp_path / 'run'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[0]
+    assert line.startswith("error: model.num_layers=3 is not divisible by mesh.pipeline=2; use mesh.pipeline_layers"), line
+    proc = _train("model.num_layers=3", "mesh.pipeline=2", "mesh.pipeline_layers=[1,3]", f"train.run_dir={tmp_path / 'run'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[0].startswith(
+        "error: mesh.pipeline_layers=[1, 3] sums to 4 layers, not model.num_layers=3"), proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
