@@ -183,14 +183,10 @@ def _pipeline(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
            (f"model.num_layers={layers} is not divisible by mesh.pipeline={p}; {fixes}a mesh.pipeline among the "
             f"divisors of {layers}"))
     padded = uneven and len(set(split)) > 1
-    # A stage's padding slots are zero layers: a zero router would add a balance loss, a zero weight
-    # an amax of 0 to the fp8 scales; neither is made exact, so those compositions are refused.
-    for key, value, off in (("model.moe.num_experts", cfg.model.moe.num_experts, 0),
-                            ("model.fp8.recipe", cfg.model.fp8.recipe, "none")):
-        yield (not padded or value == off,
-               f"mesh.pipeline_layers={split} (uneven stages) with {key}={value} is not supported (a "
-               f"stage's padding layers would route tokens or scale fp8); use even stages (mesh.pipeline_layers=[]) "
-               f"or {key}={off}")
+    n = cfg.model.moe.every_n_layers if cfg.model.moe.enabled else 1
+    yield (not uneven or all(a % n == 0 for a in split),
+           f"mesh.pipeline_layers={split} with model.moe.every_n_layers={n}: a stage holds whole groups of {n} "
+           f"layers (n-1 dense, then one MoE); give every stage a multiple of {n} layers")
     yield (p == 1 or mesh.pipeline_schedule == "gpipe" or m >= p,
            f"mesh.pipeline_schedule={mesh.pipeline_schedule} needs train.micro_batches={m} >= mesh.pipeline={p} "
            f"(each stage keeps up to {p} micro-batches in flight); raise train.micro_batches to {p} or more "

@@ -81,9 +81,15 @@ class Transformer(nnx.Module):
         return constrain(jnp.take(table_vd, tokens_bt, axis=0), ("batch", "act_seq", "act_embed"))
 
     def run_layers(self, x_btd: jax.Array, positions_bt: jax.Array,
-                   segment_ids_bt: jax.Array | None = None) -> tuple[jax.Array, dict]:
+                   segment_ids_bt: jax.Array | None = None,
+                   real_layers: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """The stacked blocks this module holds (all `num_layers`, or one pipeline stage's slice of
-        them): (residual stream, aux as in `forward`)."""
+        them): (residual stream, aux as in `forward`).
+
+        `real_layers`: how many of the held layers are real (uneven pipeline stages pad a stage's
+        stack with zero layers after its own, `parallel/pipeline/executor.Pipeline.pad`); None: all.
+        A zero layer is the identity, but a zero MoE router still routes, so the MoE groups past the
+        real ones add no auxiliary loss and no metrics."""
         cfg = self.cfg
         inv_freq = rope_frequencies(cfg)
 
@@ -96,7 +102,7 @@ class Transformer(nnx.Module):
             return body
 
         if cfg.moe.enabled:
-            return self._moe_stack(x_btd, make_body)
+            return self._moe_stack(x_btd, make_body, real_layers)
         graphdef, layer_state = nnx.split(self.blocks)
         runs = self.ops.layer_runs(cfg.num_layers)
         if len(runs) == 1:
@@ -115,9 +121,10 @@ class Transformer(nnx.Module):
         logits = project("btd,dv->btv", x_btd, w_dv.astype(dt), self.ops, out_dtype=jnp.float32)
         return constrain(logits, ("batch", "seq", "act_vocab"))
 
-    def _moe_stack(self, x_btd: jax.Array, make_body) -> tuple[jax.Array, dict]:
+    def _moe_stack(self, x_btd: jax.Array, make_body, real_layers: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """The layers as one scan over groups of `moe.every_n_layers`: n-1 dense layers (a scan of
-        their own), then an MoE layer. Returns the residual stream and the aux terms (see `forward`)."""
+        their own), then an MoE layer. Returns the residual stream and the aux terms (see `forward`;
+        `real_layers`: see `run_layers`)."""
         n = self.cfg.moe.every_n_layers
         moe_graph, moe_state = nnx.split(self.moe_blocks)
         moe_body = make_body(moe_graph, self.ops)
@@ -134,8 +141,13 @@ class Transformer(nnx.Module):
             return moe_body(x_btd, moe_g)
 
         x_btd, per_layer = jax.lax.scan(group, x_btd, (dense, moe_state))
-        loss = per_layer.pop("loss").sum()
-        return x_btd, {"loss": loss, "metrics": {k: v.mean() for k, v in per_layer.items()}}
+        if real_layers is None:
+            loss = per_layer.pop("loss").sum()
+            return x_btd, {"loss": loss, "metrics": {k: v.mean() for k, v in per_layer.items()}}
+        real = jnp.arange(per_layer["loss"].shape[0]) < real_layers // n  # the groups that are not padding
+        loss = jnp.where(real, per_layer.pop("loss"), 0.0).sum()
+        count = jnp.maximum(real.sum(), 1).astype(jnp.float32)
+        return x_btd, {"loss": loss, "metrics": {k: jnp.where(real, v, 0.0).sum() / count for k, v in per_layer.items()}}
 
 
 @dataclasses.dataclass(frozen=True)

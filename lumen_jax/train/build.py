@@ -84,6 +84,13 @@ def _on_stacks(pipe: Pipeline, fn: Any, tree: dict) -> dict:
     return {k: fn(v) if k in pipe.stacks else v for k, v in tree.items()}
 
 
+def _fresh_state(pipe: Pipeline | None, state: dict) -> dict:
+    """The model state at step 0 (zeros), with uneven stages in the padded layout of the stacks."""
+    if pipe is not None and pipe.layers:
+        state = jax.eval_shape(functools.partial(_on_stacks, pipe, pipe.pad), state)
+    return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), state)
+
+
 def _stored_sharding(sh: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
     """The sharding of a stack's real layers [L, ...] as written: L need not divide over `pipeline`,
     so `pipeline` moves from the layers axis to the first other axis it divides (else the layers
@@ -142,7 +149,7 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
                              micro_batches=cfg.train.micro_batches, z_loss=cfg.optim.z_loss,
                              dynamic_loss_scale=fp16,
                              loss_scale_growth_interval=cfg.optim.loss_scale_growth_interval,
-                             fresh_state=jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), model.state),
+                             fresh_state=_fresh_state(pipe, model.state),
                              state_combine=model.state_combine,
                              weight_dtypes=jax.tree.map(lambda n: ops.weight_dtype(n, cfg.model.compute_dtype),
                                                         names, is_leaf=lambda x: isinstance(x, tuple)),

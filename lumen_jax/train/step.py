@@ -91,8 +91,10 @@ def _micro_loss(params: dict, model_state: dict, mb: Batch, total_tokens: jax.Ar
 
 def stage_fns(sc: StepConfig) -> pipeline_step.StageFns:
     """The model's parts the pipelined step runs, each on the parameters of one stage's chunk."""
-    def layers(params: dict, state: dict, x_btd: jax.Array, mb: Batch) -> tuple[jax.Array, jax.Array, dict]:
-        y_btd, aux = merge(sc.graphdef, params, state).run_layers(x_btd, mb["positions"], mb["segment_ids"])
+    def layers(params: dict, state: dict, x_btd: jax.Array, mb: Batch,
+               real_layers: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict]:
+        y_btd, aux = merge(sc.graphdef, params, state).run_layers(x_btd, mb["positions"], mb["segment_ids"],
+                                                                  real_layers)
         return y_btd, aux.get("loss", jnp.zeros((), jnp.float32)), aux.get("metrics", {})
 
     def head(params: dict, y_btd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array):

@@ -40,13 +40,17 @@ def reference():
 def _real_and_padding(got: dict, pipe) -> tuple[dict, list]:
     """`run`'s result with the stacks' real layers only (as one device holds them), and the padding
     slots' leaves of every padded tree (gradients before and after)."""
-    slots = set(pipe._slots().tolist())
-    pad = [i for i in range(len(pipe.layers) * max(pipe.layers)) if i not in slots]
     out, padding = dict(got), []
     for key in ("grads", "grads_end"):
         out[key] = {k: pipe.unpad(v) if k in pipe.stacks else v for k, v in got[key].items()}
-        padding += [a[pad] for k in pipe.stacks for a in jax.tree.leaves(got[key][k])]
+        padding += [_padding(pipe, a) for k in pipe.stacks for a in jax.tree.leaves(got[key][k])]
     return out, padding
+
+
+def _padding(pipe, a):
+    """The padding slots of a padded stack's leaf `a` (a stack may hold a share of the layers: MoE)."""
+    real = set(pipe._slots(a.shape[0] * sum(pipe.layers) // (len(pipe.layers) * max(pipe.layers))).tolist())
+    return a[[i for i in range(a.shape[0]) if i not in real]]
 
 
 CASES = [
@@ -151,10 +155,8 @@ def _check(layers=3, split=(1, 2), virtual=1, **model):
                                               "mesh.pipeline*mesh.pipeline_virtual_stages=2*2=4"),
     (dict(split=(0, 3)), "mesh.pipeline_layers=[0, 3] gives a stage 0 layers"),
     (dict(split=(1, 3)), "mesh.pipeline_layers=[1, 3] sums to 4 layers, not model.num_layers=3"),
-    (dict(layers=4, split=(1, 3), moe=MoeConfig(num_experts=4, every_n_layers=1)),
-     "mesh.pipeline_layers=[1, 3] (uneven stages) with model.moe.num_experts=4 is not supported"),
-    (dict(split=(1, 2), fp8=Fp8Config(recipe="delayed", keep_bf16=())),
-     "mesh.pipeline_layers=[1, 2] (uneven stages) with model.fp8.recipe=delayed is not supported"),
+    (dict(layers=6, split=(2, 4), moe=MoeConfig(num_experts=4, every_n_layers=3)),
+     "mesh.pipeline_layers=[2, 4] with model.moe.every_n_layers=3: a stage holds whole groups of 3 layers"),
 ])
 def test_config_errors(changes, message):
     with pytest.raises(ConfigError) as e:
@@ -165,6 +167,8 @@ def test_config_errors(changes, message):
 
 def test_config_accepts():
     assert _check()["pipeline"] == 2
+    assert _check(layers=6, split=(2, 4), moe=MoeConfig(num_experts=4, every_n_layers=2))["pipeline"] == 2
+    assert _check(split=(1, 2), fp8=Fp8Config(recipe="delayed", keep_bf16=()))["pipeline"] == 2
     assert _check(split=(2, 2), layers=4, moe=MoeConfig(num_experts=4, every_n_layers=2))["pipeline"] == 2  # even
 
 
@@ -184,3 +188,63 @@ def test_train_cli_points_uneven_depths_to_pipeline_layers(tmp_path):
     assert proc.stderr.strip().splitlines()[0].startswith(
         "error: mesh.pipeline_layers=[1, 3] sums to 4 layers, not model.num_layers=3"), proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+def _moe(layers: int, every_n: int):
+    """every_n=1 balances with the selection bias (model state cut into the stages with its layers)."""
+    return BASE.replace(model=dataclasses.replace(BASE.model, num_layers=layers, moe=MoeConfig(
+        num_experts=4, top_k=2, every_n_layers=every_n, balance="bias" if every_n == 1 else "aux_loss",
+        bias_update_rate=0.01)))
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("layers,every_n,split,mesh", [
+    (3, 1, [1, 2], dict(expert=2)),  # MoE every layer, bias balance: the padding's routing leaves no trace
+    (6, 2, [4, 2], {}),  # two stacks (dense, MoE) padded in the same share; the aux loss of real groups only
+], ids=["n1-[1,2]-ep2", "n2-[4,2]"])
+def test_uneven_moe_stages_match_one_device(layers, every_n, split, mesh):
+    """Losses, grad norms, gradients (real layers) of 3 steps, the `moe/...` metrics (each stage's
+    mean weighted by its share of the layers) and the model state equal one device's."""
+    ref = run(with_mesh(_moe(layers, every_n), micro_batches=M), jax.devices()[:1])
+    cfg = with_mesh(_moe(layers, every_n), micro_batches=M, pipeline=2, pipeline_schedule="1f1b",
+                    pipeline_layers=tuple(split), **mesh)
+    devices = jax.devices()[:2 * int(np.prod(list(mesh.values()) or [1]))]
+    validate(cfg, len(devices))
+    got = run(cfg, devices)
+    pipe = got["trainer"].step_cfg.pipeline
+    real, padding = _real_and_padding(got, pipe)
+    assert_same_run(real, ref, f"MoE every {every_n} pipeline_layers={split}")
+    assert padding and all(not np.any(a) for a in padding), "padding slots with non-zero gradients"
+    state = {k: pipe.unpad(v) for k, v in got["model_state"].items()}
+    assert_tree_close(state, ref["model_state"], FP32_RTOL, what="MoE model state ")
+    assert bool(ref["model_state"]) == (every_n == 1)
+    for step in range(len(ref["metrics"])):
+        for key in (k for k in ref["metrics"][step] if k.startswith("moe/")):
+            np.testing.assert_allclose(got["metrics"][step][key], ref["metrics"][step][key], rtol=FP32_RTOL,
+                                       atol=1e-7, err_msg=f"{key} step {step}")
+
+
+@pytest.mark.heavy
+def test_uneven_fp8_delayed_stages_match_unpipelined():
+    """fp8 delayed: a zero weight's or input's amax is 0 (scale 1), so the padding is the identity in
+    fp8 too: the first gradients and the amax histories after one step equal the unpipelined run's
+    (real layers), later losses at fp8's rounding tolerance (test_pipeline_compose)."""
+    from test_pipeline_compose import FP8_STEPS_RTOL, _fp8_run
+
+    fp8 = BASE.replace(model=dataclasses.replace(BASE.model, num_layers=3, fp8=Fp8Config(
+        recipe="delayed", amax_history=4, keep_bf16=())))
+    ref = _fp8_run(with_mesh(fp8, micro_batches=M))
+    cfg = with_mesh(fp8, micro_batches=M, pipeline=2, pipeline_schedule="1f1b", pipeline_layers=(2, 1))
+    pipe = _trainer(cfg).step_cfg.pipeline
+    got = _fp8_run(cfg)
+    real = lambda tree: {k: pipe.unpad(v) if k in pipe.stacks else v for k, v in tree.items()}  # noqa: E731
+    assert_tree_close(real(got["grads"]), ref["grads"], FP32_RTOL, what="fp8 first grads ")
+    assert_tree_close(real(got["states"][0]), ref["states"][0], FP32_RTOL, what="fp8 state after one step ")
+    # The padding's activations and weights are 0: their histories stay 0. Its output cotangents are
+    # the residual stream's (g in every projection's backward), so the g histories fill, and only
+    # scale what meets zero weights and inputs.
+    kinds: dict[str, bool] = {}
+    for path, a in jax.tree_util.tree_leaves_with_path(got["states"][-1]):
+        kinds[path[-1].key] = kinds.get(path[-1].key, False) or bool(np.any(_padding(pipe, a)))
+    assert kinds == {"x": False, "w": False, "g": True}, kinds
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=FP8_STEPS_RTOL)

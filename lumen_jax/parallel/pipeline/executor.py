@@ -57,9 +57,10 @@ class StageFns:
     """The model's parts, each a function of the full parameter tree (stacks: one chunk's slice)."""
 
     embed: Callable[[dict, jax.Array], jax.Array]  # (params, tokens [B, T]) -> [B, T, D]
-    # layers: (params, model state, x [B, T, D], micro-batch) -> (y [B, T, D], the chunk's auxiliary
-    # loss (a scalar added to the objective; 0 without one), its metrics {name: scalar})
-    layers: Callable[[dict, dict, jax.Array, dict], tuple[jax.Array, jax.Array, dict]]
+    # layers: (params, model state, x [B, T, D], micro-batch[, the chunk's real layers: uneven stages])
+    # -> (y [B, T, D], the chunk's auxiliary loss (a scalar added to the objective; 0 without one),
+    # its metrics {name: scalar, the mean over its real layers})
+    layers: Callable[..., tuple[jax.Array, jax.Array, dict]]
     head: Callable[[dict, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
     # head: (params, y [B, T', D], targets [B, T'], mask [B, T']) -> (summed objective, summed cross-entropy)
     # The model state's next values: two micro-batches' merged (earlier, later), and [R, ...] -> one.
@@ -86,30 +87,51 @@ class Pipeline:
                    d_model=d_model, compute_dtype=compute_dtype, stacks=stacks,
                    layers=tuple(layers) if len(set(layers)) > 1 else ())
 
-    def _slots(self) -> np.ndarray:
-        """[L]: the padded slot of each real layer, w * Lmax + j for layer j of virtual stage w."""
-        lmax = max(self.layers)
-        return np.concatenate([w * lmax + np.arange(n) for w, n in enumerate(self.layers)])
+    def split(self, length: int | None = None) -> list[int]:
+        """Entries per virtual stage of a stack of `length` (None: the model's layers). A stack holds
+        a fixed share of the layers (an MoE model's `moe_blocks` one in `every_n_layers`, its
+        `blocks` the rest), and each stage the same share of its own (the config checks they divide)."""
+        total = sum(self.layers)
+        length = total if length is None else length
+        return [n * length // total for n in self.layers]
+
+    def _slots(self, length: int | None = None) -> np.ndarray:
+        """[length]: the padded slot of each real entry, w * Lmax + j for entry j of virtual stage w."""
+        split = self.split(length)
+        lmax = max(split)
+        return np.concatenate([w * lmax + np.arange(n) for w, n in enumerate(split)])
 
     def pad(self, stacks: Any) -> Any:
         """Uneven stages (`layers`): [L, ...] (the real layers in order) -> [P*V*Lmax, ...], the layout
         the stacks have in memory: every virtual stage w owns Lmax = max(layers) slots from w * Lmax,
-        its layers first, zeros in the rest (identity with even stages).
+        its layers first, zeros in the rest (identity with even stages). A stack with a share of the
+        layers (MoE: `split`) is padded in the same share.
 
         A slot of zeros is exactly the identity of the pre-norm residual block (zero norm scales give a
-        zero input, zero output projections add 0) and its gradients are exactly 0, so AdamW keeps it
-        zero: it is computed in lock step (a tick lasts as long as the dearest stage anyway) and adds nothing.
+        zero input, zero output projections add 0, a zero MoE layer's experts add 0) and its gradients
+        are exactly 0, so AdamW keeps it zero: it is computed in lock step (a tick lasts as long as the
+        dearest stage anyway) and adds nothing. A zero router still routes: its balance loss and
+        metrics are left out (`real_layers`).
         """
         if not self.layers:
             return stacks
-        slots, n = self._slots(), len(self.layers) * max(self.layers)
-        return jax.tree.map(lambda a: jnp.zeros((n, *a.shape[1:]), a.dtype).at[slots].set(a), stacks)
+
+        def one(a):
+            split = self.split(a.shape[0])
+            return jnp.zeros((len(split) * max(split), *a.shape[1:]), a.dtype).at[self._slots(a.shape[0])].set(a)
+        return jax.tree.map(one, stacks)
 
     def unpad(self, stacks: Any) -> Any:
         """The inverse of `pad`: [P*V*Lmax, ...] -> the real layers [L, ...] in order."""
         if not self.layers:
             return stacks
-        return jax.tree.map(lambda a: a[self._slots()], stacks)
+        total, chunks = sum(self.layers), len(self.layers)
+        # a padded stack of n slots has n / (P*V) per stage: the share n / (P*V*Lmax) of the layers
+        return jax.tree.map(lambda a: a[self._slots(a.shape[0] * total // (chunks * max(self.layers)))], stacks)
+
+    def real_layers(self) -> np.ndarray:
+        """[P*V]: the real layers of each virtual stage (the chunk's Lc for even stages)."""
+        return np.asarray(self.layers, np.int32) if self.layers else None
 
     def bubble(self) -> float:
         """The share of the executed work that is the fill and the drain (the `pipeline_bubble` metric)."""
@@ -204,7 +226,10 @@ class _Device:
         """Virtual stage v's forward of one micro-batch: ((y [B, T, D] in the compute dtype, aux loss), metrics)."""
         w = self.cast({**other, **chunk})
         x = jnp.where(v == 0, self.fns.embed(w, mb["inputs"]).astype(self.act_dtype), x_recv)
-        y, aux_loss, metrics = self.fns.layers(w, state, x, mb)
+        if self.pipe.layers:  # uneven stages: the chunk's real layers (its MoE groups past them add nothing)
+            y, aux_loss, metrics = self.fns.layers(w, state, x, mb, jnp.asarray(self.pipe.real_layers())[v])
+        else:
+            y, aux_loss, metrics = self.fns.layers(w, state, x, mb)
         return (y.astype(self.act_dtype), jnp.asarray(aux_loss, jnp.float32)), metrics
 
     def residuals(self, chunk: dict, other: dict, state: dict, x_recv: jax.Array, mb: dict, v: jax.Array):
@@ -221,7 +246,11 @@ class _Device:
                                          c.x_recv, mb, chunk * self.pipe.program.stages + self.s)
         kept = iter([leaf for leaf, keep in zip(jax.tree.leaves(vjp), self.stashed) if keep])
         stash = [buf.at[slot].set(next(kept)) for buf in c.stash]
-        metrics = jax.tree.map(lambda a, x: a + valid.astype(jnp.float32) * x, c.metrics, metrics)
+        weight = valid.astype(jnp.float32)
+        if self.pipe.layers:  # a chunk's metrics are its layers' mean: weighted by its share of the layers
+            layers = self.pipe.real_layers()
+            weight = weight * jnp.asarray(layers * len(layers) / layers.sum(), jnp.float32)[chunk * self.pipe.program.stages + self.s]
+        metrics = jax.tree.map(lambda a, x: a + weight * x, c.metrics, metrics)
         return c._replace(stash=stash, metrics=metrics), y
 
     def head_loss(self, other: dict, y_last: jax.Array, mb: dict) -> tuple[jax.Array, jax.Array]:
