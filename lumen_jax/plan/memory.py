@@ -54,7 +54,8 @@ def state_bytes(model: ModelConfig, layout: Layout) -> dict[str, int]:
 
     Each leaf's `PartitionSpec` comes from `Rules(zero_stage, sequence_parallel).tree_specs` of the
     layout's mesh section (the table the trainer uses); a dim split over mesh axes of total size g holds ceil(dim / g) per device.
-    With a pipeline, the stacked `layers` axis is split over stages (ceil(L / p) per stage); the
+    With a pipeline, the stacked `layers` axis is split over stages (ceil(L / p) per stage, or the
+    padded V * max(mesh.pipeline_layers) with uneven stages); the
     embedding, final norm and logits weights are replicated over the stages (every stage of the
     pipelined step holds them, `parallel/pipeline/executor.py`), so each device holds them all.
     """
@@ -101,15 +102,18 @@ def check_kept_weights_fit(model: ModelConfig, layout: Layout, device_bytes: flo
 def _state_bytes(model: ModelConfig, layout: Layout) -> tuple[tuple[str, int], ...]:
     rules = Rules(zero_stage=layout.mesh.zero_stage, sequence_parallel=layout.mesh.sequence_parallel)
     leaves = _param_leaves(model)
+    # uneven stages: a device holds V * max(mesh.pipeline_layers) slots of every stack (zero padding
+    # included), a stack with a share of the layers (MoE) that share of them
+    held = layout.stage_layers(model.num_layers) if layout._uneven(model.num_layers) else None
     out = {}
     for kind, nbytes in STATE_BYTES.items():
         total = 0
         for _, shape, names in leaves:
             count = 1
-            for dim, axes in zip(shape, rules.spec(names, kind)):
+            for dim, axes, name in zip(shape, rules.spec(names, kind), names):
                 # `layers` maps to `pipeline` in the rules: each stage holds ceil(L / p) layers
                 group = math.prod(layout.size(a) for a in ((axes,) if isinstance(axes, str) else axes or ()))
-                count *= -(-dim // group)
+                count *= held * dim // model.num_layers if held and name == "layers" else -(-dim // group)
             total += count
         out[kind] = nbytes * total
     return tuple(out.items())

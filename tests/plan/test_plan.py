@@ -565,3 +565,5 @@ def test_uneven_stages_plan_the_dearest_stage():
     assert uneven.compute_s > even.compute_s
     assert uneven.flops_per_token == even.flops_per_token  # the real layers only
     assert uneven.mfu == pytest.approx(even.mfu * even.step_time_s / uneven.step_time_s, rel=1e-6)
+    # in memory each stage holds 6 layer slots (zero padding included): the 12-layer model's state
+    assert uneven.state == deep.state and sum(uneven.state.values()) > sum(even.state.values())
