@@ -228,9 +228,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError(f"--pipeline {args.pipeline} must be >= 1 and divide "
                                   f"--devices {args.devices}")
             stages = args.pipeline if args.pipeline > 1 else cfg.mesh.pipeline
-            if args.devices % stages or cfg.model.num_layers % stages:
-                raise ConfigError(f"mesh.pipeline={stages} must divide --devices {args.devices} and "
-                                  f"model.num_layers={cfg.model.num_layers}")
+            if args.devices % stages or cfg.model.num_layers < stages:
+                raise ConfigError(f"mesh.pipeline={stages} must divide --devices {args.devices} and be at most "
+                                  f"model.num_layers={cfg.model.num_layers} (a stage holds at least one layer)")
             from tqdm import tqdm
             with tqdm(desc="search", unit=" plans", leave=False, disable=None, file=sys.stderr) as bar:  # a terminal
                 plans = search(cfg, args.devices, hw, pipeline=args.pipeline, top=args.top, on_plan=bar.update,

@@ -98,7 +98,23 @@ class Layout:
         comm += ["bf16-reduce"] if self.mesh.reduce_dtype == "bfloat16" else []
         name, v = self.schedule
         stages = [f"{name}" + (f" V={v}" if v > 1 else "")] if self.pipeline > 1 else []
+        if self.pipeline > 1 and len(set(self.mesh.pipeline_layers)) > 1:
+            stages.append("layers=" + ",".join(map(str, self.mesh.pipeline_layers)))
         return " ".join(parts + (["sp"] if self.mesh.sequence_parallel else []) + comm + stages)
+
+
+def uneven_split(num_layers: int, chunks: int, group: int = 1) -> tuple[int, ...]:
+    """`mesh.pipeline_layers` for `num_layers` not divisible into `chunks` virtual stages, as Llama 3
+    cut 126 layers into 16 stages: ceil(L / chunks) layers each but one fewer on the first and the
+    last stages, then the second and the second-to-last, ... (they carry the embedding and the loss
+    in schedules that put them there); in whole groups of `group` layers (MoE: every_n_layers)."""
+    groups = num_layers // group
+    per = -(-groups // chunks)
+    split = [per] * chunks
+    ends = [i for pair in zip(range(chunks), range(chunks - 1, -1, -1)) for i in pair]
+    for i in ends[:per * chunks - groups]:
+        split[i] -= 1
+    return tuple(n * group for n in split)
 
 
 def layout_from_config(cfg: Config, num_devices: int, pipeline: int = 1,

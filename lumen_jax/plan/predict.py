@@ -12,7 +12,7 @@ from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.plan.cost import (Collective, collectives, context_score_fraction,
                                  planned_flops_per_token)
 from lumen_jax.plan.efficiency import Compute, Efficiency, Overlap, compute_seconds
-from lumen_jax.plan.hardware import Hardware, Layout
+from lumen_jax.plan.hardware import Hardware, Layout, uneven_split
 from lumen_jax.plan.memory import (Activations, activation_bytes, communication_bytes, fp8_bytes, recomputes,
                                    state_bytes)
 
@@ -232,13 +232,18 @@ def _bubble(layout: Layout) -> float:
 
 def _schedules(model: ModelConfig, mesh: MeshConfig, stages: int, micro_batches: int) -> list[MeshConfig]:
     """`mesh` with each pipeline schedule that can run `stages` x `micro_batches` (interleaved with
-    V=2 where the layers divide into 2 * stages chunks); `mesh` alone without a pipeline."""
+    V=2); layers that do not divide into the stages get `uneven_split`'s `mesh.pipeline_layers`;
+    `mesh` alone without a pipeline."""
     if stages == 1:
         return [mesh]
+    group = model.moe.every_n_layers if model.moe.enabled else 1
     out = []
     for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)):
-        if model.num_layers % (stages * v) == 0 and pipeline_lib.check_shape(name, stages, micro_batches, v) is None:
-            out.append(dataclasses.replace(mesh, pipeline=stages, pipeline_schedule=name, pipeline_virtual_stages=v))
+        if model.num_layers // group < stages * v or pipeline_lib.check_shape(name, stages, micro_batches, v):
+            continue
+        split = () if model.num_layers % (stages * v * group) == 0 else uneven_split(model.num_layers, stages * v, group)
+        out.append(dataclasses.replace(mesh, pipeline=stages, pipeline_schedule=name, pipeline_virtual_stages=v,
+                                       pipeline_layers=split))
     return out
 
 
@@ -251,7 +256,8 @@ def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, to
     sizes that divide the sequence; every fsdp x data split of the rest; sequence parallelism on
     and off; the remat policies in `SEARCH_REMATS`; and per-device micro-batches of 1, 2, 4, ...
     sequences; over fsdp, (ZeRO-3) `mesh.fsdp_regather` both ways and, with several micro-batches,
-    `mesh.fsdp_grad_reduce` both ways; the pipeline depths of `SEARCH_DEPTHS` that divide the devices and the layers (or the
+    `mesh.fsdp_grad_reduce` both ways; the pipeline depths of `SEARCH_DEPTHS` that divide the devices (uneven
+    stages where they do not divide the layers: `hardware.uneven_split`) (or the
     one given: `pipeline`, else `mesh.pipeline`), each with every schedule that can run it
     (`_schedules`: its bubble and stash from its table); then, for the `top` leaders, `mesh.reduce_dtype`
     the other way (`REDUCE_DTYPES`: it changes only the gradient bytes). The ZeRO stage and `mesh.expert`
@@ -260,14 +266,15 @@ def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, to
     m = cfg.model
     pipeline = pipeline if pipeline > 1 else cfg.mesh.pipeline
     depths = [pipeline] if pipeline > 1 else [p for p in SEARCH_DEPTHS if num_devices % p == 0
-                                              and m.num_layers % p == 0]
-    found = []
-    for depth in depths:
-        found += _search_depth(cfg, num_devices, hw, depth, on_plan, **predict_kwargs)
+                                              and m.num_layers >= p]  # uneven stages where p does not divide
     rank = lambda p: (-round(p.mfu, 4), p.bytes_per_device["total"])  # noqa: E731
-    found.sort(key=rank)
+    found, leaders = [], []
+    for depth in depths:
+        at_depth = sorted(_search_depth(cfg, num_devices, hw, depth, on_plan, **predict_kwargs), key=rank)
+        found += at_depth
+        leaders += at_depth[:top]  # each depth's own: another depth's leaders must not hide them
     # mesh.reduce_dtype changes only the gradient bytes: tried on the leaders, each kept as its own candidate
-    for plan in list(found[:top]):
+    for plan in leaders:
         for dtype in REDUCE_DTYPES:
             mesh = plan.layout.mesh
             if dtype != mesh.reduce_dtype and mesh.data * mesh.fsdp * mesh.pipeline > 1:

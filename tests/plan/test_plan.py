@@ -174,6 +174,33 @@ def test_search_ranks_pipeline_schedules(capsys):
     assert seen == {("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)}, seen
 
 
+def test_search_tries_depths_the_layers_do_not_divide(capsys):
+    """--search on 6 layers tries 4 stages too, as uneven stages: `uneven_split`'s [1, 2, 2, 1] (the
+    first and last stages one layer fewer), printed in the table so the run can be typed; the trainer's
+    config check accepts the candidate."""
+    from lumen_jax.config.checks import validate
+    from lumen_jax.plan.hardware import uneven_split
+
+    assert uneven_split(126, 16) == (7,) + (8,) * 14 + (7,)
+    assert uneven_split(14, 4, group=2) == (2, 4, 4, 4)  # whole MoE groups of 2 layers
+    assert main(["--config", "configs/tiny.yaml", "--devices", "4", "--search", "--top", "100000", "--json",
+                 "model.num_layers=6"]) == 0
+    ranked = json.loads(capsys.readouterr().out)
+    four = [r for r in ranked if r["layout"]["pipeline"] == 4]
+    assert four and all(r["layout"]["mesh"]["pipeline_layers"] == [1, 2, 2, 1] for r in four)
+    two = {(r["layout"]["mesh"]["pipeline_virtual_stages"], tuple(r["layout"]["mesh"]["pipeline_layers"]))
+           for r in ranked if r["layout"]["pipeline"] == 2}
+    assert two == {(1, ()), (2, (1, 2, 2, 1))}, two  # 6 layers split evenly in 2, unevenly in 2 x 2 chunks
+    mesh = four[0]["layout"]["mesh"]
+    cfg = load_config("configs/tiny.yaml", ["model.num_layers=6", *(f"mesh.{k}={json.dumps(v)}" for k, v in mesh.items()
+                                                                     if k != "axis_types"),
+                                            f"train.micro_batches={four[0]['layout']['micro_batches']}"])
+    assert validate(cfg, 4)["pipeline"] == 4
+    assert main(["--config", "configs/tiny.yaml", "--devices", "4", "--search", "--top", "3",
+                 "model.num_layers=6", "mesh.pipeline=4"]) == 0
+    assert "layers=1,2,2,1" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("axes", [dict(fsdp=8), dict(data=2, fsdp=2, tensor=2), dict(data=8)])
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_state_bytes_are_the_shards_the_trainer_creates(axes, zero_stage):
