@@ -182,7 +182,6 @@ def _pipeline(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
            if v > 1 else
            (f"model.num_layers={layers} is not divisible by mesh.pipeline={p}; {fixes}a mesh.pipeline among the "
             f"divisors of {layers}"))
-    padded = uneven and len(set(split)) > 1
     n = cfg.model.moe.every_n_layers if cfg.model.moe.enabled else 1
     yield (not uneven or all(a % n == 0 for a in split),
            f"mesh.pipeline_layers={split} with model.moe.every_n_layers={n}: a stage holds whole groups of {n} "
@@ -210,7 +209,7 @@ def _pipeline(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
            "model.fp8.keep_bf16=[] (every layer in fp8) or mesh.pipeline=1")
     moe = cfg.model.moe
     groups = layers // moe.every_n_layers if moe.enabled else chunks
-    yield (p == 1 or padded or groups % chunks == 0,
+    yield (p == 1 or uneven or groups % chunks == 0,  # uneven: whole groups per stage, checked above
            f"model.num_layers={layers} with model.moe.every_n_layers={moe.every_n_layers} makes {groups} groups of "
            f"layers (n-1 dense, then one MoE), not divisible into mesh.pipeline*mesh.pipeline_virtual_stages={chunks} "
            f"stages of whole groups; use a multiple of {chunks * moe.every_n_layers} layers")

@@ -73,7 +73,7 @@ class Layout:
             return mesh.pipeline_schedule, v
         return "gpipe", 1
 
-    def _uneven(self, num_layers: int) -> int | None:
+    def uneven_max(self, num_layers: int) -> int | None:
         """max(mesh.pipeline_layers) when it splits `num_layers` into this layout's virtual stages, else None."""
         split = self.mesh.pipeline_layers
         if self.pipeline > 1 and len(split) == self.pipeline * self.schedule[1] and sum(split) == num_layers:
@@ -83,13 +83,13 @@ class Layout:
     def chunk_layers(self, num_layers: int) -> int:
         """Layers one virtual stage computes per tick: ceil(L / (P V)), or max(mesh.pipeline_layers)
         with uneven stages (every chunk holds that many slots, the padding computed in lock step)."""
-        lmax = self._uneven(num_layers)
+        lmax = self.uneven_max(num_layers)
         return lmax if lmax is not None else -(-num_layers // (self.pipeline * self.schedule[1]))
 
     def stage_layers(self, num_layers: int) -> int:
         """Layers one device holds and computes per micro-batch (all its chunks): ceil(L / P), or
         V max(mesh.pipeline_layers) with uneven stages (the dearest stage, as the lock step runs it)."""
-        lmax = self._uneven(num_layers)
+        lmax = self.uneven_max(num_layers)
         return self.schedule[1] * lmax if lmax is not None else -(-num_layers // self.pipeline)
 
     def describe(self) -> str:

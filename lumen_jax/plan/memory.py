@@ -104,7 +104,7 @@ def _state_bytes(model: ModelConfig, layout: Layout) -> tuple[tuple[str, int], .
     leaves = _param_leaves(model)
     # uneven stages: a device holds V * max(mesh.pipeline_layers) slots of every stack (zero padding
     # included), a stack with a share of the layers (MoE) that share of them
-    held = layout.stage_layers(model.num_layers) if layout._uneven(model.num_layers) else None
+    held = layout.stage_layers(model.num_layers) if layout.uneven_max(model.num_layers) else None
     out = {}
     for kind, nbytes in STATE_BYTES.items():
         total = 0

@@ -10,7 +10,6 @@ recipe"); `B` below is the compute dtype's 2 bytes (every recipe here trains in 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from lumen_jax.config import MeshConfig, ModelConfig
 from lumen_jax.metrics import flops
@@ -71,7 +70,7 @@ def megatron_layer_widths(model: ModelConfig, remat: str) -> dict[str, float]:
     and SwiGLU (the fc1 output, gate and up: 2F; the fc2 input: F). Full recompute saves the
     layer input only (Table 2's 2sbhL).
     """
-    d, hd = model.d_model, model.resolved_head_dim
+    hd = model.resolved_head_dim
     if remat == "full":
         return {"D": 1.0, "T": 0.0}
     # D-wide: attention norm input, QKV input (norm output), MLP norm input, fc1 input (norm output)

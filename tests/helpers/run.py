@@ -1,7 +1,9 @@
 """A small fp32 config, meshes over it, and a 3-step run to compare (shared by the mesh, model and
-flash-attention tests); FAST_RUN, how a long-running program compiles."""
+flash-attention tests); the small MoE and an fp8 run of it for the pipeline compositions; FAST_RUN,
+how a long-running program compiles."""
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -11,7 +13,7 @@ from helpers.data import packed_batch
 from helpers.meshes import mesh_config
 from helpers.tolerances import FP32_RTOL, assert_tree_close
 from lumen_jax.train.build import build
-from lumen_jax.config import Config, DataConfig, MeshConfig, ModelConfig, OptimConfig, TrainConfig
+from lumen_jax.config import Config, DataConfig, MeshConfig, ModelConfig, MoeConfig, OptimConfig, TrainConfig
 from lumen_jax.parallel.mesh import make_mesh
 
 # conftest.py compiles the tests' programs at -O0 (they are tiny); a test that runs hundreds of steps
@@ -32,6 +34,19 @@ def with_mesh(cfg: Config, micro_batches: int = 1, **mesh) -> Config:
     sequence_parallel, context_parallel, ...)."""
     return cfg.replace(mesh=mesh_config(**mesh),
                        train=dataclasses.replace(cfg.train, micro_batches=micro_batches))
+
+
+def devices_for(cfg: Config) -> list:
+    """The first devices, as many as `cfg`'s mesh has."""
+    return jax.devices()[:math.prod(getattr(cfg.mesh, a) for a in MeshConfig.AXES)]
+
+
+def moe_config(num_layers: int, every_n: int) -> Config:
+    """BASE with 4 experts, top-2, an MoE layer every `every_n`; every_n=1 balances with the
+    selection bias (model state: the bias and the step's expert load), else with the aux loss."""
+    return BASE.replace(model=dataclasses.replace(BASE.model, num_layers=num_layers, moe=MoeConfig(
+        num_experts=4, top_k=2, every_n_layers=every_n, balance="bias" if every_n == 1 else "aux_loss",
+        bias_update_rate=0.01)))
 
 
 def batches(cfg: Config) -> list[dict]:
@@ -72,3 +87,18 @@ def assert_same_run(got: dict, ref: dict, name: str) -> None:
     assert_tree_close(got["grads"], ref["grads"], FP32_RTOL, what=f"{name} first grads ")
     diff = optax.tree.norm(jax.tree.map(lambda a, b: a - b, got["grads_end"], ref["grads_end"]))
     assert diff <= FP32_RTOL * optax.tree.norm(ref["grads_end"]), f"{name} grads after 3 steps: {diff}"
+
+
+def fp8_run(cfg: Config) -> dict:
+    """An fp8 run of `cfg` on `devices_for(cfg)`: the first gradients, (loss, grad norm) per step and
+    the model state (amax histories) after each step."""
+    trainer = build(cfg, make_mesh({a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}, devices_for(cfg)))
+    data = [trainer.shard_batch(b) for b in batches(cfg)]
+    state = trainer.init()
+    _, grads = trainer.grads(state.params, data[0])
+    losses, states = [], []
+    for b in data:
+        state, m = trainer.step(state, b)
+        losses.append((float(m["loss"]), float(m["grad_norm"])))
+        states.append(jax.device_get(state.model_state))
+    return {"grads": jax.device_get(grads), "losses": np.array(losses), "states": states}

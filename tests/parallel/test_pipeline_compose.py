@@ -3,14 +3,13 @@ the stages) and with fp8's delayed-scaling state: losses, gradients, metrics and
 the same model without a pipeline."""
 
 import dataclasses
-import math
 
 import jax
 import numpy as np
 import pytest
 
-from helpers.run import BASE, STEPS, assert_same_run, batches, run, with_mesh
-from helpers.tolerances import FP32_RTOL, assert_tree_close
+from helpers.run import BASE, STEPS, assert_same_run, batches, devices_for, fp8_run, moe_config, run, with_mesh
+from helpers.tolerances import FP32_RTOL, FP8_STEPS_RTOL, assert_tree_close
 from lumen_jax.config import ConfigError, Fp8Config, MeshConfig, MoeConfig
 from lumen_jax.config.checks import validate
 from lumen_jax.parallel.mesh import make_mesh
@@ -19,21 +18,9 @@ from lumen_jax.train.build import build
 M = 4  # micro-batches
 
 
-def _moe(every_n: int):
-    """every_n=1 balances with the selection bias, whose state (bias, the step's expert load summed
-    over micro-batches) is cut into the stages with the MoE layers."""
-    return BASE.replace(model=dataclasses.replace(BASE.model, num_layers=4, moe=MoeConfig(
-        num_experts=4, top_k=2, every_n_layers=every_n, balance="bias" if every_n == 1 else "aux_loss",
-        bias_update_rate=0.01)))
-
-
-def _devices(cfg):
-    return jax.devices()[:math.prod(getattr(cfg.mesh, a) for a in MeshConfig.AXES)]
-
-
 @pytest.fixture(scope="module")
 def moe_reference():
-    return {n: run(with_mesh(_moe(n), micro_batches=M), jax.devices()[:1]) for n in (1, 2)}
+    return {n: run(with_mesh(moe_config(4, n), micro_batches=M), jax.devices()[:1]) for n in (1, 2)}
 
 
 @pytest.mark.heavy
@@ -46,9 +33,9 @@ def moe_reference():
 def test_moe_in_stages_matches_one_device(moe_reference, every_n, mesh):
     """Losses, grad norms, the gradients before and after 3 steps, and the `moe/...` metrics (the aux
     loss's share of the gradient flows back with the stage's cotangent)."""
-    cfg = with_mesh(_moe(every_n), micro_batches=M, **{"pipeline_schedule": "1f1b", **mesh})
-    validate(cfg, len(_devices(cfg)))
-    got, ref = run(cfg, _devices(cfg)), moe_reference[every_n]
+    cfg = with_mesh(moe_config(4, every_n), micro_batches=M, **{"pipeline_schedule": "1f1b", **mesh})
+    validate(cfg, len(devices_for(cfg)))
+    got, ref = run(cfg, devices_for(cfg)), moe_reference[every_n]
     assert_same_run(got, ref, f"MoE every {every_n} {mesh}")
     assert_tree_close(got["model_state"], ref["model_state"], FP32_RTOL, what="MoE model state ")
     assert bool(ref["model_state"]) == (every_n == 1)
@@ -60,23 +47,6 @@ def test_moe_in_stages_matches_one_device(moe_reference, every_n, mesh):
 
 FP8 = BASE.replace(model=dataclasses.replace(BASE.model, num_layers=4, fp8=Fp8Config(
     recipe="delayed", amax_history=4, keep_bf16=())))
-# After a step an fp8 run depends on roundings: an fp32 difference in the last place can move an
-# E4M3/E5M2 value by one of its steps (1/8, 1/4 relative), so later steps are compared at 1e-3
-# (the gap measured on 3 steps: 1.1e-4); the first step, from the same weights, at FP32_RTOL.
-FP8_STEPS_RTOL = 1e-3
-
-
-def _fp8_run(cfg):
-    trainer = build(cfg, make_mesh({a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}, _devices(cfg)))
-    data = [trainer.shard_batch(b) for b in batches(cfg)]
-    state = trainer.init()
-    _, grads = trainer.grads(state.params, data[0])
-    losses, states = [], []
-    for b in data:
-        state, m = trainer.step(state, b)
-        losses.append((float(m["loss"]), float(m["grad_norm"])))
-        states.append(jax.device_get(state.model_state))
-    return {"grads": jax.device_get(grads), "losses": np.array(losses), "states": states}
 
 
 @pytest.mark.heavy
@@ -85,8 +55,8 @@ def test_fp8_delayed_state_travels_through_stages(replicas):
     """The amax histories after a step (every projection's x, w and g, each stage's layers, the max
     over micro-batches and replica groups) and the gradients equal the unpipelined run's on the same
     replica groups (each group's first-step scale is its own amax, so data=2 is compared with data=2)."""
-    ref = _fp8_run(with_mesh(FP8, micro_batches=M, data=replicas))
-    got = _fp8_run(with_mesh(FP8, micro_batches=M, data=replicas, pipeline=2, pipeline_schedule="1f1b"))
+    ref = fp8_run(with_mesh(FP8, micro_batches=M, data=replicas))
+    got = fp8_run(with_mesh(FP8, micro_batches=M, data=replicas, pipeline=2, pipeline_schedule="1f1b"))
     assert_tree_close(got["grads"], ref["grads"], FP32_RTOL, what="fp8 first grads ")
     assert_tree_close(got["states"][0], ref["states"][0], FP32_RTOL, what="fp8 state after one step ")
     assert np.abs(got["states"][-1]["blocks"]["attn"]["projections"]["q"]["x"][:, :STEPS]).min() > 0  # histories fill
@@ -114,7 +84,7 @@ def test_last_stage_loss_keeps_the_logits_sharded_over_vocab():
 
     cfg = with_mesh(BASE.replace(model=dataclasses.replace(BASE.model, num_layers=2)), micro_batches=2,
                     pipeline=2, fsdp=2, tensor=2, pipeline_schedule="1f1b")
-    trainer = build(cfg, make_mesh({a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}, _devices(cfg)))
+    trainer = build(cfg, make_mesh({a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}, devices_for(cfg)))
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding)
              for k, v in batches(cfg)[0].items()}
     hlo = trainer.step.lower(trainer.abstract_state(), batch).compile().as_text()

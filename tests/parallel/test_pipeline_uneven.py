@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from helpers.paths import REPO
-from helpers.run import BASE, assert_same_run, batches, run, with_mesh
-from helpers.tolerances import FP32_RTOL, assert_tree_close
+from helpers.run import BASE, assert_same_run, batches, fp8_run, moe_config, run, with_mesh
+from helpers.tolerances import FP32_RTOL, FP8_STEPS_RTOL, assert_tree_close
 from lumen_jax.checkpoint.manager import Checkpointer
 from lumen_jax.config import CheckpointConfig, ConfigError, Fp8Config, MeshConfig, MoeConfig
 from lumen_jax.config.checks import validate
@@ -49,8 +49,7 @@ def _real_and_padding(got: dict, pipe) -> tuple[dict, list]:
 
 def _padding(pipe, a):
     """The padding slots of a padded stack's leaf `a` (a stack may hold a share of the layers: MoE)."""
-    real = set(pipe._slots(a.shape[0] * sum(pipe.layers) // (len(pipe.layers) * max(pipe.layers))).tolist())
-    return a[[i for i in range(a.shape[0]) if i not in real]]
+    return np.delete(a, pipe.real_slots(a.shape[0]), axis=0)
 
 
 CASES = [
@@ -190,13 +189,6 @@ def test_train_cli_points_uneven_depths_to_pipeline_layers(tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
 
 
-def _moe(layers: int, every_n: int):
-    """every_n=1 balances with the selection bias (model state cut into the stages with its layers)."""
-    return BASE.replace(model=dataclasses.replace(BASE.model, num_layers=layers, moe=MoeConfig(
-        num_experts=4, top_k=2, every_n_layers=every_n, balance="bias" if every_n == 1 else "aux_loss",
-        bias_update_rate=0.01)))
-
-
 @pytest.mark.heavy
 @pytest.mark.parametrize("layers,every_n,split,mesh", [
     (3, 1, [1, 2], dict(expert=2)),  # MoE every layer, bias balance: the padding's routing leaves no trace
@@ -205,8 +197,8 @@ def _moe(layers: int, every_n: int):
 def test_uneven_moe_stages_match_one_device(layers, every_n, split, mesh):
     """Losses, grad norms, gradients (real layers) of 3 steps, the `moe/...` metrics (each stage's
     mean weighted by its share of the layers) and the model state equal one device's."""
-    ref = run(with_mesh(_moe(layers, every_n), micro_batches=M), jax.devices()[:1])
-    cfg = with_mesh(_moe(layers, every_n), micro_batches=M, pipeline=2, pipeline_schedule="1f1b",
+    ref = run(with_mesh(moe_config(layers, every_n), micro_batches=M), jax.devices()[:1])
+    cfg = with_mesh(moe_config(layers, every_n), micro_batches=M, pipeline=2, pipeline_schedule="1f1b",
                     pipeline_layers=tuple(split), **mesh)
     devices = jax.devices()[:2 * int(np.prod(list(mesh.values()) or [1]))]
     validate(cfg, len(devices))
@@ -229,14 +221,12 @@ def test_uneven_fp8_delayed_stages_match_unpipelined():
     """fp8 delayed: a zero weight's or input's amax is 0 (scale 1), so the padding is the identity in
     fp8 too: the first gradients and the amax histories after one step equal the unpipelined run's
     (real layers), later losses at fp8's rounding tolerance (test_pipeline_compose)."""
-    from test_pipeline_compose import FP8_STEPS_RTOL, _fp8_run
-
     fp8 = BASE.replace(model=dataclasses.replace(BASE.model, num_layers=3, fp8=Fp8Config(
         recipe="delayed", amax_history=4, keep_bf16=())))
-    ref = _fp8_run(with_mesh(fp8, micro_batches=M))
+    ref = fp8_run(with_mesh(fp8, micro_batches=M))
     cfg = with_mesh(fp8, micro_batches=M, pipeline=2, pipeline_schedule="1f1b", pipeline_layers=(2, 1))
     pipe = _trainer(cfg).step_cfg.pipeline
-    got = _fp8_run(cfg)
+    got = fp8_run(cfg)
     real = lambda tree: {k: pipe.unpad(v) if k in pipe.stacks else v for k, v in tree.items()}  # noqa: E731
     assert_tree_close(real(got["grads"]), ref["grads"], FP32_RTOL, what="fp8 first grads ")
     assert_tree_close(real(got["states"][0]), ref["states"][0], FP32_RTOL, what="fp8 state after one step ")

@@ -95,11 +95,15 @@ class Pipeline:
         length = total if length is None else length
         return [n * length // total for n in self.layers]
 
-    def _slots(self, length: int | None = None) -> np.ndarray:
+    def slots(self, length: int | None = None) -> np.ndarray:
         """[length]: the padded slot of each real entry, w * Lmax + j for entry j of virtual stage w."""
         split = self.split(length)
         lmax = max(split)
         return np.concatenate([w * lmax + np.arange(n) for w, n in enumerate(split)])
+
+    def real_slots(self, padded: int) -> np.ndarray:
+        """`slots` of a padded stack of `padded` entries: P*V*Lmax_k, the share Lmax_k / Lmax of the layers."""
+        return self.slots(padded * sum(self.layers) // (len(self.layers) * max(self.layers)))
 
     def pad(self, stacks: Any) -> Any:
         """Uneven stages (`layers`): [L, ...] (the real layers in order) -> [P*V*Lmax, ...], the layout
@@ -118,20 +122,14 @@ class Pipeline:
 
         def one(a):
             split = self.split(a.shape[0])
-            return jnp.zeros((len(split) * max(split), *a.shape[1:]), a.dtype).at[self._slots(a.shape[0])].set(a)
+            return jnp.zeros((len(split) * max(split), *a.shape[1:]), a.dtype).at[self.slots(a.shape[0])].set(a)
         return jax.tree.map(one, stacks)
 
     def unpad(self, stacks: Any) -> Any:
         """The inverse of `pad`: [P*V*Lmax, ...] -> the real layers [L, ...] in order."""
         if not self.layers:
             return stacks
-        total, chunks = sum(self.layers), len(self.layers)
-        # a padded stack of n slots has n / (P*V) per stage: the share n / (P*V*Lmax) of the layers
-        return jax.tree.map(lambda a: a[self._slots(a.shape[0] * total // (chunks * max(self.layers)))], stacks)
-
-    def real_layers(self) -> np.ndarray:
-        """[P*V]: the real layers of each virtual stage (the chunk's Lc for even stages)."""
-        return np.asarray(self.layers, np.int32) if self.layers else None
+        return jax.tree.map(lambda a: a[self.real_slots(a.shape[0])], stacks)
 
     def bubble(self) -> float:
         """The share of the executed work that is the fill and the drain (the `pipeline_bubble` metric)."""
@@ -227,7 +225,7 @@ class _Device:
         w = self.cast({**other, **chunk})
         x = jnp.where(v == 0, self.fns.embed(w, mb["inputs"]).astype(self.act_dtype), x_recv)
         if self.pipe.layers:  # uneven stages: the chunk's real layers (its MoE groups past them add nothing)
-            y, aux_loss, metrics = self.fns.layers(w, state, x, mb, jnp.asarray(self.pipe.real_layers())[v])
+            y, aux_loss, metrics = self.fns.layers(w, state, x, mb, jnp.asarray(self.pipe.layers, jnp.int32)[v])
         else:
             y, aux_loss, metrics = self.fns.layers(w, state, x, mb)
         return (y.astype(self.act_dtype), jnp.asarray(aux_loss, jnp.float32)), metrics
@@ -241,15 +239,16 @@ class _Device:
     def forward(self, c: _Carry, row: jax.Array, mbs: dict) -> tuple[_Carry, jax.Array]:
         """The row's forward on the activation received; its residuals into the stash slot."""
         valid, i, chunk, slot = (row[self.s, k] for k in range(4))
+        v = chunk * self.pipe.program.stages + self.s
         mb = jax.tree.map(lambda a: a[i], mbs)
         y, vjp, metrics = self.residuals(self.chunk(self.stacked, chunk), self.other, self.chunk(self.state, chunk),
-                                         c.x_recv, mb, chunk * self.pipe.program.stages + self.s)
+                                         c.x_recv, mb, v)
         kept = iter([leaf for leaf, keep in zip(jax.tree.leaves(vjp), self.stashed) if keep])
         stash = [buf.at[slot].set(next(kept)) for buf in c.stash]
         weight = valid.astype(jnp.float32)
         if self.pipe.layers:  # a chunk's metrics are its layers' mean: weighted by its share of the layers
-            layers = self.pipe.real_layers()
-            weight = weight * jnp.asarray(layers * len(layers) / layers.sum(), jnp.float32)[chunk * self.pipe.program.stages + self.s]
+            layers = np.asarray(self.pipe.layers)
+            weight = weight * jnp.asarray(layers * len(layers) / layers.sum(), jnp.float32)[v]
         metrics = jax.tree.map(lambda a, x: a + weight * x, c.metrics, metrics)
         return c._replace(stash=stash, metrics=metrics), y
 

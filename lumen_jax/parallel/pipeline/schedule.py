@@ -339,6 +339,7 @@ def _entry_tick(i: int, p: int, v: int) -> int:
     return i if v == 1 else (i // p) * v * p + i % p
 
 
+@functools.lru_cache(maxsize=256)  # a pure table (frozen), rebuilt by every plan of a search otherwise
 def lockstep(name: str, stages: int, micro_batches: int, virtual: int = 1) -> Lockstep:
     """The lock-step program of schedule `name` (zero_bubble runs 1f1b's: in lock step deferred weight
     gradients shorten the program only with a weight-gradient unit that reuses the input-gradient
