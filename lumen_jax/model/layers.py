@@ -19,7 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 from lumen_jax.config import ModelConfig
 from lumen_jax.ops.attention import attention
 from lumen_jax.ops.choice import Ops
-from lumen_jax.ops.projection import project, projection_state
+from lumen_jax.ops.projection import Tape, project, projection_state
 from lumen_jax.ops.swiglu import swiglu
 from lumen_jax.parallel.rules import constrain
 
@@ -29,10 +29,15 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: 
     return nnx.Param(value, out_sharding=names)
 
 
-def _projector(ops: Ops, layer_type: str, state: nnx.Dict | None):
-    """`project` for the projections of one layer: `(spec, x, weight, name) -> einsum(spec, x, w)`."""
-    def proj(spec: str, x: jax.Array, w: nnx.Param, name: str) -> jax.Array:
-        return project(spec, x, w[...], ops, layer_type, None if state is None else state[name])
+def _projector(module: nnx.Module, ops: Ops, layer_type: str, state: nnx.Dict | None, tape: Tape | None = None):
+    """`project` for the projections of one module: `(spec, x, attr, name) -> einsum(spec, x, w)`,
+    w the module's weight `attr`, `name` its model state's key; through `tape` when the backward
+    is split (`ops.projection.Taps`)."""
+    def proj(spec: str, x: jax.Array, attr: str, name: str) -> jax.Array:
+        w, st = getattr(module, attr)[...], None if state is None else state[name]
+        if tape is not None:
+            return tape.project(attr, spec, x, w, ops, layer_type, st)
+        return project(spec, x, w, ops, layer_type, st)
     return proj
 
 
@@ -93,17 +98,17 @@ class Attention(nnx.Module):
         self.projections = projection_state(ops, "attention", ("q", "k", "v", "o"))
 
     def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array | None,
-                 inv_freq: jax.Array, ops: Ops) -> jax.Array:
-        q, k, v = self.qkv(x_btd, positions_bt, inv_freq, ops)
-        return self.out(attention(q, k, v, segment_ids_bt=segment_ids_bt, causal=True, ops=ops), ops)
+                 inv_freq: jax.Array, ops: Ops, tape: Tape | None = None) -> jax.Array:
+        q, k, v = self.qkv(x_btd, positions_bt, inv_freq, ops, tape)
+        return self.out(attention(q, k, v, segment_ids_bt=segment_ids_bt, causal=True, ops=ops), ops, tape)
 
     def qkv(self, x_btd: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array,
-            ops: Ops) -> tuple[jax.Array, jax.Array, jax.Array]:
+            ops: Ops, tape: Tape | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Rotated queries [B, T, N, H], rotated keys and values [B, T, K, H] (also the KV cache's entries)."""
-        proj = _projector(ops, "attention", self.projections)
-        q = proj("btd,dnh->btnh", x_btd, self.wq, "q")
-        k = proj("btd,dkh->btkh", x_btd, self.wk, "k")
-        v = proj("btd,dkh->btkh", x_btd, self.wv, "v")
+        proj = _projector(self, ops, "attention", self.projections, tape)
+        q = proj("btd,dnh->btnh", x_btd, "wq", "q")
+        k = proj("btd,dkh->btkh", x_btd, "wk", "k")
+        v = proj("btd,dkh->btkh", x_btd, "wv", "v")
         if hasattr(self, "bq"):
             q, k, v = (y + b[...].astype(y.dtype) for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
         if hasattr(self, "q_norm"):
@@ -112,11 +117,11 @@ class Attention(nnx.Module):
         k = constrain(apply_rope(k, positions_bt, inv_freq), ("batch", "seq", "act_kv_heads", None))
         return q, k, constrain(v, ("batch", "seq", "act_kv_heads", None))
 
-    def out(self, o_btnh: jax.Array, ops: Ops) -> jax.Array:
+    def out(self, o_btnh: jax.Array, ops: Ops, tape: Tape | None = None) -> jax.Array:
         """The output projection of the attention result [B, T, N, H] -> [B, T, D]."""
         # Named so that remat=save_attention_out keeps it and recomputes only the projections/MLP.
         o = checkpoint_name(constrain(o_btnh, ("batch", "seq", "act_heads", None)), "attention_out")
-        return _projector(ops, "attention", self.projections)("btnh,nhd->btd", o, self.wo, "o")
+        return _projector(self, ops, "attention", self.projections, tape)("btnh,nhd->btd", o, "wo", "o")
 
 
 class MLP(nnx.Module):
@@ -129,19 +134,20 @@ class MLP(nnx.Module):
         self.w_down = _param(rngs, (f, d), ("mlp", "embed"), cfg.init_std / math.sqrt(2 * cfg.num_layers))
         self.projections = projection_state(ops, "mlp", ("gate", "up", "down"))
 
-    def __call__(self, x_btd: jax.Array, ops: Ops) -> jax.Array:
-        proj = _projector(ops, "mlp", self.projections)
-        gate = proj("btd,df->btf", x_btd, self.w_gate, "gate")
-        up = proj("btd,df->btf", x_btd, self.w_up, "up")
+    def __call__(self, x_btd: jax.Array, ops: Ops, tape: Tape | None = None) -> jax.Array:
+        proj = _projector(self, ops, "mlp", self.projections, tape)
+        gate = proj("btd,df->btf", x_btd, "w_gate", "gate")
+        up = proj("btd,df->btf", x_btd, "w_up", "up")
         h = constrain(swiglu(gate, up, ops), ("batch", "seq", "act_mlp"))
-        return proj("btf,fd->btd", h, self.w_down, "down")
+        return proj("btf,fd->btd", h, "w_down", "down")
 
 
 class Block(nnx.Module):
     """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)).
 
     `mlp` is the MLP's class: `MLP`, or `model.moe.MoE` (which returns auxiliary terms with its output).
-    `__call__` returns (x_btd, aux): aux the MLP's auxiliary terms, {} for a dense one.
+    `__call__` returns (x_btd, aux): aux the MLP's auxiliary terms, {} for a dense one; `tape` taps
+    the projections for a split backward (`ops.projection.Taps`), None: not split.
     """
 
     def __init__(self, cfg: ModelConfig, ops: Ops, *, rngs: nnx.Rngs, mlp: type = MLP):
@@ -151,14 +157,15 @@ class Block(nnx.Module):
         self.mlp = mlp(cfg, ops, rngs=rngs)
 
     def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array | None,
-                 inv_freq: jax.Array, ops: Ops) -> tuple[jax.Array, dict[str, jax.Array]]:
+                 inv_freq: jax.Array, ops: Ops, tape: Tape | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         residual = ("batch", "act_seq", "act_embed")
         # Under sequence parallelism the normed input is gathered along the sequence over `tensor`
         # here, once, before the column-parallel projections (Megatron's g); left to itself the
         # partitioner gathered it per projection, and with context parallelism over `context` too.
         gathered = ("batch", "seq", "act_embed")
         h_btd = constrain(self.attn_norm(x_btd), gathered)
-        x_btd = constrain(x_btd + self.attn(h_btd, positions_bt, segment_ids_bt, inv_freq, ops), residual)
-        y_btd = self.mlp(constrain(self.mlp_norm(x_btd), gathered), ops)
+        scope = (lambda name: None) if tape is None else tape.scope  # noqa: E731
+        x_btd = constrain(x_btd + self.attn(h_btd, positions_bt, segment_ids_bt, inv_freq, ops, scope("attn")), residual)
+        y_btd = self.mlp(constrain(self.mlp_norm(x_btd), gathered), ops, scope("mlp"))
         y_btd, aux = y_btd if isinstance(y_btd, tuple) else (y_btd, {})
         return constrain(x_btd + y_btd, residual), aux

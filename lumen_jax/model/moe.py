@@ -22,6 +22,7 @@ from lumen_jax.config import ModelConfig
 from lumen_jax.model.layers import MLP, _param
 from lumen_jax.ops import moe as moe_ops
 from lumen_jax.ops.choice import Ops
+from lumen_jax.ops.projection import Tape
 
 
 class MoE(nnx.Module):
@@ -40,12 +41,12 @@ class MoE(nnx.Module):
             self.shared_gate = _param(rngs, (d,), ("embed",), cfg.init_std)
         self.balance = moe_ops.balance_state(cfg.moe)
 
-    def __call__(self, x_btd: jax.Array, ops: Ops) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(self, x_btd: jax.Array, ops: Ops, tape: Tape | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         state = None if self.balance is None else {k: v[...] for k, v in self.balance.items()}
         y_btd, aux = moe_ops.moe(x_btd, self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...],
                                  self.moe, ops, state)
         if self.moe.shared_experts:
-            shared_btd = self.shared(x_btd, ops)
+            shared_btd = self.shared(x_btd, ops, None if tape is None else tape.scope("shared"))
             if self.moe.shared_gate:
                 gate_bt = jax.nn.sigmoid(jnp.einsum("btd,d->bt", x_btd.astype(jnp.float32), self.shared_gate[...]))
                 shared_btd = (gate_bt[..., None] * shared_btd.astype(jnp.float32)).astype(x_btd.dtype)

@@ -8,6 +8,7 @@ scanned body with a `jax.checkpoint_policies` policy chosen by `model.remat`.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ from lumen_jax.config import ModelConfig
 from lumen_jax.model.layers import MLP, Block, RMSNorm, _param, rope_frequencies
 from lumen_jax.model.moe import MoE
 from lumen_jax.ops.choice import Ops
-from lumen_jax.ops.projection import project, remat_policy
+from lumen_jax.ops.projection import Taps, project, remat_policy
 from lumen_jax.ops.state import ModelState, combine_rules
 from lumen_jax.parallel.rules import constrain
 
@@ -82,35 +83,41 @@ class Transformer(nnx.Module):
 
     def run_layers(self, x_btd: jax.Array, positions_bt: jax.Array,
                    segment_ids_bt: jax.Array | None = None,
-                   real_layers: jax.Array | None = None) -> tuple[jax.Array, dict]:
+                   real_layers: jax.Array | None = None, taps: Taps | None = None) -> tuple[jax.Array, dict]:
         """The stacked blocks this module holds (all `num_layers`, or one pipeline stage's slice of
         them): (residual stream, aux as in `forward`).
 
         `real_layers`: how many of the held layers are real (uneven pipeline stages pad a stage's
         stack with zero layers after its own, `parallel/pipeline/executor.Pipeline.pad`); None: all.
         A zero layer is the identity, but a zero MoE router still routes, so the MoE groups past the
-        real ones add no auxiliary loss and no metrics."""
+        real ones add no auxiliary loss and no metrics.
+        `taps`: the projections' taps of a split backward (`ops.projection.Taps`: per stack [L, ...],
+        scanned with the layers), or a probe; None: none."""
         cfg = self.cfg
         inv_freq = rope_frequencies(cfg)
 
-        def make_body(graphdef: nnx.GraphDef, ops: Ops):
-            def body(x_btd: jax.Array, state: nnx.State) -> tuple[jax.Array, dict]:
-                return nnx.merge(graphdef, state)(x_btd, positions_bt, segment_ids_bt, inv_freq, ops)
+        def make_body(graphdef: nnx.GraphDef, ops: Ops, stack: str):
+            def body(x_btd: jax.Array, xs: tuple) -> tuple[jax.Array, dict]:
+                state, layer_taps = xs
+                tape = None if taps is None else taps.layer(stack, layer_taps)
+                return nnx.merge(graphdef, state)(x_btd, positions_bt, segment_ids_bt, inv_freq, ops, tape)
 
             if cfg.remat != "none":
                 return jax.checkpoint(body, policy=remat_policy(_REMAT_POLICIES[cfg.remat]), prevent_cse=False)
             return body
 
+        stack_taps = lambda stack: None if taps is None or taps.arrays is None else taps.arrays.get(stack)  # noqa: E731
         if cfg.moe.enabled:
-            return self._moe_stack(x_btd, make_body, real_layers)
+            return self._moe_stack(x_btd, make_body, real_layers, stack_taps)
         graphdef, layer_state = nnx.split(self.blocks)
+        xs = (layer_state, stack_taps("blocks"))
         runs = self.ops.layer_runs(cfg.num_layers)
         if len(runs) == 1:
-            x_btd, _ = jax.lax.scan(make_body(graphdef, self.ops), x_btd, layer_state)
+            x_btd, _ = jax.lax.scan(make_body(graphdef, self.ops, "blocks"), x_btd, xs)
         else:  # ops that differ by layer (e.g. the first/last layers kept in bf16): one scan per run
             for start, stop, ops in runs:
-                x_btd, _ = jax.lax.scan(make_body(graphdef, ops), x_btd,
-                                        jax.tree.map(lambda v: v[start:stop], layer_state))
+                x_btd, _ = jax.lax.scan(make_body(graphdef, ops, "blocks"), x_btd,
+                                        jax.tree.map(lambda v: v[start:stop], xs))
         return x_btd, {}
 
     def logits(self, x_btd: jax.Array) -> jax.Array:
@@ -121,26 +128,27 @@ class Transformer(nnx.Module):
         logits = project("btd,dv->btv", x_btd, w_dv.astype(dt), self.ops, out_dtype=jnp.float32)
         return constrain(logits, ("batch", "seq", "act_vocab"))
 
-    def _moe_stack(self, x_btd: jax.Array, make_body, real_layers: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    def _moe_stack(self, x_btd: jax.Array, make_body, real_layers: jax.Array | None,
+                   stack_taps: Callable[[str], dict | None]) -> tuple[jax.Array, dict]:
         """The layers as one scan over groups of `moe.every_n_layers`: n-1 dense layers (a scan of
         their own), then an MoE layer. Returns the residual stream and the aux terms (see `forward`;
-        `real_layers`: see `run_layers`)."""
+        `real_layers`, the stacks' taps: see `run_layers`)."""
         n = self.cfg.moe.every_n_layers
         moe_graph, moe_state = nnx.split(self.moe_blocks)
-        moe_body = make_body(moe_graph, self.ops)
+        moe_body = make_body(moe_graph, self.ops, "moe_blocks")
         dense = None
         if n > 1:
             dense_graph, dense_state = nnx.split(self.blocks)
-            dense_body = make_body(dense_graph, self.ops)
-            dense = jax.tree.map(lambda v: v.reshape(-1, n - 1, *v.shape[1:]), dense_state)
+            dense_body = make_body(dense_graph, self.ops, "blocks")
+            dense = jax.tree.map(lambda v: v.reshape(-1, n - 1, *v.shape[1:]), (dense_state, stack_taps("blocks")))
 
-        def group(x_btd: jax.Array, states: tuple) -> tuple[jax.Array, dict]:
-            dense_g, moe_g = states
+        def group(x_btd: jax.Array, xs: tuple) -> tuple[jax.Array, dict]:
+            dense_g, moe_g = xs
             if dense_g is not None:
                 x_btd, _ = jax.lax.scan(dense_body, x_btd, dense_g)
             return moe_body(x_btd, moe_g)
 
-        x_btd, per_layer = jax.lax.scan(group, x_btd, (dense, moe_state))
+        x_btd, per_layer = jax.lax.scan(group, x_btd, (dense, (moe_state, stack_taps("moe_blocks"))))
         if real_layers is None:
             loss = per_layer.pop("loss").sum()
             return x_btd, {"loss": loss, "metrics": {k: v.mean() for k, v in per_layer.items()}}

@@ -13,10 +13,15 @@ The model computes every projection (Q/K/V/O, SwiGLU, logits) through `project`;
 
 A custom VJP reaches remat policies as one opaque `custom_vjp_call`: `remat_policy` wraps a
 `jax.checkpoint_policies` policy so that it sees each `token_grad` projection as its dot.
+
+`Taps` split a backward in two (zero_bubble's B and W units, Qi et al. 2023): a vjp of the layers
+gives the input gradient and, per projection, its input and output cotangent; `Taps.replay` turns
+those into the weight gradients later, one einsum per projection, without the cotangent chain again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -53,6 +58,119 @@ def project(spec: str, x: jax.Array, w: jax.Array, ops: Ops, layer_type: str | N
     if how == "token_grad":
         return cpu.token_grad_project(spec, x, w, out_dtype)
     return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
+
+
+@jax.custom_vjp
+def _record(x: jax.Array, tap_x: jax.Array) -> jax.Array:
+    """x, unchanged; the "cotangent" of the zero `tap_x` (x's shape) is x itself: a vjp that runs
+    through it hands back the projection's input (recomputed by the backward under remat, as the
+    policy says) beside the gradients, for the weight-gradient unit."""
+    del tap_x
+    return x
+
+
+def _record_fwd(x: jax.Array, tap_x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    del tap_x
+    return x, x
+
+
+def _record_bwd(x: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return g, x
+
+
+_record.defvjp(_record_fwd, _record_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tapped:
+    """One tapped projection of a stack: its einsum, how it runs, whose input it reads (projections
+    of one input, Q/K/V and gate/up, record it once) and the shapes of one layer's taps."""
+
+    spec: str
+    ops: Ops
+    layer_type: str | None
+    source: str  # the key whose tap records the input
+    x: jax.ShapeDtypeStruct
+    y: jax.ShapeDtypeStruct
+
+
+class Taps:
+    """Zero inputs on a stack of layers' projections that split their backward (zero_bubble's B and W).
+
+    With `arrays` (from `zeros`), each plain-einsum projection y = x @ w of the layers runs as
+    `x' @ stop_gradient(w) + tap_y`, x' = x recorded by `tap_x`; one vjp of the layers then returns
+    the input gradient and, as the taps' cotangents, each projection's output cotangent dy and input
+    x, but no weight gradient of a tapped weight (it is stopped). `replay(weights, cotangents)`
+    gives those weights' gradients later (its vjp: x^T dy, the einsum JAX's transpose does).
+    Projections with a backward of their own (fp8's scales and histories, MoE experts' grouped
+    matmuls) are not tapped: their weight gradients stay in the first vjp.
+
+    Without `arrays`, a probe: tracing the layers fills `found` ({stack: {key: _Tapped}}; a key is
+    the weight's path in a layer, "attn.wq").
+    """
+
+    def __init__(self, arrays: dict | None = None, found: dict | None = None):
+        self.arrays = arrays  # {stack: {key: {"x": [L, ...] (the source keys only), "y": [L, ...]}}}
+        self.found = {} if found is None else found
+
+    def tapping(self, arrays: dict) -> "Taps":
+        """These (probed) taps with `arrays` (a chunk's, `zeros`-shaped): the layers run tapped."""
+        return Taps(arrays, self.found)
+
+    def layer(self, stack: str, arrays: dict | None) -> "Tape":
+        """The tape of one layer of `stack` (its slice of `arrays`, None when probing)."""
+        return Tape(self.found.setdefault(stack, {}), arrays, self.arrays is None)
+
+    def zeros(self, lengths: dict[str, int]) -> dict:
+        """The taps of a chunk holding `lengths[stack]` layers of each stack: zeros [L, ...]."""
+        def one(sds: jax.ShapeDtypeStruct, n: int) -> jax.Array:
+            return jnp.zeros((n, *sds.shape), sds.dtype)
+        return {stack: {key: ({"x": one(t.x, lengths[stack])} if t.source == key else {}) | {"y": one(t.y, lengths[stack])}
+                        for key, t in found.items()} for stack, found in self.found.items() if found}
+
+    def replay(self, weights: dict, cotangents: dict) -> dict:
+        """{stack: {key: y [L, ...]}}: the tapped projections of the recorded inputs (`cotangents`
+        from the vjp, each source's "x") with `weights` ({stack: the layers' weights [L, ...]}).
+        Its vjp at the recorded output cotangents ("y") is the tapped weights' gradients."""
+        out = {}
+        for stack, found in self.found.items():
+            for key, t in found.items():
+                w = weights[stack]
+                for name in key.split("."):
+                    w = w[name]
+                x = cotangents[stack][t.source]["x"]
+                out.setdefault(stack, {})[key] = jax.vmap(
+                    lambda x, w, t=t: project(t.spec, x, w, t.ops, t.layer_type))(x, w)
+        return out
+
+
+class Tape:
+    """The taps of one layer's projections (`Taps.layer`); `scope(name)` for a sub-module's."""
+
+    def __init__(self, found: dict, arrays: dict | None, probe: bool, prefix: str = "",
+                 recorded: dict | None = None):
+        self.found, self.arrays, self.probe, self.prefix = found, arrays, probe, prefix
+        self.recorded = {} if recorded is None else recorded  # {key: recorded x} (tapping), {id(x): key} (probing)
+
+    def scope(self, name: str) -> "Tape":
+        return Tape(self.found, self.arrays, self.probe, f"{self.prefix}{name}.", self.recorded)
+
+    def project(self, attr: str, spec: str, x: jax.Array, w: jax.Array, ops: Ops, layer_type: str | None,
+                state: nnx.Dict | None = None) -> jax.Array:
+        """`project(spec, x, w, ...)` of the weight `attr` of this scope, tapped when it is a plain einsum."""
+        key = self.prefix + attr
+        if ops.projection(layer_type) not in ("einsum", "token_grad"):
+            return project(spec, x, w, ops, layer_type, state)
+        if self.probe:
+            y = project(spec, x, w, ops, layer_type, state)
+            source = self.recorded.setdefault(id(x), key)
+            self.found[key] = _Tapped(spec, ops, layer_type, source, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                      jax.ShapeDtypeStruct(y.shape, y.dtype))
+            return y
+        t = self.found[key]
+        if t.source == key:
+            self.recorded[key] = _record(x, self.arrays[key]["x"])
+        return project(spec, self.recorded[t.source], jax.lax.stop_gradient(w), ops, layer_type) + self.arrays[key]["y"]
 
 
 def projection_state(ops: Ops, layer_type: str, projections: tuple[str, ...]) -> nnx.Dict | None:

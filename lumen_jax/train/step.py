@@ -26,6 +26,7 @@ from lumen_jax.model import apply_with_aux
 from lumen_jax.model.loss import token_objective, token_objective_vocab_sharded
 from lumen_jax.model.transformer import merge
 from lumen_jax.ops import state as state_lib
+from lumen_jax.ops.projection import Taps
 from lumen_jax.parallel.pipeline import executor as pipeline_step
 
 Batch = dict[str, jax.Array]
@@ -91,10 +92,10 @@ def _micro_loss(params: dict, model_state: dict, mb: Batch, total_tokens: jax.Ar
 
 def stage_fns(sc: StepConfig) -> pipeline_step.StageFns:
     """The model's parts the pipelined step runs, each on the parameters of one stage's chunk."""
-    def layers(params: dict, state: dict, x_btd: jax.Array, mb: Batch,
-               real_layers: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict]:
+    def layers(params: dict, state: dict, x_btd: jax.Array, mb: Batch, real_layers: jax.Array | None = None,
+               taps: Taps | None = None) -> tuple[jax.Array, jax.Array, dict]:
         y_btd, aux = merge(sc.graphdef, params, state).run_layers(x_btd, mb["positions"], mb["segment_ids"],
-                                                                  real_layers)
+                                                                  real_layers, taps)
         return y_btd, aux.get("loss", jnp.zeros((), jnp.float32)), aux.get("metrics", {})
 
     def head(params: dict, y_btd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array):
@@ -104,7 +105,7 @@ def stage_fns(sc: StepConfig) -> pipeline_step.StageFns:
     # The embedding and the head keep no model state (the config refuses ops that would): the
     # fresh state only completes the graph.
     return pipeline_step.StageFns(embed=lambda params, tokens: merge(sc.graphdef, params, sc.fresh_state).embed_tokens(tokens),
-                                  layers=layers, head=head,
+                                  layers=layers, head=head, taps=Taps,
                                   combine_state=lambda a, b: state_lib.combine(sc.state_combine, a, b),
                                   fold_state=lambda state_r: jax.tree.map(_fold, sc.state_combine, state_r))
 

@@ -96,13 +96,20 @@ def test_check_shape(name, p, m, v, words):
 def test_lockstep_programs_valid_and_their_bubble_is_the_formula(name):
     """The program the executor runs: every (micro-batch, virtual stage) once forward and once
     backward, each input and cotangent used in the tick after it was sent, slots never overwritten
-    while held; the executed bubble is the schedule's formula (zero_bubble runs 1f1b's)."""
+    while held; the executed bubble is the schedule's formula. zero_bubble's split program: every
+    stage's W of micro-batch i in the tick of stage 0's B, so 3m + 2(P-1) units per stage, a bubble
+    of 2(P-1)/(3m + 2(P-1)) (1f1b's fused ticks: (P-1)/(m+P-1))."""
     seen = 0
     for p, m, v in shapes(name):
         prog = pipeline.lockstep(name, p, m, v)
         assert pipeline.validate_lockstep(prog) == [], f"{name} P={p} m={m} V={v}"
-        formula = "1f1b" if name == "zero_bubble" else name
-        assert prog.bubble() == pytest.approx(pipeline.bubble_formula(formula, p, m, v), abs=1e-12)
+        if name == "zero_bubble":
+            assert prog.split and prog.cost() == 3 * m + 2 * (p - 1), (p, m)
+            assert prog.bubble() == pytest.approx(2 * (p - 1) / (3 * m + 2 * (p - 1)), abs=1e-12)
+            assert prog.wslots <= p
+        else:
+            assert not prog.split
+            assert prog.bubble() == pytest.approx(pipeline.bubble_formula(name, p, m, v), abs=1e-12)
         assert prog.slots <= (m * v if name == "gpipe" else 2 * p * v - 1)
         seen += 1
     assert seen >= 15
@@ -115,6 +122,26 @@ def test_lockstep_validation_sees_a_broken_program():
     assert pipeline.validate_lockstep(dataclasses.replace(prog, bwd=tuple(map(tuple, late))))
     shared = [list(row) for row in prog.fwd]
     t = next(t for t in range(prog.ticks) if shared[t][0][0] and shared[t][0][3] == 1)
-    shared[t][0] = (*shared[t][0][:3], 0)  # a forward written into a slot still held
+    shared[t][0] = (*shared[t][0][:3], 0, 0)  # a forward written into a slot still held
     assert any("still held" in e for e in pipeline.validate_lockstep(dataclasses.replace(
         prog, fwd=tuple(map(tuple, shared)))))
+    split = pipeline.lockstep("zero_bubble", 4, 8)
+    early = [list(row) for row in split.wgt]
+    t = next(t for t in range(split.ticks) if early[t][3][0])  # stage 3's first W ...
+    b = next(t for t in range(split.ticks) if split.bwd[t][3][0])
+    early[b - 1][3], early[t][3] = early[t][3], early[b - 1][3]  # ... a tick before its B
+    assert any("weight unit" in e for e in pipeline.validate_lockstep(dataclasses.replace(
+        split, wgt=tuple(map(tuple, early)))))
+    elsewhere = [list(row) for row in split.wgt]
+    elsewhere[t][3] = (*elsewhere[t][3][:4], elsewhere[t][3][4] + 1)  # reading another slot than its B wrote
+    assert any("weight unit" in e for e in pipeline.validate_lockstep(dataclasses.replace(
+        split, wgt=tuple(map(tuple, elsewhere)))))
+    reused = [list(row) for row in split.bwd]
+    t = next(t for t in range(split.ticks) if reused[t][3][0] and reused[t][3][4] == 1)
+    reused[t][3] = (*reused[t][3][:4], 0)  # stage 3's B writes a W slot still held (its W reads it too)
+    wgt = [list(row) for row in split.wgt]
+    mb = reused[t][3][1]
+    wt = next(t for t in range(split.ticks) if wgt[t][3][0] and wgt[t][3][1] == mb)
+    wgt[wt][3] = (*wgt[wt][3][:4], 0)
+    assert any("still held" in e for e in pipeline.validate_lockstep(dataclasses.replace(
+        split, bwd=tuple(map(tuple, reused)), wgt=tuple(map(tuple, wgt)))))

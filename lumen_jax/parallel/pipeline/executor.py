@@ -66,6 +66,9 @@ class StageFns:
     # The model state's next values: two micro-batches' merged (earlier, later), and [R, ...] -> one.
     combine_state: Callable[[dict, dict], dict] = lambda earlier, later: later
     fold_state: Callable[[dict], dict] = lambda state_r: jax.tree.map(lambda a: a[-1], state_r)
+    # A split backward (zero_bubble): () -> an empty probe of the layers' projection taps
+    # (`ops.projection.Taps`), passed to `layers` as `taps=`; None: the backward stays whole.
+    taps: Callable[[], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +189,7 @@ class _Carry(NamedTuple):
     """What one device carries from tick to tick (with R > 1 replica groups: each leaf [R, ...])."""
 
     stash: list  # per stashed residual leaf: [S + 1, ...], a forward's residuals until its backward
+    w_stash: list  # split: per tap leaf [WS + 1, Lc, ...], a backward's projection inputs and cotangents until W
     g_stash: jax.Array  # [S + 1, B, T, D]: the loss's cotangent of the last virtual stage's outputs
     x_recv: jax.Array  # [B, T, D]: the activation the previous stage sent
     g_recv: jax.Array  # [B, T, D]: the cotangent the next stage sent
@@ -212,6 +216,7 @@ class _Device:
     scale: jax.Array
     aux_share: float  # the auxiliary loss's share of one micro-batch of one replica group
     stashed: tuple = ()  # per residual leaf: whether the stash holds it (else taken again from the weights)
+    taps: Any = None  # split backward: the probed taps of the layers' projections (`StageFns.taps`)
 
     @property
     def act_dtype(self):
@@ -220,20 +225,26 @@ class _Device:
     def chunk(self, tree: dict, c: jax.Array) -> dict:
         return jax.tree.map(lambda a: a[c], tree)
 
-    def stage(self, chunk: dict, other: dict, state: dict, x_recv: jax.Array, mb: dict, v: jax.Array):
+    def stage(self, chunk: dict, other: dict, state: dict, x_recv: jax.Array, mb: dict, v: jax.Array,
+              taps: Any = None):
         """Virtual stage v's forward of one micro-batch: ((y [B, T, D] in the compute dtype, aux loss), metrics)."""
         w = self.cast({**other, **chunk})
         x = jnp.where(v == 0, self.fns.embed(w, mb["inputs"]).astype(self.act_dtype), x_recv)
-        if self.pipe.layers:  # uneven stages: the chunk's real layers (its MoE groups past them add nothing)
-            y, aux_loss, metrics = self.fns.layers(w, state, x, mb, jnp.asarray(self.pipe.layers, jnp.int32)[v])
-        else:
-            y, aux_loss, metrics = self.fns.layers(w, state, x, mb)
+        real = (jnp.asarray(self.pipe.layers, jnp.int32)[v],) if self.pipe.layers else ()  # uneven stages
+        kw = {} if taps is None else {"taps": taps}
+        y, aux_loss, metrics = self.fns.layers(w, state, x, mb, *real, **kw)
         return (y.astype(self.act_dtype), jnp.asarray(aux_loss, jnp.float32)), metrics
 
     def residuals(self, chunk: dict, other: dict, state: dict, x_recv: jax.Array, mb: dict, v: jax.Array):
-        """(y, the vjp holding the forward's residuals, metrics) of `stage`."""
-        (y, _), vjp, metrics = jax.vjp(lambda c, o, st, x: self.stage(c, o, st, x, mb, v), chunk, other, state,
-                                       x_recv, has_aux=True)
+        """(y, the vjp holding the forward's residuals, metrics) of `stage`. Split backward: the vjp
+        also takes the projections' zero taps, whose cotangents are what the weight unit needs."""
+        if self.taps is None:
+            (y, _), vjp, metrics = jax.vjp(lambda c, o, st, x: self.stage(c, o, st, x, mb, v), chunk, other, state,
+                                           x_recv, has_aux=True)
+            return y, vjp, metrics
+        zeros = self.taps.zeros({k: jax.tree.leaves(chunk[k])[0].shape[0] for k in self.taps.found})
+        (y, _), vjp, metrics = jax.vjp(lambda c, o, st, x, t: self.stage(c, o, st, x, mb, v, self.taps.tapping(t)),
+                                       chunk, other, state, x_recv, zeros, has_aux=True)
         return y, vjp, metrics
 
     def forward(self, c: _Carry, row: jax.Array, mbs: dict) -> tuple[_Carry, jax.Array]:
@@ -277,9 +288,11 @@ class _Device:
 
     def backward(self, c: _Carry, row: jax.Array, zeros_act: jax.Array, zero_mb: dict) -> tuple[_Carry, jax.Array]:
         """The row's backward from its stashed residuals and the cotangent received (the loss's on
-        the last virtual stage): gradients summed into the chunk's, the input's cotangent returned."""
+        the last virtual stage): gradients summed into the chunk's, the input's cotangent returned.
+        Split: the tapped projections' weight gradients are left to `weight`, their inputs and
+        output cotangents go to its stash slot."""
         prog = self.pipe.program
-        valid, i, chunk, slot = (row[self.s, k] for k in range(4))
+        valid, i, chunk, slot, wslot = (row[self.s, k] for k in range(5))
         v = chunk * prog.stages + self.s
         chunk_state = self.chunk(self.state, chunk)
         # its structure and weight residuals
@@ -291,13 +304,30 @@ class _Device:
         d_aux = valid.astype(jnp.float32) * self.scale * self.aux_share
         # A bubble tick's backward runs on an empty slot, whose zero residuals can make inf and
         # NaN (a router's weights divided by their zero sum): it adds nothing, selected away.
-        d_chunk, d_other, d_state, dx = jax.tree.map(lambda d: jnp.where(valid > 0, d, jnp.zeros_like(d)),
-                                                     vjp((g, d_aux)))
+        d_chunk, d_other, d_state, dx, *d_taps = jax.tree.map(lambda d: jnp.where(valid > 0, d, jnp.zeros_like(d)),
+                                                              vjp((g, d_aux)))
+        if d_taps:
+            c = c._replace(w_stash=[buf.at[wslot].set(d) for buf, d in zip(c.w_stash, jax.tree.leaves(d_taps[0]))])
         d_stacked = jax.tree.map(lambda a, d: a.at[chunk].add(d), c.d_stacked, d_chunk)
         d_other = jax.tree.map(jnp.add, c.d_other, d_other)
         merged = self.fns.combine_state(self.chunk(c.state, chunk), d_state)
         state = jax.tree.map(lambda a, new: a.at[chunk].set(jnp.where(valid > 0, new, a[chunk])), c.state, merged)
         return c._replace(d_stacked=d_stacked, d_other=d_other, state=state), dx
+
+    def weight(self, c: _Carry, row: jax.Array) -> _Carry:
+        """The row's weight unit (split backward): the tapped projections' weight gradients, one
+        einsum each, from the inputs and output cotangents its backward stashed."""
+        valid, chunk, wslot = row[self.s, 0], row[self.s, 2], row[self.s, 4]
+        shapes = self.taps.zeros({k: 1 for k in self.taps.found})
+        cts = jax.tree.unflatten(jax.tree.structure(shapes), [buf[wslot] for buf in c.w_stash])
+        inputs = {k: {key: {"x": t["x"]} for key, t in d.items() if "x" in t} for k, d in cts.items()}
+        dys = {k: {key: t["y"] for key, t in d.items()} for k, d in cts.items()}
+        stacks = tuple(self.taps.found)
+        _, vjp = jax.vjp(lambda ch: self.taps.replay({k: self.cast({**self.other, **ch})[k] for k in stacks}, inputs),
+                         {k: self.chunk(self.stacked, chunk)[k] for k in stacks})
+        d_w, = jax.tree.map(lambda d: jnp.where(valid > 0, d, jnp.zeros_like(d)), vjp(dys))
+        return c._replace(d_stacked={k: jax.tree.map(lambda a, d: a.at[chunk].add(d), a, d_w[k]) if k in d_w else a
+                                     for k, a in c.d_stacked.items()})
 
     def send(self, c: _Carry, y: jax.Array | None, dx: jax.Array | None) -> _Carry:
         """The activation one stage on, the cotangent one stage back: used in the next tick."""
@@ -311,7 +341,7 @@ class _Device:
     def tick(self, seg: tables.Segment, c: _Carry, rows: tuple, mbs: dict, zeros_act: jax.Array,
              zero_mb: dict) -> tuple[_Carry, None]:
         """One tick of segment `seg`: its kinds of work on this stage's rows, then the sends."""
-        f_row, b_row, h_row = rows
+        f_row, b_row, h_row, w_row = rows
         y = dx = None
         if seg.forward:
             c, y = self.forward(c, f_row, mbs)
@@ -319,6 +349,8 @@ class _Device:
             c = self.head(c, h_row, f_row, y, mbs)
         if seg.backward:
             c, dx = self.backward(c, b_row, zeros_act, zero_mb)
+        if seg.weight and self.taps is not None:
+            c = self.weight(c, w_row)
         return self.send(c, y, dx), None
 
 
@@ -352,8 +384,9 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
     if set(model_state) - set(pipe.stacks):  # the config refuses such ops (config/checks.py)
         raise ValueError(f"model state outside the layer stacks {sorted(set(model_state) - set(pipe.stacks))} "
                          "does not run in pipeline stages")
-    rows_all = (np.asarray(prog.fwd, np.int32), np.asarray(prog.bwd, np.int32),  # [ticks, P, 4]
-                np.asarray(prog.head, np.int32))  # [ticks, 2]
+    rows_all = (np.asarray(prog.fwd, np.int32), np.asarray(prog.bwd, np.int32),  # [ticks, P, 5]
+                np.asarray(prog.head, np.int32),  # [ticks, 2]
+                np.asarray(prog.wgt if prog.split else prog.bwd, np.int32))  # W units (unused unless split)
 
     def local(stacked: dict, other: dict, state: dict, mbs: dict, tokens: jax.Array, scale: jax.Array):
         by_chunk = lambda tree: jax.tree.map(lambda a: a.reshape(v_count, -1, *a.shape[1:]), tree)  # noqa: E731
@@ -363,6 +396,12 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
         zeros_act = jnp.zeros((b, t, pipe.d_model), dt)
         zero_mb = jax.tree.map(jnp.zeros_like, one_mb)
         chunk0, state0 = dev.chunk(dev.stacked, 0), dev.chunk(dev.state, 0)
+        if prog.split and fns.taps is not None:  # the projections a split backward taps (none: stays whole)
+            probe = fns.taps()
+            jax.eval_shape(lambda: dev.stage(chunk0, other, state0, zeros_act, zero_mb, jnp.int32(0), probe))
+            dev = dataclasses.replace(dev, taps=probe if any(probe.found.values()) else None)
+        w_shapes = [] if dev.taps is None else jax.tree.leaves(dev.taps.zeros(
+            {k: jax.tree.leaves(chunk0[k])[0].shape[0] for k in dev.taps.found}))
         # Which residuals depend on the micro-batch (stashed) and which on the weights alone (taken
         # again in the backward: XLA drops the rest of that second trace, whose outputs go unused).
         leaves_fn = lambda c, o, st, x, mb, v: jax.tree.leaves(dev.residuals(c, o, st, x, mb, v)[1])  # noqa: E731
@@ -372,6 +411,7 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
                                 jax.eval_shape(lambda: dev.residuals(chunk0, other, state0, zeros_act, zero_mb,
                                                                      jnp.int32(0))[2]))
         carry = _Carry(stash=[jnp.zeros((prog.slots + 1, *a.shape), a.dtype) for a, keep in zip(shapes, stashed) if keep],
+                       w_stash=[jnp.zeros((prog.wslots + 1, *a.shape), a.dtype) for a in w_shapes],
                        g_stash=jnp.zeros((prog.slots + 1, *zeros_act.shape), dt), x_recv=zeros_act, g_recv=zeros_act,
                        d_stacked=jax.tree.map(jnp.zeros_like, dev.stacked), d_other=jax.tree.map(jnp.zeros_like, other),
                        ce=jnp.zeros((), jnp.float32), state=jax.tree.map(jnp.zeros_like, dev.state), metrics=metrics0)

@@ -277,9 +277,10 @@ def render(schedule: Schedule) -> str:
 # What the executor runs: the schedule in lock step, every tick the same kinds of work on every stage
 # --------------------------------------------------------------------------------------------------
 
-# Columns of `Lockstep.fwd` and `.bwd`: whether the action is real (a stage in the fill or the drain
-# computes on zeros and keeps nothing), its micro-batch, its chunk, the stash slot of its residuals.
-LOCKSTEP_COLUMNS = ("valid", "mb", "chunk", "slot")
+# Columns of `Lockstep.fwd`, `.bwd` and `.wgt`: whether the action is real (a stage in the fill or the
+# drain computes on zeros and keeps nothing), its micro-batch, its chunk, the stash slot of its
+# forward's residuals, and (split backward) the slot of what its weight-gradient unit reads.
+LOCKSTEP_COLUMNS = ("valid", "mb", "chunk", "slot", "wslot")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +291,8 @@ class Segment:
     stop: int
     forward: bool  # every stage runs a forward (real or on zeros)
     head: bool  # the final norm, logits and loss of the last virtual stage's output, split over the stages
-    backward: bool  # every stage runs a backward (input and weight gradients, from stashed residuals)
+    backward: bool  # every stage runs a backward (from stashed residuals; input gradients only when split)
+    weight: bool = False  # split backward: every stage runs a weight-gradient unit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,6 +309,13 @@ class Lockstep:
     in the tick after they are sent, and a stage keeps only the residuals of its forwards until
     their backward: `slots` of them (2PV - 1 for the fused schedules, m for gpipe), plus a scratch
     slot that a stage with nothing to do writes and reads (slot index `slots`).
+
+    zero_bubble splits the backward (`split`): B computes the input gradient (and the gradients of
+    what is not a plain projection), W the projections' weight gradients from B's per-projection
+    inputs and output cotangents (`wslots` of them held, plus a scratch slot). Every stage runs its
+    i-th W in the tick stage 0 runs its i-th B (w_tick(i) = i + 2(P-1)): W takes m ticks, not
+    m + P - 1, and the drain's ticks run a B of one unit instead of two. Per stage the program
+    costs 3m + 2(P-1) units against 1f1b's 3(m + P - 1) (each of F, B, W one unit).
     """
 
     name: str
@@ -318,17 +327,24 @@ class Lockstep:
     head: tuple  # [ticks]: (valid, micro-batch) of the last virtual stage's forward in that tick
     segments: tuple[Segment, ...]
     slots: int
+    wgt: tuple = ()  # [ticks][stages] of LOCKSTEP_COLUMNS: the weight-gradient units (split only)
+    wslots: int = 0
 
     @property
     def ticks(self) -> int:
         return len(self.fwd)
 
+    @property
+    def split(self) -> bool:
+        return bool(self.wgt)
+
     def cost(self) -> float:
         """Per stage, the work of the program in forward units of a whole stage (a chunk forward 1/V,
-        its backward 2/V): what every stage executes, bubble included."""
+        its backward 2/V, or its B and W 1/V each when split): what every stage executes, bubble included."""
         f = sum((s.stop - s.start) for s in self.segments if s.forward)
         b = sum((s.stop - s.start) for s in self.segments if s.backward)
-        return (f + 2 * b) / self.virtual
+        w = sum((s.stop - s.start) for s in self.segments if s.weight)
+        return (f + (b + w if self.split else 2 * b)) / self.virtual
 
     def bubble(self) -> float:
         """The share of the executed work that is the fill and drain's (computed on zeros)."""
@@ -341,9 +357,8 @@ def _entry_tick(i: int, p: int, v: int) -> int:
 
 @functools.lru_cache(maxsize=256)  # a pure table (frozen), rebuilt by every plan of a search otherwise
 def lockstep(name: str, stages: int, micro_batches: int, virtual: int = 1) -> Lockstep:
-    """The lock-step program of schedule `name` (zero_bubble runs 1f1b's: in lock step deferred weight
-    gradients shorten the program only with a weight-gradient unit that reuses the input-gradient
-    unit's per-projection cotangents, not built; README "Pipeline parallelism" has the count)."""
+    """The lock-step program of schedule `name` (zero_bubble: 1f1b's forwards and input gradients,
+    and the deferred weight gradients, see `Lockstep`)."""
     problem = check_shape(name, stages, micro_batches, virtual)
     if problem:
         raise ValueError(problem)
@@ -355,66 +370,88 @@ def lockstep(name: str, stages: int, micro_batches: int, virtual: int = 1) -> Lo
         b_tick = {(i, w): drain + i + last - w for i in range(m) for w in range(p * v)}
     else:
         b_tick = {(i, w): f_tick[(i, last)] + last - w for i in range(m) for w in range(p * v)}
+    split = name == "zero_bubble"
+    w_tick = {(i, w): b_tick[(i, 0)] for i in range(m) for w in range(p * v)} if split else {}
     ticks = max(b_tick.values()) + 1
-    empty = (0, 0, 0, 0)
-    fwd = [[empty] * p for _ in range(ticks)]
-    bwd = [[empty] * p for _ in range(ticks)]
+    empty = (0, 0, 0, 0, 0)
+    fwd, bwd, wgt = ([[empty] * p for _ in range(ticks)] for _ in range(3))
     head = [(0, 0)] * ticks
-    slots = 0
-    for s in range(p):  # residual slots: held from the forward's tick to the end of the backward's
-        keys = sorted(((i, c * p + s) for i in range(m) for c in range(v)), key=lambda k: f_tick[k])
-        free, used, release = [], 0, []
-        for key in keys:
-            t = f_tick[key]
-            for done_t, slot in list(release):
-                if done_t < t:
-                    free.append(slot)
-                    release.remove((done_t, slot))
-            if free:
-                slot = min(free)
-                free.remove(slot)
-            else:
-                slot, used = used, used + 1
-            release.append((b_tick[key], slot))
-            i, w = key
-            fwd[t][s] = (1, i, w // p, slot)
-            bwd[b_tick[key]][s] = (1, i, w // p, slot)
-            if w == last:
-                head[t] = (1, i)
+    slots = wslots = 0
+    for s in range(p):
+        keys = [(i, c * p + s) for i in range(m) for c in range(v)]
+        # residual slots: held from the forward's tick to the end of the backward's; split: the
+        # weight unit's inputs from the backward's tick to the end of the weight unit's
+        slot_of, used = _slots(keys, f_tick, b_tick)
         slots = max(slots, used)
-    scratch = (0, 0, 0, slots)  # a stage with nothing to do writes and reads the scratch slot
-    fwd = [[a if a[0] else scratch for a in row] for row in fwd]
-    bwd = [[a if a[0] else scratch for a in row] for row in bwd]
+        wslot_of, used = _slots(keys, b_tick, w_tick) if split else ({}, 0)
+        wslots = max(wslots, used)
+        for key in keys:
+            i, w = key
+            row = (1, i, w // p, slot_of[key], wslot_of.get(key, 0))
+            fwd[f_tick[key]][s], bwd[b_tick[key]][s] = row, row
+            if split:
+                wgt[w_tick[key]][s] = row
+            if w == last:
+                head[f_tick[key]] = (1, i)
+    scratch = (0, 0, 0, slots, wslots)  # a stage with nothing to do writes and reads the scratch slots
+    fwd, bwd, wgt = ([[a if a[0] else scratch for a in row] for row in table] for table in (fwd, bwd, wgt))
     has_f = [any(a[0] for a in row) for row in fwd]
     has_b = [any(a[0] for a in row) for row in bwd]
+    has_w = [any(a[0] for a in row) for row in wgt]
     heads = [t for t in range(ticks) if head[t][0]]
     has_h = [has_f[t] and heads[0] <= t <= heads[-1] for t in range(ticks)]  # V > 1: every tick between
+    kinds = lambda t: (has_f[t], has_h[t], has_b[t], has_w[t])  # noqa: E731
     segments, start = [], 0
     for t in range(1, ticks + 1):
-        if t == ticks or (has_f[t], has_h[t], has_b[t]) != (has_f[start], has_h[start], has_b[start]):
-            segments.append(Segment(start, t, has_f[start], has_h[start], has_b[start]))
+        if t == ticks or kinds(t) != kinds(start):
+            segments.append(Segment(start, t, *kinds(start)))
             start = t
     return Lockstep(name=name, stages=p, micro_batches=m, virtual=v, fwd=tuple(map(tuple, fwd)),
-                    bwd=tuple(map(tuple, bwd)), head=tuple(head), segments=tuple(segments), slots=slots)
+                    bwd=tuple(map(tuple, bwd)), head=tuple(head), segments=tuple(segments), slots=slots,
+                    wgt=tuple(map(tuple, wgt)) if split else (), wslots=wslots)
+
+
+def _slots(keys: list, start: dict, stop: dict) -> tuple[dict, int]:
+    """A slot per key, held from tick start[key] through stop[key] (reused from the tick after):
+    ({key: slot}, slots used)."""
+    free, used, release, slot_of = [], 0, [], {}
+    for key in sorted(keys, key=lambda k: start[k]):
+        t = start[key]
+        for done_t, slot in list(release):
+            if done_t < t:
+                free.append(slot)
+                release.remove((done_t, slot))
+        if free:
+            slot = min(free)
+            free.remove(slot)
+        else:
+            slot, used = used, used + 1
+        release.append((stop[key], slot))
+        slot_of[key] = slot
+    return slot_of, used
 
 
 def validate_lockstep(prog: Lockstep) -> list[str]:
     """Every broken rule of `prog` ([] when valid): each (micro-batch, virtual stage) has one forward
     and one backward on the device holding its chunk; a forward's input was sent in the tick before
     (or it is virtual stage 0), a backward's cotangent likewise (or it is the last virtual stage,
-    whose loss runs in its forward's tick); no slot is written while its residuals wait."""
+    whose loss runs in its forward's tick); no slot is written while its residuals wait. Split: each
+    also has one weight unit, in or after its backward's tick, reading the slot its backward wrote,
+    which nothing writes in between."""
     p, v, m = prog.stages, prog.virtual, prog.micro_batches
     last = p * v - 1
-    at_f, at_b, problems = {}, {}, []
+    at_f, at_b, at_w, problems = {}, {}, {}, []
     for t in range(prog.ticks):
         for s in range(p):
-            for table, at in ((prog.fwd, at_f), (prog.bwd, at_b)):
-                valid, i, c, slot = table[t][s]
+            for table, at in ((prog.fwd, at_f), (prog.bwd, at_b), (prog.wgt, at_w)):
+                if not table:
+                    continue
+                valid, i, c, slot, wslot = table[t][s]
                 if valid:
                     key = (i, c * p + s)
                     if key in at:
                         problems.append(f"micro-batch {i} virtual stage {key[1]} twice")
-                    at[key] = (t, slot, s)
+                    at[key] = (t, wslot if table is prog.wgt else slot, s)
     for i in range(m):
         for w in range(last + 1):
             if (i, w) not in at_f or (i, w) not in at_b:
@@ -430,12 +467,20 @@ def validate_lockstep(prog: Lockstep) -> list[str]:
                 problems.append(f"micro-batch {i} virtual stage {w}: backward at {tb} not the tick after its cotangent")
             if w == last and tb == tf and not prog.head[tf][0]:
                 problems.append(f"micro-batch {i}: no loss in the tick of its last forward")
-    for s in range(p):
-        held: dict[int, tuple[int, int]] = {}
-        for t in range(prog.ticks):
-            valid, i, c, slot = prog.fwd[t][s]
-            if valid:
-                if slot in held and held[slot][1] >= t:
-                    problems.append(f"stage {s} tick {t}: slot {slot} still held for micro-batch {held[slot][0]}")
-                held[slot] = (i, at_b[(i, c * p + s)][0])
+            if prog.split:
+                tw, sw, dw = at_w.get((i, w), (None, None, None))
+                if tw is None or tw < tb or dw != at_b[(i, w)][2] or sw != prog.bwd[tb][dw][4]:
+                    problems.append(f"micro-batch {i} virtual stage {w}: weight unit at {tw} (slot {sw}) "
+                                    f"before or apart from its backward at {tb}")
+    writes = [(prog.fwd, 3, at_b)] + ([(prog.bwd, 4, at_w)] if prog.split else [])
+    for table, column, until in writes:
+        for s in range(p):
+            held: dict[int, tuple[int, int]] = {}
+            for t in range(prog.ticks):
+                valid, i, c = table[t][s][:3]
+                slot = table[t][s][column]
+                if valid:
+                    if slot in held and held[slot][1] >= t:
+                        problems.append(f"stage {s} tick {t}: slot {slot} still held for micro-batch {held[slot][0]}")
+                    held[slot] = (i, until.get((i, c * p + s), (t,))[0])
     return problems
