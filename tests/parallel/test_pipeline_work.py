@@ -57,16 +57,22 @@ def test_executed_work_is_the_schedules(mesh, flat, schedules):
     (True, dict(pipeline=4, expert=2), dict(data=4, expert=2)),
 ], ids=["pipeline2-context2-data2", "moe-pipeline4-expert2"])
 def test_compositions_do_the_schedules_work(moe, mesh, flat):
-    """A context and an expert composition (MoE every second layer): 1f1b within its bound too.
-    Measured: 1.122x (bound 1.125) and 1.372x (bound 1.375)."""
+    """A context and an expert composition (MoE every second layer): 1f1b within its lock-step bound,
+    zero_bubble within the issue's 1.15/(1 - its table's bubble) and no slower than 1f1b.
+    Measured: 1f1b 1.122x (bound 1.125) and 1.372x (1.375); zero_bubble 1.090x (its lock-step
+    program's 1.083, the issue's 1.198) and 1.293x (1.25, the issue's 1.294: the routed experts'
+    weight gradients stay in B, untapped, so B costs more than a unit and W less)."""
     from lumen_jax.config import MoeConfig
 
     cfg = CFG.replace(model=dataclasses.replace(CFG.model, moe=MoeConfig(num_experts=4, top_k=2, every_n_layers=2))
                       ) if moe else CFG
-    ratio = matmul_flops(with_mesh(cfg, micro_batches=M, pipeline_schedule="1f1b", **mesh)) / matmul_flops(
-        with_mesh(cfg, micro_batches=M, **flat))
+    flat_flops = matmul_flops(with_mesh(cfg, micro_batches=M, **flat))
+    ratio = {name: matmul_flops(with_mesh(cfg, micro_batches=M, pipeline_schedule=name, **mesh)) / flat_flops
+             for name in ("1f1b", "zero_bubble")}
     bound = 1 / (1 - pipeline.lockstep("1f1b", mesh["pipeline"], M, 1).bubble())
-    assert 0.95 * bound < ratio <= TIGHT * bound, f"{mesh}: executed {ratio:.3f}x the unpipelined step, bound {bound:.3f}"
+    assert 0.95 * bound < ratio["1f1b"] <= TIGHT * bound, f"{mesh}: 1f1b {ratio['1f1b']:.3f}x, bound {bound:.3f}"
+    table = 1 / (1 - pipeline.build("zero_bubble", mesh["pipeline"], M, 1).bubble())
+    assert ratio["zero_bubble"] <= min(1.15 * table, ratio["1f1b"]), f"{mesh}: zero_bubble {ratio}, table {table:.3f}"
 
 
 @pytest.mark.heavy
