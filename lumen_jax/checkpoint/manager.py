@@ -94,11 +94,13 @@ class StoredLayout:
     """How the state in memory differs from the state on disk (identity for most runs; uneven pipeline
     stages hold padded layer stacks in memory and store the real layers only, `train/build.py`):
     `save(state)` the state to write, `target(abstract_state)` the abstract state to read (shapes and
-    shardings), `load(stored)` the state in memory from a read one."""
+    shardings), `load(stored)` the state in memory from a read one; `load_model(params, model_state)`
+    the same for the model alone (evaluation reads no optimizer state)."""
 
     save: Callable[[Any], Any] = _same
     target: Callable[[Any], Any] = _same
     load: Callable[[Any], Any] = _same
+    load_model: Callable[[Any, Any], tuple] = lambda params, model_state: (params, model_state)
 
 
 def _without_empty(abstract: Any) -> dict | None:

@@ -127,7 +127,10 @@ def _stored_layout(pipe: Pipeline, tx: optax.GradientTransformation, abstract: s
     from_disk = jax.jit(functools.partial(convert, pipe.pad), out_shardings=state_sh)
     with_sh = lambda _: jax.tree.map(  # noqa: E731
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), stored, stored_sh)
-    return checkpoint.StoredLayout(save=to_disk, target=with_sh, load=from_disk)
+    model_from_disk = jax.jit(lambda params, model_state: (_on_stacks(pipe, pipe.pad, params),
+                                                           _on_stacks(pipe, pipe.pad, model_state)),
+                              out_shardings=(state_sh.params, state_sh.model_state))
+    return checkpoint.StoredLayout(save=to_disk, target=with_sh, load=from_disk, load_model=model_from_disk)
 
 
 def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:

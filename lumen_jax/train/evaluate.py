@@ -162,9 +162,9 @@ def evaluate(run_dir: str, step: int | None, which: str, batches: int | None,
         sizes = [getattr(cfg.mesh, a) for a in cfg.mesh.AXES]
         n = jax.device_count() if -1 in sizes else int(np.prod(sizes))
         trainer = build(cfg, make_mesh(validate(cfg, n), jax.devices()[:n]))
-        abstract = trainer.abstract_state()
-        return (cfg, trainer, weights.load_params(run_dir, s, abstract.params),
-                weights.load_model_state(run_dir, s, abstract.model_state))
+        stored = trainer.stored.target(trainer.abstract_state())  # uneven stages: the real layers on disk
+        return (cfg, trainer, *trainer.stored.load_model(weights.load_params(run_dir, s, stored.params),
+                                                         weights.load_model_state(run_dir, s, stored.model_state)))
 
     step, (cfg, trainer, params, model_state) = weights.newest_usable(run_dir, step, load)
     batches = cfg.train.eval_batches if batches is None else batches

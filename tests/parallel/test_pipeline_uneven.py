@@ -238,3 +238,20 @@ def test_uneven_fp8_delayed_stages_match_unpipelined():
         kinds[path[-1].key] = kinds.get(path[-1].key, False) or bool(np.any(_padding(pipe, a)))
     assert kinds == {"x": False, "w": False, "g": True}, kinds
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=FP8_STEPS_RTOL)
+
+
+@pytest.mark.heavy
+def test_evaluate_reads_an_uneven_checkpoint_on_any_mesh(tmp_path):
+    """`lumen_jax.evaluate` of an uneven run's checkpoint (the real layers on disk): on its default
+    mesh (no pipeline) and with the run's split under `mesh.pipeline=2` (padded in memory), one loss."""
+    from lumen_jax.train.evaluate import evaluate
+
+    run_dir = str(tmp_path / "run")
+    proc = _train("model.num_layers=3", "mesh.pipeline=2", "mesh.pipeline_layers=[1,2]", "mesh.fsdp=-1",
+                  "train.micro_batches=2", "train.steps=1", "checkpoint.every_steps=1", "log.progress=false", "log.tensorboard=false",
+                  f"train.run_dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    flat = evaluate(run_dir, None, "train", 1)  # fsdp over the 8 devices
+    staged = evaluate(run_dir, None, "train", 1, ["mesh.pipeline=2", "mesh.pipeline_schedule=gpipe"])  # x fsdp 4
+    assert flat["step"] == staged["step"] == 1
+    np.testing.assert_allclose(staged["eval_loss"], flat["eval_loss"], rtol=FP32_RTOL)
