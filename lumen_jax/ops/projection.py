@@ -121,17 +121,18 @@ class Taps:
         """The tape of one layer of `stack` (its slice of `arrays`, None when probing)."""
         return Tape(self.found.setdefault(stack, {}), arrays, self.arrays is None)
 
-    def zeros(self, lengths: dict[str, int]) -> dict:
-        """The taps of a chunk holding `lengths[stack]` layers of each stack: zeros [L, ...]."""
-        def one(sds: jax.ShapeDtypeStruct, n: int) -> jax.Array:
-            return jnp.zeros((n, *sds.shape), sds.dtype)
-        return {stack: {key: ({"x": one(t.x, lengths[stack])} if t.source == key else {}) | {"y": one(t.y, lengths[stack])}
+    def zeros(self, params: dict) -> dict:
+        """The taps of the layers `params` holds (the model's parameters, or a chunk's: each stack
+        [L, ...]): zeros [L, ...] per tapped projection."""
+        def one(sds: jax.ShapeDtypeStruct, stack: str) -> jax.Array:
+            return jnp.zeros((jax.tree.leaves(params[stack])[0].shape[0], *sds.shape), sds.dtype)
+        return {stack: {key: ({"x": one(t.x, stack)} if t.source == key else {}) | {"y": one(t.y, stack)}
                         for key, t in found.items()} for stack, found in self.found.items() if found}
 
     def replay(self, weights: dict, cotangents: dict) -> dict:
-        """{stack: {key: y [L, ...]}}: the tapped projections of the recorded inputs (`cotangents`
-        from the vjp, each source's "x") with `weights` ({stack: the layers' weights [L, ...]}).
-        Its vjp at the recorded output cotangents ("y") is the tapped weights' gradients."""
+        """{stack: {key: y [L, ...]}}: the tapped projections of the recorded inputs (the taps'
+        `cotangents` from a vjp, `zeros`-shaped: each source's "x") with `weights` ({stack: the
+        layers' weights [L, ...]}, compute dtype)."""
         out = {}
         for stack, found in self.found.items():
             for key, t in found.items():
@@ -142,6 +143,15 @@ class Taps:
                 out.setdefault(stack, {})[key] = jax.vmap(
                     lambda x, w, t=t: project(t.spec, x, w, t.ops, t.layer_type))(x, w)
         return out
+
+    def weight_grads(self, weights_of: Callable[[dict], dict], params: dict, cotangents: dict) -> dict:
+        """The tapped weights' gradients from the taps' `cotangents`: `replay`'s vjp at the recorded
+        output cotangents ("y"), one einsum x^T dy per projection (its forward einsums go unused).
+        `params`: the stacks' parameters (float32; the result has their structure),
+        `weights_of(params)`: the compute-dtype weights, differentiated through."""
+        stacks = {k: params[k] for k in self.found if self.found[k]}
+        dys = {k: {key: t["y"] for key, t in d.items()} for k, d in cotangents.items()}
+        return jax.vjp(lambda p: self.replay(weights_of(p), cotangents), stacks)[1](dys)[0]
 
 
 class Tape:

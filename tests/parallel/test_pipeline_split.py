@@ -33,12 +33,9 @@ def _split_grads(cfg):
     whole_dp, whole_dx = jax.vjp(layers, params, x)[1](g)
     probe = Taps()
     jax.eval_shape(lambda: layers(params, x, probe))
-    stacks = list(probe.found)
-    zeros = probe.zeros({k: jax.tree.leaves(params[k])[0].shape[0] for k in stacks})
-    b_dp, b_dx, cts = jax.vjp(lambda p, x, t: layers(p, x, probe.tapping(t)), params, x, zeros)[1](g)
-    inputs = {k: {key: {"x": t["x"]} for key, t in d.items() if "x" in t} for k, d in cts.items()}
-    dys = {k: {key: t["y"] for key, t in d.items()} for k, d in cts.items()}
-    w_dp, = jax.vjp(lambda p: probe.replay({k: p[k] for k in stacks}, inputs), params)[1](dys)
+    b_dp, b_dx, cts = jax.vjp(lambda p, x, t: layers(p, x, probe.tapping(t)), params, x, probe.zeros(params))[1](g)
+    w_dp = probe.weight_grads(lambda p: p, params, cts)
+    w_dp = {k: w_dp.get(k, jax.tree.map(jnp.zeros_like, v)) for k, v in params.items()}  # untapped: nothing
     return probe, (whole_dp, whole_dx), (b_dp, b_dx), w_dp
 
 

@@ -222,6 +222,7 @@ class _Device:
     aux_share: float  # the auxiliary loss's share of one micro-batch of one replica group
     stashed: tuple = ()  # per residual leaf: whether the stash holds it (else taken again from the weights)
     taps: Any = None  # split backward: the probed taps of the layers' projections (`StageFns.taps`)
+    w_tree: Any = None  # the taps' tree structure (the W stash's leaves)
 
     @property
     def act_dtype(self):
@@ -247,9 +248,8 @@ class _Device:
             (y, _), vjp, metrics = jax.vjp(lambda c, o, st, x: self.stage(c, o, st, x, mb, v), chunk, other, state,
                                            x_recv, has_aux=True)
             return y, vjp, metrics
-        zeros = self.taps.zeros({k: jax.tree.leaves(chunk[k])[0].shape[0] for k in self.taps.found})
         (y, _), vjp, metrics = jax.vjp(lambda c, o, st, x, t: self.stage(c, o, st, x, mb, v, self.taps.tapping(t)),
-                                       chunk, other, state, x_recv, zeros, has_aux=True)
+                                       chunk, other, state, x_recv, self.taps.zeros(chunk), has_aux=True)
         return y, vjp, metrics
 
     def forward(self, c: _Carry, row: jax.Array, mbs: dict) -> tuple[_Carry, jax.Array]:
@@ -323,14 +323,9 @@ class _Device:
         """The row's weight unit (split backward): the tapped projections' weight gradients, one
         einsum each, from the inputs and output cotangents its backward stashed."""
         valid, chunk, wslot = row[self.s, 0], row[self.s, 2], row[self.s, 4]
-        shapes = self.taps.zeros({k: 1 for k in self.taps.found})
-        cts = jax.tree.unflatten(jax.tree.structure(shapes), [buf[wslot] for buf in c.w_stash])
-        inputs = {k: {key: {"x": t["x"]} for key, t in d.items() if "x" in t} for k, d in cts.items()}
-        dys = {k: {key: t["y"] for key, t in d.items()} for k, d in cts.items()}
-        stacks = tuple(self.taps.found)
-        _, vjp = jax.vjp(lambda ch: self.taps.replay({k: self.cast({**self.other, **ch})[k] for k in stacks}, inputs),
-                         {k: self.chunk(self.stacked, chunk)[k] for k in stacks})
-        d_w, = jax.tree.map(lambda d: jnp.where(valid > 0, d, jnp.zeros_like(d)), vjp(dys))
+        cts = jax.tree.unflatten(self.w_tree, [buf[wslot] for buf in c.w_stash])
+        d_w = self.taps.weight_grads(lambda p: self.cast({**self.other, **p}), self.chunk(self.stacked, chunk), cts)
+        d_w = jax.tree.map(lambda d: jnp.where(valid > 0, d, jnp.zeros_like(d)), d_w)
         return c._replace(d_stacked={k: jax.tree.map(lambda a, d: a.at[chunk].add(d), a, d_w[k]) if k in d_w else a
                                      for k, a in c.d_stacked.items()})
 
@@ -404,9 +399,9 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
         if prog.split and fns.taps is not None:  # the projections a split backward taps (none: stays whole)
             probe = fns.taps()
             jax.eval_shape(lambda: dev.stage(chunk0, other, state0, zeros_act, zero_mb, jnp.int32(0), probe))
-            dev = dataclasses.replace(dev, taps=probe if any(probe.found.values()) else None)
-        w_shapes = [] if dev.taps is None else jax.tree.leaves(dev.taps.zeros(
-            {k: jax.tree.leaves(chunk0[k])[0].shape[0] for k in dev.taps.found}))
+            if any(probe.found.values()):
+                dev = dataclasses.replace(dev, taps=probe, w_tree=jax.tree.structure(probe.zeros(chunk0)))
+        w_shapes = [] if dev.taps is None else jax.eval_shape(lambda: jax.tree.leaves(dev.taps.zeros(chunk0)))
         # Which residuals depend on the micro-batch (stashed) and which on the weights alone (taken
         # again in the backward: XLA drops the rest of that second trace, whose outputs go unused).
         leaves_fn = lambda c, o, st, x, mb, v: jax.tree.leaves(dev.residuals(c, o, st, x, mb, v)[1])  # noqa: E731
