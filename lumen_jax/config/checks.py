@@ -196,12 +196,6 @@ def _pipeline(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
     yield (p == 1 or cfg.data.seq_len % p == 0,
            f"data.seq_len={cfg.data.seq_len} is not divisible by mesh.pipeline={p} (the stages share the "
            f"loss of the last stage's output, every {p}th token each); use a multiple of {p}")
-    replicas = shape["data"] > 1 or (shape["fsdp"] > 1 and mesh.fsdp_grad_reduce == "once")
-    yield (p == 1 or not (mesh.sequence_parallel and shape["tensor"] > 1 and replicas),
-           f"mesh.sequence_parallel=true with mesh.pipeline={p} and replica groups (mesh.data={shape['data']}, "
-           f"mesh.fsdp={shape['fsdp']} fsdp_grad_reduce={mesh.fsdp_grad_reduce}) stops XLA's SPMD partitioner "
-           "(jaxlib 0.10.2, a check failure) on the stages' vmapped ticks; set mesh.sequence_parallel=false, or "
-           "put those devices on mesh.fsdp with mesh.fsdp_grad_reduce=every_micro_batch")
     fp8 = cfg.model.fp8
     yield (p == 1 or fp8.recipe == "none" or not fp8.keep_bf16,
            f"model.fp8.keep_bf16={list(fp8.keep_bf16)} with mesh.pipeline={p}: every stage runs the same program, "

@@ -95,13 +95,15 @@ def test_last_stage_loss_keeps_the_logits_sharded_over_vocab():
     assert re.search(r"all-gather\(", hlo)  # the regex sees the step's gathers (FSDP's weights)
 
 
-@pytest.mark.parametrize("mesh", [dict(data=2), dict(fsdp=2, fsdp_grad_reduce="once")], ids=["data", "fsdp-once"])
-def test_sequence_parallel_with_replica_groups_is_refused(mesh):
-    """Seen: XLA's SPMD partitioner aborts the process (a check failure) on this composition."""
-    cfg = with_mesh(BASE, micro_batches=M, pipeline=2, tensor=2, sequence_parallel=True, pipeline_schedule="1f1b",
-                    **mesh)
-    with pytest.raises(ConfigError) as e:
-        validate(cfg, 8)
-    assert str(e.value).startswith("mesh.sequence_parallel=true with mesh.pipeline=2 and replica groups"), str(e.value)
-    assert validate(with_mesh(BASE, micro_batches=M, pipeline=2, tensor=2, fsdp=2, sequence_parallel=True,
-                              pipeline_schedule="1f1b"), 8)["pipeline"] == 2  # fsdp reduced per micro-batch: runs
+@pytest.mark.heavy
+@pytest.mark.parametrize("mesh", [dict(data=2), dict(fsdp=2, fsdp_grad_reduce="once", pipeline_schedule="zero_bubble")],
+                         ids=["data", "fsdp-once-zero_bubble"])
+def test_sequence_parallel_with_replica_groups_equals_one_device(mesh):
+    """Sequence parallelism with replica groups (data, or fsdp reduced once) under a pipeline: XLA's
+    SPMD partitioner stopped the process (a check failure) on the replica vmap's ticks, so this
+    composition runs without it (build.py); losses, grad norms and gradients are one device's."""
+    cfg = BASE.replace(model=dataclasses.replace(BASE.model, num_layers=4))
+    ref = run(with_mesh(cfg, micro_batches=M), jax.devices()[:1])
+    got = run(with_mesh(cfg, micro_batches=M, **{"pipeline": 2, "tensor": 2, "sequence_parallel": True,
+                                                 "pipeline_schedule": "1f1b", **mesh}), jax.devices())
+    assert_same_run(got, ref, f"pipeline=2 tensor=2 SP {mesh}")
