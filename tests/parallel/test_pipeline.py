@@ -115,10 +115,10 @@ def test_config_accepts():
     assert _check(pipeline=1, pipeline_schedule="zero_bubble", micro_batches=1)["pipeline"] == 1
 
 
-def _temp_bytes(schedule: str, micro_batches: int, rows: int = 4) -> int:
+def _temp_bytes(schedule: str, micro_batches: int, rows: int = 4, remat: str = "none") -> int:
     """Compiled per-device temporary bytes of the train step (compiled, never run)."""
-    cfg = with_mesh(CFG.replace(model=dataclasses.replace(CFG.model, num_layers=4)), micro_batches=micro_batches,
-                    pipeline=2, pipeline_schedule=schedule)
+    cfg = with_mesh(CFG.replace(model=dataclasses.replace(CFG.model, num_layers=4, remat=remat)),
+                    micro_batches=micro_batches, pipeline=2, pipeline_schedule=schedule)
     cfg = cfg.replace(data=dataclasses.replace(cfg.data, seq_len=256, global_batch_size=rows * micro_batches))
     trainer = build(cfg, make_mesh({a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}, jax.devices()[:2]))
     batch = {k: jax.ShapeDtypeStruct((rows * micro_batches, 256), v.dtype, sharding=trainer.batch_sharding)
@@ -127,16 +127,25 @@ def _temp_bytes(schedule: str, micro_batches: int, rows: int = 4) -> int:
 
 
 @pytest.mark.heavy
-def test_1f1b_memory_bound_holds_in_compiled_bytes():
-    """1F1B stashes at most P micro-batches' stage inputs (its own vjp per micro-batch), GPipe all m."""
-    one = {m: _temp_bytes("1f1b", m) for m in (8, 16)}
-    gpipe = {m: _temp_bytes("gpipe", m) for m in (8, 16)}
-    figures = f"temp bytes 1f1b m=8/16: {one[8]}/{one[16]}, gpipe m=8/16: {gpipe[8]}/{gpipe[16]}"
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_1f1b_memory_bound_holds_in_compiled_bytes(remat):
+    """1F1B stashes at most P micro-batches' stage inputs (its own vjp per micro-batch), GPipe all m,
+    whatever the remat policy keeps of each (remat full: the layers' inputs); zero_bubble (2P - 1
+    residual slots and P W slots) is as flat in m as 1F1B."""
+    one = {m: _temp_bytes("1f1b", m, remat=remat) for m in (8, 16)}
+    gpipe = {m: _temp_bytes("gpipe", m, remat=remat) for m in (8, 16)}
+    zb = {m: _temp_bytes("zero_bubble", m, remat=remat) for m in (8, 16)}  # and its W stash: P slots
+    figures = (f"temp bytes 1f1b m=8/16: {one[8]}/{one[16]}, gpipe m=8/16: {gpipe[8]}/{gpipe[16]}, "
+               f"zero_bubble m=8/16: {zb[8]}/{zb[16]}")
+
     slot = 4 * 256 * 64 * 4  # one stashed stage input [4, 256, 64] fp32
     # The rest of the step (the recomputed stage's residuals) dwarfs the stash at these sizes, so
     # besides the issue's 10% the growth is bounded in slots: 1F1B's only growth is the batch itself.
-    assert one[16] <= 1.10 * one[8] and one[16] - one[8] < 2 * slot, figures
+    for fused in (one, zb):
+        assert fused[16] <= 1.10 * fused[8] and fused[16] - fused[8] < 2 * slot, figures
     assert gpipe[16] - gpipe[8] >= 8 * slot, figures  # 8 more micro-batches stashed
+    # Measured (remat none / full): 1f1b 161.6 / 23.1 MB, zero_bubble 189.4 / 50.6 MB at m = 8 and
+    # 16: its W stash holds each projection's input and output cotangent, which no policy recomputes.
 
 
 def _train(*overrides: str) -> subprocess.CompletedProcess:
