@@ -68,15 +68,6 @@ class Ops:
             return "fp8" if self.fp8_on else "fp8_kept"
         return "token_grad" if self.cpu else "einsum"
 
-    def pipeline_replicas(self, model: ModelConfig) -> bool:
-        """Whether the pipelined step runs its ticks under the replica `vmap` (one gradient reduction per
-        step, parallel/communication.py). Not with experts: under that vmap the grouped expert ops'
-        batching rule (ops/grouped.py) changes their vjp residuals, which a stage stashes per tick (seen:
-        the stash's shapes no longer match, and once matched the losses moved 7e-5 from one device's at
-        pipeline=2 expert=2 data=2); a pipelined MoE model sums its gradients over `data` where XLA
-        places the sum."""
-        return model.moe.num_experts == 0
-
     def weight_dtype(self, names: tuple[str | None, ...], compute_dtype: str) -> str:
         """The dtype the train step casts a parameter with logical axes `names` to while it is still
         sharded, before any gather ("": kept float32): `compute_dtype`, except norm scales (norms

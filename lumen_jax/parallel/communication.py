@@ -58,8 +58,8 @@ def gradient_plan(cfg: MeshConfig, micro_batches: int, mesh: Mesh, rules: Rules,
       names: {path: logical axis names} of the parameters.
       pipelined: the step runs a pipeline schedule (parallel/pipeline/executor.py), whose stages sum
         their gradients over the schedule's ticks even with one micro-batch.
-      per_replica: whether the step may run under the replica vmap (`Ops.pipeline_replicas` for a
-        pipelined step); if not, there are no replica axes.
+      per_replica: whether the step may run under the replica vmap (not a pipelined step with
+        sequence parallelism, `train/build.py`); if not, there are no replica axes.
     """
     candidates = ("data", "fsdp") if cfg.fsdp_grad_reduce == "once" else ("data",)
     accumulates = micro_batches > 1 or pipelined

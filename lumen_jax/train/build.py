@@ -181,12 +181,12 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
     batch_sh = named(rules.spec(BATCH_AXES))
     batch_shardings = {k: batch_sh for k in BATCH_KEYS}
     # A pipelined step runs its ticks under the replica vmap (one gradient reduction per step) unless
-    # the model has experts (`Ops.pipeline_replicas`) or sequence parallelism splits activations
-    # over `tensor`: XLA's SPMD partitioner stops on such vmapped ticks (jaxlib 0.10.2, a check
-    # failure, docs/PLATFORM.md); both sum their gradients over the replica axes where XLA places it.
-    sp_ticks = cfg.mesh.sequence_parallel and mesh.shape["tensor"] > 1
+    # sequence parallelism splits its activations over `tensor`: XLA's SPMD partitioner stops on such
+    # vmapped ticks (jaxlib 0.10.2, a check failure, docs/PLATFORM.md); that step sums its gradients
+    # over the replica axes where XLA places the sum.
+    sp_ticks = pipe is not None and cfg.mesh.sequence_parallel and mesh.shape["tensor"] > 1
     plan = comm.gradient_plan(cfg.mesh, cfg.train.micro_batches, mesh, rules, names, pipelined=pipe is not None,
-                              per_replica=pipe is None or (ops.pipeline_replicas(cfg.model) and not sp_ticks))
+                              per_replica=not sp_ticks)
     pin = lambda specs: functools.partial(  # noqa: E731
         jax.lax.with_sharding_constraint, shardings=jax.tree.map(named, specs, is_leaf=is_spec))
     placement = step_lib.Placement(grads=pin(rules.tree_specs(names, "grads")), weights=pin(plan.weight_specs),

@@ -63,17 +63,23 @@ def test_moe_gradients_cross_data_once_per_step():
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
-def test_pipelined_data_parallel_gradients_cross_once_per_step(schedule):
+@pytest.mark.parametrize("schedule,moe", [("1f1b", False), ("zero_bubble", False), ("1f1b", True)],
+                         ids=["1f1b", "zero_bubble", "moe-expert2-1f1b"])
+def test_pipelined_data_parallel_gradients_cross_once_per_step(schedule, moe):
     """pipeline=2 x data=4, 4 micro-batches: the data-axis gradient reduction of the compiled step is
     one reduction of a device's gradients (its stage's blocks and the replicated embedding, norm and
     output), not one per tick (1f1b has 10 ticks here; before: 7.7 times the gradient bytes per step,
-    zero_bubble 10 times)."""
+    zero_bubble 10 times). MoE on pipeline=2 x expert=2 x data=2 too (before its stages ran without
+    the replica vmap: every tick's gradients crossed `data`)."""
     from lumen_jax.train.build import build
     from lumen_jax.parallel.mesh import make_mesh
     from lumen_jax.plan.compiled import abstract_step_args
 
     cfg = _cfg(4, data=4, pipeline=2, pipeline_schedule=schedule)
+    if moe:
+        cfg = dataclasses.replace(_cfg(4, data=2, expert=2, pipeline=2, pipeline_schedule=schedule),
+                                  model=dataclasses.replace(BASE32.model, moe=MoeConfig(num_experts=4, top_k=2,
+                                                                                        expert_ffn_dim=32)))
     shape = {a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}
     trainer = build(cfg, make_mesh(shape))
     compiled = trainer.step.lower(*abstract_step_args(trainer, cfg)).compile()

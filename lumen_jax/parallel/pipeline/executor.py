@@ -405,7 +405,13 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
         # Which residuals depend on the micro-batch (stashed) and which on the weights alone (taken
         # again in the backward: XLA drops the rest of that second trace, whose outputs go unused).
         leaves_fn = lambda c, o, st, x, mb, v: jax.tree.leaves(dev.residuals(c, o, st, x, mb, v)[1])  # noqa: E731
-        stashed, shapes = _varying(leaves_fn, (chunk0, other, state0), (zeros_act, zero_mb, jnp.int32(0)))
+        varying = (zeros_act, zero_mb, jnp.int32(0))
+        if r > 1:  # as the replica vmap makes them: a shard_map inside (the experts' dispatch) sees its group's rows
+            leaves_fn = jax.vmap(leaves_fn, in_axes=(None, None, None, 0, 0, None), spmd_axis_name=replica_axes)
+            varying = (*jax.tree.map(lambda a: jnp.zeros((r, *a.shape), a.dtype), varying[:2]), varying[2])
+        stashed, shapes = _varying(leaves_fn, (chunk0, other, state0), varying)
+        if r > 1:  # a stashed leaf [R, ...] (the carry adds R below); the others are the weights'
+            shapes = [jax.ShapeDtypeStruct(a.shape[1:] if keep else a.shape, a.dtype) for a, keep in zip(shapes, stashed)]
         dev = dataclasses.replace(dev, stashed=tuple(stashed))
         metrics0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32),
                                 jax.eval_shape(lambda: dev.residuals(chunk0, other, state0, zeros_act, zero_mb,
