@@ -98,9 +98,9 @@ class Taps:
     """Zero inputs on a stack of layers' projections that split their backward (zero_bubble's B and W).
 
     With `arrays` (from `zeros`), each plain-einsum projection y = x @ w of the layers runs as
-    `x' @ stop_gradient(w) + tap_y`, x' = x recorded by `tap_x`; one vjp of the layers then returns
-    the input gradient and, as the taps' cotangents, each projection's output cotangent dy and input
-    x, but no weight gradient of a tapped weight (it is stopped). `replay(weights, cotangents)`
+    `x' @ w + tap_y`, x' = x recorded by `tap_x`; one vjp of the layers with the tapped weights
+    stopped (`stop`) then returns the input gradient and, as the taps' cotangents, each projection's
+    output cotangent dy and input x, but no weight gradient of a tapped weight. `replay(weights, cotangents)`
     gives those weights' gradients later (its vjp: x^T dy, the einsum JAX's transpose does).
     Projections with a backward of their own (fp8's scales and histories, MoE experts' grouped
     matmuls) are not tapped: their weight gradients stay in the first vjp.
@@ -112,6 +112,20 @@ class Taps:
     def __init__(self, arrays: dict | None = None, found: dict | None = None):
         self.arrays = arrays  # {stack: {key: {"x": [L, ...] (the source keys only), "y": [L, ...]}}}
         self.found = {} if found is None else found
+
+    def stop(self, params: dict) -> dict:
+        """`params` (the stacks' parameters) with the tapped weights under `stop_gradient`. Stopped
+        here, outside the layers' scan, a weight stays a scan input, which the vjp keeps as it is (a
+        residual of the weights alone, not stashed); stopped inside the scan's body it would be a
+        new per-layer output, which the pipeline would stash for every micro-batch in flight."""
+        def stopped(tree: dict, path: list[str]) -> dict:
+            head, *rest = path
+            return {**tree, head: stopped(tree[head], rest) if rest else jax.lax.stop_gradient(tree[head])}
+        out = dict(params)
+        for stack, found in self.found.items():
+            for key in found:
+                out[stack] = stopped(out[stack], key.split("."))
+        return out
 
     def tapping(self, arrays: dict) -> "Taps":
         """These (probed) taps with `arrays` (a chunk's, `zeros`-shaped): the layers run tapped."""
@@ -180,7 +194,7 @@ class Tape:
         t = self.found[key]
         if t.source == key:
             self.recorded[key] = _record(x, self.arrays[key]["x"])
-        return project(spec, self.recorded[t.source], jax.lax.stop_gradient(w), ops, layer_type) + self.arrays[key]["y"]
+        return project(spec, self.recorded[t.source], w, ops, layer_type) + self.arrays[key]["y"]  # w: `Taps.stop`
 
 
 def projection_state(ops: Ops, layer_type: str, projections: tuple[str, ...]) -> nnx.Dict | None:

@@ -33,7 +33,8 @@ def _split_grads(cfg):
     whole_dp, whole_dx = jax.vjp(layers, params, x)[1](g)
     probe = Taps()
     jax.eval_shape(lambda: layers(params, x, probe))
-    b_dp, b_dx, cts = jax.vjp(lambda p, x, t: layers(p, x, probe.tapping(t)), params, x, probe.zeros(params))[1](g)
+    b_dp, b_dx, cts = jax.vjp(lambda p, x, t: layers(probe.stop(p), x, probe.tapping(t)), params, x,
+                              probe.zeros(params))[1](g)
     w_dp = probe.weight_grads(lambda p: p, params, cts)
     w_dp = {k: w_dp.get(k, jax.tree.map(jnp.zeros_like, v)) for k, v in params.items()}  # untapped: nothing
     return probe, (whole_dp, whole_dx), (b_dp, b_dx), w_dp

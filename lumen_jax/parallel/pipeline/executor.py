@@ -248,7 +248,8 @@ class _Device:
             (y, _), vjp, metrics = jax.vjp(lambda c, o, st, x: self.stage(c, o, st, x, mb, v), chunk, other, state,
                                            x_recv, has_aux=True)
             return y, vjp, metrics
-        (y, _), vjp, metrics = jax.vjp(lambda c, o, st, x, t: self.stage(c, o, st, x, mb, v, self.taps.tapping(t)),
+        (y, _), vjp, metrics = jax.vjp(lambda c, o, st, x, t: self.stage(self.taps.stop(c), o, st, x, mb, v,
+                                                                         self.taps.tapping(t)),
                                        chunk, other, state, x_recv, self.taps.zeros(chunk), has_aux=True)
         return y, vjp, metrics
 
