@@ -207,6 +207,28 @@ def test_pipeline_plan_follows_the_lockstep_program():
                                                                                       score_fraction=0.5)
 
 
+def test_zero_bubble_step_time_weighs_its_units():
+    """The predicted step time stretches the busy time by the lock-step program's executed work, a
+    zero_bubble tick costing its units' shares of the compute (`predict._stretch`): W the tapped
+    projections' weight-gradient FLOPs, under a third of the layer's work here (the logits and the
+    attention core have no W), so zero_bubble's stretch lies between 1F1B's and the equal-unit
+    (3m + 2(P-1)) / 3m of `Lockstep.bubble`. With one rate for every FLOP (`efficiency`) the
+    backward is 2/3 of the compute."""
+    from lumen_jax.parallel.pipeline import schedule as pipeline
+
+    stretch = {}
+    for name in ("1f1b", "zero_bubble"):
+        cfg = load_config("configs/tiny.yaml", [*PIPELINE, "train.micro_batches=8", f"mesh.pipeline_schedule={name}"])
+        p = plan.predict(cfg, plan.layout_from_config(cfg, 4), H100, efficiency=0.5)
+        stretch[name] = p.step_time_s / (p.compute_s + sum(p.exposed))
+    w = 2 * flops.param_counts(cfg.model)["layer_matmul"] * 4 / p.hardware_flops_per_token  # all 7 tapped
+    assert 0.1 < w < 1 / 3
+    # 10 ticks: F in 9, B in 9, W in 8 (P = 2, m = 8)
+    assert stretch["zero_bubble"] == pytest.approx((9 / 3 + 9 * (2 / 3 - w) + 8 * w) / 8, rel=1e-12)
+    assert 1 / (1 - pipeline.lockstep("zero_bubble", 2, 8).bubble()) < stretch["zero_bubble"] < stretch["1f1b"]
+    assert stretch["1f1b"] == pytest.approx(1 / (1 - pipeline.lockstep("1f1b", 2, 8).bubble()), rel=1e-12)
+
+
 def test_search_ranks_pipeline_schedules(capsys):
     """--search with stages tries every schedule that can run them (interleaved with V=2 where the
     layers divide), each with its executed bubble; the schedule is in the JSON layout."""
