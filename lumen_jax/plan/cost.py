@@ -105,7 +105,9 @@ def compiled_flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, 
     With pipeline stages the compiler counts each segment's scan over ticks once
     (`schedule.lockstep`): its forward of one chunk (one layer counted, as above) on the
     micro-batch's local rows (not 1/P of them), its share of the loss (1/P of the tokens), its
-    backward; the layer's elementwise work a third in the forward, two thirds in the backward.
+    backward (a split program's B: less the tapped projections' weight-gradient matmuls) and a
+    split program's W unit (those matmuls, for every layer of the chunk); the layer's elementwise
+    work a third in the forward, two thirds in the backward.
     """
     micro_batch = global_batch // layout.micro_batches
     if layout.pipeline > 1:
