@@ -13,7 +13,7 @@ from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.plan import moe as moe_plan
 from lumen_jax.plan.hardware import AXES, Hardware, Layout, compute_bytes
 from lumen_jax.plan.memory import F32 as F32_BYTES
-from lumen_jax.plan.memory import STATE_BYTES, computed_score_fraction, recomputes, state_bytes
+from lumen_jax.plan.memory import STATE_BYTES, computed_score_fraction, recomputes, split_backward, state_bytes
 
 # Elementwise work XLA's cost_analysis counts besides the matmuls (ops per element, a non-negative
 # least-squares fit to XLA's CPU counts of our step): softmax and masking per computed score, norms,
@@ -105,7 +105,9 @@ def compiled_flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, 
     With pipeline stages the compiler counts each segment's scan over ticks once
     (`schedule.lockstep`): its forward of one chunk (one layer counted, as above) on the
     micro-batch's local rows (not 1/P of them), its share of the loss (1/P of the tokens), its
-    backward; the layer's elementwise work a third in the forward, two thirds in the backward.
+    backward (a split program's B: less the tapped projections' weight-gradient matmuls) and a
+    split program's W unit (those matmuls, for every layer of the chunk); the layer's elementwise
+    work a third in the forward, two thirds in the backward.
     """
     micro_batch = global_batch // layout.micro_batches
     if layout.pipeline > 1:
@@ -123,9 +125,16 @@ def compiled_flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, 
         elementwise = (ELEMENTWISE_OPS["score"] * model.num_heads * seq_len * fraction / mesh.tensor
                        + ELEMENTWISE_OPS["embed"] * model.d_model / (mesh.tensor if mesh.sequence_parallel else 1))
         layer, forward = layer + elementwise, forward + elementwise / 3
-        # Each segment's scan body counted once: its forward, its share of the loss, its backward.
+        # A split backward (zero_bubble): B is the layer's backward less the tapped projections'
+        # weight-gradient matmuls; W runs those for the chunk's layers at once (`Taps.replay` maps
+        # over the layers, it does not scan them), so the compiler counts every layer of the chunk.
+        wgrad = 2.0 * split_backward(model).params if prog.split else 0.0
+        weight = wgrad * layout.chunk_layers(model.num_layers)
+        # Each segment's scan body counted once: its forward, its share of the loss, its backward
+        # (B when split), its weight-gradient unit (split).
         segments = sum((forward if g.forward else 0.0) + (head / layout.pipeline if g.head else 0.0)
-                       + (layer - forward if g.backward else 0.0) for g in prog.segments)
+                       + (layer - forward - wgrad if g.backward else 0.0) + (weight if g.weight else 0.0)
+                       for g in prog.segments)
         tokens = micro_batch * seq_len / flat.num_devices
         return compiled_flops_per_device(model, flat, seq_len, global_batch) + (segments - layer - head) * tokens
     mesh = layout.mesh
@@ -295,17 +304,16 @@ def _weights_and_gradients(s: StepShape, add: Add) -> None:
         if mesh.fsdp_regather == "per_step":
             add("fsdp", "all-gather", f"{dt} weights, once per step (kept)", weights * gather / F32_BYTES, 1, True)
         elif layout.pipeline > 1:
-            # The forward and the backward gather the weights of the chunk they run (1/V of the
-            # stage's). V = 1: the chunk is the same in every tick, and XLA hoists the gathers out of
-            # each segment's loop (once per unit kind per segment); V > 1: the chunk is chosen per
-            # tick, so every tick's forward and backward gather it.
-            prog = _lockstep(s)
-            calls = (sum(g.forward + g.backward for g in prog.segments) if prog.virtual == 1
-                     else sum((g.stop - g.start) * (g.forward + g.backward) for g in prog.segments))
-            add("fsdp", "all-gather", f"{dt} layer weights, per segment (V = 1) or tick (V > 1) and unit",
-                layer_weights * gather / F32_BYTES / prog.virtual, calls, True)
-            add("fsdp", "all-gather", f"{dt} embedding and logits weights (at least once)",
-                (weights - layer_weights) * gather / F32_BYTES, 1, True)
+            # As the compiled step runs them (measured, V = 1 and 2): every tick's forward and
+            # backward gather the weights of the chunk they run (1/V of the stage's) in its layer
+            # scan, not hoisted out of the segment's loop; a split backward's W unit gathers none
+            # (its vjp is linear in the weights: XLA drops their cast and its gather); the embedding
+            # and logits weights about once per loss tick.
+            ticks = _ticks(_lockstep(s))
+            add("fsdp", "all-gather", f"{dt} layer weights, per tick and unit (forward, backward)",
+                layer_weights * gather / F32_BYTES / layout.schedule[1], ticks["forward"] + ticks["backward"], True)
+            add("fsdp", "all-gather", f"{dt} embedding and logits weights, per loss tick",
+                (weights - layer_weights) * gather / F32_BYTES, ticks["head"], True)
         else:
             add("fsdp", "all-gather", f"{dt} layer weights, forward and backward", layer_weights * gather / F32_BYTES,
                 2 * m, True)
@@ -314,6 +322,8 @@ def _weights_and_gradients(s: StepShape, add: Add) -> None:
     joint = mesh.fsdp_grad_reduce == "once" and m > 1 and mesh.data > 1 and mesh.fsdp > 1
     if joint:  # the step's one reduction spans both batch axes: full-size sums over data x fsdp
         add("data+fsdp", "all-reduce", f"{red_dt} gradients, once per step", weights * red / F32_BYTES, 1, True)
+    elif mesh.zero_stage >= 3 and layout.pipeline > 1 and grad_calls > 1:
+        _pipelined_gradients(s, add, weights, red)
     elif mesh.zero_stage >= 3:
         add("fsdp", "reduce-scatter", f"{red_dt} gradients", weights * red / F32_BYTES, grad_calls, True)
     if mesh.zero_stage < 3:
@@ -323,6 +333,28 @@ def _weights_and_gradients(s: StepShape, add: Add) -> None:
         add("fsdp", "all-gather", "updated fp32 weights", weights, 1, True)
     if not joint:
         add("data", "all-reduce", f"{red_dt} gradients, once per step", s.grads, 1, True)
+
+
+def _pipelined_gradients(s: StepShape, add: Add, weights: float, red: int) -> None:
+    """ZeRO-3 gradients of a pipelined step, reduced every micro-batch: as the compiled step sums
+    them (measured), each unit reduces the gradients it makes, in its tick: a backward its chunk's
+    layers' (split: all but the tapped projections'), a split backward's W unit the tapped
+    projections', a loss tick the logits matrix and the final norm. `weights`: the stage's fp32
+    parameter bytes on one fsdp shard group (unsharded over data and fsdp)."""
+    model, layout = s.model, s.layout
+    prog, tp, v = _lockstep(s), layout.mesh.tensor, layout.schedule[1]
+    ticks = _ticks(prog)
+    head = (model.vocab_size * model.d_model / tp + model.d_model) * F32_BYTES
+    outside = head + (0 if model.tie_embeddings else model.vocab_size * model.d_model / tp * F32_BYTES)
+    layers = weights - outside  # the stage's layer stack, norms (and experts) included
+    tapped = split_backward(model).params * s.layers * F32_BYTES / tp if prog.split else 0.0
+    dt = {2: "bf16", 4: "fp32"}[red]
+    add("fsdp", "reduce-scatter", f"{dt} layer gradients of a backward, per backward tick",
+        (layers - tapped) * red / F32_BYTES / v, ticks["backward"], True)
+    add("fsdp", "reduce-scatter", f"{dt} tapped projections' gradients of a W unit, per W tick",
+        tapped * red / F32_BYTES / v, ticks["weight"], True)
+    add("fsdp", "reduce-scatter", f"{dt} logits matrix and final norm gradients, per loss tick",
+        head * red / F32_BYTES, ticks["head"], True)
 
 
 @counts_collectives
@@ -406,8 +438,10 @@ def _lockstep(s: StepShape) -> pipeline_lib.Lockstep:
 
 
 def _ticks(prog: pipeline_lib.Lockstep) -> dict[str, int]:
-    """Ticks of `prog` with a forward, a backward, the loss (fill and drain included)."""
-    return {k: sum(g.stop - g.start for g in prog.segments if getattr(g, k)) for k in ("forward", "backward", "head")}
+    """Ticks of `prog` with a forward, a backward, the loss, a weight-gradient unit (split backward),
+    fill and drain included."""
+    return {k: sum(g.stop - g.start for g in prog.segments if getattr(g, k))
+            for k in ("forward", "backward", "head", "weight")}
 
 
 @counts_collectives

@@ -364,6 +364,41 @@ def working_bytes_per_token(model: ModelConfig, layout: Layout, seq_len: int, re
             "kv": kv, "logits": LOGIT_ROWS * w["V"] * F32}
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitBackward:
+    """One layer's share of a split backward (zero_bubble, `ops.projection.Taps`), averaged over
+    the layers: what its weight-gradient unit W computes and what W's stash keeps for it."""
+
+    params: float  # weights of the tapped (plain-einsum) projections: W's matmuls, 2 FLOPs each per token
+    rows: collections.Counter  # per token, compute dtype: each tapped projection's output cotangent and
+    # each distinct input once (Q/K/V share the attention's normed input, gate/up the MLP's)
+
+
+def split_backward(model: ModelConfig) -> SplitBackward:
+    """What `ops.projection.Taps` taps per layer: the projections that run as a plain einsum (fp8
+    ones and the MoE's routed experts keep their own backward, whose weight gradients stay in B).
+    Attention: input, q, k, v, the core's output (wo's input) and wo's output; an MLP: input, gate,
+    up, the SwiGLU output (w_down's input) and w_down's output. The D-wide rows are the matmuls'
+    (gathered under sequence parallelism: `G`)."""
+    plain = {t for t in ("attention", "mlp") if Ops.plain(model).projection(t) in ("einsum", "token_grad")}
+    d, h = model.d_model, model.resolved_head_dim
+    n_moe = model.num_layers // model.moe.every_n_layers if model.moe.enabled else 0
+    # MLPs per layer on average: the dense layers' and the MoE layers' shared experts (one MLP of
+    # shared_experts * expert_ffn_dim), each tapped when plain
+    mlps = [(model.num_layers - n_moe, model.ffn_dim)] + (
+        [(n_moe, model.moe.shared_experts * model.expert_ffn_dim)] if n_moe and model.moe.shared_experts else [])
+    params, rows = 0.0, collections.Counter()
+    if "attention" in plain:
+        params += 2 * d * h * (model.num_heads + model.num_kv_heads)
+        rows.update({("G", "c"): 2, ("Q", "c"): 2, ("KV", "c"): 2})
+    if "mlp" in plain:
+        for layers, ffn in mlps:
+            share = layers / model.num_layers
+            params += share * 3 * d * ffn
+            rows.update({("G", "c"): 2 * share, ("F", "c"): 3 * share * ffn / model.ffn_dim})
+    return SplitBackward(params=params, rows=rows)
+
+
 def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_batch: int,
                      remat: str | None = None, attention: str = "xla", moe_backend: str = "gpu") -> Activations:
     """Activation memory of one device for micro-batches of `micro_batch` sequences per device.
@@ -393,9 +428,10 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     layers = layout.chunk_layers(model.num_layers)
     parts = working_bytes_per_token(model, layout, seq_len, remat, attention)
     widths = _widths(model, layout, seq_len)
-    slots = 0
+    slots = wslots = 0
     if pipelined:
-        slots = pipeline_lib.lockstep(name, layout.pipeline, layout.micro_batches, virtual).slots
+        prog = pipeline_lib.lockstep(name, layout.pipeline, layout.micro_batches, virtual)
+        slots, wslots = prog.slots, prog.split and prog.wslots
         parts["logits"] *= layout.mesh.tensor  # gathered for the loss: V, not V / t, wide
     counts = flops.param_counts(model)
     # A layer casts its fp32 weights to the compute dtype and may keep the casts for the backward:
@@ -420,6 +456,15 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     # in as many, and the activation and cotangent that arrived: [tokens, D] each.
     # The backward reads one slot's residuals out of the stash: one more chunk's worth, working.
     saved = (slots + 2) * layers * per_layer + (slots + 3) * tokens * widths["D"] * c if pipelined else layers * per_layer
+    if wslots:
+        # A split backward (zero_bubble) keeps, from each B to its W, the chunk's tapped projection
+        # inputs and output cotangents: `wslots` + 1 slots (one scratch) and B's output before it
+        # is written into its slot. The tapped weights (`stop_gradient` in `Taps`) are a fresh value
+        # per layer of the scan, no longer the scan's own input, so the executor (`_varying`) stashes
+        # their compute-dtype copies with each residual slot too (measured on the compiled step).
+        split = split_backward(model)
+        saved += (wslots + 2) * layers * tokens * _bytes(split.rows, widths, c)
+        saved += (slots + 2) * layers * split.params * c / layout.mesh.tensor
     n_moe = moe_plan.moe_layers(model, layout)
     if n_moe and not pipelined:  # MoE in pipeline stages: its dispatch buffers are not modelled yet
         shared = dataclasses.replace(model, ffn_dim=model.moe.shared_experts * model.expert_ffn_dim)

@@ -14,7 +14,7 @@ from lumen_jax.plan.cost import (Collective, collectives, context_score_fraction
 from lumen_jax.plan.efficiency import Compute, Efficiency, Overlap, compute_seconds
 from lumen_jax.plan.hardware import Hardware, Layout, uneven_split
 from lumen_jax.plan.memory import (Activations, activation_bytes, communication_bytes, fp8_bytes, recomputes,
-                                   state_bytes)
+                                   split_backward, state_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +173,8 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     dispatch's exchange and grouped matmuls as on GPU or as XLA:CPU compiles them (`plan.moe`).
 
     Step time = compute + the communication that does not hide under it (`exposed_seconds`, per
-    axis: `overlap`), stretched by the pipeline bubble. Compute is each GEMM's time by its shape,
+    axis: `overlap`), stretched by the pipeline bubble (`_stretch`: zero_bubble's B and W ticks at
+    their units' cost; `Plan.bubble` stays the trainer's `pipeline_bubble`, every unit one forward). Compute is each GEMM's time by its shape,
     the attention core's and the memory-bound work's (`efficiency.compute_seconds` with `terms`);
     with `efficiency` (a fraction of the datasheet peak) every FLOP runs at that one rate instead.
     """
@@ -199,6 +200,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     exposed = exposed_seconds(comms, parts, layout.micro_batches, overlap)
     busy = compute_s + sum(exposed)
     bubble = _bubble(layout)
+    stretch = _stretch(model, layout, parts, hw_per_token)
     return Plan(layout=layout, remat=remat, micro_batch=micro_batch, attention=attention,
                 state={**state_bytes(model, layout), **communication_bytes(model, layout)},
                 fp8=fp8_bytes(model, layout, micro_batch * seq / layout.mesh.context),
@@ -206,7 +208,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
                 device_memory_bytes=hw.memory_bytes, usable_memory_bytes=hw.memory_bytes * memory_fraction,
                 flops_per_token=flops.flops_per_token(model, seq), hardware_flops_per_token=hw_per_token,
                 tokens_per_step=tokens, collectives=comms, exposed=exposed, bubble=bubble, compute_s=compute_s,
-                step_time_s=busy / (1 - bubble), peak_flops=peak, compute=parts if efficiency is None else None)
+                step_time_s=busy * stretch, peak_flops=peak, compute=parts if efficiency is None else None)
 
 
 SEARCH_REMATS = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "full")
@@ -228,6 +230,25 @@ def _bubble(layout: Layout) -> float:
         return 0.0
     name, v = layout.schedule
     return pipeline_lib.lockstep_bubble(name, layout.pipeline, layout.micro_batches, v)
+
+
+def _stretch(model: ModelConfig, layout: Layout, parts: Compute, hw_per_token: float) -> float:
+    """The step's busy time stretched by the lock-step program: 1 / (1 - bubble), where a tick lasts
+    as long as the units it runs. `Lockstep.bubble` counts each unit (F, B, W) as one forward; a
+    split backward's B and W are not (with remat B recomputes the forward, the attention core's
+    backward is all B's, W is one pass of the tapped projections' GEMMs), so for zero_bubble each
+    segment's ticks cost their units' shares of the step's compute: the forward 1 - backward_share,
+    W the tapped projections' weight-gradient FLOPs, B the rest of the backward."""
+    if layout.pipeline == 1:
+        return 1.0
+    name, v = layout.schedule
+    prog = pipeline_lib.lockstep(name, layout.pipeline, layout.micro_batches, v)
+    if not prog.split:
+        return 1 / (1 - prog.bubble())
+    w = 2 * split_backward(model).params * model.num_layers / hw_per_token
+    f, b = 1 - parts.backward_share, parts.backward_share - w
+    executed = sum((g.stop - g.start) * (f * g.forward + b * g.backward + w * g.weight) for g in prog.segments)
+    return executed / (prog.micro_batches * prog.virtual)
 
 
 def _schedules(model: ModelConfig, mesh: MeshConfig, stages: int, micro_batches: int) -> list[MeshConfig]:
