@@ -459,12 +459,10 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     if wslots:
         # A split backward (zero_bubble) keeps, from each B to its W, the chunk's tapped projection
         # inputs and output cotangents: `wslots` + 1 slots (one scratch) and B's output before it
-        # is written into its slot. The tapped weights (`stop_gradient` in `Taps`) are a fresh value
-        # per layer of the scan, no longer the scan's own input, so the executor (`_varying`) stashes
-        # their compute-dtype copies with each residual slot too (measured on the compiled step).
+        # is written into its slot. Its residual slots hold what 1f1b's do (the tapped weights are
+        # stopped outside the layers' scan, `Taps.stop`, so they are not stashed).
         split = split_backward(model)
         saved += (wslots + 2) * layers * tokens * _bytes(split.rows, widths, c)
-        saved += (slots + 2) * layers * split.params * c / layout.mesh.tensor
     n_moe = moe_plan.moe_layers(model, layout)
     if n_moe and not pipelined:  # MoE in pipeline stages: its dispatch buffers are not modelled yet
         shared = dataclasses.replace(model, ffn_dim=model.moe.shared_experts * model.expert_ffn_dim)

@@ -160,9 +160,10 @@ def test_pipeline_stash_is_the_schedules(pipeline_steps):
 @pytest.mark.heavy
 def test_zero_bubble_stash_is_its_weight_units(pipeline_steps):
     """zero_bubble runs 1F1B's forwards and slots and keeps, besides, what its W units read (the
-    tapped projections' inputs and output cotangents, `wslots` + 2 slots) and, per residual slot,
-    the tapped weights (`memory.activation_bytes`): the planned difference is the compiled one
-    (measured +0.7%: 5.76 MB planned, 5.72 MB compiled)."""
+    tapped projections' inputs and output cotangents, `wslots` + 2 slots; its residual slots hold
+    1F1B's, `memory.activation_bytes`): the planned difference (3.95 MB) is the compiled one. (When the
+    executor also stashed the tapped weights with every residual slot, the compiled difference was
+    5.72 MB.)"""
     (p1, c1), (pz, cz) = ((p, c.bytes_compiled) for p, c in (pipeline_steps["data=2 1f1b"],
                                                             pipeline_steps["data=2 zero_bubble"]))
     planned = pz.bytes_per_device["total"] - p1.bytes_per_device["total"]
@@ -193,11 +194,11 @@ def test_pipeline_plan_follows_the_lockstep_program():
     assert pipeline.lockstep("gpipe", 2, 8).slots == 8 and pipeline.lockstep("1f1b", 2, 8).slots == 3
     # zero_bubble: 1F1B's slots, and (wslots + 2) slots of its W units' stash: per layer and token the
     # tapped projections' inputs (attention's, wo's, the MLP's, w_down's) and output cotangents
-    # (q, k, v, o, gate, up, down), [tokens, width] fp32; per residual slot the tapped weights again.
+    # (q, k, v, o, gate, up, down), [tokens, width] fp32.
     zb, f1 = pipeline.lockstep("zero_bubble", 2, 8), pipeline.lockstep("1f1b", 2, 8)
     assert (zb.slots, zb.wslots, f1.slots) == (3, 2, 3)
     widths = 64 + 64 + 2 * 32 + 64 + 64 + 64 + 3 * 172 + 64  # x, q, k, v, o in, o out, x, gate, up, down in, down out
-    w_stash = (zb.wslots + 2) * 2 * 128 * widths * 4 + (zb.slots + 2) * 2 * n["layer_matmul"] * 4
+    w_stash = (zb.wslots + 2) * 2 * 128 * widths * 4
     assert plans["zero_bubble"].activations.saved == plans["1f1b"].activations.saved + w_stash
     assert plans["gpipe"].activations.buffers == plans["1f1b"].activations.buffers == 0  # sums in the carry
     assert plans["interleaved"].activations.buffers > 0  # its reordered copy of the blocks
