@@ -417,12 +417,14 @@ def _pipeline(s: StepShape, add: Add) -> None:
         return
     prog = _lockstep(s)
     ticks = _ticks(prog)
-    add("pipeline", "send/recv", "stage activations, one per forward tick", s.row, ticks["forward"], False)
+    # Under sequence parallelism a device holds and sends its 1/t of the tokens of [tokens, D].
+    row = s.row / (layout.mesh.tensor if layout.mesh.sequence_parallel else 1)
+    add("pipeline", "send/recv", "stage activations, one per forward tick", row, ticks["forward"], False)
     # The last tick's cotangent goes nowhere: XLA drops its send when that tick is a segment of its own.
     last = prog.segments[-1]
-    add("pipeline", "send/recv", "cotangents, one per backward tick", s.row,
+    add("pipeline", "send/recv", "cotangents, one per backward tick", row,
         ticks["backward"] - (last.stop - last.start == 1), False)
-    add("pipeline", "all-reduce", "the last stage's output for the shared loss, and its cotangent", s.row,
+    add("pipeline", "all-reduce", "the last stage's output for the shared loss, and its cotangent", row,
         2 * ticks["head"], False)
     # the embedding, the final norm and the untied output: the parameters not cut into stages
     outside = flops.param_counts(model)["embedding"] + model.d_model * (1 + model.vocab_size * (not model.tie_embeddings))

@@ -158,6 +158,25 @@ def test_pipeline_stash_is_the_schedules(pipeline_steps):
 
 
 @pytest.mark.heavy
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_pipeline_sequence_parallel_sends_its_share(schedule):
+    """Under sequence parallelism a stage sends, and sums for the shared loss, its 1/t of each
+    [tokens, D] activation: the pipeline's collectives and the fsdp gradient reductions within 10% of
+    the compiled step's (measured: within 0.2%). Not compared, as the planner does not yet follow a
+    pipelined program there: the tensor axis (gathers +14% to -16%, reductions -17%) and the fsdp
+    gathers (-15%, zero_bubble -20%)."""
+    cfg = load_config("configs/tiny.yaml", ["mesh.fsdp=2", "mesh.tensor=2", "mesh.sequence_parallel=true",
+                                            "mesh.pipeline=2", "model.num_layers=4", "train.micro_batches=4",
+                                            f"mesh.pipeline_schedule={schedule}"])
+    layout = plan.layout_from_config(cfg, 8)
+    check = against_xla(cfg, plan.predict(cfg, layout, H100), compile_step(cfg, layout))
+    for key in ("pipeline permute", "pipeline reduce", "fsdp reduce"):
+        predicted, compiled = check.collectives[key]
+        assert predicted == pytest.approx(compiled, rel=COLLECTIVES_RTOL), (
+            f"{schedule} {key}: predicted {predicted:,.0f} B, compiled {compiled:,.0f} B")
+
+
+@pytest.mark.heavy
 def test_zero_bubble_stash_is_its_weight_units(pipeline_steps):
     """zero_bubble runs 1F1B's forwards and slots and keeps, besides, what its W units read (the
     tapped projections' inputs and output cotangents, `wslots` + 2 slots; its residual slots hold
