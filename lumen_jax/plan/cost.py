@@ -25,6 +25,8 @@ from lumen_jax.plan.memory import STATE_BYTES, computed_score_fraction, recomput
 # counts matmuls alone.
 ELEMENTWISE_OPS = {"score": 19, "embed": 58, "logit": 9, "param": 36, "pair": 16}
 
+DTYPE_NAMES = {2: "bf16", 4: "fp32"}  # by bytes, in a collective's description
+
 
 def context_score_fraction(context: int, balance: str = "zigzag", attention: str = "flash") -> float:
     """The part of the S x S score square the busiest context device computes, times C: 1/2 for
@@ -296,24 +298,27 @@ def _weights_and_gradients(s: StepShape, add: Add) -> None:
         outside = model.vocab_size * model.d_model * (1 if model.tie_embeddings else 2) / tp + model.d_model
         layer_weights = weights - outside * F32_BYTES
     gather = c if model.fp8.recipe == "none" else F32_BYTES
-    dt = {2: "bf16", 4: "fp32"}[gather]
+    dt = DTYPE_NAMES[gather]
     red = _reduce_bytes(layout)
-    red_dt = {2: "bf16", 4: "fp32"}[red]
+    red_dt = DTYPE_NAMES[red]
     grad_calls = 1 if mesh.fsdp_grad_reduce == "once" else m
     if mesh.zero_stage >= 3:
         if mesh.fsdp_regather == "per_step":
+            # Also in a pipelined step, though its compiled program ignores per_step today (measured
+            # on pipeline=2 fsdp=2 tensor=2 sp m=4: it gathers per tick as below, 2.74 MB against
+            # 0.31 MB planned here): the calibration's Llama 3 rows stand for their recipe's kept
+            # weights with it.
             add("fsdp", "all-gather", f"{dt} weights, once per step (kept)", weights * gather / F32_BYTES, 1, True)
         elif layout.pipeline > 1:
             # As the compiled step runs them (measured, V = 1 and 2): every tick's forward and
             # backward gather the weights of the chunk they run (1/V of the stage's) in its layer
             # scan, not hoisted out of the segment's loop; a split backward's W unit gathers none
-            # (its vjp is linear in the weights: XLA drops their cast and its gather); the embedding
-            # and logits weights about once per loss tick.
-            ticks = _ticks(_lockstep(s))
+            # (its vjp is linear in the weights: XLA drops their cast and its gather).
+            prog = _lockstep(s)
+            ticks = _ticks(prog)
             add("fsdp", "all-gather", f"{dt} layer weights, per tick and unit (forward, backward)",
                 layer_weights * gather / F32_BYTES / layout.schedule[1], ticks["forward"] + ticks["backward"], True)
-            add("fsdp", "all-gather", f"{dt} embedding and logits weights, per loss tick",
-                (weights - layer_weights) * gather / F32_BYTES, ticks["head"], True)
+            _pipelined_head_gathers(s, prog, gather, add)
         else:
             add("fsdp", "all-gather", f"{dt} layer weights, forward and backward", layer_weights * gather / F32_BYTES,
                 2 * m, True)
@@ -348,7 +353,7 @@ def _pipelined_gradients(s: StepShape, add: Add, weights: float, red: int) -> No
     outside = head + (0 if model.tie_embeddings else model.vocab_size * model.d_model / tp * F32_BYTES)
     layers = weights - outside  # the stage's layer stack, norms (and experts) included
     tapped = split_backward(model).params * s.layers * F32_BYTES / tp if prog.split else 0.0
-    dt = {2: "bf16", 4: "fp32"}[red]
+    dt = DTYPE_NAMES[red]
     add("fsdp", "reduce-scatter", f"{dt} layer gradients of a backward, per backward tick",
         (layers - tapped) * red / F32_BYTES / v, ticks["backward"], True)
     add("fsdp", "reduce-scatter", f"{dt} tapped projections' gradients of a W unit, per W tick",
@@ -417,12 +422,14 @@ def _pipeline(s: StepShape, add: Add) -> None:
         return
     prog = _lockstep(s)
     ticks = _ticks(prog)
-    add("pipeline", "send/recv", "stage activations, one per forward tick", s.row, ticks["forward"], False)
+    # Under sequence parallelism a device holds and sends its 1/t of the tokens of [tokens, D].
+    row = s.row / (layout.mesh.tensor if layout.mesh.sequence_parallel else 1)
+    add("pipeline", "send/recv", "stage activations, one per forward tick", row, ticks["forward"], False)
     # The last tick's cotangent goes nowhere: XLA drops its send when that tick is a segment of its own.
     last = prog.segments[-1]
-    add("pipeline", "send/recv", "cotangents, one per backward tick", s.row,
+    add("pipeline", "send/recv", "cotangents, one per backward tick", row,
         ticks["backward"] - (last.stop - last.start == 1), False)
-    add("pipeline", "all-reduce", "the last stage's output for the shared loss, and its cotangent", s.row,
+    add("pipeline", "all-reduce", "the last stage's output for the shared loss, and its cotangent", row,
         2 * ticks["head"], False)
     # the embedding, the final norm and the untied output: the parameters not cut into stages
     outside = flops.param_counts(model)["embedding"] + model.d_model * (1 + model.vocab_size * (not model.tie_embeddings))
@@ -435,6 +442,31 @@ def _pipeline(s: StepShape, add: Add) -> None:
 def _lockstep(s: StepShape) -> pipeline_lib.Lockstep:
     name, v = s.layout.schedule
     return pipeline_lib.lockstep(name, s.layout.pipeline, s.m, v)
+
+
+
+def _pipelined_head_gathers(s: StepShape, prog: pipeline_lib.Lockstep, gather: int, add: Add) -> None:
+    """fsdp all-gathers of the embedding and the logits under ZeRO-3 in a pipelined step, as the
+    compiled program runs them (measured on pipeline=2 with fsdp 2 and 4, tensor 1 and 2, sequence
+    parallel or not, 1f1b and zero_bubble): the tables are loop-invariant, so XLA hoists their
+    gathers out of each segment's scan over ticks: the embedding once per segment with a forward,
+    the logits matrix once per segment with the loss (its forward's and its backward's apart when
+    the vocabulary is split over `tensor`). The embedding's gradient (a scatter-add into the
+    gathered table) gathers, in every backward tick, the fsdp group's rows of the micro-batch:
+    their cotangents [fsdp x b, S, D] in the compute dtype (the table is cast before the lookup,
+    `Transformer.embed_tokens`; measured in fp32 only: XLA:CPU aborts on bf16 pipelined steps) and
+    their int32 token ids."""
+    model, mesh = s.model, s.layout.mesh
+    dt = DTYPE_NAMES[gather]
+    table = model.vocab_size * model.d_model / mesh.tensor * gather
+    segments = {k: sum(1 for g in prog.segments if getattr(g, k)) for k in ("forward", "head")}
+    logits = 0 if model.tie_embeddings else segments["head"] * (2 if mesh.tensor > 1 else 1)
+    embedding = segments["forward"] + (segments["head"] if model.tie_embeddings else 0)
+    add("fsdp", "all-gather", f"{dt} embedding table, once per segment with a forward", table, embedding, True)
+    add("fsdp", "all-gather", f"{dt} logits matrix, once per segment with the loss", table, logits, True)
+    rows = mesh.fsdp * s.tokens * (model.d_model * s.c + 4)
+    add("fsdp", "all-gather", f"{DTYPE_NAMES[s.c]} embedding cotangents and int32 ids of the fsdp group's rows, "
+        "per backward tick", rows, _ticks(prog)["backward"], True)
 
 
 def _ticks(prog: pipeline_lib.Lockstep) -> dict[str, int]:

@@ -63,14 +63,20 @@ def test_matmul_efficiency_follows_the_gemm_shape():
 
 
 def test_efficiency_by_shape_is_what_the_table_measures(found):
-    """One constant efficiency for every FLOP (the planner before the table) misses the published
-    runs: the 8B runs at 8k and the 405B runs cannot both be right with one number."""
-    plans = {r.published.name: r for r in found}
-    flat = {name: calibration.predict(calibration.config_of(r.published), calibration.layout_of(r.published),
-                                      calibration.hardware_of(r.published), attention="flash", efficiency=0.6)
-            for name, r in plans.items()}
-    logs = [math.log(flat[n].tokens_per_s / flat[n].layout.num_devices / plans[n].measured) for n in plans]
-    assert math.exp(sum(map(abs, logs)) / len(logs)) > 1.15
+    """No one constant efficiency for every FLOP (the planner before the table) fits the published
+    runs as the table by shape does, with the same recipe overlaps: the best constant of 0.30-0.90
+    cannot have the 8B's thin TP 8 GEMMs and the 405B's large ones both right. Measured: the best
+    flat 0.54 has typical error x1.103 and ratios x0.84 (405B, 16,384 GPUs) to x1.33 (8B TP 8),
+    spread x1.58; the table x1.072, spread x1.38."""
+    def spread(rows):
+        return max(r.ratio for r in rows) / min(r.ratio for r in rows)
+
+    table = calibration.statistics(found)["typical_error"]
+    flats = [calibration.rows(efficiency=e / 100) for e in range(30, 91, 2)]
+    best = min(flats, key=lambda rows: calibration.statistics(rows)["typical_error"])
+    flat = calibration.statistics(best)["typical_error"]
+    assert math.log(flat) > 1.25 * math.log(table), (flat, table)
+    assert spread(best) > 1.1 * spread(found), (spread(best), spread(found))
 
 
 def test_tensor_overlap_is_the_async_tp_speedup(found):
