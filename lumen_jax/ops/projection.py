@@ -118,14 +118,9 @@ class Taps:
         here, outside the layers' scan, a weight stays a scan input, which the vjp keeps as it is (a
         residual of the weights alone, not stashed); stopped inside the scan's body it would be a
         new per-layer output, which the pipeline would stash for every micro-batch in flight."""
-        def stopped(tree: dict, path: list[str]) -> dict:
-            head, *rest = path
-            return {**tree, head: stopped(tree[head], rest) if rest else jax.lax.stop_gradient(tree[head])}
-        out = dict(params)
-        for stack, found in self.found.items():
-            for key in found:
-                out[stack] = stopped(out[stack], key.split("."))
-        return out
+        tapped = {(stack, *key.split(".")) for stack, found in self.found.items() for key in found}
+        return jax.tree_util.tree_map_with_path(
+            lambda path, a: jax.lax.stop_gradient(a) if tuple(k.key for k in path) in tapped else a, params)
 
     def tapping(self, arrays: dict) -> "Taps":
         """These (probed) taps with `arrays` (a chunk's, `zeros`-shaped): the layers run tapped."""
@@ -172,12 +167,13 @@ class Tape:
     """The taps of one layer's projections (`Taps.layer`); `scope(name)` for a sub-module's."""
 
     def __init__(self, found: dict, arrays: dict | None, probe: bool, prefix: str = "",
-                 recorded: dict | None = None):
+                 seen: dict | None = None):
         self.found, self.arrays, self.probe, self.prefix = found, arrays, probe, prefix
-        self.recorded = {} if recorded is None else recorded  # {key: recorded x} (tapping), {id(x): key} (probing)
+        # the layer's inputs so far: probing {id(x): the key that records it}, tapping {key: recorded x}
+        self.seen = {} if seen is None else seen
 
     def scope(self, name: str) -> "Tape":
-        return Tape(self.found, self.arrays, self.probe, f"{self.prefix}{name}.", self.recorded)
+        return Tape(self.found, self.arrays, self.probe, f"{self.prefix}{name}.", self.seen)
 
     def project(self, attr: str, spec: str, x: jax.Array, w: jax.Array, ops: Ops, layer_type: str | None,
                 state: nnx.Dict | None = None) -> jax.Array:
@@ -187,14 +183,14 @@ class Tape:
             return project(spec, x, w, ops, layer_type, state)
         if self.probe:
             y = project(spec, x, w, ops, layer_type, state)
-            source = self.recorded.setdefault(id(x), key)
+            source = self.seen.setdefault(id(x), key)
             self.found[key] = _Tapped(spec, ops, layer_type, source, jax.ShapeDtypeStruct(x.shape, x.dtype),
                                       jax.ShapeDtypeStruct(y.shape, y.dtype))
             return y
         t = self.found[key]
         if t.source == key:
-            self.recorded[key] = _record(x, self.arrays[key]["x"])
-        return project(spec, self.recorded[t.source], w, ops, layer_type) + self.arrays[key]["y"]  # w: `Taps.stop`
+            self.seen[key] = _record(x, self.arrays[key]["x"])
+        return project(spec, self.seen[t.source], w, ops, layer_type) + self.arrays[key]["y"]  # w: `Taps.stop`
 
 
 def projection_state(ops: Ops, layer_type: str, projections: tuple[str, ...]) -> nnx.Dict | None:

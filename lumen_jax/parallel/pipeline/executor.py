@@ -62,7 +62,8 @@ class StageFns:
     """The model's parts, each a function of the full parameter tree (stacks: one chunk's slice)."""
 
     embed: Callable[[dict, jax.Array], jax.Array]  # (params, tokens [B, T]) -> [B, T, D]
-    # layers: (params, model state, x [B, T, D], micro-batch[, the chunk's real layers: uneven stages])
+    # layers: (params, model state, x [B, T, D], micro-batch, the chunk's real layers (uneven stages;
+    # None: all), taps=the projections' taps of a split backward or None)
     # -> (y [B, T, D], the chunk's auxiliary loss (a scalar added to the objective; 0 without one),
     # its metrics {name: scalar, the mean over its real layers})
     layers: Callable[..., tuple[jax.Array, jax.Array, dict]]
@@ -236,9 +237,8 @@ class _Device:
         """Virtual stage v's forward of one micro-batch: ((y [B, T, D] in the compute dtype, aux loss), metrics)."""
         w = self.cast({**other, **chunk})
         x = jnp.where(v == 0, self.fns.embed(w, mb["inputs"]).astype(self.act_dtype), x_recv)
-        real = (jnp.asarray(self.pipe.layers, jnp.int32)[v],) if self.pipe.layers else ()  # uneven stages
-        kw = {} if taps is None else {"taps": taps}
-        y, aux_loss, metrics = self.fns.layers(w, state, x, mb, *real, **kw)
+        real = jnp.asarray(self.pipe.layers, jnp.int32)[v] if self.pipe.layers else None  # uneven stages
+        y, aux_loss, metrics = self.fns.layers(w, state, x, mb, real, taps=taps)
         return (y.astype(self.act_dtype), jnp.asarray(aux_loss, jnp.float32)), metrics
 
     def residuals(self, chunk: dict, other: dict, state: dict, x_recv: jax.Array, mb: dict, v: jax.Array):
@@ -401,8 +401,8 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
             probe = fns.taps()
             jax.eval_shape(lambda: dev.stage(chunk0, other, state0, zeros_act, zero_mb, jnp.int32(0), probe))
             if any(probe.found.values()):
-                dev = dataclasses.replace(dev, taps=probe, w_tree=jax.tree.structure(probe.zeros(chunk0)))
-        w_shapes = [] if dev.taps is None else jax.eval_shape(lambda: jax.tree.leaves(dev.taps.zeros(chunk0)))
+                dev = dataclasses.replace(dev, taps=probe, w_tree=jax.tree.structure(jax.eval_shape(probe.zeros, chunk0)))
+        w_shapes = [] if dev.taps is None else jax.tree.leaves(jax.eval_shape(dev.taps.zeros, chunk0))
         # Which residuals depend on the micro-batch (stashed) and which on the weights alone (taken
         # again in the backward: XLA drops the rest of that second trace, whose outputs go unused).
         leaves_fn = lambda c, o, st, x, mb, v: jax.tree.leaves(dev.residuals(c, o, st, x, mb, v)[1])  # noqa: E731
