@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lumen_jax.model.layers import rope_frequencies
-from lumen_jax.model.transformer import Transformer
+from lumen_jax.model.transformer import Transformer, embedding_lookup
 from lumen_jax.ops.attention import attention, cached_attention
 from lumen_jax.ops.projection import project
 from lumen_jax.parallel.rules import constrain
@@ -34,8 +34,7 @@ def init_cache(model: Transformer, batch: int, length: int) -> dict[str, jax.Arr
 
 
 def _embed(model: Transformer, tokens_bt: jax.Array) -> jax.Array:
-    table = constrain(model.embed[...].astype(jnp.dtype(model.cfg.compute_dtype)), ("act_vocab", "act_embed"))
-    return constrain(jnp.take(table, tokens_bt, axis=0), ("batch", "seq", "act_embed"))
+    return constrain(embedding_lookup(model.embed_table(), tokens_bt), ("batch", "seq", "act_embed"))
 
 
 def _logits(model: Transformer, x_btd: jax.Array) -> jax.Array:

@@ -31,6 +31,12 @@ _REMAT_POLICIES = {
 }
 
 
+def embedding_lookup(table_vd: jax.Array, tokens_bt: jax.Array) -> jax.Array:
+    """Rows of the table [V, D] at the tokens [B, T]: [B, T, D]. Its gradient with respect to the
+    table is the scatter-add of the rows' cotangents into their tokens' rows."""
+    return jnp.take(table_vd, tokens_bt, axis=0)
+
+
 class Transformer(nnx.Module):
     """Decoder-only language model.
 
@@ -75,11 +81,13 @@ class Transformer(nnx.Module):
 
     def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
         """Token embeddings [B, T, D] in the compute dtype."""
-        dt = jnp.dtype(self.cfg.compute_dtype)
-        # Gather the table's `embed` shards first (the FSDP all-gather): a lookup from a table
-        # sharded along `embed` into a batch-sharded output has no efficient partitioning.
-        table_vd = constrain(self.embed[...].astype(dt), ("act_vocab", "act_embed"))
-        return constrain(jnp.take(table_vd, tokens_bt, axis=0), ("batch", "act_seq", "act_embed"))
+        return constrain(embedding_lookup(self.embed_table(), tokens_bt), ("batch", "act_seq", "act_embed"))
+
+    def embed_table(self) -> jax.Array:
+        """The embedding table [V, D] as the lookup reads it: in the compute dtype, its `embed` shards
+        gathered (the FSDP all-gather: a lookup from a table sharded along `embed` into a
+        batch-sharded output has no efficient partitioning), the vocabulary split over `tensor`."""
+        return constrain(self.embed[...].astype(jnp.dtype(self.cfg.compute_dtype)), ("act_vocab", "act_embed"))
 
     def run_layers(self, x_btd: jax.Array, positions_bt: jax.Array,
                    segment_ids_bt: jax.Array | None = None,

@@ -446,27 +446,26 @@ def _lockstep(s: StepShape) -> pipeline_lib.Lockstep:
 
 
 def _pipelined_head_gathers(s: StepShape, prog: pipeline_lib.Lockstep, gather: int, add: Add) -> None:
-    """fsdp all-gathers of the embedding and the logits under ZeRO-3 in a pipelined step, as the
+    """fsdp collectives of the embedding and the logits under ZeRO-3 in a pipelined step, as the
     compiled program runs them (measured on pipeline=2 with fsdp 2 and 4, tensor 1 and 2, sequence
-    parallel or not, 1f1b and zero_bubble): the tables are loop-invariant, so XLA hoists their
-    gathers out of each segment's scan over ticks: the embedding once per segment with a forward,
-    the logits matrix once per segment with the loss (its forward's and its backward's apart when
-    the vocabulary is split over `tensor`). The embedding's gradient (a scatter-add into the
-    gathered table) gathers, in every backward tick, the fsdp group's rows of the micro-batch:
-    their cotangents [fsdp x b, S, D] in the compute dtype (the table is cast before the lookup,
-    `Transformer.embed_tokens`; measured in fp32 only: XLA:CPU aborts on bf16 pipelined steps) and
-    their int32 token ids."""
+    parallel or not, 1f1b and zero_bubble): the executor gathers the embedding table once, before
+    the first tick (its loss reads it again when tied); the logits matrix is loop-invariant, so XLA
+    hoists its gather out of each segment's scan over ticks: once per segment with the loss (its
+    forward's and its backward's apart when the vocabulary is split over `tensor`). Each device sums
+    the embedding gradient of its own rows of every micro-batch (`executor._Device.embedding_grad`)
+    in float32, and the fsdp row groups' sums are all-reduced once, after the last tick (with
+    `fsdp_grad_reduce=once` the replica groups' one reduction carries them)."""
     model, mesh = s.model, s.layout.mesh
     dt = DTYPE_NAMES[gather]
     table = model.vocab_size * model.d_model / mesh.tensor * gather
-    segments = {k: sum(1 for g in prog.segments if getattr(g, k)) for k in ("forward", "head")}
-    logits = 0 if model.tie_embeddings else segments["head"] * (2 if mesh.tensor > 1 else 1)
-    embedding = segments["forward"] + (segments["head"] if model.tie_embeddings else 0)
-    add("fsdp", "all-gather", f"{dt} embedding table, once per segment with a forward", table, embedding, True)
+    heads = sum(1 for g in prog.segments if g.head)
+    logits = 0 if model.tie_embeddings else heads * (2 if mesh.tensor > 1 else 1)
+    add("fsdp", "all-gather", f"{dt} embedding table, once before the ticks", table,
+        1 + (heads if model.tie_embeddings else 0), True)
     add("fsdp", "all-gather", f"{dt} logits matrix, once per segment with the loss", table, logits, True)
-    rows = mesh.fsdp * s.tokens * (model.d_model * s.c + 4)
-    add("fsdp", "all-gather", f"{DTYPE_NAMES[s.c]} embedding cotangents and int32 ids of the fsdp group's rows, "
-        "per backward tick", rows, _ticks(prog)["backward"], True)
+    if mesh.fsdp_grad_reduce != "once":
+        add("fsdp", "all-reduce", "fp32 embedding table gradient of the fsdp row groups, once per step",
+            table / gather * F32_BYTES, 1, True)
 
 
 def _ticks(prog: pipeline_lib.Lockstep) -> dict[str, int]:

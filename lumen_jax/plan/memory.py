@@ -451,6 +451,8 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
         counts_all = flops.param_counts(model)
         blocks = model.num_layers * (counts_all["layer_matmul"] + 2 * model.d_model) / counts_all["total"]
         buffers = 2 * blocks * grads
+    if pipelined:  # each row group's float32 sum of the embedding table's gradient (`_Device.embedding_grad`)
+        buffers += model.vocab_size * model.d_model / layout.mesh.tensor * F32
     # A pipelined stage keeps each stashed forward's residuals (its chunk's layers, as the policy
     # saves them) in `slots` + 1 slots (the lock-step program's, one scratch), the loss's cotangents
     # in as many, and the activation and cotangent that arrived: [tokens, D] each.

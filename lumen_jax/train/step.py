@@ -24,7 +24,7 @@ from flax import nnx, struct
 
 from lumen_jax.model import apply_with_aux
 from lumen_jax.model.loss import token_objective, token_objective_vocab_sharded
-from lumen_jax.model.transformer import merge
+from lumen_jax.model.transformer import embedding_lookup, merge
 from lumen_jax.ops import state as state_lib
 from lumen_jax.ops.projection import Taps
 from lumen_jax.parallel.pipeline import executor as pipeline_step
@@ -104,7 +104,8 @@ def stage_fns(sc: StepConfig) -> pipeline_step.StageFns:
 
     # The embedding and the head keep no model state (the config refuses ops that would): the
     # fresh state only completes the graph.
-    return pipeline_step.StageFns(embed=lambda params, tokens: merge(sc.graphdef, params, sc.fresh_state).embed_tokens(tokens),
+    return pipeline_step.StageFns(table=lambda params: merge(sc.graphdef, params, sc.fresh_state).embed_table(),
+                                  embed=embedding_lookup,
                                   layers=layers, head=head, taps=Taps,
                                   combine_state=lambda a, b: state_lib.combine(sc.state_combine, a, b),
                                   fold_state=lambda state_r: jax.tree.map(_fold, sc.state_combine, state_r))

@@ -13,7 +13,7 @@ import pytest
 
 from helpers.metrics import read_metrics
 from helpers.paths import REPO
-from helpers.run import BASE, batches, run, assert_same_run, with_mesh
+from helpers.run import BASE, batches, devices_for, run, assert_same_run, with_mesh
 from helpers.tolerances import FP32_RTOL
 from lumen_jax.metrics import flops
 from lumen_jax.train.build import build
@@ -69,6 +69,27 @@ def test_four_stage_gradients_equal_one_device():
     (loss1, grads1), (loss4, grads4) = out[1], out[4]
     np.testing.assert_allclose(loss4, loss1, rtol=FP32_RTOL)
     assert_tree_close(grads4, grads1, FP32_RTOL, what="1f1b P=4 gradients ")
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_zero3_embedding_gradient_equals_one_device(tied):
+    """Under ZeRO-3 (fsdp=4: a micro-batch's rows split over 4 devices in every tick) each device
+    sums the embedding gradient of its own rows, the 4 sums added once after the last tick
+    (`executor._Device.embedding_grad`): the gradients equal one device's, tied embeddings (whose
+    table the loss reads too) included."""
+    from helpers.data import packed_batch
+    from helpers.tolerances import assert_tree_close
+
+    base = TINY4.replace(model=dataclasses.replace(TINY4.model, tie_embeddings=tied))
+    cfg = lambda **mesh: with_mesh(base, micro_batches=2, pipeline_schedule="1f1b", **mesh)  # noqa: E731
+    batch = packed_batch(8, 8, base.model.vocab_size, seed=0)
+    out = []
+    for c in (cfg(), cfg(pipeline=2, fsdp=4)):
+        trainer = build(c, make_mesh({a: getattr(c.mesh, a) for a in MeshConfig.AXES}, devices_for(c)))
+        out.append(jax.device_get(trainer.grads(trainer.init().params, trainer.shard_batch(batch))))
+    (loss1, grads1), (loss8, grads8) = out
+    np.testing.assert_allclose(loss8, loss1, rtol=FP32_RTOL)
+    assert_tree_close(grads8, grads1, FP32_RTOL, what=f"pipeline=2 fsdp=4 tied={tied} gradients ")
 
 
 @pytest.mark.heavy

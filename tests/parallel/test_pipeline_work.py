@@ -23,12 +23,15 @@ M = 8
 TIGHT = 1.01
 
 
-def matmul_flops(cfg) -> int:
-    cfg = cfg.replace(data=dataclasses.replace(cfg.data, global_batch_size=64))
+def compiled_step(cfg) -> hlo.Module:
     trainer = build(cfg, make_mesh({a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}, jax.devices()))
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding)
              for k, v in batches(cfg)[0].items()}
-    return hlo.matmul_flops(hlo.parse(trainer.step.lower(trainer.abstract_state(), batch).compile().as_text()))
+    return hlo.parse(trainer.step.lower(trainer.abstract_state(), batch).compile().as_text())
+
+
+def matmul_flops(cfg) -> int:
+    return hlo.matmul_flops(compiled_step(cfg.replace(data=dataclasses.replace(cfg.data, global_batch_size=64))))
 
 
 @pytest.mark.heavy
@@ -105,3 +108,20 @@ def test_the_planner_counts_what_the_pipeline_sends(stages, m, mesh):
     assert set(planned) == set(compiled), (planned, compiled)
     for kind, nbytes in compiled.items():
         assert planned[kind] == pytest.approx(nbytes, rel=0.10), (kind, planned, compiled)
+
+
+@pytest.mark.parametrize("mesh", [dict(fsdp=4), dict(fsdp=2, tensor=2, sequence_parallel=True)],
+                         ids=["fsdp4", "fsdp2-tensor2-sp"])
+def test_the_embedding_gradient_keeps_its_rows_on_their_devices(mesh):
+    """Under ZeRO-3 a micro-batch's rows are split over fsdp. Each device sums the embedding
+    gradient of its own rows (`executor._Device.embedding_grad`), the sums reduced once after the
+    last tick: no all-gather over fsdp carries a token id (a lookup gradient into one table gathers
+    every backward tick's rows and their ids onto each device of the group: 4 x 4 rows x 128 tokens
+    x (64 + 1) x 4 bytes a tick here; under sequence parallelism a tick permutes its 32 ids between
+    the fsdp x tensor devices, 128 bytes). The planner counts the table's one reduction
+    (tests/plan/test_plan.py)."""
+    cfg = with_mesh(BASE, micro_batches=4, pipeline=2, pipeline_schedule="1f1b", **mesh)
+    cfg = cfg.replace(model=dataclasses.replace(cfg.model, num_layers=4))
+    collectives = hlo.on_mesh(compiled_step(cfg), {a: getattr(cfg.mesh, a) for a in MeshConfig.AXES})
+    ids = [c for c in collectives if "fsdp" in c.axes and c.kind == "all-gather" and c.dtype == "s32"]
+    assert not ids, f"{mesh}: token ids gathered over fsdp: {ids}"

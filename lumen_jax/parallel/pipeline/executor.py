@@ -10,6 +10,10 @@ every stage, so there is no conditional and no stage computes a branch it drops:
   activation that arrived in the previous tick (the embedded tokens on virtual stage 0, chosen by
   a select). Its `jax.vjp` residuals, as the model's remat policy saves them, go to a stash slot;
   the activation moves one stage on (`ppermute`).
+  The embedding lookup (the table gathered once, before the first tick) is outside the stage's
+  vjp; virtual stage 0's backward scatter-adds its input cotangent into the table's gradient, a
+  float32 sum per group of devices the micro-batch's rows are split over (`embedding_grad`), so no
+  row leaves its device in a tick; the groups' sums are reduced once, after the last tick.
 - head (segments with the last virtual stage's output): the final norm, logits and loss of that
   output, split over the P stages by tokens (each computes every P-th token: the logits' work is
   done once, not on every stage); its cotangent goes to the last stage's stash slot.
@@ -51,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from lumen_jax.parallel import rules as rules_lib
 from lumen_jax.parallel.pipeline import schedule as tables
 
 AXIS = "pipeline"
@@ -61,7 +66,12 @@ BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 class StageFns:
     """The model's parts, each a function of the full parameter tree (stacks: one chunk's slice)."""
 
-    embed: Callable[[dict, jax.Array], jax.Array]  # (params, tokens [B, T]) -> [B, T, D]
+    # table: (params) -> the embedding table [V, D] as the lookup reads it (its compute dtype, gathered)
+    table: Callable[[dict], jax.Array]
+    # embed: (table, tokens [B, T]) -> [B, T, D], the table's rows at the tokens. A plain lookup: its
+    # gradient with respect to the table is the scatter-add of the rows' cotangents into their
+    # tokens' rows, which the executor runs itself (`_Device.embedding_grad`).
+    embed: Callable[[jax.Array, jax.Array], jax.Array]
     # layers: (params, model state, x [B, T, D], micro-batch, the chunk's real layers (uneven stages;
     # None: all), taps=the projections' taps of a split backward or None)
     # -> (y [B, T, D], the chunk's auxiliary loss (a scalar added to the objective; 0 without one),
@@ -185,6 +195,16 @@ def _varying(fn: Callable, weights: tuple, varying: tuple) -> tuple[list[bool], 
     return [not hasattr(v, "val") and v in dep for v in jaxpr.outvars], [v.aval for v in jaxpr.outvars]
 
 
+def _row_groups(mesh: Mesh, rows: int) -> int:
+    """G, the devices a micro-batch's `rows` are split over inside a tick: the axes of the `batch`
+    rule of the enclosing `rules.activate` (the replica axes, which the ticks' vmap takes, are not
+    among them); 1 outside one, or when the rows do not split evenly."""
+    active = rules_lib.active()
+    spec = active[1].spec(("batch",))[0] if active is not None else None
+    groups = int(np.prod([mesh.shape[a] for a in ((spec,) if isinstance(spec, str) else spec or ())]))
+    return groups if rows % groups == 0 else 1
+
+
 def _strided(x: jax.Array, p: int, s: jax.Array) -> jax.Array:
     """Tokens s, s+P, s+2P, ... of [B, T, ...] (T a multiple of P)."""
     b, t = x.shape[:2]
@@ -201,6 +221,7 @@ class _Carry(NamedTuple):
     g_recv: jax.Array  # [B, T, D]: the cotangent the next stage sent
     d_stacked: dict  # [V, Lc, ...]: gradient sums of this device's chunks
     d_other: dict  # gradient sums of the replicated parameters (embedding, final norm, head)
+    d_table: jax.Array  # [G, V, D] float32: each row group's sum of the embedding table's gradient
     ce: jax.Array  # the summed cross-entropy of this device's share of the head's tokens
     state: dict  # [V, Lc, ...]: the model state's next value (ops/state.py)
     metrics: dict  # the model's aux metrics, summed over real forwards
@@ -224,6 +245,8 @@ class _Device:
     stashed: tuple = ()  # per residual leaf: whether the stash holds it (else taken again from the weights)
     taps: Any = None  # split backward: the probed taps of the layers' projections (`StageFns.taps`)
     w_tree: Any = None  # the taps' tree structure (the W stash's leaves)
+    table: Any = None  # the embedding table the lookup reads (`StageFns.table` of the cast weights)
+    groups: int = 1  # G: the devices a micro-batch's rows are split over in a tick (`_row_groups`)
 
     @property
     def act_dtype(self):
@@ -232,11 +255,11 @@ class _Device:
     def chunk(self, tree: dict, c: jax.Array) -> dict:
         return jax.tree.map(lambda a: a[c], tree)
 
-    def stage(self, chunk: dict, other: dict, state: dict, x_recv: jax.Array, mb: dict, v: jax.Array,
+    def stage(self, chunk: dict, other: dict, state: dict, x: jax.Array, mb: dict, v: jax.Array,
               taps: Any = None):
-        """Virtual stage v's forward of one micro-batch: ((y [B, T, D] in the compute dtype, aux loss), metrics)."""
+        """Virtual stage v's forward of one micro-batch from its input x (`stage_input`): ((y [B, T, D]
+        in the compute dtype, aux loss), metrics)."""
         w = self.cast({**other, **chunk})
-        x = jnp.where(v == 0, self.fns.embed(w, mb["inputs"]).astype(self.act_dtype), x_recv)
         real = jnp.asarray(self.pipe.layers, jnp.int32)[v] if self.pipe.layers else None  # uneven stages
         y, aux_loss, metrics = self.fns.layers(w, state, x, mb, real, taps=taps)
         return (y.astype(self.act_dtype), jnp.asarray(aux_loss, jnp.float32)), metrics
@@ -253,13 +276,35 @@ class _Device:
                                        chunk, other, state, x_recv, self.taps.zeros(chunk), has_aux=True)
         return y, vjp, metrics
 
+    def stage_input(self, x_recv: jax.Array, mb: dict, v: jax.Array) -> jax.Array:
+        """Virtual stage v's input: the embedded tokens on v = 0, else the activation received."""
+        return jnp.where(v == 0, self.fns.embed(self.table, mb["inputs"]).astype(self.act_dtype), x_recv)
+
+    def embedding_grad(self, d_table: jax.Array, tokens: jax.Array, d_rows: jax.Array) -> jax.Array:
+        """`d_table` [G, V, D] plus the scatter-add of the rows' cotangents d_rows [B, T, D] into
+        their tokens' rows [B, T]. Each of the G row groups (the devices the rows are split over,
+        `_row_groups`) adds its own rows into its own sum, so no row leaves its device: one lookup
+        gradient into one table gathers, in every tick, the group's rows onto each device (a
+        ZeRO-3 step's embedding cotangents and token ids: [fsdp x B, T, D] per backward). The G sums
+        are added once, after the last tick."""
+        g = self.groups
+        add = lambda acc, tk, d: acc.at[tk].add(d.astype(acc.dtype))  # noqa: E731
+        if g == 1:
+            return add(d_table[0], tokens, d_rows)[None]
+        # [G, ...] split over the `batch` axes (a vmap: the scatter's batch dimension, which XLA
+        # partitions by group), the table's vocabulary over `tensor` as the lookup reads it
+        rows = lambda a: a.reshape(g, a.shape[0] // g, *a.shape[1:])  # noqa: E731
+        pin = lambda a, *names: rules_lib.constrain(a, ("batch", *names))  # noqa: E731
+        table = lambda a: pin(a, "act_vocab", "act_embed")  # noqa: E731
+        return table(jax.vmap(add)(table(d_table), pin(rows(tokens), None, None), pin(rows(d_rows), None, None, None)))
+
     def forward(self, c: _Carry, row: jax.Array, mbs: dict) -> tuple[_Carry, jax.Array]:
         """The row's forward on the activation received; its residuals into the stash slot."""
         valid, i, chunk, slot = (row[self.s, k] for k in range(4))
         v = chunk * self.pipe.program.stages + self.s
         mb = jax.tree.map(lambda a: a[i], mbs)
         y, vjp, metrics = self.residuals(self.chunk(self.stacked, chunk), self.other, self.chunk(self.state, chunk),
-                                         c.x_recv, mb, v)
+                                         self.stage_input(c.x_recv, mb, v), mb, v)
         kept = iter([leaf for leaf, keep in zip(jax.tree.leaves(vjp), self.stashed) if keep])
         stash = [buf.at[slot].set(next(kept)) for buf in c.stash]
         weight = valid.astype(jnp.float32)
@@ -292,9 +337,11 @@ class _Device:
         return c._replace(d_other=jax.tree.map(jnp.add, c.d_other, d_other), ce=c.ce + h * ce,
                           g_stash=c.g_stash.at[f_slot].set(dy.astype(self.act_dtype)))  # read by the last stage's backward
 
-    def backward(self, c: _Carry, row: jax.Array, zeros_act: jax.Array, zero_mb: dict) -> tuple[_Carry, jax.Array]:
+    def backward(self, c: _Carry, row: jax.Array, zeros_act: jax.Array, zero_mb: dict,
+                 mbs: dict) -> tuple[_Carry, jax.Array]:
         """The row's backward from its stashed residuals and the cotangent received (the loss's on
-        the last virtual stage): gradients summed into the chunk's, the input's cotangent returned.
+        the last virtual stage): gradients summed into the chunk's, the input's cotangent returned
+        (on virtual stage 0, the embedding's: summed into the table's gradient, zeros sent).
         Split: the tapped projections' weight gradients are left to `weight`, their inputs and
         output cotangents go to its stash slot."""
         prog = self.pipe.program
@@ -318,7 +365,10 @@ class _Device:
         d_other = jax.tree.map(jnp.add, c.d_other, d_other)
         merged = self.fns.combine_state(self.chunk(c.state, chunk), d_state)
         state = jax.tree.map(lambda a, new: a.at[chunk].set(jnp.where(valid > 0, new, a[chunk])), c.state, merged)
-        return c._replace(d_stacked=d_stacked, d_other=d_other, state=state), dx
+        first = v == 0
+        d_table = self.embedding_grad(c.d_table, mbs["inputs"][i], jnp.where(first, dx, jnp.zeros_like(dx)))
+        return (c._replace(d_stacked=d_stacked, d_other=d_other, d_table=d_table, state=state),
+                jnp.where(first, jnp.zeros_like(dx), dx))
 
     def weight(self, c: _Carry, row: jax.Array) -> _Carry:
         """The row's weight unit (split backward): the tapped projections' weight gradients, one
@@ -349,7 +399,7 @@ class _Device:
         if seg.head:
             c = self.head(c, h_row, f_row, y, mbs)
         if seg.backward:
-            c, dx = self.backward(c, b_row, zeros_act, zero_mb)
+            c, dx = self.backward(c, b_row, zeros_act, zero_mb, mbs)
         if seg.weight and self.taps is not None:
             c = self.weight(c, w_row)
         return self.send(c, y, dx), None
@@ -385,14 +435,18 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
     if set(model_state) - set(pipe.stacks):  # the config refuses such ops (config/checks.py)
         raise ValueError(f"model state outside the layer stacks {sorted(set(model_state) - set(pipe.stacks))} "
                          "does not run in pipeline stages")
+    groups = _row_groups(pipe.mesh, b)
     rows_all = (np.asarray(prog.fwd, np.int32), np.asarray(prog.bwd, np.int32),  # [ticks, P, 5]
                 np.asarray(prog.head, np.int32),  # [ticks, 2]
                 np.asarray(prog.wgt if prog.split else prog.bwd, np.int32))  # W units (unused unless split)
 
     def local(stacked: dict, other: dict, state: dict, mbs: dict, tokens: jax.Array, scale: jax.Array):
         by_chunk = lambda tree: jax.tree.map(lambda a: a.reshape(v_count, -1, *a.shape[1:]), tree)  # noqa: E731
+        chunk0 = jax.lax.stop_gradient(jax.tree.map(lambda a: a[0], by_chunk(stacked)))  # completes the tree cast reads
+        table, table_vjp = jax.vjp(lambda o: fns.table(cast({**o, **chunk0})), other)  # gathered once, for every tick
         dev = _Device(pipe=pipe, fns=fns, cast=cast, s=jax.lax.axis_index(AXIS), stacked=by_chunk(stacked),
-                      other=other, state=by_chunk(state), tokens=tokens, scale=scale, aux_share=1.0 / (m * r))
+                      other=other, state=by_chunk(state), tokens=tokens, scale=scale, aux_share=1.0 / (m * r),
+                      table=table, groups=groups)
         one_mb = jax.tree.map(lambda a: a[0, 0] if r > 1 else a[0], mbs)
         zeros_act = jnp.zeros((b, t, pipe.d_model), dt)
         zero_mb = jax.tree.map(jnp.zeros_like, one_mb)
@@ -421,6 +475,7 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
                        w_stash=[jnp.zeros((prog.wslots + 1, *a.shape), a.dtype) for a in w_shapes],
                        g_stash=jnp.zeros((prog.slots + 1, *zeros_act.shape), dt), x_recv=zeros_act, g_recv=zeros_act,
                        d_stacked=jax.tree.map(jnp.zeros_like, dev.stacked), d_other=jax.tree.map(jnp.zeros_like, other),
+                       d_table=jnp.zeros((groups, *table.shape), jnp.float32),
                        ce=jnp.zeros((), jnp.float32), state=jax.tree.map(jnp.zeros_like, dev.state), metrics=metrics0)
         if r > 1:  # one stash and one gradient sum per replica group (carry [R, ...]), see the docstring
             carry = jax.tree.map(lambda a: jnp.zeros((r, *a.shape), a.dtype), carry)
@@ -440,9 +495,14 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
                 body = lambda c, rw, per_replica=per_replica: per_replica(c, rw, mbs)  # noqa: E731
             carry, _ = jax.lax.scan(body, carry, rows)
         d_stacked, d_other, ce, state_new, metrics = carry.d_stacked, carry.d_other, carry.ce, carry.state, carry.metrics
+        d_table = carry.d_table
         if r > 1:  # the replica groups' sums added: the step's one reduction over the replica axes
-            d_stacked, d_other, ce, metrics = jax.tree.map(lambda a: a.sum(0), (d_stacked, d_other, ce, metrics))
+            d_stacked, d_other, d_table, ce, metrics = jax.tree.map(lambda a: a.sum(0),
+                                                                    (d_stacked, d_other, d_table, ce, metrics))
             state_new = fns.fold_state(state_new)
+        # The row groups' table gradients added (the step's one reduction of them), through the
+        # table's cast and gather into the embedding's gradient.
+        d_other = jax.tree.map(jnp.add, d_other, table_vjp(d_table.sum(0).astype(table.dtype))[0])
         flat = lambda tree: jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), tree)  # noqa: E731
         metrics = jax.tree.map(lambda a: jax.lax.psum(a, AXIS) / (p * v_count * m * r), metrics)
         return jax.lax.psum(ce, AXIS), flat(d_stacked), jax.lax.psum(d_other, AXIS), flat(state_new), metrics
