@@ -303,11 +303,10 @@ def _weights_and_gradients(s: StepShape, add: Add) -> None:
     red_dt = DTYPE_NAMES[red]
     grad_calls = 1 if mesh.fsdp_grad_reduce == "once" else m
     if mesh.zero_stage >= 3:
+        if layout.pipeline > 1:
+            _pipelined_embedding_gradient(s, add)
         if mesh.fsdp_regather == "per_step":
-            # Also in a pipelined step, though its compiled program ignores per_step today (measured
-            # on pipeline=2 fsdp=2 tensor=2 sp m=4: it gathers per tick as below, 2.74 MB against
-            # 0.31 MB planned here): the calibration's Llama 3 rows stand for their recipe's kept
-            # weights with it.
+            # Also in a pipelined step: gathered before the first tick (`step.loss_grads_and_state`).
             add("fsdp", "all-gather", f"{dt} weights, once per step (kept)", weights * gather / F32_BYTES, 1, True)
         elif layout.pipeline > 1:
             # As the compiled step runs them (measured, V = 1 and 2): every tick's forward and
@@ -452,9 +451,7 @@ def _pipelined_head_gathers(s: StepShape, prog: pipeline_lib.Lockstep, gather: i
     the first tick (its loss reads it again when tied); the logits matrix is loop-invariant, so XLA
     hoists its gather out of each segment's scan over ticks: once per segment with the loss (its
     forward's and its backward's apart when the vocabulary is split over `tensor`). Each device sums
-    the embedding gradient of its own rows of every micro-batch (`executor._Device.embedding_grad`)
-    in float32, and the fsdp row groups' sums are all-reduced once, after the last tick (with
-    `fsdp_grad_reduce=once` the replica groups' one reduction carries them)."""
+    the embedding gradient of its own rows of every micro-batch: `_pipelined_embedding_gradient`."""
     model, mesh = s.model, s.layout.mesh
     dt = DTYPE_NAMES[gather]
     table = model.vocab_size * model.d_model / mesh.tensor * gather
@@ -463,9 +460,17 @@ def _pipelined_head_gathers(s: StepShape, prog: pipeline_lib.Lockstep, gather: i
     add("fsdp", "all-gather", f"{dt} embedding table, once before the ticks", table,
         1 + (heads if model.tie_embeddings else 0), True)
     add("fsdp", "all-gather", f"{dt} logits matrix, once per segment with the loss", table, logits, True)
+
+
+def _pipelined_embedding_gradient(s: StepShape, add: Add) -> None:
+    """Each device of a pipelined step sums the embedding gradient of its own rows of every
+    micro-batch (`executor._Device.embedding_grad`) in float32; the fsdp row groups' sums are
+    all-reduced once, after the last tick, whatever `fsdp_regather` (with `fsdp_grad_reduce=once`
+    the replica groups' one reduction carries them)."""
+    model, mesh = s.model, s.layout.mesh
     if mesh.fsdp_grad_reduce != "once":
         add("fsdp", "all-reduce", "fp32 embedding table gradient of the fsdp row groups, once per step",
-            table / gather * F32_BYTES, 1, True)
+            model.vocab_size * model.d_model / mesh.tensor * F32_BYTES, 1, True)
 
 
 def _ticks(prog: pipeline_lib.Lockstep) -> dict[str, int]:

@@ -191,7 +191,7 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
         jax.lax.with_sharding_constraint, shardings=jax.tree.map(named, specs, is_leaf=is_spec))
     placement = step_lib.Placement(grads=pin(rules.tree_specs(names, "grads")), weights=pin(plan.weight_specs),
                                    accumulator=pin(plan.accumulator_specs), replicas=plan.replicas,
-                                   replica_axes=plan.replica_axes)
+                                   replica_axes=plan.replica_axes, keep_weights=cfg.mesh.fsdp_regather == "per_step")
     trace_rules = dataclasses.replace(rules, replica_axes=plan.replica_axes)
 
     def traced(fn):  # trace under the rules so `constrain` in the model pins activations

@@ -125,6 +125,7 @@ class Placement:
     accumulator: Callable[[Any], Any] = _identity  # the [R, ...] gradient sums of the replica groups
     replicas: int = 1  # R: replica groups whose micro-batch gradients are summed without a reduction
     replica_axes: tuple[str, ...] = ()  # the mesh axes of R (`jax.vmap`'s spmd_axis_name)
+    keep_weights: bool = False  # a pipelined step computes with `weights` made once (fsdp_regather=per_step)
 
 
 def loss_and_grads(params: dict, batch: Batch, scale: jax.Array, sc: StepConfig,
@@ -183,8 +184,13 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
     combine by each variable's rule (`sc.state_combine`), across micro-batches and replicas.
     """
     if sc.pipeline is not None:
+        # fsdp_regather=per_step: the compute-dtype weights are gathered once, before the first tick,
+        # and the ticks' gradients taken with respect to them; else every tick casts its chunk's
+        # weights and gathers them where it uses them.
+        kept = placement.keep_weights
         loss, grads, state_new, aux = pipeline_step.loss_and_grads(
-            sc.pipeline, stage_fns(sc), params, batch, scale, lambda w: compute_weights(w, sc),
+            sc.pipeline, stage_fns(sc), placement.weights(compute_weights(params, sc)) if kept else params, batch,
+            scale, _identity if kept else (lambda w: compute_weights(w, sc)),
             placement.replicas, placement.replica_axes, model_state)
         return loss, placement.grads(grads), state_new, aux
     total_tokens = pipeline_step.total_tokens(batch)

@@ -71,17 +71,20 @@ def test_four_stage_gradients_equal_one_device():
     assert_tree_close(grads4, grads1, FP32_RTOL, what="1f1b P=4 gradients ")
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_zero3_embedding_gradient_equals_one_device(tied):
+@pytest.mark.parametrize("tied,regather", [(False, "per_micro_batch"), (True, "per_micro_batch"), (False, "per_step")],
+                         ids=["untied", "tied", "per_step"])
+def test_zero3_gradients_equal_one_device(tied, regather):
     """Under ZeRO-3 (fsdp=4: a micro-batch's rows split over 4 devices in every tick) each device
     sums the embedding gradient of its own rows, the 4 sums added once after the last tick
     (`executor._Device.embedding_grad`): the gradients equal one device's, tied embeddings (whose
-    table the loss reads too) included."""
+    table the loss reads too) included, and with `fsdp_regather=per_step` (the ticks' gradients
+    taken with respect to the weights gathered once for the step)."""
     from helpers.data import packed_batch
     from helpers.tolerances import assert_tree_close
 
     base = TINY4.replace(model=dataclasses.replace(TINY4.model, tie_embeddings=tied))
-    cfg = lambda **mesh: with_mesh(base, micro_batches=2, pipeline_schedule="1f1b", **mesh)  # noqa: E731
+    cfg = lambda **mesh: with_mesh(base, micro_batches=2, pipeline_schedule="1f1b",  # noqa: E731
+                                   fsdp_regather=regather, **mesh)
     batch = packed_batch(8, 8, base.model.vocab_size, seed=0)
     out = []
     for c in (cfg(), cfg(pipeline=2, fsdp=4)):
@@ -89,7 +92,7 @@ def test_zero3_embedding_gradient_equals_one_device(tied):
         out.append(jax.device_get(trainer.grads(trainer.init().params, trainer.shard_batch(batch))))
     (loss1, grads1), (loss8, grads8) = out
     np.testing.assert_allclose(loss8, loss1, rtol=FP32_RTOL)
-    assert_tree_close(grads8, grads1, FP32_RTOL, what=f"pipeline=2 fsdp=4 tied={tied} gradients ")
+    assert_tree_close(grads8, grads1, FP32_RTOL, what=f"pipeline=2 fsdp=4 tied={tied} {regather} gradients ")
 
 
 @pytest.mark.heavy

@@ -205,6 +205,15 @@ def _row_groups(mesh: Mesh, rows: int) -> int:
     return groups if rows % groups == 0 else 1
 
 
+def _f32_zeros(a: jax.Array) -> jax.Array:
+    """A float32 gradient sum for `a` (compute-dtype weights when the step passes them, `cast`)."""
+    return jnp.zeros(a.shape, jnp.float32)
+
+
+def _add(total: jax.Array, d: jax.Array) -> jax.Array:
+    return total + d.astype(total.dtype)
+
+
 def _strided(x: jax.Array, p: int, s: jax.Array) -> jax.Array:
     """Tokens s, s+P, s+2P, ... of [B, T, ...] (T a multiple of P)."""
     b, t = x.shape[:2]
@@ -334,7 +343,7 @@ class _Device:
         (_, ce), head_vjp = jax.vjp(lambda o, yl: self.head_loss(o, yl, mb), self.other, y_last)
         h = valid.astype(jnp.float32)
         d_other, dy = head_vjp((h, jnp.zeros((), jnp.float32)))
-        return c._replace(d_other=jax.tree.map(jnp.add, c.d_other, d_other), ce=c.ce + h * ce,
+        return c._replace(d_other=jax.tree.map(_add, c.d_other, d_other), ce=c.ce + h * ce,
                           g_stash=c.g_stash.at[f_slot].set(dy.astype(self.act_dtype)))  # read by the last stage's backward
 
     def backward(self, c: _Carry, row: jax.Array, zeros_act: jax.Array, zero_mb: dict,
@@ -361,8 +370,8 @@ class _Device:
                                                               vjp((g, d_aux)))
         if d_taps:
             c = c._replace(w_stash=[buf.at[wslot].set(d) for buf, d in zip(c.w_stash, jax.tree.leaves(d_taps[0]))])
-        d_stacked = jax.tree.map(lambda a, d: a.at[chunk].add(d), c.d_stacked, d_chunk)
-        d_other = jax.tree.map(jnp.add, c.d_other, d_other)
+        d_stacked = jax.tree.map(lambda a, d: a.at[chunk].add(d.astype(a.dtype)), c.d_stacked, d_chunk)
+        d_other = jax.tree.map(_add, c.d_other, d_other)
         merged = self.fns.combine_state(self.chunk(c.state, chunk), d_state)
         state = jax.tree.map(lambda a, new: a.at[chunk].set(jnp.where(valid > 0, new, a[chunk])), c.state, merged)
         first = v == 0
@@ -377,7 +386,8 @@ class _Device:
         cts = jax.tree.unflatten(self.w_tree, [buf[wslot] for buf in c.w_stash])
         d_w = self.taps.weight_grads(lambda p: self.cast({**self.other, **p}), self.chunk(self.stacked, chunk), cts)
         d_w = jax.tree.map(lambda d: jnp.where(valid > 0, d, jnp.zeros_like(d)), d_w)
-        return c._replace(d_stacked={k: jax.tree.map(lambda a, d: a.at[chunk].add(d), a, d_w[k]) if k in d_w else a
+        return c._replace(d_stacked={k: jax.tree.map(lambda a, d: a.at[chunk].add(d.astype(a.dtype)), a, d_w[k])
+                                     if k in d_w else a
                                      for k, a in c.d_stacked.items()})
 
     def send(self, c: _Carry, y: jax.Array | None, dx: jax.Array | None) -> _Carry:
@@ -413,7 +423,9 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
     state's next value, the model's aux metrics averaged over layers and micro-batches), pipelined.
 
     `cast`: the parameters -> the weights the model computes with (`step.compute_weights`), applied
-    to a stage's float32 slice where it is used, so the gradients stay float32.
+    to a stage's float32 slice where it is used; or the identity, when `params` are those weights
+    already (cast and gathered once for the step: `mesh.fsdp_regather=per_step`). The gradient
+    sums are float32 either way.
     `replicas`, `replica_axes`: the replica groups of the communication plan (`step.Placement`).
     With R > 1 the ticks run under `jax.vmap` over R (`spmd_axis_name=replica_axes`): each group
     keeps its own stash and gradient sums and the R sums are added once, after the last tick.
@@ -474,7 +486,7 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
         carry = _Carry(stash=[jnp.zeros((prog.slots + 1, *a.shape), a.dtype) for a, keep in zip(shapes, stashed) if keep],
                        w_stash=[jnp.zeros((prog.wslots + 1, *a.shape), a.dtype) for a in w_shapes],
                        g_stash=jnp.zeros((prog.slots + 1, *zeros_act.shape), dt), x_recv=zeros_act, g_recv=zeros_act,
-                       d_stacked=jax.tree.map(jnp.zeros_like, dev.stacked), d_other=jax.tree.map(jnp.zeros_like, other),
+                       d_stacked=jax.tree.map(_f32_zeros, dev.stacked), d_other=jax.tree.map(_f32_zeros, other),
                        d_table=jnp.zeros((groups, *table.shape), jnp.float32),
                        ce=jnp.zeros((), jnp.float32), state=jax.tree.map(jnp.zeros_like, dev.state), metrics=metrics0)
         if r > 1:  # one stash and one gradient sum per replica group (carry [R, ...]), see the docstring
@@ -502,7 +514,7 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
             state_new = fns.fold_state(state_new)
         # The row groups' table gradients added (the step's one reduction of them), through the
         # table's cast and gather into the embedding's gradient.
-        d_other = jax.tree.map(jnp.add, d_other, table_vjp(d_table.sum(0).astype(table.dtype))[0])
+        d_other = jax.tree.map(_add, d_other, table_vjp(d_table.sum(0).astype(table.dtype))[0])
         flat = lambda tree: jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), tree)  # noqa: E731
         metrics = jax.tree.map(lambda a: jax.lax.psum(a, AXIS) / (p * v_count * m * r), metrics)
         return jax.lax.psum(ce, AXIS), flat(d_stacked), jax.lax.psum(d_other, AXIS), flat(state_new), metrics
