@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable
 
@@ -28,6 +29,7 @@ ELEMENTWISE_OPS = {"score": 19, "embed": 58, "logit": 9, "param": 36, "pair": 16
 DTYPE_NAMES = {2: "bf16", 4: "fp32"}  # by bytes, in a collective's description
 
 
+@functools.lru_cache(maxsize=256)  # the search asks it for every candidate
 def context_score_fraction(context: int, balance: str = "zigzag", attention: str = "flash") -> float:
     """The part of the S x S score square the busiest context device computes, times C: 1/2 for
     balanced causal work (zigzag with a kernel that skips the upper half of a diagonal block).

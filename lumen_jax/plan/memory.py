@@ -59,7 +59,12 @@ def state_bytes(model: ModelConfig, layout: Layout) -> dict[str, int]:
     embedding, final norm and logits weights are replicated over the stages (every stage of the
     pipelined step holds them, `parallel/pipeline/executor.py`), so each device holds them all.
     """
-    return dict(_state_bytes(_shape_key(model), dataclasses.replace(layout, micro_batches=1)))
+    return dict(_state_bytes_of(model, layout))
+
+
+@functools.lru_cache(maxsize=4096)  # the search asks it several times for every candidate
+def _state_bytes_of(model: ModelConfig, layout: Layout) -> dict[str, int]:
+    return _state_bytes(_shape_key(model), dataclasses.replace(layout, micro_batches=1))
 
 
 def communication_bytes(model: ModelConfig, layout: Layout) -> dict[str, int]:
@@ -334,6 +339,11 @@ def recomputes(remat: str, context: int = 1, context_parallel: str = "ring") -> 
     projection (an F- or KV-wide row), `attention` (QK^T, PV) unless it saves scores (under context
     parallelism: unless it keeps the ring's residuals, whose log-sum-exp is the N-wide row, or the
     chunk kernels' scores)."""
+    return dict(_recomputes(remat, context, context_parallel))
+
+
+@functools.lru_cache(maxsize=256)  # the search asks it several times for every candidate
+def _recomputes(remat: str, context: int, context_parallel: str) -> dict[str, bool]:
     kinds = {k for k, _ in layer_residuals(remat, context=context, context_parallel=context_parallel).counts(host=True)}
     attention = "S" not in kinds and (context == 1 or "N" not in kinds)
     return {"projections": not kinds & {"F", "KV"}, "attention": attention}
