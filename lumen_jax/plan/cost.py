@@ -374,6 +374,9 @@ def _tensor(s: StepShape, add: Add) -> None:
     # (q, k, v: 3; gate, up: 2) as XLA does not add them before the reduction (+2 when the backward
     # recomputes the projections).
     reductions = 2 + 5 + (2 if s.redo else 0)
+    if s.layout.pipeline > 1:
+        _pipelined_tensor(s, add)
+        return
     if s.layout.mesh.sequence_parallel:
         # all-gathers: the two norm outputs in the forward, again for the weight gradients and as
         # the transposes of the two reduce-scatters in the backward; outside the layers the final
@@ -480,6 +483,47 @@ def _ticks(prog: pipeline_lib.Lockstep) -> dict[str, int]:
     fill and drain included."""
     return {k: sum(g.stop - g.start for g in prog.segments if getattr(g, k))
             for k in ("forward", "backward", "head", "weight")}
+
+
+def _pipelined_tensor(s: StepShape, add: Add) -> None:
+    """tensor in a pipelined step, as the compiled program runs it (measured on pipeline=2 fsdp=2
+    tensor=2, m=4: 1f1b with and without sequence parallelism, zero_bubble with it): every tick runs its
+    chunk's layers, fill and drain included, so the per-layer collectives count executed ticks, not
+    micro-batches. Per layer, a forward reduces its two row-parallel outputs and a backward the input
+    gradients of the five column-parallel projections (+1 when it recomputes them, remat full: measured). Under sequence
+    parallelism each reduction is a reduce-scatter and a layer gathers two norm outputs per forward
+    and two cotangents per backward (its forward's gathered inputs are in the stash, not gathered
+    again; +2 when the backward recomputes); every backward tick gathers the embedding gradient's
+    rows and ids (split over tokens by tensor, the table over the vocabulary: `executor`), every
+    loss tick its 1/P of the final norm's output, a split backward's W unit two stashed rows per
+    layer (zero_bubble, measured), and the vocab table is gathered twice (three times when split).
+    Without it, all-reduces: the same per-layer counts, and per loss tick the head's input
+    gradient (a full [tokens, D] row) and its 1/P share; once, the embedding lookup's."""
+    model, prog = s.model, _lockstep(s)
+    ticks, chunk = _ticks(prog), s.layers / prog.virtual
+    redo = 2 if s.redo else 0
+    reduces = chunk * (2 * ticks["forward"] + (5 + redo // 2) * ticks["backward"])
+    share = s.row / prog.stages  # a loss tick's tokens
+    if s.layout.mesh.sequence_parallel:
+        gathers = chunk * (2 * ticks["forward"] + (2 + redo) * ticks["backward"])
+        ids = s.row * 4 / (model.d_model * s.c)
+        add("tensor", "all-gather", "activations, 2/layer forward, 2/layer backward (sequence parallel)", s.row,
+            gathers, False)
+        add("tensor", "all-gather", "embedding gradient rows and ids, per backward tick", s.row + ids,
+            ticks["backward"], False)
+        add("tensor", "all-gather", "final norm output of a loss tick's tokens", share, ticks["head"], False)
+        if prog.split:
+            add("tensor", "all-gather", "a W unit's stashed rows, 2/layer", s.row, chunk * 2 * ticks["weight"], False)
+        add("tensor", "all-gather", "vocab table (sequence parallel; hoisted)", model.vocab_size * model.d_model * s.c,
+            3 if prog.split else 2, False)
+        add("tensor", "reduce-scatter", "activations, 2/layer forward, 5/layer backward (sequence parallel)",
+            s.row, reduces, False)
+        add("tensor", "reduce-scatter", "a loss tick's input gradient", share, ticks["head"], False)
+    else:
+        add("tensor", "all-reduce", "activations, 2/layer forward, 5/layer backward", s.row, reduces, False)
+        add("tensor", "all-reduce", "a loss tick's input gradient, its tokens and the full row", s.row + share,
+            ticks["head"], False)
+        add("tensor", "all-reduce", "the embedding lookup", s.row, 1, False)
 
 
 @counts_collectives
