@@ -373,10 +373,10 @@ def _tensor(s: StepShape, add: Add) -> None:
     # in the backward the input gradient of every column-parallel projection reduced on its own
     # (q, k, v: 3; gate, up: 2) as XLA does not add them before the reduction (+2 when the backward
     # recomputes the projections).
-    reductions = 2 + 5 + (2 if s.redo else 0)
     if s.layout.pipeline > 1:
         _pipelined_tensor(s, add)
         return
+    reductions = 2 + 5 + (2 if s.redo else 0)
     if s.layout.mesh.sequence_parallel:
         # all-gathers: the two norm outputs in the forward, again for the weight gradients and as
         # the transposes of the two reduce-scatters in the backward; outside the layers the final
@@ -501,11 +501,11 @@ def _pipelined_tensor(s: StepShape, add: Add) -> None:
     gradient (a full [tokens, D] row) and its 1/P share; once, the embedding lookup's."""
     model, prog = s.model, _lockstep(s)
     ticks, chunk = _ticks(prog), s.layers / prog.virtual
-    redo = 2 if s.redo else 0
-    reduces = chunk * (2 * ticks["forward"] + (5 + redo // 2) * ticks["backward"])
+    regather, rereduce = (2, 1) if s.redo else (0, 0)  # a backward that recomputes its projections
+    reduces = chunk * (2 * ticks["forward"] + (5 + rereduce) * ticks["backward"])
     share = s.row / prog.stages  # a loss tick's tokens
     if s.layout.mesh.sequence_parallel:
-        gathers = chunk * (2 * ticks["forward"] + (2 + redo) * ticks["backward"])
+        gathers = chunk * (2 * ticks["forward"] + (2 + regather) * ticks["backward"])
         ids = s.row * 4 / (model.d_model * s.c)
         add("tensor", "all-gather", "activations, 2/layer forward, 2/layer backward (sequence parallel)", s.row,
             gathers, False)

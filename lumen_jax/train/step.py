@@ -187,11 +187,13 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
         # fsdp_regather=per_step: the compute-dtype weights are gathered once, before the first tick,
         # and the ticks' gradients taken with respect to them; else every tick casts its chunk's
         # weights and gathers them where it uses them.
-        kept = placement.keep_weights
+        if placement.keep_weights:
+            weights, cast = placement.weights(compute_weights(params, sc)), _identity
+        else:
+            weights, cast = params, lambda w: compute_weights(w, sc)
         loss, grads, state_new, aux = pipeline_step.loss_and_grads(
-            sc.pipeline, stage_fns(sc), placement.weights(compute_weights(params, sc)) if kept else params, batch,
-            scale, _identity if kept else (lambda w: compute_weights(w, sc)),
-            placement.replicas, placement.replica_axes, model_state)
+            sc.pipeline, stage_fns(sc), weights, batch, scale, cast, placement.replicas, placement.replica_axes,
+            model_state)
         return loss, placement.grads(grads), state_new, aux
     total_tokens = pipeline_step.total_tokens(batch)
     weights = placement.weights(compute_weights(params, sc))

@@ -454,15 +454,16 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
 
     def local(stacked: dict, other: dict, state: dict, mbs: dict, tokens: jax.Array, scale: jax.Array):
         by_chunk = lambda tree: jax.tree.map(lambda a: a.reshape(v_count, -1, *a.shape[1:]), tree)  # noqa: E731
-        chunk0 = jax.lax.stop_gradient(jax.tree.map(lambda a: a[0], by_chunk(stacked)))  # completes the tree cast reads
-        table, table_vjp = jax.vjp(lambda o: fns.table(cast({**o, **chunk0})), other)  # gathered once, for every tick
+        chunk0 = jax.tree.map(lambda a: a[0], by_chunk(stacked))
+        # gathered once, for every tick (chunk 0 only completes the tree `cast` reads)
+        table, table_vjp = jax.vjp(lambda o: fns.table(cast({**o, **jax.lax.stop_gradient(chunk0)})), other)
         dev = _Device(pipe=pipe, fns=fns, cast=cast, s=jax.lax.axis_index(AXIS), stacked=by_chunk(stacked),
                       other=other, state=by_chunk(state), tokens=tokens, scale=scale, aux_share=1.0 / (m * r),
                       table=table, groups=groups)
         one_mb = jax.tree.map(lambda a: a[0, 0] if r > 1 else a[0], mbs)
         zeros_act = jnp.zeros((b, t, pipe.d_model), dt)
         zero_mb = jax.tree.map(jnp.zeros_like, one_mb)
-        chunk0, state0 = dev.chunk(dev.stacked, 0), dev.chunk(dev.state, 0)
+        state0 = dev.chunk(dev.state, 0)
         if prog.split and fns.taps is not None:  # the projections a split backward taps (none: stays whole)
             probe = fns.taps()
             jax.eval_shape(lambda: dev.stage(chunk0, other, state0, zeros_act, zero_mb, jnp.int32(0), probe))
