@@ -196,11 +196,6 @@ def _pipeline(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
     yield (p == 1 or cfg.data.seq_len % p == 0,
            f"data.seq_len={cfg.data.seq_len} is not divisible by mesh.pipeline={p} (the stages share the "
            f"loss of the last stage's output, every {p}th token each); use a multiple of {p}")
-    fp8 = cfg.model.fp8
-    yield (p == 1 or fp8.recipe == "none" or not fp8.keep_bf16,
-           f"model.fp8.keep_bf16={list(fp8.keep_bf16)} with mesh.pipeline={p}: every stage runs the same program, "
-           "so the layers kept in the compute dtype would have to be computed both ways on every stage; set "
-           "model.fp8.keep_bf16=[] (every layer in fp8) or mesh.pipeline=1")
     moe = cfg.model.moe
     groups = layers // moe.every_n_layers if moe.enabled else chunks
     yield (p == 1 or uneven or groups % chunks == 0,  # uneven: whole groups per stage, checked above

@@ -91,7 +91,8 @@ class Transformer(nnx.Module):
 
     def run_layers(self, x_btd: jax.Array, positions_bt: jax.Array,
                    segment_ids_bt: jax.Array | None = None,
-                   real_layers: jax.Array | None = None, taps: Taps | None = None) -> tuple[jax.Array, dict]:
+                   real_layers: jax.Array | None = None, taps: Taps | None = None,
+                   runs: list[tuple[int, int, Ops]] | None = None) -> tuple[jax.Array, dict]:
         """The stacked blocks this module holds (all `num_layers`, or one pipeline stage's slice of
         them): (residual stream, aux as in `forward`).
 
@@ -100,7 +101,9 @@ class Transformer(nnx.Module):
         A zero layer is the identity, but a zero MoE router still routes, so the MoE groups past the
         real ones add no auxiliary loss and no metrics.
         `taps`: the projections' taps of a split backward (`ops.projection.Taps`: per stack [L, ...],
-        scanned with the layers), or a probe; None: none."""
+        scanned with the layers), or a probe; None: none.
+        `runs`: the held layers as runs [start, stop) with their `Ops` (a pipeline stage's slots,
+        `Ops.stage_runs`); None: `Ops.layer_runs` of the model's layers."""
         cfg = self.cfg
         inv_freq = rope_frequencies(cfg)
 
@@ -119,9 +122,9 @@ class Transformer(nnx.Module):
             return self._moe_stack(x_btd, make_body, real_layers, stack_taps)
         graphdef, layer_state = nnx.split(self.blocks)
         xs = (layer_state, stack_taps("blocks"))
-        runs = self.ops.layer_runs(cfg.num_layers)
+        runs = self.ops.layer_runs(cfg.num_layers) if runs is None else runs
         if len(runs) == 1:
-            x_btd, _ = jax.lax.scan(make_body(graphdef, self.ops, "blocks"), x_btd, xs)
+            x_btd, _ = jax.lax.scan(make_body(graphdef, runs[0][2], "blocks"), x_btd, xs)
         else:  # ops that differ by layer (e.g. the first/last layers kept in bf16): one scan per run
             for start, stop, ops in runs:
                 x_btd, _ = jax.lax.scan(make_body(graphdef, ops, "blocks"), x_btd,

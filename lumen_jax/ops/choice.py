@@ -20,7 +20,8 @@ trace time where it runs. What is decided:
   (`jax.lax.ragged_dot`, a grouped GEMM) on GPU, `blocks` (a loop over row blocks in use)
   elsewhere: XLA:CPU lowers `ragged_dot` as a dense matmul against every expert.
 - `fp8`: which layer types' projections run fp8 matmuls (`model.fp8`); `layer_runs` splits the
-  layer stack into runs of equal setting (the first and last layers can stay in bf16).
+  layer stack into runs of equal setting (the first and last layers can stay in bf16), and
+  `stage_runs` a pipeline stage's layer slots (the kept layers sit in some stages' slots only).
 
 `Ops.plain(model)` is the choice without a backend: plain formulations, `model.attention` taken as
 written (`auto` as xla), compiled kernels.
@@ -30,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Sequence
+
+import jax.numpy as jnp
 
 from lumen_jax.config import ConfigError, Fp8Config, ModelConfig
 from lumen_jax.kernels import flash_attention as flash_lib
@@ -51,6 +54,9 @@ class Ops:
     fp8: Fp8Config = Fp8Config()  # model.fp8
     fp8_types: tuple[str, ...] = ()  # layer types with fp8 projections in some layer
     fp8_on: bool = True  # False inside a run of layers kept in the compute dtype (`layer_runs`)
+    # A traced bool inside a run of pipeline layer slots that hold a kept layer on some stages only
+    # (`stage_runs`): where it holds, fp8's projections compute in the compute dtype (`ops.fp8.dot`).
+    fp8_keep: Any = dataclasses.field(default=None, compare=False)
     note: str = dataclasses.field(default="", compare=False)  # how `auto` was resolved, for the start-up line
 
     @classmethod
@@ -83,6 +89,30 @@ class Ops:
         if len(runs) <= 1:
             return [(0, num_layers, self)]
         return [(start, stop, dataclasses.replace(self, fp8_on=on)) for start, stop, on in runs]
+
+    def stage_runs(self, split: Sequence[int], stage: Any) -> list[tuple[int, int, Ops]]:
+        """`layer_runs` of one virtual pipeline stage's layer slots: `split` the real layers of each
+        virtual stage (summing to the model's), `stage` its index (traced: every stage runs this one
+        program). A slot that holds a kept layer on no stage runs fp8; one that holds it on some
+        (slot 0 of stage 0: the first layer; the last real slot of the last stage: the last layer)
+        runs with `fp8_keep` = whether `stage` is one of them, fp8 elsewhere, as one GEMM in the
+        compute dtype on every stage. A tick lasts as long as the dearest stage, which runs that
+        slot in the compute dtype anyway: the first layer costs nothing more; each other such slot
+        costs one layer's projections at the compute dtype's rate instead of fp8's per tick."""
+        slots = max(split)
+        if not self.fp8_types or len(split) == 1:
+            return self.layer_runs(slots)
+        mask = fp8_lib.layer_mask(self.fp8, sum(split))
+        starts = [sum(split[:w]) for w in range(len(split))]
+        kept_on = [[w for w in range(len(split)) if j < split[w] and not mask[starts[w] + j]] for j in range(slots)]
+        runs: list[tuple[int, int, Ops]] = []
+        for j, stages in enumerate(kept_on):
+            if runs and not stages and runs[-1][2].fp8_keep is None:
+                runs[-1] = (runs[-1][0], j + 1, runs[-1][2])
+                continue
+            keep = jnp.isin(stage, jnp.asarray(stages)) if stages else None
+            runs.append((j, j + 1, dataclasses.replace(self, fp8_keep=keep)))
+        return runs
 
 
 def choose(model: ModelConfig, devices: Sequence[Any]) -> Ops:

@@ -157,32 +157,46 @@ def _tensor_scales(recipe: str, hist: dict, x: jax.Array, w: jax.Array) -> tuple
     return ax, aw, compute_scale(ax, E4M3), compute_scale(aw, E4M3)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _tensor_dot(x: jax.Array, w: jax.Array, hist: dict, recipe: str) -> jax.Array:
-    return _tensor_dot_fwd(x, w, hist, recipe)[0]
+def _operand(a: jax.Array, scale: jax.Array, fmt: Any, keep: jax.Array | None, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """(a quantized to `fmt` with `scale`, the scale): without `keep`, the fp8 operand; with `keep`
+    (a traced bool, `dot`), the compute-dtype `a` and scale 1 where it holds, else the fp8 values as
+    `dtype` (exact: every e4m3 and e5m2 value is a bf16 one), so one GEMM in the compute dtype
+    computes either."""
+    if keep is None:
+        return quantize(a, scale, fmt), scale
+    return (jnp.where(keep, a.astype(dtype), quantize(a, scale, fmt).astype(dtype)),
+            jnp.where(keep, jnp.float32(1.0), scale))
 
 
-def _tensor_dot_fwd(x, w, hist, recipe):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _tensor_dot(x: jax.Array, w: jax.Array, hist: dict, keep: jax.Array | None, recipe: str) -> jax.Array:
+    return _tensor_dot_fwd(x, w, hist, keep, recipe)[0]
+
+
+def _tensor_dot_fwd(x, w, hist, keep, recipe):
     ax, aw, sx, sw = _tensor_scales(recipe, hist, x, w)
-    qx, qw = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
+    (qx, sx), (qw, sw) = _operand(x, sx, E4M3, keep, x.dtype), _operand(w, sw, E4M3, keep, x.dtype)
     y = _scaled_dot(qx, qw, _dims_xw(x), 1.0 / (sx * sw), x.dtype)
     # fp8 residuals: the backward GEMMs reuse the forward's quantized operands (as Transformer Engine).
     # (Empty arrays carry the operands' dtypes: residuals must be arrays.)
-    return y, (qx, qw, sx, sw, ax, aw, hist, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+    return y, (qx, qw, sx, sw, ax, aw, hist, keep, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
 
 def _tensor_dot_bwd(recipe, res, g):
-    qx, qw, sx, sw, ax, aw, hist, x_like, w_like = res
+    qx, qw, sx, sw, ax, aw, hist, keep, x_like, w_like = res
     x_dtype, w_dtype = x_like.dtype, w_like.dtype
     ag = amax(g)
     sg = delayed_scale(hist["g"], ag, E5M2) if recipe == "delayed" else compute_scale(ag, E5M2)
-    qg = quantize(g, sg, E5M2)
+    qg, sg = _operand(g, sg, E5M2, keep, x_dtype)
     dx = _scaled_dot(qg, qw, _dims_gw(g), 1.0 / (sg * sw), x_dtype)
     dw = _scaled_dot(qx, qg, _dims_xg(qx), 1.0 / (sx * sg), w_dtype)
-    # Overwrite-with-gradient: the "cotangent" of each history is its next value.
+    # Overwrite-with-gradient: the "cotangent" of each history is its next value (a kept layer's
+    # stays 0, as without `keep`, where the layer's einsum never reads it).
     new_hist = ({"x": update_history(hist["x"], ax), "w": update_history(hist["w"], aw),
                  "g": update_history(hist["g"], ag)} if recipe == "delayed" else hist)
-    return dx, dw, new_hist
+    if keep is not None and recipe == "delayed":
+        new_hist = jax.tree.map(lambda h: jnp.where(keep, jnp.zeros_like(h), h), new_hist)
+    return dx, dw, new_hist, None  # None: `keep` (a bool) has no cotangent
 
 
 _tensor_dot.defvjp(_tensor_dot_fwd, _tensor_dot_bwd)
@@ -196,33 +210,40 @@ def _tiles_seq(ndim: int) -> tuple[int, ...]:  # TILE x 1: along the sequence (t
     return (1,) * (ndim - 2) + (TILE, 1)
 
 
+def _fake(a: jax.Array, block: tuple[int, ...], fmt: Any, keep: jax.Array | None, dtype: Any) -> jax.Array:
+    """`fake_quantize_blocks`, or `a` itself where the traced `keep` holds (see `_operand`)."""
+    q = fake_quantize_blocks(a, block, fmt, dtype)
+    return q if keep is None else jnp.where(keep, a.astype(dtype), q)
+
+
 @jax.custom_vjp
-def _block_dot(x: jax.Array, w: jax.Array) -> jax.Array:
-    dx = fake_quantize_blocks(x, _tiles_last(x.ndim), E4M3, x.dtype)
-    dw = fake_quantize_blocks(w, (TILE, TILE), E4M3, x.dtype)
+def _block_dot(x: jax.Array, w: jax.Array, keep: jax.Array | None) -> jax.Array:
+    dx = _fake(x, _tiles_last(x.ndim), E4M3, keep, x.dtype)
+    dw = _fake(w, (TILE, TILE), E4M3, keep, x.dtype)
     return jax.lax.dot_general(dx, dw, _dims_xw(x), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def _block_dot_fwd(x, w):
-    return _block_dot(x, w), (x, w)
+def _block_dot_fwd(x, w, keep):
+    return _block_dot(x, w, keep), (x, w, keep)
 
 
 def _block_dot_bwd(res, g):
-    x, w = res
+    x, w, keep = res
     cd = x.dtype
-    g_rows = fake_quantize_blocks(g, _tiles_last(g.ndim), E5M2, cd)  # dgrad contracts over N
-    w_blocks = fake_quantize_blocks(w, (TILE, TILE), E4M3, cd)
+    g_rows = _fake(g, _tiles_last(g.ndim), E5M2, keep, cd)  # dgrad contracts over N
+    w_blocks = _fake(w, (TILE, TILE), E4M3, keep, cd)
     dx = jax.lax.dot_general(g_rows, w_blocks, _dims_gw(g), preferred_element_type=jnp.float32)
-    g_seq = fake_quantize_blocks(g, _tiles_seq(g.ndim), E5M2, cd)  # wgrad contracts over tokens
-    x_seq = fake_quantize_blocks(x, _tiles_seq(x.ndim), E4M3, cd)
+    g_seq = _fake(g, _tiles_seq(g.ndim), E5M2, keep, cd)  # wgrad contracts over tokens
+    x_seq = _fake(x, _tiles_seq(x.ndim), E4M3, keep, cd)
     dw = jax.lax.dot_general(x_seq, g_seq, _dims_xg(x), preferred_element_type=jnp.float32)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+    return dx.astype(x.dtype), dw.astype(w.dtype), None
 
 
 _block_dot.defvjp(_block_dot_fwd, _block_dot_bwd)
 
 
-def dot(x: jax.Array, w: jax.Array, recipe: str, history: dict | None = None) -> jax.Array:
+def dot(x: jax.Array, w: jax.Array, recipe: str, history: dict | None = None,
+        keep: jax.Array | None = None) -> jax.Array:
     """x [*B, K] . w [K, N] -> [*B, N] in x.dtype with fp8 operands (see the module docstring).
 
     Args:
@@ -231,12 +252,16 @@ def dot(x: jax.Array, w: jax.Array, recipe: str, history: dict | None = None) ->
       recipe: current | delayed | blockwise.
       history: delayed only: {"x", "w", "g"} amax histories [H]; their gradients are the updated
         histories.
+      keep: None, or a traced bool: where it holds, the product of `x` and `w` in the compute dtype
+        (a layer kept in bf16, `recipe: none`'s numbers) and the histories' next values 0; else fp8.
+        Both run as one GEMM in the compute dtype on the fp8 values (a pipeline stage whose layer
+        slot holds a kept layer on some stages only: `ops.choice.Ops.stage_runs`).
     """
     if recipe == "blockwise":
-        return _block_dot(x, w)
+        return _block_dot(x, w, keep)
     if recipe not in ("current", "delayed"):
         raise ValueError(f"fp8 recipe {recipe!r} is not one of current, delayed, blockwise")
-    return _tensor_dot(x, w, history if recipe == "delayed" else {}, recipe)
+    return _tensor_dot(x, w, history if recipe == "delayed" else {}, keep, recipe)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -297,13 +322,14 @@ def _split_spec(spec: str, x_ndim: int, w_ndim: int) -> int:
     return c
 
 
-def einsum(spec: str, x: jax.Array, w: jax.Array, recipe: str, history: dict | None = None) -> jax.Array:
+def einsum(spec: str, x: jax.Array, w: jax.Array, recipe: str, history: dict | None = None,
+           keep: jax.Array | None = None) -> jax.Array:
     """`jnp.einsum(spec, x, w)` with fp8 operands (recipe current | delayed | blockwise), or in the
     compute dtype with recipe `none` (a layer kept in bf16 among fp8 layers).
 
     The contracted axes (x's trailing, w's leading) and w's output axes are merged so the GEMM is
     x [*B, K] . w [K, N]; the merges keep the sharded axis major (heads before head_dim).
-    `history`: delayed only, this projection's {x, w, g} `Fp8History` variables.
+    `history`: delayed only, this projection's {x, w, g} `Fp8History` variables; `keep`: see `dot`.
     """
     c = _split_spec(spec, x.ndim, w.ndim)
     batch, out_dims = x.shape[:x.ndim - c], w.shape[c:]
@@ -313,7 +339,7 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, recipe: str, history: dict | N
         y = jnp.einsum("...k,kn->...n", x2, w2.astype(x2.dtype))
     else:
         hist = None if history is None else {key: history[key][...] for key in HISTORY_KEYS}
-        y = dot(x2, w2, recipe, hist)
+        y = dot(x2, w2, recipe, hist, keep)
     return y.reshape(*batch, *out_dims)
 
 

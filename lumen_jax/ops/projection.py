@@ -7,7 +7,8 @@ The model computes every projection (Q/K/V/O, SwiGLU, logits) through `project`;
 - `token_grad`: the trainer's step on one CPU device: the same forward with the weight gradient
   written as one einsum over the token axes (`ops.cpu.token_grad_project`).
 - `fp8`: the layer type runs fp8 matmuls (`ops.fp8.einsum` with the recipe of `model.fp8`; the
-  delayed recipe's amax histories are the layer's model state, `ops.state`).
+  delayed recipe's amax histories are the layer's model state, `ops.state`), or, where the traced
+  `Ops.fp8_keep` holds (a pipeline stage's slot of a kept layer), the compute dtype's.
 - `fp8_kept`: an fp8 layer type in a layer kept in the compute dtype (the first/last layer):
   the plain matmul in the form `ops.fp8.einsum` gives it.
 
@@ -51,7 +52,7 @@ def project(spec: str, x: jax.Array, w: jax.Array, ops: Ops, layer_type: str | N
     """
     how = ops.projection(layer_type)
     if how == "fp8":
-        return fp8.einsum(spec, x, w, ops.fp8.recipe, state)
+        return fp8.einsum(spec, x, w, ops.fp8.recipe, state, ops.fp8_keep)
     if how == "fp8_kept":
         return fp8.einsum(spec, x, w, "none")
     w = w.astype(x.dtype)

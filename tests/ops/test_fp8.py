@@ -255,6 +255,43 @@ def test_einsum_run_setting_picks_fp8_or_the_plain_matmul():
         fp8.einsum("btd,ndh->btnh", x, w3.transpose(1, 0, 2), "current")
 
 
+def test_stage_runs_mark_the_slots_of_the_kept_layers():
+    """A pipeline stage's slots (`Ops.stage_runs`): fp8 where no stage holds a kept layer, else a
+    run whose traced `fp8_keep` holds on the stages that do (uneven (2, 1): slot 0 holds the first
+    layer on stage 0 and the last on stage 1)."""
+    def runs(keep, split, stages):
+        ops = Ops.plain(ModelConfig(num_layers=sum(split), fp8=Fp8Config(recipe="current", keep_bf16=keep)))
+        return [[(a, b, None if o.fp8_keep is None else bool(ops.stage_runs(split, jnp.int32(s))[i][2].fp8_keep))
+                 for i, (a, b, o) in enumerate(ops.stage_runs(split, jnp.int32(s)))] for s in stages]
+    assert runs(("first", "last"), (2, 2), [0, 1]) == [[(0, 1, True), (1, 2, False)], [(0, 1, False), (1, 2, True)]]
+    assert runs(("first", "last"), (2, 1), [0, 1]) == [[(0, 1, True), (1, 2, None)], [(0, 1, True), (1, 2, None)]]
+    assert runs(("last",), (3, 3, 3), [1, 2]) == [[(0, 2, None), (2, 3, False)], [(0, 2, None), (2, 3, True)]]
+    assert runs((), (2, 2), [0]) == [[(0, 2, None)]]
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed", "blockwise"])
+def test_a_kept_slot_computes_the_compute_dtype_or_fp8(recipe):
+    """`fp8.dot(..., keep)`: value and gradients of the plain matmul where `keep` holds (and the
+    histories' next values 0), of the fp8 dot where it does not."""
+    x, w, r = _operands(4)
+    hist = {k: jnp.zeros((4,), jnp.float32).at[0].set(3.0) for k in fp8.HISTORY_KEYS}
+
+    def vjp(f):
+        y, back = jax.vjp(f, x, w, hist)
+        return y, back(r)
+
+    plain = vjp(lambda x, w, h: jnp.einsum("btk,kn->btn", x, w))
+    quantized = vjp(lambda x, w, h: fp8.dot(x, w, recipe, h))
+    for keep, want in ((True, plain), (False, quantized)):
+        got = vjp(lambda x, w, h: fp8.dot(x, w, recipe, h, jnp.asarray(keep)))
+        # fp32 sums of 64 (value, dx) or 128 (dw) products in another order: 1e-6 of the largest
+        for name, a, b in (("value", got[0], want[0]), ("dx", got[1][0], want[1][0]), ("dw", got[1][1], want[1][1])):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(np.abs(b).max()), err_msg=f"{name} keep={keep}")
+        if recipe == "delayed":
+            for k in fp8.HISTORY_KEYS:
+                np.testing.assert_array_equal(got[1][2][k], 0.0 if keep else quantized[1][2][k])
+
+
 @pytest.fixture(scope="module")
 def text_batches():
     """300 batches [8, 64] of the builtin corpus (real text: a loss curve worth comparing)."""

@@ -68,21 +68,26 @@ FP8 = BASE.replace(model=dataclasses.replace(BASE.model, num_layers=4, fp8=Fp8Co
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("replicas", [1, 2], ids=["pp2", "pp2-data2"])
-def test_fp8_delayed_state_travels_through_stages(replicas):
+@pytest.mark.parametrize("replicas,keep", [(1, ()), (2, ()), (1, ("first", "last"))],
+                         ids=["pp2", "pp2-data2", "pp2-keep_bf16"])
+def test_fp8_delayed_state_travels_through_stages(replicas, keep):
     """The amax histories after a step (every projection's x, w and g, each stage's layers, the max
     over micro-batches and replica groups) and the gradients equal the unpipelined run's on the same
-    replica groups (each group's first-step scale is its own amax, so data=2 is compared with data=2)."""
-    ref = fp8_run(with_mesh(FP8, micro_batches=M, data=replicas))
-    got = fp8_run(with_mesh(FP8, micro_batches=M, data=replicas, pipeline=2, pipeline_schedule="1f1b"))
+    replica groups (each group's first-step scale is its own amax, so data=2 is compared with data=2).
+    keep_bf16: the first layer (stage 0's slot 0) and the last (stage 1's slot 1) in the compute
+    dtype, the other stage's layer in that slot in fp8 (`Ops.stage_runs`); their histories stay 0."""
+    fp8 = FP8.replace(model=dataclasses.replace(FP8.model, fp8=dataclasses.replace(FP8.model.fp8, keep_bf16=keep)))
+    ref = fp8_run(with_mesh(fp8, micro_batches=M, data=replicas))
+    got = fp8_run(with_mesh(fp8, micro_batches=M, data=replicas, pipeline=2, pipeline_schedule="1f1b"))
     assert_tree_close(got["grads"], ref["grads"], FP32_RTOL, what="fp8 first grads ")
     assert_tree_close(got["states"][0], ref["states"][0], FP32_RTOL, what="fp8 state after one step ")
-    assert np.abs(got["states"][-1]["blocks"]["attn"]["projections"]["q"]["x"][:, :STEPS]).min() > 0  # histories fill
+    q_x = got["states"][-1]["blocks"]["attn"]["projections"]["q"]["x"]
+    kept = [0, q_x.shape[0] - 1] if keep else []
+    assert np.abs(np.delete(q_x, kept, axis=0)[:, :STEPS]).min() > 0 and not q_x[kept].any()  # histories fill
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=FP8_STEPS_RTOL)
 
 
 @pytest.mark.parametrize("changes,message", [
-    (dict(fp8=Fp8Config(recipe="delayed")), "model.fp8.keep_bf16=['first', 'last'] with mesh.pipeline=2"),
     (dict(moe=MoeConfig(num_experts=4, every_n_layers=2)),
      "model.num_layers=4 with model.moe.every_n_layers=2 makes 2 groups"),
 ])

@@ -73,7 +73,8 @@ class StageFns:
     # tokens' rows, which the executor runs itself (`_Device.embedding_grad`).
     embed: Callable[[jax.Array, jax.Array], jax.Array]
     # layers: (params, model state, x [B, T, D], micro-batch, the chunk's real layers (uneven stages;
-    # None: all), taps=the projections' taps of a split backward or None)
+    # None: all), taps=the projections' taps of a split backward or None, stage=the chunk's virtual
+    # stage index (traced; layers that differ by depth, e.g. fp8's kept ones, look it up))
     # -> (y [B, T, D], the chunk's auxiliary loss (a scalar added to the objective; 0 without one),
     # its metrics {name: scalar, the mean over its real layers})
     layers: Callable[..., tuple[jax.Array, jax.Array, dict]]
@@ -105,6 +106,11 @@ class Pipeline:
         return cls(mesh=mesh, program=tables.lockstep(schedule, mesh.shape[AXIS], micro_batches, virtual),
                    d_model=d_model, compute_dtype=compute_dtype, stacks=stacks,
                    layers=tuple(layers) if len(set(layers)) > 1 else ())
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """The real layers of each virtual stage, of a model of `num_layers` (even stages: equal)."""
+        chunks = self.program.stages * self.program.virtual
+        return list(self.layers) or [num_layers // chunks] * chunks
 
     def split(self, length: int | None = None) -> list[int]:
         """Entries per virtual stage of a stack of `length` (None: the model's layers). A stack holds
@@ -270,7 +276,7 @@ class _Device:
         in the compute dtype, aux loss), metrics)."""
         w = self.cast({**other, **chunk})
         real = jnp.asarray(self.pipe.layers, jnp.int32)[v] if self.pipe.layers else None  # uneven stages
-        y, aux_loss, metrics = self.fns.layers(w, state, x, mb, real, taps=taps)
+        y, aux_loss, metrics = self.fns.layers(w, state, x, mb, real, taps=taps, stage=v)
         return (y.astype(self.act_dtype), jnp.asarray(aux_loss, jnp.float32)), metrics
 
     def residuals(self, chunk: dict, other: dict, state: dict, x_recv: jax.Array, mb: dict, v: jax.Array):
