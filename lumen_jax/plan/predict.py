@@ -181,8 +181,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     model, seq = cfg.model, cfg.data.seq_len
     remat = model.remat if remat is None else remat
     attention = planned_attention(model) if attention is None else attention
-    micro_batch = cfg.data.global_batch_size // (layout.mesh.data * layout.mesh.fsdp * layout.mesh.expert
-                                                * layout.micro_batches)
+    micro_batch, state, fp8, activations = _memory(cfg, layout, remat, attention, moe_backend)
     tokens = cfg.data.global_batch_size * seq
     peak = hw.peak(model.compute_dtype)
     # Under context parallelism the step waits for the busiest device's share of the score square.
@@ -202,13 +201,32 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     bubble = _bubble(layout)
     stretch = _stretch(model, layout, parts, hw_per_token)
     return Plan(layout=layout, remat=remat, micro_batch=micro_batch, attention=attention,
-                state={**state_bytes(model, layout), **communication_bytes(model, layout)},
-                fp8=fp8_bytes(model, layout, micro_batch * seq / layout.mesh.context),
-                activations=activation_bytes(model, layout, seq, micro_batch, remat, attention, moe_backend),
+                state=state, fp8=fp8, activations=activations,
                 device_memory_bytes=hw.memory_bytes, usable_memory_bytes=hw.memory_bytes * memory_fraction,
                 flops_per_token=flops.flops_per_token(model, seq), hardware_flops_per_token=hw_per_token,
                 tokens_per_step=tokens, collectives=comms, exposed=exposed, bubble=bubble, compute_s=compute_s,
                 step_time_s=busy * stretch, peak_flops=peak, compute=parts if efficiency is None else None)
+
+
+def _memory(cfg: Config, layout: Layout, remat: str, attention: str,
+            moe_backend: str) -> tuple[int, dict[str, float], float, Activations]:
+    """`predict`'s memory side: (sequences per device per micro-batch, the state and communication
+    buffers, the fp8 scaling state, the activations), per device."""
+    model, seq = cfg.model, cfg.data.seq_len
+    micro_batch = cfg.data.global_batch_size // (layout.mesh.data * layout.mesh.fsdp * layout.mesh.expert
+                                                * layout.micro_batches)
+    return (micro_batch, {**state_bytes(model, layout), **communication_bytes(model, layout)},
+            fp8_bytes(model, layout, micro_batch * seq / layout.mesh.context),
+            activation_bytes(model, layout, seq, micro_batch, remat, attention, moe_backend))
+
+
+def _fits(cfg: Config, layout: Layout, hw: Hardware, remat: str, attention: str | None = None,
+          memory_fraction: float = MEMORY_FRACTION, moe_backend: str = "gpu", **_: Any) -> bool:
+    """Whether `predict(cfg, layout, hw, remat=remat, ...)` would fit (its `Plan.fits`), from the
+    memory side alone: the search skips the time of the nine in ten candidates that do not."""
+    attention = planned_attention(cfg.model) if attention is None else attention
+    _, state, fp8, activations = _memory(cfg, layout, remat, attention, moe_backend)
+    return sum(state.values()) + activations.total + fp8 <= hw.memory_bytes * memory_fraction
 
 
 SEARCH_REMATS = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "full")
@@ -340,9 +358,8 @@ def _search_depth(cfg: Config, num_devices: int, hw: Hardware, pipeline: int,
                             for staged in _schedules(m, comm, pipeline, steps):
                                 layout = Layout(staged, pipeline=pipeline, micro_batches=steps)
                                 for remat in SEARCH_REMATS:
-                                    plan = predict(cfg, layout, hw, remat=remat, **predict_kwargs)
                                     if on_plan is not None:
                                         on_plan(1)
-                                    if plan.fits:
-                                        found.append(plan)
+                                    if _fits(cfg, layout, hw, remat, **predict_kwargs):
+                                        found.append(predict(cfg, layout, hw, remat=remat, **predict_kwargs))
     return found
