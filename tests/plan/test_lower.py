@@ -103,6 +103,21 @@ def test_fp8_delayed_step_has_fp8_operand_dots_in_the_projections(keep_bf16, per
     assert s["fp8_dots"] == {"instructions": 21, "per_step": per_step}
 
 
+@pytest.mark.heavy
+def test_pipelined_fp8_runs_the_kept_layers_slots_in_the_compute_dtype():
+    """pipeline=2, 6 layers: each stage's slots 0 (the first layer on stage 0) and 2 (the last on
+    stage 1) run one compute-dtype GEMM per projection on both stages (`Ops.stage_runs`), slot 1
+    fp8: a third of the fp8 dots of the same step with every layer in fp8 (measured 63 of 189), in as
+    many instructions (the middle slot's run holds the ones the whole stack's run held)."""
+    def fp8_dots(keep):
+        cfg = config("xla", fp8={"recipe": "delayed", "keep_bf16": keep}, pipeline=2, pipeline_schedule="1f1b")
+        cfg = cfg.replace(model=dataclasses.replace(cfg.model, num_layers=6),
+                          train=dataclasses.replace(cfg.train, micro_batches=2))
+        return lowered_summary(cfg)["fp8_dots"]
+    every, kept = fp8_dots(()), fp8_dots(("first", "last"))
+    assert kept["instructions"] == every["instructions"] > 0 and 3 * kept["per_step"] == every["per_step"], (every, kept)
+
+
 def mosaic_lowered(dtype):
     blocks = BlockSizes(block_q=64, block_kv=64, forward="mosaic")
     x = jax.ShapeDtypeStruct((1, 256, 2, 64), dtype)
