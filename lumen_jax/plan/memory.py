@@ -499,18 +499,18 @@ def fp8_bytes(model: ModelConfig, layout: Layout, tokens: float = 0.0) -> float:
 
     delayed: every quantized operand keeps `amax_history` fp32 amaxes and one fp32 scale, i.e.
     (amax_history + 1) x 4 bytes x 3 operands per matmul x the fp8 matmuls of each layer (7 for
-    attention + mlp) x the layers on the device, minus those `keep_bf16` keeps in the compute dtype
-    (`first`, `last`). current: one fp32 scale per operand, recomputed every step. blockwise: one
-    fp32 scale per 128 x 128 weight tile (split like the weights by tensor parallelism) and per
-    128 elements of each quantized activation row (`tokens` local tokens, transient).
+    attention + mlp) x the layers on the device: the histories are stacked with the layers, so a
+    layer `keep_bf16` keeps in the compute dtype holds its (idle) histories too. current: one fp32
+    scale per operand, recomputed every step. blockwise: one fp32 scale per 128 x 128 weight tile
+    (split like the weights by tensor parallelism) of the layers that quantize (without a pipeline
+    the kept ones do not; in stages every slot does: `ops.choice.Ops.stage_runs`) and per 128
+    elements of each quantized activation row (`tokens` local tokens, transient).
     """
     fp8 = model.fp8
     recipe = fp8.recipe
     if recipe == "none":
         return 0.0
     layers = -(-model.num_layers // layout.pipeline)
-    kept = len(set(fp8.keep_bf16) & {"first", "last"}) if layout.pipeline == 1 else 1
-    layers = max(layers - min(kept, layers), 0)
     matmuls = sum(FP8_MATMULS[kind] for kind in fp8.layers)
     operands = layers * matmuls * FP8_OPERANDS_PER_MATMUL
     if recipe == "delayed":
@@ -523,5 +523,6 @@ def fp8_bytes(model: ModelConfig, layout: Layout, tokens: float = 0.0) -> float:
         per_layer = flops.param_counts(model)["layer_matmul"]
         weight_tiles = per_layer / (FP8_BLOCK * FP8_BLOCK) / layout.mesh.tensor
         act = sum(w for kind, w in widths.items() if kind in fp8.layers)
-        return layers * (weight_tiles * F32) + tokens * act / layout.mesh.tensor / FP8_BLOCK * F32
+        kept = len(set(fp8.keep_bf16) & {"first", "last"}) if layout.pipeline == 1 else 0
+        return max(layers - kept, 0) * (weight_tiles * F32) + tokens * act / layout.mesh.tensor / FP8_BLOCK * F32
     raise ValueError(f"model.fp8.recipe={recipe!r} is not one of none, current, delayed, blockwise")

@@ -635,6 +635,12 @@ def test_fp8_scaling_state_and_ring_hops():
     model = dataclasses.replace(cfg.model, fp8=delayed)
     # (amax_history + 1) fp32 per operand x 3 operands x 7 matmuls x 80 layers
     assert plan.fp8_bytes(model, layout) == 1025 * 4 * 3 * 7 * 80
+    # The histories are stacked with the layers: the kept first and last layers hold theirs too
+    # (idle), with or without a pipeline (every stage holds its 40 layers' at pipeline=2).
+    kept = dataclasses.replace(model, fp8=dataclasses.replace(delayed, keep_bf16=("first", "last")))
+    assert plan.fp8_bytes(kept, layout) == 1025 * 4 * 3 * 7 * 80
+    staged = plan.layout_from_config(load_config("configs/llama3_70b.yaml", ["mesh.pipeline=2", "mesh.fsdp=64"]), 1024)
+    assert plan.fp8_bytes(kept, staged) == 1025 * 4 * 3 * 7 * 40
     ring = load_config("configs/llama3_70b.yaml", ["mesh.context=4"])
     lay = plan.layout_from_config(ring, 1024)
     hops = [c for c in plan.collectives(ring.model, lay, H100, 8192, 1, "full") if c.axis == "context"]
