@@ -100,7 +100,7 @@ class Ops:
         slot in the compute dtype anyway: the first layer costs nothing more; each other such slot
         costs one layer's projections at the compute dtype's rate instead of fp8's per tick."""
         slots = max(split)
-        if not self.fp8_types or len(split) == 1:
+        if not self.fp8_types:
             return self.layer_runs(slots)
         mask = fp8_lib.layer_mask(self.fp8, sum(split))
         starts = [sum(split[:w]) for w in range(len(split))]

@@ -93,9 +93,9 @@ def _micro_loss(params: dict, model_state: dict, mb: Batch, total_tokens: jax.Ar
 def stage_fns(sc: StepConfig) -> pipeline_step.StageFns:
     """The model's parts the pipelined step runs, each on the parameters of one stage's chunk."""
     def layers(params: dict, state: dict, x_btd: jax.Array, mb: Batch, real_layers: jax.Array | None = None,
-               taps: Taps | None = None, stage: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict]:
+               taps: Taps | None = None, *, stage: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
         model = merge(sc.graphdef, params, state)
-        runs = None if stage is None else model.ops.stage_runs(sc.pipeline.stage_layers(model.cfg.num_layers), stage)
+        runs = model.ops.stage_runs(sc.pipeline.stage_layers(model.cfg.num_layers), stage)
         y_btd, aux = model.run_layers(x_btd, mb["positions"], mb["segment_ids"], real_layers, taps, runs)
         return y_btd, aux.get("loss", jnp.zeros((), jnp.float32)), aux.get("metrics", {})
 
