@@ -46,6 +46,7 @@ class Trainer:
     init: Any  # () -> TrainState
     step: Any  # (TrainState, batch) -> (TrainState, metrics)
     grads: Any  # (params, batch) -> (loss, grads): the step's gradients, for tests and tools
+    step_and_grads: Any  # (TrainState, batch) -> (TrainState, metrics, grads): `step` and its gradients, not donating
 
     def param_specs(self, kind: str = "params") -> dict:
         """PartitionSpec of every parameter for `kind` in params | grads | optimizer."""
@@ -205,9 +206,12 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
     step = jax.jit(traced(functools.partial(step_lib.train_step, sc=sc, placement=placement)),
                    in_shardings=(state_sh, batch_shardings), out_shardings=(state_sh, replicated),
                    donate_argnums=0)
+    step_and_grads = jax.jit(traced(functools.partial(step_lib.train_step_and_grads, sc=sc, placement=placement)),
+                             in_shardings=(state_sh, batch_shardings), out_shardings=(state_sh, replicated, grad_sh))
     grads = jax.jit(traced(lambda p, b: step_lib.loss_and_grads(p, b, 1.0, sc, placement)),
                     in_shardings=(param_sh, batch_shardings), out_shardings=(replicated, grad_sh))
     older = (checkpoint.renamed_field("model_state", *projection.legacy_state_layout()),)
     stored = _stored_layout(pipe, tx, abstract, state_sh) if pipe is not None and pipe.layers else checkpoint.StoredLayout()
     return Trainer(cfg=cfg, mesh=mesh, rules=rules, step_cfg=sc, param_names=names, ops=ops, older_layouts=older,
-                   stored=stored, state_shardings=state_sh, batch_sharding=batch_sh, init=init, step=step, grads=grads)
+                   stored=stored, state_shardings=state_sh, batch_sharding=batch_sh, init=init, step=step, grads=grads,
+                   step_and_grads=step_and_grads)

@@ -235,6 +235,14 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
 def train_step(state: TrainState, batch: Batch, sc: StepConfig,
                placement: Placement = Placement()) -> tuple[TrainState, dict]:
     """One optimizer step on a global batch; returns the new state and scalar metrics."""
+    new_state, metrics, _ = train_step_and_grads(state, batch, sc, placement)
+    return new_state, metrics
+
+
+def train_step_and_grads(state: TrainState, batch: Batch, sc: StepConfig,
+                         placement: Placement = Placement()) -> tuple[TrainState, dict, dict]:
+    """`train_step`, and the (unscaled) gradients it applied: tests compare them without compiling
+    a second program."""
     loss, grads, model_state, aux_metrics = loss_grads_and_state(state.params, state.model_state, batch,
                                                                  state.loss_scale, sc, placement)
     grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
@@ -274,7 +282,7 @@ def train_step(state: TrainState, batch: Batch, sc: StepConfig,
                "tokens": tokens, **aux_metrics}
     if sc.pipeline is not None:  # the fill and drain's share of the work (parallel/pipeline/schedule.py)
         metrics["pipeline_bubble"] = jnp.asarray(sc.pipeline.bubble(), jnp.float32)
-    return new_state, metrics
+    return new_state, metrics, grads
 
 
 def eval_loss(params: dict, model_state: dict, batch: Batch, sc: StepConfig) -> tuple[jax.Array, jax.Array]:

@@ -55,8 +55,9 @@ def batches(cfg: Config) -> list[dict]:
 
 
 def run(cfg: Config, devices=None) -> dict:
-    """Loss, grad norm and metrics per step, the full gradients before the first and after the last
-    step, the model state after it, the trainer and the last state.
+    """Loss, grad norm and metrics per step, the full gradients of the first step and of a step after
+    the last one (on the last batch, not applied), the model state after the last step, the trainer
+    and the last state. One program (`Trainer.step_and_grads`) gives all of them.
 
     Parameters themselves are not compared: Adam divides by sqrt(v), so an element whose gradient
     is ~0 turns reduction-order noise into an lr-sized difference. The gradients after 3 steps
@@ -67,16 +68,16 @@ def run(cfg: Config, devices=None) -> dict:
     trainer = build(cfg, make_mesh(shape, devices))
     state = trainer.init()
     data = [trainer.shard_batch(b) for b in batches(cfg)]
-    _, grads0 = trainer.grads(state.params, data[0])
-    losses, norms, metrics = [], [], []
+    losses, norms, metrics, grads0 = [], [], [], None
     for b in data:
-        state, m = trainer.step(state, b)
+        state, m, g = trainer.step_and_grads(state, b)
+        grads0 = jax.device_get(g) if grads0 is None else grads0
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
         metrics.append(jax.device_get(m))
-    _, grads_end = trainer.grads(state.params, data[-1])
+    _, _, grads_end = trainer.step_and_grads(state, data[-1])
     return {"losses": np.array(losses), "grad_norms": np.array(norms), "metrics": metrics,
-            "grads": jax.device_get(grads0), "grads_end": jax.device_get(grads_end),
+            "grads": grads0, "grads_end": jax.device_get(grads_end),
             "model_state": jax.device_get(state.model_state), "trainer": trainer, "state": state}
 
 
@@ -90,15 +91,15 @@ def assert_same_run(got: dict, ref: dict, name: str) -> None:
 
 
 def fp8_run(cfg: Config) -> dict:
-    """An fp8 run of `cfg` on `devices_for(cfg)`: the first gradients, (loss, grad norm) per step and
-    the model state (amax histories) after each step."""
+    """An fp8 run of `cfg` on `devices_for(cfg)`: the first step's gradients, (loss, grad norm) per
+    step and the model state (amax histories) after each step."""
     trainer = build(cfg, make_mesh({a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}, devices_for(cfg)))
     data = [trainer.shard_batch(b) for b in batches(cfg)]
     state = trainer.init()
-    _, grads = trainer.grads(state.params, data[0])
-    losses, states = [], []
+    losses, states, grads = [], [], None
     for b in data:
-        state, m = trainer.step(state, b)
+        state, m, g = trainer.step_and_grads(state, b)
+        grads = jax.device_get(g) if grads is None else grads
         losses.append((float(m["loss"]), float(m["grad_norm"])))
         states.append(jax.device_get(state.model_state))
-    return {"grads": jax.device_get(grads), "losses": np.array(losses), "states": states}
+    return {"grads": grads, "losses": np.array(losses), "states": states}
