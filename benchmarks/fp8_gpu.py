@@ -73,7 +73,8 @@ def run_recipe(args: argparse.Namespace, recipe: str, compiler_options: dict | N
 
     keep = "[" + args.keep_bf16 + "]"
     overrides = [f"model.fp8.recipe={recipe}", f"model.fp8.keep_bf16={keep}", f"data.global_batch_size={args.batch}",
-                 "mesh.fsdp=1", "mesh.data=1", "mesh.tensor=1", "mesh.context=1", "runtime.cpu_devices=0"]
+                 "mesh.fsdp=1", "mesh.data=1", "mesh.tensor=1", "mesh.context=1", "runtime.cpu_devices=0",
+                 "runtime.xla_gpu_flags=none"]  # the step compiles with `compiler_options` alone
     if args.seq_len:
         overrides.append(f"data.seq_len={args.seq_len}")
     if args.smoke:

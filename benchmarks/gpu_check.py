@@ -56,6 +56,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overlap-flags", default=None,
                    help='XLA options for (b) with overlap, e.g. --overlap-flags="--xla_gpu_enable_latency_hiding_scheduler=true"'
                         " (default: the config's runtime.xla_gpu_flags where it exists)")
+    p.add_argument("--parts", default="attention,model", help="attention: (a); model: (b) and (c)")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: runs every part, measures nothing")
     a = p.parse_args(argv)
     if a.dry_run:  # tiny everything; flash runs in Pallas's interpreter, cuDNN is n/a
@@ -66,27 +67,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def parse_flags(flags: Any) -> dict[str, Any]:
-    """XLA options from "--name=value ..." text, a list of such strings, or a dict (kept as is)."""
-    if isinstance(flags, dict):
-        return dict(flags)
-    words = flags.split() if isinstance(flags, str) else [w for f in flags for w in str(f).split()]
-    out: dict[str, Any] = {}
-    for w in words:
-        name, _, value = w.lstrip("-").partition("=")
-        low = value.lower()
-        out[name] = True if low in ("", "true") else False if low == "false" else int(value) if value.isdigit() else value
-    return out
-
-
 def overlap_flags(a: argparse.Namespace, cfg: Any) -> dict[str, Any] | None:
     """The flags of (b)'s second run: `--overlap-flags` wins; else the config's `runtime.xla_gpu_flags`
-    (default `overlap`) as `runtime.gpu_xla_flags` resolves it for that config; None: no second run
-    (`runtime.xla_gpu_flags=none`)."""
-    if a.overlap_flags is not None:
-        return parse_flags(a.overlap_flags) or None
+    (default `overlap`) as `runtime.gpu_xla_flags` resolves it for that config, less the options this
+    XLA lacks (printed; the trainer leaves them out too); None: no second run (`runtime.xla_gpu_flags=none`)."""
     from lumen_jax.runtime import process as runtime
-    return parse_flags(list(runtime.gpu_xla_flags(cfg.runtime.xla_gpu_flags, cfg.model, cfg.mesh))) or None
+    if a.overlap_flags is not None:
+        return runtime.parse_flags(a.overlap_flags) or None
+    flags = runtime.parse_flags(list(runtime.gpu_xla_flags(cfg.runtime.xla_gpu_flags, cfg.model, cfg.mesh)))
+    kept, unknown = runtime.known_options(flags)
+    if unknown:
+        print(f"overlap flags this XLA has no option for, left out: {', '.join(unknown)}", flush=True)
+    return kept or None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -263,8 +255,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}; overlap flags: {flags}",
           flush=True)
-    attention = attention_part(a, deadline)
-    model = model_part(a, deadline, flags)
+    parts = a.parts.split(",")
+    attention = attention_part(a, deadline) if "attention" in parts else []
+    model = model_part(a, deadline, flags) if "model" in parts else []
     result = {"header": {"device": dev.device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
                          "date": time.strftime("%Y-%m-%d"), "dry_run": a.dry_run, "config": a.config,
                          "batch": a.batch, "steps": a.steps, "warmup": a.warmup, "heads": a.heads,

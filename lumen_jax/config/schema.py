@@ -297,7 +297,8 @@ class RuntimeConfig:
     # CPU runs: reuse makes glibc keep freed memory, so XLA:CPU's per-step temporary buffer is not
     # unmapped and page-faulted in again every step (-15% CPU time); default leaves glibc as is.
     malloc: str = "reuse"
-    # XLA flags for GPUs, set before the backend starts (lumen_jax/runtime/process.py GPU_XLA_FLAGS): overlap
+    # XLA options of the train step on GPUs (lumen_jax/runtime/process.py GPU_OVERLAP_FLAGS; those this
+    # jaxlib lacks are left out): overlap
     # (latency-hiding scheduler, async and pipelined collectives, combine thresholds from the config) |
     # none (XLA's defaults) | any other string: literal flags. CPU runs ignore it.
     xla_gpu_flags: str = "overlap"

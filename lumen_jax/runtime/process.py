@@ -73,6 +73,63 @@ def gpu_xla_flags(choice: str, model: ModelConfig, mesh: MeshConfig) -> tuple[st
     )
 
 
+def parse_flags(flags: Any) -> dict[str, Any]:
+    """XLA options {name: value} from "--name=value ..." text or a list of such strings (a dict is
+    kept as it is): "true"/"false" and "" are booleans, digits integers, the rest strings."""
+    if isinstance(flags, dict):
+        return dict(flags)
+    words = flags.split() if isinstance(flags, str) else [w for f in flags for w in str(f).split()]
+    out: dict[str, Any] = {}
+    for w in words:
+        name, _, value = w.lstrip("-").partition("=")
+        low = value.lower()
+        out[name] = True if low in ("", "true") else False if low == "false" else int(value) if value.isdigit() else value
+    return out
+
+
+def known_options(options: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(the options this XLA compiles with, the names it has no such option for), each tried on a
+    one-instruction program (XLA's options are one set for every backend, so any backend tells).
+    XLA's options come and go between jaxlib releases
+    (`xla_gpu_enable_pipelined_all_gather` is an option of jaxlib 0.10.2 and none of 0.11.2), and an
+    unknown flag in XLA_FLAGS aborts the process, so the step's options are checked here first."""
+    import jax
+    import numpy as np
+
+    lowered = jax.jit(lambda x: x + 1).lower(np.float32(0))
+    kept, unknown = {}, []
+    for name, value in options.items():
+        try:
+            lowered.compile({name: value})
+        except Exception as e:  # noqa: BLE001 - only "No such compile option" is sorted out here
+            if "No such compile option" not in str(e):
+                raise
+            unknown.append(name)
+        else:
+            kept[name] = value
+    return kept, unknown
+
+
+def step_compile_options(rc: RuntimeConfig, model: ModelConfig, mesh: MeshConfig, platform: str) -> dict[str, Any]:
+    """The XLA options of the train step on `platform`'s devices: `runtime.xla_gpu_flags` on GPUs (none
+    elsewhere), as per-compile options, those this XLA lacks left out of `overlap` with a note on
+    stderr; an unknown flag the user named is a ConfigError."""
+    if platform != "gpu":
+        return {}
+    kept, unknown = known_options(parse_flags(gpu_xla_flags(rc.xla_gpu_flags, model, mesh)))
+    if unknown and rc.xla_gpu_flags != "overlap":
+        raise ConfigError(f"runtime.xla_gpu_flags: this XLA has no option {', '.join(unknown)}; "
+                          "remove it (runtime.xla_gpu_flags=none leaves XLA's defaults)")
+    if unknown:
+        import sys
+
+        import jax
+
+        print(f"note: runtime.xla_gpu_flags=overlap: this XLA (jax {jax.__version__}) has no option "
+              f"{', '.join(unknown)}; left out", file=sys.stderr, flush=True)
+    return kept
+
+
 def add_xla_flags(flags: tuple[str, ...]) -> None:
     """Adds `flags` to XLA_FLAGS (read once, when the backend starts); a flag already set there wins."""
     current = os.environ.get("XLA_FLAGS", "")
@@ -102,15 +159,14 @@ def keep_freed_memory() -> bool:
                for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1)))
 
 
-def configure(rc: RuntimeConfig, gpu_flags: tuple[str, ...] = ()) -> None:
-    """XLA flags (the CPU ones and `gpu_flags`, e.g. `gpu_xla_flags(...)`; XLA parses both on any
-    machine, each backend reads its own), emulated CPU device count, platform choice, the allocator
-    of CPU runs and the persistent compilation cache.
+def configure(rc: RuntimeConfig) -> None:
+    """The CPU backend's XLA flags, emulated CPU device count, platform choice, the allocator of CPU
+    runs and the persistent compilation cache. (`runtime.xla_gpu_flags` are the step's compile
+    options, `step_compile_options`, not XLA_FLAGS: an option this jaxlib lacks would abort there.)
 
     Call before anything creates a JAX array: the backend reads these once, at start-up.
     """
     prepare_cpu_backend(max(rc.cpu_devices, 1))
-    add_xla_flags(gpu_flags)
     if rc.malloc == "reuse" and (rc.platform == "cpu" or rc.cpu_devices > 0):  # a CPU run
         keep_freed_memory()
     import jax

@@ -26,6 +26,7 @@ from lumen_jax.train.optim import make_optimizer, schedule
 from lumen_jax.parallel import communication as comm, context as context_lib
 from lumen_jax.parallel.pipeline.executor import Pipeline
 from lumen_jax.parallel.rules import Rules, activate
+from lumen_jax.runtime import process
 from lumen_jax.train import step as step_lib
 
 BATCH_AXES = ("batch", "seq")
@@ -203,11 +204,14 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
         return wrapper
 
     init = jax.jit(make_state, out_shardings=state_sh)
+    # runtime.xla_gpu_flags on GPUs: the step's compile options (those this XLA has)
+    options = process.step_compile_options(cfg.runtime, cfg.model, cfg.mesh, mesh.devices.flat[0].platform) or None
     step = jax.jit(traced(functools.partial(step_lib.train_step, sc=sc, placement=placement)),
                    in_shardings=(state_sh, batch_shardings), out_shardings=(state_sh, replicated),
-                   donate_argnums=0)
+                   donate_argnums=0, compiler_options=options)
     step_and_grads = jax.jit(traced(functools.partial(step_lib.train_step_and_grads, sc=sc, placement=placement)),
-                             in_shardings=(state_sh, batch_shardings), out_shardings=(state_sh, replicated, grad_sh))
+                             in_shardings=(state_sh, batch_shardings), out_shardings=(state_sh, replicated, grad_sh),
+                             compiler_options=options)
     grads = jax.jit(traced(lambda p, b: step_lib.loss_and_grads(p, b, 1.0, sc, placement)),
                     in_shardings=(param_sh, batch_shardings), out_shardings=(replicated, grad_sh))
     older = (checkpoint.renamed_field("model_state", *projection.legacy_state_layout()),)

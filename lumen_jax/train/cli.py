@@ -65,7 +65,7 @@ def train(cfg: Config, stop=None) -> dict:
     `stop`: the `runtime.signals.StopSignal` installed at start-up (None: the loop installs its own)."""
     from lumen_jax.runtime import distributed
     from lumen_jax.runtime import process as runtime
-    runtime.configure(cfg.runtime, runtime.gpu_xla_flags(cfg.runtime.xla_gpu_flags, cfg.model, cfg.mesh))
+    runtime.configure(cfg.runtime)
     distributed.initialize(cfg.distributed)  # several processes: before anything touches a device
 
     import jax

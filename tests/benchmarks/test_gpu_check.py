@@ -25,9 +25,10 @@ def test_arguments():
 
 
 def test_overlap_flags_hook():
-    assert gpu_check.parse_flags("--xla_a=true --xla_b=false --xla_c=4 --xla_d=x") == {
+    from lumen_jax.runtime.process import parse_flags
+    assert parse_flags("--xla_a=true --xla_b=false --xla_c=4 --xla_d=x") == {
         "xla_a": True, "xla_b": False, "xla_c": 4, "xla_d": "x"}
-    assert gpu_check.parse_flags(["--xla_a", "--xla_c=4"]) == {"xla_a": True, "xla_c": 4}
+    assert parse_flags(["--xla_a", "--xla_c=4"]) == {"xla_a": True, "xla_c": 4}
 
     none = gpu_check.parse_args([])
     default = gpu_check.overlap_flags(none, Config())  # runtime.xla_gpu_flags=overlap

@@ -221,35 +221,45 @@ def test_four_micro_batches_equal_one_big_batch(name, reference32):
 
 
 def test_gpu_overlap_flags_reach_xla(tmp_path):
-    """`runtime.xla_gpu_flags=overlap` is in XLA_FLAGS before the backend starts, XLA accepts every
-    flag (an unknown one aborts the process) and its debug options hold them (XLA parses GPU flags
-    on any machine, so a CPU process shows them)."""
-    import os
-    import subprocess
-    import sys
+    """`runtime.xla_gpu_flags=overlap` becomes the step's compile options on GPUs (none on CPUs) and
+    XLA's debug options hold each of them (XLA's options are one set for every backend, so a CPU
+    compile shows them). Not XLA_FLAGS: jaxlib 0.11.2 has no `xla_gpu_enable_pipelined_all_gather`,
+    and an unknown flag there aborts the process before the first line of the run."""
+    import glob
 
-    code = f"""
-import glob
-from lumen_jax.runtime import process as runtime
-from lumen_jax.config import Config, RuntimeConfig
-cfg = Config()
-runtime.configure(RuntimeConfig(cpu_devices=1, compilation_cache_dir="", platform="cpu"), runtime.gpu_xla_flags(cfg.runtime.xla_gpu_flags, cfg.model, cfg.mesh))
-import jax
-jax.jit(lambda x: x + 1).lower(1.0).compile(compiler_options={{"xla_dump_to": {str(tmp_path)!r}}})
-print(open(glob.glob({str(tmp_path)!r} + "/*debug_options")[0]).read())
-"""
-    env = {**os.environ, "XLA_FLAGS": ""}  # not the flags an in-process run of this session left there
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    from lumen_jax.runtime import process as runtime
     from lumen_jax.config import Config
+    from lumen_jax.runtime import process as runtime
 
-    flags = runtime.gpu_xla_flags("overlap", Config().model, Config().mesh)
-    assert len(flags) == len(runtime.GPU_OVERLAP_FLAGS) + 3
-    for flag in flags:
-        name, value = flag.lstrip("-").split("=")
-        assert f"{name}: {value}" in out.stdout, f"{flag} did not reach XLA's debug options"
-    assert runtime.gpu_xla_flags("none", Config().model, Config().mesh) == ()
+    cfg = Config()
+    assert runtime.step_compile_options(cfg.runtime, cfg.model, cfg.mesh, "cpu") == {}
+    options = runtime.step_compile_options(cfg.runtime, cfg.model, cfg.mesh, "gpu")
+    flags = runtime.parse_flags(runtime.gpu_xla_flags("overlap", cfg.model, cfg.mesh))
+    assert len(flags) == len(runtime.GPU_OVERLAP_FLAGS) + 3 and flags["xla_gpu_enable_latency_hiding_scheduler"] is True
+    assert set(options) <= set(flags) and "xla_gpu_enable_latency_hiding_scheduler" in options
+    jax.jit(lambda x: x + 1).lower(1.0).compile({**options, "xla_dump_to": str(tmp_path)})
+    debug = open(glob.glob(str(tmp_path) + "/*debug_options")[0]).read()
+    for name, value in options.items():
+        assert f"{name}: {str(value).lower()}" in debug, f"{name} did not reach XLA's debug options"
+    assert runtime.gpu_xla_flags("none", cfg.model, cfg.mesh) == ()
+
+
+def test_an_option_this_xla_lacks(monkeypatch, capsys):
+    """An `overlap` flag this jaxlib has no option for is left out with a note (the run goes on); one
+    the user wrote in runtime.xla_gpu_flags is a one-line ConfigError naming it."""
+    import dataclasses
+
+    from lumen_jax.config import Config, ConfigError
+    from lumen_jax.runtime import process as runtime
+
+    cfg = Config()
+    monkeypatch.setattr(runtime, "GPU_OVERLAP_FLAGS", runtime.GPU_OVERLAP_FLAGS + ("--xla_gpu_no_such_option=true",))
+    options = runtime.step_compile_options(cfg.runtime, cfg.model, cfg.mesh, "gpu")
+    assert "xla_gpu_no_such_option" not in options and "xla_gpu_enable_latency_hiding_scheduler" in options
+    assert "has no option xla_gpu_no_such_option; left out" in capsys.readouterr().err
+    literal = dataclasses.replace(cfg.runtime, xla_gpu_flags="--xla_gpu_enable_latency_hiding_scheduler=true "
+                                                            "--xla_gpu_no_such_option=1")
+    with pytest.raises(ConfigError, match="no option xla_gpu_no_such_option; remove it"):
+        runtime.step_compile_options(literal, cfg.model, cfg.mesh, "gpu")
 
 
 @pytest.mark.heavy
