@@ -47,7 +47,11 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, ops: Ops | None = None, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.ops = ops = Ops.plain(cfg) if ops is None else ops
-        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 1.0)
+        # Untied: N(0, 1), Llama's embedding init (the first norm rescales it). Tied, the table is the
+        # output projection too, whose logits would then have std sqrt(d_model) (an initial loss of
+        # ~1,300 for llama3_1b, against ln(V) = 11.8): init_std, as Hugging Face initialises it.
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
+                            cfg.init_std if cfg.tie_embeddings else 1.0)
         num_moe = cfg.num_layers // cfg.moe.every_n_layers if cfg.moe.enabled else 0
 
         def stack(count: int, mlp: type) -> Block:

@@ -241,7 +241,10 @@ def test_tied_embeddings_have_no_lm_head_and_train():
     assert "lm_head" not in state.params
     batch = trainer.shard_batch(batch_for(cfg))
     # The embedding gets gradients from both the lookup and the logits.
-    _, grads = trainer.grads(state.params, batch)
+    loss0, grads = trainer.grads(state.params, batch)
+    # Tied, the table is the output projection too: at init the loss is near ln(V), as untied (an
+    # N(0, 1) table gives logits of std sqrt(d_model): a loss of 56 here, 1,300 for llama3_1b).
+    assert abs(float(loss0) - math.log(cfg.model.vocab_size)) < 0.05 * math.log(cfg.model.vocab_size), float(loss0)
     assert float(jnp.abs(grads["embed"]).max()) > 0
     losses = []
     for _ in range(4):
