@@ -91,8 +91,9 @@ def known_options(options: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """(the options this XLA compiles with, the names it has no such option for), each tried on a
     one-instruction program (XLA's options are one set for every backend, so any backend tells).
     XLA's options come and go between jaxlib releases
-    (`xla_gpu_enable_pipelined_all_gather` is an option of jaxlib 0.10.2 and none of 0.11.2), and an
-    unknown flag in XLA_FLAGS aborts the process, so the step's options are checked here first."""
+    (`xla_gpu_enable_pipelined_all_gather` is an option of jaxlib 0.10.2 and none of 0.11.2, whose
+    XLA_FLAGS parser takes the name and ignores it; 0.10.2's aborts on a name it lacks), so the step's
+    options are checked here first and a stale one is said, not silently dropped."""
     import jax
     import numpy as np
 
@@ -162,7 +163,7 @@ def keep_freed_memory() -> bool:
 def configure(rc: RuntimeConfig) -> None:
     """The CPU backend's XLA flags, emulated CPU device count, platform choice, the allocator of CPU
     runs and the persistent compilation cache. (`runtime.xla_gpu_flags` are the step's compile
-    options, `step_compile_options`, not XLA_FLAGS: an option this jaxlib lacks would abort there.)
+    options, `step_compile_options`, each checked against this jaxlib, not XLA_FLAGS.)
 
     Call before anything creates a JAX array: the backend reads these once, at start-up.
     """

@@ -223,8 +223,8 @@ def test_four_micro_batches_equal_one_big_batch(name, reference32):
 def test_gpu_overlap_flags_reach_xla(tmp_path):
     """`runtime.xla_gpu_flags=overlap` becomes the step's compile options on GPUs (none on CPUs) and
     XLA's debug options hold each of them (XLA's options are one set for every backend, so a CPU
-    compile shows them). Not XLA_FLAGS: jaxlib 0.11.2 has no `xla_gpu_enable_pipelined_all_gather`,
-    and an unknown flag there aborts the process before the first line of the run."""
+    compile shows them). Not XLA_FLAGS: jaxlib 0.11.2 has no `xla_gpu_enable_pipelined_all_gather`
+    option (its XLA_FLAGS parser ignores the name; 0.10.2's aborts on an unknown one)."""
     import glob
 
     from lumen_jax.config import Config
