@@ -98,6 +98,9 @@ def format_against_xla(check, devices: int) -> str:
         f"  {'FLOPs':8s}{check.flops_predicted:14.3e}{check.flops_compiled:14.3e}"
         f"{error(check.flops_predicted, check.flops_compiled):>9s}   as cost_analysis counts: a loop body once "
         "(one layer, one micro-batch), elementwise work included",
+        f"  {'matmuls':8s}{check.matmul_predicted:14.3e}{check.matmul_compiled:14.3e}"
+        f"{error(check.matmul_predicted, check.matmul_compiled):>9s}   the critical path: every dot times its "
+        "loops' trip counts (with pipeline stages every tick, bubble included)",
         f"  {'bytes':8s}{check.bytes_predicted / 1e6:11.2f} MB{check.bytes_compiled / 1e6:11.2f} MB"
         f"{error(check.bytes_predicted, check.bytes_compiled):>9s}   memory_analysis: arguments + outputs + "
         "temporaries - aliases",

@@ -24,7 +24,7 @@ from lumen_jax.metrics import memory
 from lumen_jax.metrics.memory import compiled_flops
 from lumen_jax.parallel.mesh import make_mesh
 from lumen_jax.plan import hlo
-from lumen_jax.plan.cost import compiled_flops_per_device
+from lumen_jax.plan.cost import compiled_flops_per_device, critical_path_matmul_flops
 from lumen_jax.plan.hardware import Layout
 from lumen_jax.plan.predict import Plan
 from lumen_jax.train.step import TrainState
@@ -36,6 +36,10 @@ class AgainstXla:
 
     flops_predicted: float  # `cost.compiled_flops_per_device`: counted the way cost_analysis counts
     flops_compiled: float  # cost_analysis()["flops"]
+    # Matmul FLOPs of the critical path: every dot times its loops' trip counts (`hlo.matmul_flops`);
+    # with pipeline stages every tick of the lock-step program, bubble included.
+    matmul_predicted: float  # `cost.critical_path_matmul_flops`
+    matmul_compiled: float
     bytes_predicted: float  # the plan's total bytes per device
     bytes_compiled: float  # memory_analysis(): arguments + outputs + temporaries - aliases
     # Collective bytes per step by "axes kind-group" (e.g. "fsdp gather", "data+fsdp reduce"):
@@ -104,7 +108,9 @@ def against_xla(cfg: Config, plan: Plan, compiled: Any = None) -> AgainstXla:
       compiled: the step from `compile_step(cfg, plan.layout)`; None compiles it here.
     """
     compiled = compile_step(cfg, plan.layout) if compiled is None else compiled
-    flops = compiled_flops_per_device(cfg.model, plan.layout, cfg.data.seq_len, cfg.data.global_batch_size)
-    return AgainstXla(flops_predicted=flops, flops_compiled=compiled_flops(compiled),
+    shape = (cfg.model, plan.layout, cfg.data.seq_len, cfg.data.global_batch_size)
+    return AgainstXla(flops_predicted=compiled_flops_per_device(*shape), flops_compiled=compiled_flops(compiled),
+                      matmul_predicted=critical_path_matmul_flops(*shape),
+                      matmul_compiled=float(hlo.matmul_flops(hlo.parse(compiled.as_text()))),
                       bytes_predicted=plan.bytes_per_device["total"], bytes_compiled=float(compiled_bytes(compiled)),
                       collectives=collective_bytes(plan, compiled))

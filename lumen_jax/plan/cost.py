@@ -93,6 +93,52 @@ def flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, global_ba
     return total
 
 
+@dataclasses.dataclass(frozen=True)
+class _TickUnits:
+    """A pipelined step's work per token of one micro-batch on one device: each layer's forward, its
+    whole (forward, backward and recompute), the weight-gradient matmuls of a split backward's W (0
+    unsplit), and the loss's logits (forward and backward, split over the P stages in its ticks)."""
+
+    forward: float
+    layer: float
+    wgrad: float
+    head: float
+    tokens: float  # one micro-batch's tokens per device of the flat layout
+
+
+def _tick_units(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, split: bool) -> _TickUnits:
+    flat = dataclasses.replace(layout, pipeline=1, mesh=dataclasses.replace(layout.mesh, pipeline=1))
+    one = dataclasses.replace(model, num_layers=1)
+    fraction = computed_score_fraction(seq_len)
+    head = 6.0 * model.d_model * model.vocab_size  # logits forward and backward, per token
+    layer = planned_flops_per_token(one, flat, seq_len, model.remat, score_fraction=fraction) - head
+    forward = 2.0 * flops.param_counts(one)["layer_matmul"] + flops.attention_forward_flops_per_token(
+        one, seq_len, causal=False) * fraction
+    return _TickUnits(forward, layer, 2.0 * split_backward(model).params if split else 0.0, head,
+                      global_batch // layout.micro_batches * seq_len / flat.num_devices)
+
+
+def critical_path_matmul_flops(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> float:
+    """Matmul FLOPs one device runs per step, every loop times its trip count (what `hlo.matmul_flops`
+    counts in the compiled step): the model's hardware FLOPs with the recompute and the part of the
+    score square the attention computes, on this device's share. With pipeline stages, every tick of
+    the lock-step program (`schedule.lockstep`: every stage runs every tick, the bubble on zeros):
+    per tick a chunk's forward, its backward (a split program's B: less the tapped projections'
+    weight-gradient matmuls), a split program's W (those matmuls) and 1/P of a micro-batch's logits,
+    as the tick's segment runs them. Context parallelism is not modelled here (its hop conditionals'
+    branches each hold dots, which `hlo.matmul_flops` adds up)."""
+    if layout.pipeline == 1:
+        return flops_per_device(model, layout, seq_len, global_batch, causal=False)
+    name, v = layout.schedule
+    prog = pipeline_lib.lockstep(name, layout.pipeline, layout.micro_batches, v)
+    u = _tick_units(model, layout, seq_len, global_batch, prog.split)
+    chunk = layout.chunk_layers(model.num_layers)
+    ticks = _ticks(prog)
+    per_token = (ticks["forward"] * chunk * u.forward + ticks["backward"] * chunk * (u.layer - u.forward - u.wgrad)
+                 + ticks["weight"] * chunk * u.wgrad + ticks["head"] * u.head / layout.pipeline)
+    return per_token * u.tokens
+
+
 def compiled_flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int) -> float:
     """What XLA's `cost_analysis()` reports for the compiled step, to check `flops_per_device` against.
 
@@ -116,31 +162,25 @@ def compiled_flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, 
     micro_batch = global_batch // layout.micro_batches
     if layout.pipeline > 1:
         flat = dataclasses.replace(layout, pipeline=1, mesh=dataclasses.replace(layout.mesh, pipeline=1))
-        one = dataclasses.replace(model, num_layers=1)
         fraction = computed_score_fraction(seq_len)
-        head = 6.0 * model.d_model * model.vocab_size  # logits forward and backward, per token
-        layer = planned_flops_per_token(one, flat, seq_len, model.remat, score_fraction=fraction) - head
-        forward = 2.0 * flops.param_counts(one)["layer_matmul"] + flops.attention_forward_flops_per_token(
-            one, seq_len, causal=False) * fraction
         name, v = layout.schedule
         prog = pipeline_lib.lockstep(name, layout.pipeline, layout.micro_batches, v)
+        u = _tick_units(model, layout, seq_len, global_batch, prog.split)
         # The layer's elementwise work (softmax, norms, residuals: a third forward, two thirds backward).
         mesh = flat.mesh
         elementwise = (ELEMENTWISE_OPS["score"] * model.num_heads * seq_len * fraction / mesh.tensor
                        + ELEMENTWISE_OPS["embed"] * model.d_model / (mesh.tensor if mesh.sequence_parallel else 1))
-        layer, forward = layer + elementwise, forward + elementwise / 3
+        layer, forward, head, wgrad = u.layer + elementwise, u.forward + elementwise / 3, u.head, u.wgrad
         # A split backward (zero_bubble): B is the layer's backward less the tapped projections'
         # weight-gradient matmuls; W runs those for the chunk's layers at once (`Taps.replay` maps
         # over the layers, it does not scan them), so the compiler counts every layer of the chunk.
-        wgrad = 2.0 * split_backward(model).params if prog.split else 0.0
         weight = wgrad * layout.chunk_layers(model.num_layers)
         # Each segment's scan body counted once: its forward, its share of the loss, its backward
         # (B when split), its weight-gradient unit (split).
         segments = sum((forward if g.forward else 0.0) + (head / layout.pipeline if g.head else 0.0)
                        + (layer - forward - wgrad if g.backward else 0.0) + (weight if g.weight else 0.0)
                        for g in prog.segments)
-        tokens = micro_batch * seq_len / flat.num_devices
-        return compiled_flops_per_device(model, flat, seq_len, global_batch) + (segments - layer - head) * tokens
+        return compiled_flops_per_device(model, flat, seq_len, global_batch) + (segments - layer - head) * u.tokens
     mesh = layout.mesh
     if mesh.context == 1:
         # An MoE stack scans groups of every_n_layers layers (dense ones, then the MoE one): one group counted.
@@ -441,6 +481,13 @@ def _pipeline(s: StepShape, add: Add) -> None:
     shards = layout.mesh.tensor * (layout.mesh.fsdp if layout.mesh.zero_stage >= 3 else 1)
     add("pipeline", "all-reduce", "fp32 gradients of the replicated embedding, norm and output",
         outside * F32_BYTES / shards, 1, True)
+    if layout.schedule[1] > 1:
+        # Interleaved: the stacks are held in layer order and reordered device-major for the step
+        # (`Pipeline.to_stages`): the stage's float32 layers in, their gradients back, as all-to-alls.
+        per_layer = flops.param_counts(model)["layer_matmul"] / layout.mesh.tensor + 2 * model.d_model
+        held = model.num_layers / layout.pipeline * per_layer * F32_BYTES / (shards / layout.mesh.tensor)
+        add("pipeline", "all-to-all", "fp32 layers reordered device-major for interleaving, and their gradients",
+            held, 2, True)
 
 
 def _lockstep(s: StepShape) -> pipeline_lib.Lockstep:
