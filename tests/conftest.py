@@ -1,8 +1,15 @@
 """Test set-up: 8 emulated CPU devices and a persistent compilation cache, before JAX starts."""
 
 import os
+import sys
 
-from lumen_jax.runtime.process import add_xla_flags, prepare_cpu_backend
+# The repository's `kernels/` (installed as `lumen_jax.kernels`) shadows PyPI's `kernels`, which
+# transformers 5.x imports, wherever the repository root is on sys.path (`python -m pytest` puts it
+# there; lumen_jax itself is installed): without the root, the converter tests' transformers imports.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != ROOT]
+
+from lumen_jax.runtime.process import add_xla_flags, prepare_cpu_backend  # noqa: E402
 
 prepare_cpu_backend()  # before the backend starts: see lumen_jax/runtime/process.py
 # The tests' programs are tiny: compiling them is most of the suite's time, running them little.
