@@ -481,13 +481,6 @@ def _pipeline(s: StepShape, add: Add) -> None:
     shards = layout.mesh.tensor * (layout.mesh.fsdp if layout.mesh.zero_stage >= 3 else 1)
     add("pipeline", "all-reduce", "fp32 gradients of the replicated embedding, norm and output",
         outside * F32_BYTES / shards, 1, True)
-    if layout.schedule[1] > 1:
-        # Interleaved: the stacks are held in layer order and reordered device-major for the step
-        # (`Pipeline.to_stages`): the stage's float32 layers in, their gradients back, as all-to-alls.
-        per_layer = flops.param_counts(model)["layer_matmul"] / layout.mesh.tensor + 2 * model.d_model
-        held = model.num_layers / layout.pipeline * per_layer * F32_BYTES / (shards / layout.mesh.tensor)
-        add("pipeline", "all-to-all", "fp32 layers reordered device-major for interleaving, and their gradients",
-            held, 2, True)
 
 
 def _lockstep(s: StepShape) -> pipeline_lib.Lockstep:

@@ -423,8 +423,8 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     `working` = tokens x the sum of
     `working_bytes_per_token`'s parts (`phase` names the largest; with a pipeline the last stage's
     logits are gathered over the vocabulary). `buffers` = the gradient-accumulation loop's copies of
-    the (sharded) gradients when micro-batches > 1 (none with a pipeline, but interleaved's
-    reordered copy of the blocks and their gradients).
+    the (sharded) gradients when micro-batches > 1 (none with a pipeline, whose gradients sum in the
+    carry; there, the float32 sums of the embedding table's gradient).
     `inputs` = the batch arrays of the whole step.
     An MoE layer (`plan.moe`, `moe_backend` gpu or cpu) saves the layer's other residuals (its
     shared experts as its MLP) and, without remat, its dispatch's buffers; its backward adds the
@@ -453,14 +453,9 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     grads = state_bytes(model, layout)["grads"]
     host = _bytes(residuals.counts(host=True) - residuals.counts(), widths, c)
     # The pipelined step sums gradients in the scan carry over ticks, in place of the accumulation
-    # loop's copies (measured: no copy beyond the gradients themselves). Interleaved reorders the
-    # stage's blocks device-major and back (`Pipeline.to_stages`): a copy of their parameters and
-    # of their gradients.
+    # loop's copies (measured: no copy beyond the gradients themselves). Interleaved stages hold
+    # their blocks device-major (`Pipeline.pad`): no reordered copy.
     buffers = GRAD_ACCUMULATION_COPIES * grads if layout.micro_batches > 1 and not pipelined else 0.0
-    if pipelined and virtual > 1:
-        counts_all = flops.param_counts(model)
-        blocks = model.num_layers * (counts_all["layer_matmul"] + 2 * model.d_model) / counts_all["total"]
-        buffers = 2 * blocks * grads
     if pipelined:  # each row group's float32 sum of the embedding table's gradient (`_Device.embedding_grad`)
         buffers += model.vocab_size * model.d_model / layout.mesh.tensor * F32
     # A pipelined stage keeps each stashed forward's residuals (its chunk's layers, as the policy

@@ -41,7 +41,8 @@ class Trainer:
     param_names: dict  # {path: logical axis names}
     ops: Ops  # how the model's ops run (lumen_jax.ops.choice); `ops.note` goes into the start-up line
     older_layouts: tuple  # checkpoint.OlderLayout: how earlier versions wrote this state (restore_latest)
-    stored: checkpoint.StoredLayout  # the state in memory <-> on disk (uneven stages: padded <-> real layers)
+    # the state in memory <-> on disk (uneven or interleaved stages: the stacks as held <-> real layers)
+    stored: checkpoint.StoredLayout
     state_shardings: step_lib.TrainState
     batch_sharding: NamedSharding
     init: Any  # () -> TrainState
@@ -57,6 +58,12 @@ class Trainer:
         """Shapes, dtypes and target shardings of the state (for restoring onto this mesh)."""
         return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                             jax.eval_shape(self.init), self.state_shardings)
+
+    def real_layers(self, tree: dict) -> dict:
+        """A params-like tree (parameters, gradients, model state) with its layer stacks as the model
+        orders them: `Pipeline.unpad` of what uneven or interleaved stages hold (else `tree`)."""
+        pipe = self.step_cfg.pipeline
+        return tree if pipe is None else _on_stacks(pipe, pipe.unpad, tree)
 
     def stored_abstract_state(self) -> step_lib.TrainState:
         """`abstract_state` as checkpoints hold it (the real layers only, in order)."""
@@ -87,8 +94,9 @@ def _on_stacks(pipe: Pipeline, fn: Any, tree: dict) -> dict:
 
 
 def _fresh_state(pipe: Pipeline | None, state: dict) -> dict:
-    """The model state at step 0 (zeros), with uneven stages in the padded layout of the stacks."""
-    if pipe is not None and pipe.layers:
+    """The model state at step 0 (zeros), with uneven or interleaved stages in the layout of the stacks
+    in memory (`Pipeline.pad`)."""
+    if pipe is not None and pipe.reorders:
         state = jax.eval_shape(functools.partial(_on_stacks, pipe, pipe.pad), state)
     return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), state)
 
@@ -111,8 +119,8 @@ def _stored_sharding(sh: NamedSharding, shape: tuple[int, ...]) -> NamedSharding
 
 def _stored_layout(pipe: Pipeline, tx: optax.GradientTransformation, abstract: step_lib.TrainState,
                    state_sh: step_lib.TrainState) -> checkpoint.StoredLayout:
-    """Uneven stages: the padded stacks in memory (params, the optimizer's copies of them, model
-    state) <-> their real layers [L, ...] on disk, so a checkpoint restores under any stage split,
+    """Uneven or interleaved stages: the stacks as held in memory (params, the optimizer's copies of
+    them, model state: `Pipeline.pad`) <-> their real layers [L, ...] in order on disk, so a checkpoint restores under any stage split,
     even stages or no pipeline (checkpoint.StoredLayout)."""
     marks = {k: jax.tree.map(lambda _: k in pipe.stacks, v) for k, v in abstract.params.items()}
 
@@ -168,7 +176,7 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
 
     def make_state() -> step_lib.TrainState:
         params, model_state = init_model(cfg.model, cfg.train.seed, ops)
-        if pipe is not None:  # uneven stages: the stacks padded with zero layers (Pipeline.pad)
+        if pipe is not None:  # uneven stages padded with zero layers, interleaved device-major (Pipeline.pad)
             params, model_state = _on_stacks(pipe, pipe.pad, params), _on_stacks(pipe, pipe.pad, model_state)
         return step_lib.init_state(params, tx, cfg.optim.loss_scale_init if fp16 else 1.0, model_state)
 
@@ -215,7 +223,7 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
     grads = jax.jit(traced(lambda p, b: step_lib.loss_and_grads(p, b, 1.0, sc, placement)),
                     in_shardings=(param_sh, batch_shardings), out_shardings=(replicated, grad_sh))
     older = (checkpoint.renamed_field("model_state", *projection.legacy_state_layout()),)
-    stored = _stored_layout(pipe, tx, abstract, state_sh) if pipe is not None and pipe.layers else checkpoint.StoredLayout()
+    stored = _stored_layout(pipe, tx, abstract, state_sh) if pipe is not None and pipe.reorders else checkpoint.StoredLayout()
     return Trainer(cfg=cfg, mesh=mesh, rules=rules, step_cfg=sc, param_names=names, ops=ops, older_layouts=older,
                    stored=stored, state_shardings=state_sh, batch_sharding=batch_sh, init=init, step=step, grads=grads,
                    step_and_grads=step_and_grads)

@@ -76,9 +76,11 @@ def run(cfg: Config, devices=None) -> dict:
         norms.append(float(m["grad_norm"]))
         metrics.append(jax.device_get(m))
     _, _, grads_end = trainer.step_and_grads(state, data[-1])
+    real = trainer.real_layers  # uneven or interleaved stages hold their layers in another order
     return {"losses": np.array(losses), "grad_norms": np.array(norms), "metrics": metrics,
-            "grads": grads0, "grads_end": jax.device_get(grads_end),
-            "model_state": jax.device_get(state.model_state), "trainer": trainer, "state": state}
+            "grads": real(grads0), "grads_end": jax.device_get(real(grads_end)),
+            "held": {"grads": grads0, "grads_end": jax.device_get(grads_end)},  # as the stages hold them
+            "model_state": jax.device_get(real(state.model_state)), "trainer": trainer, "state": state}
 
 
 def assert_same_run(got: dict, ref: dict, name: str) -> None:
@@ -92,14 +94,16 @@ def assert_same_run(got: dict, ref: dict, name: str) -> None:
 
 def fp8_run(cfg: Config) -> dict:
     """An fp8 run of `cfg` on `devices_for(cfg)`: the first step's gradients, (loss, grad norm) per
-    step and the model state (amax histories) after each step."""
+    step and the model state (amax histories) after each step, the stacks' layers in the model's
+    order (`Trainer.real_layers`; "held_states": as the stages hold them)."""
     trainer = build(cfg, make_mesh({a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}, devices_for(cfg)))
     data = [trainer.shard_batch(b) for b in batches(cfg)]
     state = trainer.init()
-    losses, states, grads = [], [], None
+    losses, held, grads = [], [], None
     for b in data:
         state, m, g = trainer.step_and_grads(state, b)
-        grads = jax.device_get(g) if grads is None else grads
+        grads = jax.device_get(trainer.real_layers(g)) if grads is None else grads
         losses.append((float(m["loss"]), float(m["grad_norm"])))
-        states.append(jax.device_get(state.model_state))
-    return {"grads": grads, "losses": np.array(losses), "states": states}
+        held.append(jax.device_get(state.model_state))
+    return {"grads": grads, "losses": np.array(losses), "held_states": held,
+            "states": [jax.device_get(trainer.real_layers(s)) for s in held]}

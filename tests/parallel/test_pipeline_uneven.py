@@ -38,17 +38,16 @@ def reference():
 
 
 def _real_and_padding(got: dict, pipe) -> tuple[dict, list]:
-    """`run`'s result with the stacks' real layers only (as one device holds them), and the padding
-    slots' leaves of every padded tree (gradients before and after)."""
-    out, padding = dict(got), []
-    for key in ("grads", "grads_end"):
-        out[key] = {k: pipe.unpad(v) if k in pipe.stacks else v for k, v in got[key].items()}
-        padding += [_padding(pipe, a) for k in pipe.stacks for a in jax.tree.leaves(got[key][k])]
-    return out, padding
+    """`run`'s result (its stacks' real layers only, as one device holds them), and the padding
+    slots' leaves of every padded tree as the stages hold it (gradients before and after)."""
+    padding = [_padding(pipe, a) for key in ("grads", "grads_end") for k in pipe.stacks
+               for a in jax.tree.leaves(got["held"][key][k])]
+    return got, padding
 
 
 def _padding(pipe, a):
-    """The padding slots of a padded stack's leaf `a` (a stack may hold a share of the layers: MoE)."""
+    """The padding slots of a held stack's leaf `a` (a stack may hold a share of the layers: MoE)."""
+    a = np.asarray(pipe.from_stages(a))  # interleaved: device-major -> virtual-stage order
     return np.delete(a, pipe.real_slots(a.shape[0]), axis=0)
 
 
@@ -207,8 +206,7 @@ def test_uneven_moe_stages_match_one_device(layers, every_n, split, mesh):
     real, padding = _real_and_padding(got, pipe)
     assert_same_run(real, ref, f"MoE every {every_n} pipeline_layers={split}")
     assert padding and all(not np.any(a) for a in padding), "padding slots with non-zero gradients"
-    state = {k: pipe.unpad(v) for k, v in got["model_state"].items()}
-    assert_tree_close(state, ref["model_state"], FP32_RTOL, what="MoE model state ")
+    assert_tree_close(got["model_state"], ref["model_state"], FP32_RTOL, what="MoE model state ")
     assert bool(ref["model_state"]) == (every_n == 1)
     for step in range(len(ref["metrics"])):
         for key in (k for k in ref["metrics"][step] if k.startswith("moe/")):
@@ -227,14 +225,13 @@ def test_uneven_fp8_delayed_stages_match_unpipelined():
     cfg = with_mesh(fp8, micro_batches=M, pipeline=2, pipeline_schedule="1f1b", pipeline_layers=(2, 1))
     pipe = _trainer(cfg).step_cfg.pipeline
     got = fp8_run(cfg)
-    real = lambda tree: {k: pipe.unpad(v) if k in pipe.stacks else v for k, v in tree.items()}  # noqa: E731
-    assert_tree_close(real(got["grads"]), ref["grads"], FP32_RTOL, what="fp8 first grads ")
-    assert_tree_close(real(got["states"][0]), ref["states"][0], FP32_RTOL, what="fp8 state after one step ")
+    assert_tree_close(got["grads"], ref["grads"], FP32_RTOL, what="fp8 first grads ")
+    assert_tree_close(got["states"][0], ref["states"][0], FP32_RTOL, what="fp8 state after one step ")
     # The padding's activations and weights are 0: their histories stay 0. Its output cotangents are
     # the residual stream's (g in every projection's backward), so the g histories fill, and only
     # scale what meets zero weights and inputs.
     kinds: dict[str, bool] = {}
-    for path, a in jax.tree_util.tree_leaves_with_path(got["states"][-1]):
+    for path, a in jax.tree_util.tree_leaves_with_path(got["held_states"][-1]):
         kinds[path[-1].key] = kinds.get(path[-1].key, False) or bool(np.any(_padding(pipe, a)))
     assert kinds == {"x": False, "w": False, "g": True}, kinds
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=FP8_STEPS_RTOL)

@@ -130,11 +130,19 @@ class Pipeline:
         """`slots` of a padded stack of `padded` entries: P*V*Lmax_k, the share Lmax_k / Lmax of the layers."""
         return self.slots(padded * sum(self.layers) // (len(self.layers) * max(self.layers)))
 
+    @property
+    def reorders(self) -> bool:
+        """Whether the stacks in memory differ from the real layers in order (`pad`): uneven stages
+        or interleaved (V > 1). Such a run stores and reads the real layers (`train.build`)."""
+        return bool(self.layers) or self.program.virtual > 1
+
     def pad(self, stacks: Any) -> Any:
-        """Uneven stages (`layers`): [L, ...] (the real layers in order) -> [P*V*Lmax, ...], the layout
-        the stacks have in memory: every virtual stage w owns Lmax = max(layers) slots from w * Lmax,
-        its layers first, zeros in the rest (identity with even stages). A stack with a share of the
-        layers (MoE: `split`) is padded in the same share.
+        """The real layers [L, ...] in order -> the stacks as held in memory, as the stages read them:
+        uneven stages (`layers`) padded to [P*V*Lmax, ...], every virtual stage w owning Lmax =
+        max(layers) slots from w * Lmax, its layers first, zeros in the rest; then, interleaved,
+        ordered device-major (`to_stages`), so that the step moves no layer between devices
+        (identity with even stages and V = 1). A stack with a share of the layers (MoE: `split`)
+        is padded in the same share.
 
         A slot of zeros is exactly the identity of the pre-norm residual block (zero norm scales give a
         zero input, zero output projections add 0, a zero MoE layer's experts add 0) and its gradients
@@ -143,15 +151,16 @@ class Pipeline:
         metrics are left out (`real_layers`).
         """
         if not self.layers:
-            return stacks
+            return self.to_stages(stacks)
 
         def one(a):
             split = self.split(a.shape[0])
             return jnp.zeros((len(split) * max(split), *a.shape[1:]), a.dtype).at[self.slots(a.shape[0])].set(a)
-        return jax.tree.map(one, stacks)
+        return self.to_stages(jax.tree.map(one, stacks))
 
     def unpad(self, stacks: Any) -> Any:
-        """The inverse of `pad`: [P*V*Lmax, ...] -> the real layers [L, ...] in order."""
+        """The inverse of `pad`: the stacks in memory -> the real layers [L, ...] in order."""
+        stacks = self.from_stages(stacks)
         if not self.layers:
             return stacks
         return jax.tree.map(lambda a: a[self.real_slots(a.shape[0])], stacks)
@@ -161,8 +170,8 @@ class Pipeline:
         return self.program.bubble()
 
     def to_stages(self, blocks: Any) -> Any:
-        """[L, ...] (padded with uneven stages: `pad`) -> [P*V*Lc, ...] ordered device by device: device s holds chunks c = 0..V-1,
-        the layers of virtual stages c*P + s (identity unless interleaved)."""
+        """[P*V*Lc, ...] in virtual-stage order -> ordered device by device: device s holds chunks
+        c = 0..V-1, the layers of virtual stages c*P + s (identity unless interleaved). Part of `pad`."""
         p, v = self.program.stages, self.program.virtual
         if v == 1:
             return blocks
@@ -533,6 +542,7 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
                                   P(), P()),
                         out_specs=(P(), stage_spec(stacks), same_spec(others), stage_spec(model_state), P()),
                         axis_names={AXIS}, check_vma=False)
-    ce, d_stacked, d_other, state_new, metrics = run(pipe.to_stages(stacks), others, pipe.to_stages(model_state),
-                                                     mbs, tokens, jnp.asarray(scale, jnp.float32))
-    return ce / tokens, {**d_other, **pipe.from_stages(d_stacked)}, pipe.from_stages(state_new), metrics
+    # The stacks are held device-major (`Pipeline.pad`), as the stages read them: nothing moves here.
+    ce, d_stacked, d_other, state_new, metrics = run(stacks, others, model_state, mbs, tokens,
+                                                     jnp.asarray(scale, jnp.float32))
+    return ce / tokens, {**d_other, **d_stacked}, state_new, metrics
