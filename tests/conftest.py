@@ -4,10 +4,15 @@ import os
 import sys
 
 # The repository's `kernels/` (installed as `lumen_jax.kernels`) shadows PyPI's `kernels`, which
-# transformers 5.x imports, wherever the repository root is on sys.path (`python -m pytest` puts it
-# there; lumen_jax itself is installed): without the root, the converter tests' transformers imports.
+# transformers 5.x imports, wherever the repository root is on sys.path: `python -m pytest` puts it
+# there, and so do the benchmark scripts the tests load (`sys.path.insert(0, ROOT)`, some lazily).
+# Without the root, PyPI's is imported here, once, so later path changes find it in sys.modules.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != ROOT]
+try:
+    import kernels  # noqa: F401
+except ImportError:  # transformers 4.x does not need it
+    pass
 
 from lumen_jax.runtime.process import add_xla_flags, prepare_cpu_backend  # noqa: E402
 
