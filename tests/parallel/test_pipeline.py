@@ -109,7 +109,7 @@ def test_zero3_gradients_equal_one_device(tied, regather):
          "pipeline4-data2", "pipeline4-data2-gpipe",
          "pipeline4-data2-zero_bubble", "pipeline4-data2-interleaved"])
 def test_pipeline_composes_with_the_other_axes(reference, mesh):
-    """With data (and fsdp under fsdp_grad_reduce=once) the ticks run once per replica group (R = 2, 4);
+    """With data (and fsdp under fsdp_grad_reduce=once) the ticks run once per replica group (R = 2, 4).
     The issue's two meshes, pipeline=4 data=2 and pipeline=2 fsdp=2 tensor=2 + SP, run every schedule.
     Losses, grad norms and gradients (first and after 3 steps) against one device, for the schedules
     whose programs differ most: 1f1b, gpipe's all-forwards-first table with tensor parallelism,

@@ -28,7 +28,9 @@ def moe_reference():
     (2, dict(pipeline=2, expert=2, tensor=2)),  # two stacks (dense, MoE) cut into stages; EP and TP in a stage
     (1, dict(pipeline=4, expert=2)),  # four stages, one MoE layer each
     (1, dict(pipeline=2, expert=2, fsdp=2, pipeline_schedule="zero_bubble")),
-], ids=["n2-pp2-ep2-tp2", "n1-pp4-ep2", "n1-pp2-ep2-fsdp2-zero_bubble"])
+    (1, dict(pipeline=2, expert=2, pipeline_schedule="interleaved", pipeline_virtual_stages=2)),
+    (2, dict(pipeline=2, expert=2, pipeline_schedule="gpipe")),
+], ids=["n2-pp2-ep2-tp2", "n1-pp4-ep2", "n1-pp2-ep2-fsdp2-zero_bubble", "n1-pp2-ep2-interleaved", "n2-pp2-ep2-gpipe"])
 def test_moe_in_stages_matches_one_device(moe_reference, every_n, mesh):
     """Losses, grad norms, the gradients before and after 3 steps, and the `moe/...` metrics (the aux
     loss's share of the gradient flows back with the stage's cotangent)."""
@@ -68,8 +70,11 @@ FP8 = BASE.replace(model=dataclasses.replace(BASE.model, num_layers=4, fp8=Fp8Co
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("replicas,keep", [(1, ("first", "last")), (2, ())], ids=["pp2-keep_bf16", "pp2-data2"])
-def test_fp8_delayed_state_travels_through_stages(replicas, keep):
+@pytest.mark.parametrize("replicas,keep,schedule", [
+    (1, ("first", "last"), "1f1b"), (2, (), "1f1b"), (1, ("first", "last"), "zero_bubble"),
+    (1, ("first", "last"), "interleaved")],
+    ids=["pp2-keep_bf16", "pp2-data2", "pp2-keep_bf16-zero_bubble", "pp2-keep_bf16-interleaved"])
+def test_fp8_delayed_state_travels_through_stages(replicas, keep, schedule):
     """The amax histories after a step (every projection's x, w and g, each stage's layers, the max
     over micro-batches and replica groups) and the gradients equal the unpipelined run's on the same
     replica groups (each group's first-step scale is its own amax, so data=2 is compared with data=2).
@@ -78,7 +83,8 @@ def test_fp8_delayed_state_travels_through_stages(replicas, keep):
     (Every layer in fp8: pp2-data2 here, and on one replica group test_pipeline_uneven's fp8 test.)"""
     fp8 = FP8.replace(model=dataclasses.replace(FP8.model, fp8=dataclasses.replace(FP8.model.fp8, keep_bf16=keep)))
     ref = fp8_run(with_mesh(fp8, micro_batches=M, data=replicas))
-    got = fp8_run(with_mesh(fp8, micro_batches=M, data=replicas, pipeline=2, pipeline_schedule="1f1b"))
+    got = fp8_run(with_mesh(fp8, micro_batches=M, data=replicas, pipeline=2, pipeline_schedule=schedule,
+                            pipeline_virtual_stages=2 if schedule == "interleaved" else 1))
     assert_tree_close(got["grads"], ref["grads"], FP32_RTOL, what="fp8 first grads ")
     assert_tree_close(got["states"][0], ref["states"][0], FP32_RTOL, what="fp8 state after one step ")
     q_x = got["states"][-1]["blocks"]["attn"]["projections"]["q"]["x"]
