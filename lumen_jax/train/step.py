@@ -103,8 +103,8 @@ def stage_fns(sc: StepConfig) -> pipeline_step.StageFns:
         logits_btv = merge(sc.graphdef, params, sc.fresh_state).logits(y_btd)  # sharded over `vocab` (tensor)
         return token_objective_vocab_sharded(logits_btv, targets_bt, mask_bt, sc.z_loss)
 
-    # The embedding and the head keep no model state (the config refuses ops that would): the
-    # fresh state only completes the graph.
+    # The embedding and the head keep no model state (fp8 and MoE state live in the layers: the
+    # logits' projection is never fp8): the fresh state only completes the graph.
     return pipeline_step.StageFns(table=lambda params: merge(sc.graphdef, params, sc.fresh_state).embed_table(),
                                   embed=embedding_lookup,
                                   layers=layers, head=head, taps=Taps,

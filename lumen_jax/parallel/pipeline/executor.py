@@ -279,6 +279,44 @@ class _Device:
     def chunk(self, tree: dict, c: jax.Array) -> dict:
         return jax.tree.map(lambda a: a[c], tree)
 
+    def start(self, chunk0: dict, zeros_act: jax.Array, zero_mb: dict, r: int,
+              replica_axes: tuple[str, ...]) -> tuple["_Device", "_Carry"]:
+        """This device ready for the first tick, and that tick's carry: the projections a split
+        backward taps (probed on chunk 0; none found: the backward stays whole), which residuals
+        depend on the micro-batch (stashed; the others, the weights' alone, are taken again in the
+        backward, where XLA drops the rest of that second trace), and the carry's zeros: stash
+        slots, gradient sums, metrics. With R replica groups (r > 1) every leaf gets [R, ...]."""
+        prog, dev = self.pipe.program, self
+        state0 = dev.chunk(dev.state, 0)
+        if prog.split and dev.fns.taps is not None:
+            probe = dev.fns.taps()
+            jax.eval_shape(lambda: dev.stage(chunk0, dev.other, state0, zeros_act, zero_mb, jnp.int32(0), probe))
+            if any(probe.found.values()):
+                dev = dataclasses.replace(dev, taps=probe, w_tree=jax.tree.structure(jax.eval_shape(probe.zeros, chunk0)))
+        w_shapes = [] if dev.taps is None else jax.tree.leaves(jax.eval_shape(dev.taps.zeros, chunk0))
+        leaves_fn = lambda c, o, st, x, mb, v: jax.tree.leaves(dev.residuals(c, o, st, x, mb, v)[1])  # noqa: E731
+        varying = (zeros_act, zero_mb, jnp.int32(0))
+        if r > 1:  # as the replica vmap makes them: a shard_map inside (the experts' dispatch) sees its group's rows
+            leaves_fn = jax.vmap(leaves_fn, in_axes=(None, None, None, 0, 0, None), spmd_axis_name=replica_axes)
+            varying = (*jax.tree.map(lambda a: jnp.zeros((r, *a.shape), a.dtype), varying[:2]), varying[2])
+        stashed, shapes = _varying(leaves_fn, (chunk0, dev.other, state0), varying)
+        if r > 1:  # a stashed leaf [R, ...] (the carry adds R below); the others are the weights'
+            shapes = [jax.ShapeDtypeStruct(a.shape[1:] if keep else a.shape, a.dtype) for a, keep in zip(shapes, stashed)]
+        dev = dataclasses.replace(dev, stashed=tuple(stashed))
+        metrics0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32),
+                                jax.eval_shape(lambda: dev.residuals(chunk0, dev.other, state0, zeros_act, zero_mb,
+                                                                     jnp.int32(0))[2]))
+        slots = lambda n, a: jnp.zeros((n + 1, *a.shape), a.dtype)  # noqa: E731
+        carry = _Carry(stash=[slots(prog.slots, a) for a, keep in zip(shapes, stashed) if keep],
+                       w_stash=[slots(prog.wslots, a) for a in w_shapes], g_stash=slots(prog.slots, zeros_act),
+                       x_recv=zeros_act, g_recv=zeros_act,
+                       d_stacked=jax.tree.map(_f32_zeros, dev.stacked), d_other=jax.tree.map(_f32_zeros, dev.other),
+                       d_table=jnp.zeros((dev.groups, *dev.table.shape), jnp.float32),
+                       ce=jnp.zeros((), jnp.float32), state=jax.tree.map(jnp.zeros_like, dev.state), metrics=metrics0)
+        if r > 1:  # one stash and one gradient sum per replica group (carry [R, ...]), see loss_and_grads
+            carry = jax.tree.map(lambda a: jnp.zeros((r, *a.shape), a.dtype), carry)
+        return dev, carry
+
     def stage(self, chunk: dict, other: dict, state: dict, x: jax.Array, mb: dict, v: jax.Array,
               taps: Any = None):
         """Virtual stage v's forward of one micro-batch from its input x (`stage_input`): ((y [B, T, D]
@@ -459,7 +497,7 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
     model_state = model_state or {}
     stacks = {k: params[k] for k in pipe.stacks}
     others = {k: val for k, val in params.items() if k not in pipe.stacks}
-    if set(model_state) - set(pipe.stacks):  # the config refuses such ops (config/checks.py)
+    if set(model_state) - set(pipe.stacks):  # no such model: fp8's and MoE's state live in the layers
         raise ValueError(f"model state outside the layer stacks {sorted(set(model_state) - set(pipe.stacks))} "
                          "does not run in pipeline stages")
     groups = _row_groups(pipe.mesh, b)
@@ -475,38 +513,9 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
         dev = _Device(pipe=pipe, fns=fns, cast=cast, s=jax.lax.axis_index(AXIS), stacked=by_chunk(stacked),
                       other=other, state=by_chunk(state), tokens=tokens, scale=scale, aux_share=1.0 / (m * r),
                       table=table, groups=groups)
-        one_mb = jax.tree.map(lambda a: a[0, 0] if r > 1 else a[0], mbs)
         zeros_act = jnp.zeros((b, t, pipe.d_model), dt)
-        zero_mb = jax.tree.map(jnp.zeros_like, one_mb)
-        state0 = dev.chunk(dev.state, 0)
-        if prog.split and fns.taps is not None:  # the projections a split backward taps (none: stays whole)
-            probe = fns.taps()
-            jax.eval_shape(lambda: dev.stage(chunk0, other, state0, zeros_act, zero_mb, jnp.int32(0), probe))
-            if any(probe.found.values()):
-                dev = dataclasses.replace(dev, taps=probe, w_tree=jax.tree.structure(jax.eval_shape(probe.zeros, chunk0)))
-        w_shapes = [] if dev.taps is None else jax.tree.leaves(jax.eval_shape(dev.taps.zeros, chunk0))
-        # Which residuals depend on the micro-batch (stashed) and which on the weights alone (taken
-        # again in the backward: XLA drops the rest of that second trace, whose outputs go unused).
-        leaves_fn = lambda c, o, st, x, mb, v: jax.tree.leaves(dev.residuals(c, o, st, x, mb, v)[1])  # noqa: E731
-        varying = (zeros_act, zero_mb, jnp.int32(0))
-        if r > 1:  # as the replica vmap makes them: a shard_map inside (the experts' dispatch) sees its group's rows
-            leaves_fn = jax.vmap(leaves_fn, in_axes=(None, None, None, 0, 0, None), spmd_axis_name=replica_axes)
-            varying = (*jax.tree.map(lambda a: jnp.zeros((r, *a.shape), a.dtype), varying[:2]), varying[2])
-        stashed, shapes = _varying(leaves_fn, (chunk0, other, state0), varying)
-        if r > 1:  # a stashed leaf [R, ...] (the carry adds R below); the others are the weights'
-            shapes = [jax.ShapeDtypeStruct(a.shape[1:] if keep else a.shape, a.dtype) for a, keep in zip(shapes, stashed)]
-        dev = dataclasses.replace(dev, stashed=tuple(stashed))
-        metrics0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32),
-                                jax.eval_shape(lambda: dev.residuals(chunk0, other, state0, zeros_act, zero_mb,
-                                                                     jnp.int32(0))[2]))
-        carry = _Carry(stash=[jnp.zeros((prog.slots + 1, *a.shape), a.dtype) for a, keep in zip(shapes, stashed) if keep],
-                       w_stash=[jnp.zeros((prog.wslots + 1, *a.shape), a.dtype) for a in w_shapes],
-                       g_stash=jnp.zeros((prog.slots + 1, *zeros_act.shape), dt), x_recv=zeros_act, g_recv=zeros_act,
-                       d_stacked=jax.tree.map(_f32_zeros, dev.stacked), d_other=jax.tree.map(_f32_zeros, other),
-                       d_table=jnp.zeros((groups, *table.shape), jnp.float32),
-                       ce=jnp.zeros((), jnp.float32), state=jax.tree.map(jnp.zeros_like, dev.state), metrics=metrics0)
-        if r > 1:  # one stash and one gradient sum per replica group (carry [R, ...]), see the docstring
-            carry = jax.tree.map(lambda a: jnp.zeros((r, *a.shape), a.dtype), carry)
+        zero_mb = jax.tree.map(jnp.zeros_like, jax.tree.map(lambda a: a[0, 0] if r > 1 else a[0], mbs))
+        dev, carry = dev.start(chunk0, zeros_act, zero_mb, r, replica_axes)
         # Every device runs the token count's all-reduce (over the batch axes) before the first tick:
         # the first activation received is zeros times it (XLA keeps a float product with 0, which
         # is not 0 for inf or NaN). Else an emulated CPU device could run the fill's collectives
