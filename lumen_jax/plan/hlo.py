@@ -359,8 +359,9 @@ _FIRST_OPERAND = re.compile(r" dot\(\s*(?:([a-z][a-z0-9]*)\[([0-9,]*)\]\S*\s+)?%
 
 def matmul_flops(module: Module) -> int:
     """Matmul FLOPs of one device per step: 2 x output elements x contracted size of every `dot`,
-    times the executions of its computation (loop bodies times their trip counts). A conditional's
-    branches all count: the lock-step pipeline has none, and elsewhere that is the dearest-branch bound."""
+    times the executions of its computation (loop bodies times their trip counts). Every branch of a
+    conditional counts as if it ran (their sum, above the dearest branch where several hold dots, as
+    context parallelism's hop switch does); the lock-step pipeline has none."""
     shapes = {(i.computation, i.name): i.arrays[0] for i in module.instrs if len(i.arrays) == 1}
     total = 0
     for i in module.where("dot"):
