@@ -69,16 +69,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def overlap_flags(a: argparse.Namespace, cfg: Any) -> dict[str, Any] | None:
     """The flags of (b)'s second run: `--overlap-flags` wins; else the config's `runtime.xla_gpu_flags`
-    (default `overlap`) as `runtime.gpu_xla_flags` resolves it for that config, less the options this
-    XLA lacks (printed; the trainer leaves them out too); None: no second run (`runtime.xla_gpu_flags=none`)."""
+    (default `overlap`) as the trainer's step on a GPU compiles with it (`step_compile_options`: those
+    this XLA lacks left out, with a note); None: no second run (`runtime.xla_gpu_flags=none`)."""
     from lumen_jax.runtime import process as runtime
     if a.overlap_flags is not None:
         return runtime.parse_flags(a.overlap_flags) or None
-    flags = runtime.parse_flags(list(runtime.gpu_xla_flags(cfg.runtime.xla_gpu_flags, cfg.model, cfg.mesh)))
-    kept, unknown = runtime.known_options(flags)
-    if unknown:
-        print(f"overlap flags this XLA has no option for, left out: {', '.join(unknown)}", flush=True)
-    return kept or None
+    return runtime.step_compile_options(cfg.runtime, cfg.model, cfg.mesh, "gpu") or None
 
 
 # --------------------------------------------------------------------------------------------------

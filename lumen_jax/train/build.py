@@ -120,8 +120,8 @@ def _stored_sharding(sh: NamedSharding, shape: tuple[int, ...]) -> NamedSharding
 def _stored_layout(pipe: Pipeline, tx: optax.GradientTransformation, abstract: step_lib.TrainState,
                    state_sh: step_lib.TrainState) -> checkpoint.StoredLayout:
     """Uneven or interleaved stages: the stacks as held in memory (params, the optimizer's copies of
-    them, model state: `Pipeline.pad`) <-> their real layers [L, ...] in order on disk, so a checkpoint restores under any stage split,
-    even stages or no pipeline (checkpoint.StoredLayout)."""
+    them, model state: `Pipeline.pad`) <-> their real layers [L, ...] in order on disk, so a
+    checkpoint restores under any stage split, even stages or no pipeline (checkpoint.StoredLayout)."""
     marks = {k: jax.tree.map(lambda _: k in pipe.stacks, v) for k, v in abstract.params.items()}
 
     def convert(fn: Any, state: step_lib.TrainState) -> step_lib.TrainState:

@@ -75,11 +75,11 @@ def run(cfg: Config, devices=None) -> dict:
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
         metrics.append(jax.device_get(m))
-    _, _, grads_end = trainer.step_and_grads(state, data[-1])
+    grads_end = jax.device_get(trainer.step_and_grads(state, data[-1])[2])
     real = trainer.real_layers  # uneven or interleaved stages hold their layers in another order
     return {"losses": np.array(losses), "grad_norms": np.array(norms), "metrics": metrics,
-            "grads": real(grads0), "grads_end": jax.device_get(real(grads_end)),
-            "held": {"grads": grads0, "grads_end": jax.device_get(grads_end)},  # as the stages hold them
+            "grads": real(grads0), "grads_end": real(grads_end),
+            "held": {"grads": grads0, "grads_end": grads_end},  # as the stages hold them
             "model_state": jax.device_get(real(state.model_state)), "trainer": trainer, "state": state}
 
 

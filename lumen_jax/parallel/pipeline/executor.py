@@ -150,13 +150,10 @@ class Pipeline:
         dearest stage anyway) and adds nothing. A zero router still routes: its balance loss and
         metrics are left out (`real_layers`).
         """
-        if not self.layers:
-            return self.to_stages(stacks)
-
         def one(a):
             split = self.split(a.shape[0])
             return jnp.zeros((len(split) * max(split), *a.shape[1:]), a.dtype).at[self.slots(a.shape[0])].set(a)
-        return self.to_stages(jax.tree.map(one, stacks))
+        return self.to_stages(jax.tree.map(one, stacks) if self.layers else stacks)
 
     def unpad(self, stacks: Any) -> Any:
         """The inverse of `pad`: the stacks in memory -> the real layers [L, ...] in order."""
