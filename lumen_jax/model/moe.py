@@ -44,7 +44,7 @@ class MoE(nnx.Module):
     def __call__(self, x_btd: jax.Array, ops: Ops, tape: Tape | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         state = None if self.balance is None else {k: v[...] for k, v in self.balance.items()}
         y_btd, aux = moe_ops.moe(x_btd, self.router[...], self.w_gate[...], self.w_up[...], self.w_down[...],
-                                 self.moe, ops, state)
+                                 self.moe, ops, state, tape)
         if self.moe.shared_experts:
             shared_btd = self.shared(x_btd, ops, None if tape is None else tape.scope("shared"))
             if self.moe.shared_gate:

@@ -18,6 +18,13 @@ and batch under `jax.vmap` by a loop over the vmapped axis (`jax.custom_batching
 one replica per device (its axis is sharded over the replica mesh axes), so the loop runs once and
 each replica's weight gradients stay its own until the step reduces them once.
 
+A split backward (zero_bubble's B and W units, `ops.projection.Taps`) passes `tap`: zero arrays
+whose cotangents, from the backward, are what the weight gradients need (`TAP_INPUTS`: the rows,
+the SwiGLU outputs that w_down reads and the row layout, as exact floats; `TAP_COTANGENTS`: the
+three matmuls' output cotangents). That backward gives the rows' gradient alone; `replay(weights,
+recorded)`'s vjp at the recorded cotangents gives the weight gradients later, the same sums in the
+same order as the whole backward (bit for bit).
+
 Shape letters: A assignments, R rows of x, P = blocks x block padded rows, J blocks, X local experts,
 D d_model, F the expert's (local) hidden width.
 """
@@ -52,7 +59,7 @@ class Blocks(NamedTuple):
 def plan_blocks(group_a: jax.Array, experts: int, block: int) -> Blocks:
     """The block layout of assignments whose expert is `group_a` ([A] int32; `experts`: padding)."""
     a = group_a.shape[0]
-    j = -(-a // block) + experts  # sum_e ceil(n_e / block) <= A / block + X
+    j = _blocks_of(a, experts, block)
     sizes = jnp.zeros((experts,), jnp.int32).at[group_a].add(1, mode="drop")
     nblocks = (sizes + block - 1) // block
     block_end = jnp.cumsum(nblocks)
@@ -112,28 +119,71 @@ def _blocks_fwd(x_pd, group_j, used, w_gate, w_up, w_down):
     return jax.lax.fori_loop(0, used, body, init)
 
 
+def _block_dx(j, x_pd, group_j, w_gate, w_up, w_down, gate_pf, up_pf, dy_pd):
+    """Block j's backward to its rows: (expert, rows, dy rows, SwiGLU output h, d gate, d up, d rows)."""
+    b = x_pd.shape[0] // group_j.shape[0]
+    e, xb, dyb = group_j[j], _block(x_pd, j, b), _block(dy_pd, j, b)
+    gate, up = _block(gate_pf, j, b), _block(up_pf, j, b)
+    h = (_silu_parts(gate)[0] * up.astype(jnp.float32)).astype(x_pd.dtype)
+    dgate, dup = _swiglu_bwd_parts(gate, up, dyb @ _expert(w_down, e).T)
+    return e, xb, dyb, h, dgate, dup, dgate @ _expert(w_gate, e).T + dup @ _expert(w_up, e).T
+
+
+def _block_dw(acc, e, xb, h, dgate, dup, dyb):
+    """The weight gradients' float32 sums `acc` plus one block's (its expert e)."""
+    def add(total, value):
+        return jax.lax.dynamic_update_index_in_dim(total, _expert(total, e) + value, e, 0)
+    f32 = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)
+    dwg, dwu, dwd = acc
+    return add(dwg, f32(xb.T, dgate)), add(dwu, f32(xb.T, dup)), add(dwd, f32(h.T, dyb))
+
+
+def _dw_zeros(*weights):
+    return tuple(jnp.zeros(w.shape, jnp.float32) for w in weights)
+
+
+def _dw_cast(dw, weights):
+    return tuple(d.astype(w.dtype) for d, w in zip(dw, weights))
+
+
 @jax.custom_batching.sequential_vmap
 def _blocks_bwd(x_pd, group_j, used, w_gate, w_up, w_down, gate_pf, up_pf, dy_pd):
     b = x_pd.shape[0] // group_j.shape[0]
 
-    def add(acc, e, value):
-        return jax.lax.dynamic_update_index_in_dim(acc, _expert(acc, e) + value, e, 0)
+    def body(j, carry):
+        dx, dw = carry
+        e, xb, dyb, h, dgate, dup, dxb = _block_dx(j, x_pd, group_j, w_gate, w_up, w_down, gate_pf, up_pf, dy_pd)
+        return jax.lax.dynamic_update_slice_in_dim(dx, dxb, j * b, 0), _block_dw(dw, e, xb, h, dgate, dup, dyb)
+
+    weights = (w_gate, w_up, w_down)
+    dx, dw = jax.lax.fori_loop(0, used, body, (jnp.zeros_like(x_pd), _dw_zeros(*weights)))
+    return dx, *_dw_cast(dw, weights)
+
+
+@jax.custom_batching.sequential_vmap
+def _blocks_bwd_rows(x_pd, group_j, used, w_gate, w_up, w_down, gate_pf, up_pf, dy_pd):
+    """A split backward's B: (d rows, h, d gate, d up), each [P, ...]; no weight gradient."""
+    b = x_pd.shape[0] // group_j.shape[0]
 
     def body(j, carry):
-        dx, dwg, dwu, dwd = carry
-        e, xb, dyb = group_j[j], _block(x_pd, j, b), _block(dy_pd, j, b)
-        gate, up = _block(gate_pf, j, b), _block(up_pf, j, b)
-        h = (_silu_parts(gate)[0] * up.astype(jnp.float32)).astype(x_pd.dtype)
-        dgate, dup = _swiglu_bwd_parts(gate, up, dyb @ _expert(w_down, e).T)
-        dxb = dgate @ _expert(w_gate, e).T + dup @ _expert(w_up, e).T
-        dx = jax.lax.dynamic_update_slice_in_dim(dx, dxb, j * b, 0)
-        f32 = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)
-        return (dx, add(dwg, e, f32(xb.T, dgate)), add(dwu, e, f32(xb.T, dup)), add(dwd, e, f32(h.T, dyb)))
+        _, _, _, h, dgate, dup, dxb = _block_dx(j, x_pd, group_j, w_gate, w_up, w_down, gate_pf, up_pf, dy_pd)
+        return tuple(jax.lax.dynamic_update_slice_in_dim(acc, v, j * b, 0)
+                     for acc, v in zip(carry, (dxb, h, dgate, dup)))
 
-    zeros = lambda w: jnp.zeros(w.shape, jnp.float32)  # noqa: E731
-    init = (jnp.zeros_like(x_pd), zeros(w_gate), zeros(w_up), zeros(w_down))
-    dx, dwg, dwu, dwd = jax.lax.fori_loop(0, used, body, init)
-    return dx, dwg.astype(w_gate.dtype), dwu.astype(w_up.dtype), dwd.astype(w_down.dtype)
+    return jax.lax.fori_loop(0, used, body, (jnp.zeros_like(x_pd), *(jnp.zeros_like(gate_pf),) * 3))
+
+
+@jax.custom_batching.sequential_vmap
+def _blocks_dw(x_pd, h_pd, group_j, used, w_gate, w_up, w_down, dgate_pf, dup_pf, dy_pd):
+    """A split backward's W: the weight gradients of the blocks B recorded."""
+    b = x_pd.shape[0] // group_j.shape[0]
+
+    def body(j, dw):
+        blk = lambda a: _block(a, j, b)  # noqa: E731
+        return _block_dw(dw, group_j[j], blk(x_pd), blk(h_pd), blk(dgate_pf), blk(dup_pf), blk(dy_pd))
+
+    weights = (w_gate, w_up, w_down)
+    return _dw_cast(jax.lax.fori_loop(0, used, body, _dw_zeros(*weights)), weights)
 
 
 @jax.custom_vjp
@@ -155,6 +205,63 @@ def _blocks_mlp_bwd(res, dy_pd):
 _blocks_mlp.defvjp(_blocks_mlp_fwd, _blocks_mlp_bwd)
 
 
+@jax.custom_vjp
+def _blocks_mlp_tapped(x_pd, group_j, used, w_gate, w_up, w_down, tap):
+    return _blocks_fwd(x_pd, group_j, used, w_gate, w_up, w_down)[0]
+
+
+def _blocks_mlp_tapped_fwd(x_pd, group_j, used, w_gate, w_up, w_down, tap):
+    return _blocks_mlp_fwd(x_pd, group_j, used, w_gate, w_up, w_down)
+
+
+def _blocks_mlp_tapped_bwd(res, dy_pd):
+    x_pd, group_j, used, w_gate, w_up, w_down, gate, up = res
+    dx, h, dgate, dup = _blocks_bwd_rows(x_pd, group_j, used, w_gate, w_up, w_down, gate, up, dy_pd)
+    plan = jnp.concatenate([group_j, used[..., None]], -1).astype(jnp.float32)  # exact below 2**24
+    return dx, None, None, None, None, None, _recorded(x_pd, h, plan, dgate, dup, dy_pd)
+
+
+_blocks_mlp_tapped.defvjp(_blocks_mlp_tapped_fwd, _blocks_mlp_tapped_bwd)
+
+
+@jax.custom_batching.sequential_vmap
+def _blocks_linear(x_pd, h_pd, group_j, used, w_gate, w_up, w_down):
+    """The three matmuls of the recorded rows: (x w_gate, x w_up, h w_down) block by block."""
+    b = x_pd.shape[0] // group_j.shape[0]
+
+    def body(j, carry):
+        e, blk = group_j[j], lambda a: _block(a, j, b)  # noqa: E731
+        values = (blk(x_pd) @ _expert(w_gate, e), blk(x_pd) @ _expert(w_up, e), blk(h_pd) @ _expert(w_down, e))
+        return tuple(jax.lax.dynamic_update_slice_in_dim(acc, v, j * b, 0) for acc, v in zip(carry, values))
+
+    init = (jnp.zeros_like(h_pd), jnp.zeros_like(h_pd), jnp.zeros_like(x_pd))
+    return jax.lax.fori_loop(0, used, body, init)
+
+
+def _blocks_plan(plan):
+    """`_blocks_mlp_tapped`'s recorded layout -> (group_j, used)."""
+    ints = plan.astype(jnp.int32)
+    return ints[..., :-1], ints[..., -1]
+
+
+@jax.custom_vjp
+def _blocks_replay(w_gate, w_up, w_down, x_pd, h_pd, plan):
+    return _blocks_linear(x_pd, h_pd, *_blocks_plan(plan), w_gate, w_up, w_down)
+
+
+def _blocks_replay_fwd(w_gate, w_up, w_down, x_pd, h_pd, plan):
+    return _blocks_replay(w_gate, w_up, w_down, x_pd, h_pd, plan), (w_gate, w_up, w_down, x_pd, h_pd, plan)
+
+
+def _blocks_replay_bwd(res, cts):
+    w_gate, w_up, w_down, x_pd, h_pd, plan = res
+    dwg, dwu, dwd = _blocks_dw(x_pd, h_pd, *_blocks_plan(plan), w_gate, w_up, w_down, *cts)
+    return dwg, dwu, dwd, None, None, None
+
+
+_blocks_replay.defvjp(_blocks_replay_fwd, _blocks_replay_bwd)
+
+
 # --- ragged -------------------------------------------------------------------------------------
 
 _CONTRACT_ROWS = jax.lax.RaggedDotDimensionNumbers(  # [R, D] x [R, F] -> [X, D, F], summed per group
@@ -169,15 +276,29 @@ def _ragged_fwd(x_rd, sizes, w_gate, w_up, w_down):
     return jax.lax.ragged_dot(h, w_down, sizes), gate, up
 
 
-@jax.custom_batching.sequential_vmap
-def _ragged_bwd(x_rd, sizes, w_gate, w_up, w_down, gate, up, dy_rd):
+def _ragged_dx(x_rd, sizes, w_gate, w_up, w_down, gate, up, dy_rd):
+    """(d rows, h, d gate, d up)."""
     t = lambda w: jnp.swapaxes(w, 1, 2)  # noqa: E731
     dgate, dup = _swiglu_bwd_parts(gate, up, jax.lax.ragged_dot(dy_rd, t(w_down), sizes))
     dx = jax.lax.ragged_dot(dgate, t(w_gate), sizes) + jax.lax.ragged_dot(dup, t(w_up), sizes)
     h = (_silu_parts(gate)[0] * up.astype(jnp.float32)).astype(x_rd.dtype)
+    return dx, h, dgate, dup
+
+
+def _ragged_dw(x_rd, h, sizes, w_gate, w_up, w_down, dgate, dup, dy_rd):
     dw = lambda lhs, rhs, w: jax.lax.ragged_dot_general(  # noqa: E731
         lhs, rhs, sizes, _CONTRACT_ROWS, preferred_element_type=jnp.float32).astype(w.dtype)
-    return dx, dw(x_rd, dgate, w_gate), dw(x_rd, dup, w_up), dw(h, dy_rd, w_down)
+    return dw(x_rd, dgate, w_gate), dw(x_rd, dup, w_up), dw(h, dy_rd, w_down)
+
+
+@jax.custom_batching.sequential_vmap
+def _ragged_bwd(x_rd, sizes, w_gate, w_up, w_down, gate, up, dy_rd):
+    dx, h, dgate, dup = _ragged_dx(x_rd, sizes, w_gate, w_up, w_down, gate, up, dy_rd)
+    return dx, *_ragged_dw(x_rd, h, sizes, w_gate, w_up, w_down, dgate, dup, dy_rd)
+
+
+_ragged_bwd_rows = jax.custom_batching.sequential_vmap(_ragged_dx)
+_ragged_dw_rows = jax.custom_batching.sequential_vmap(_ragged_dw)
 
 
 @jax.custom_vjp
@@ -199,8 +320,90 @@ def _ragged_mlp_bwd(res, dy_rd):
 _ragged_mlp.defvjp(_ragged_mlp_fwd, _ragged_mlp_bwd)
 
 
+@jax.custom_vjp
+def _ragged_mlp_tapped(x_rd, sizes, w_gate, w_up, w_down, tap):
+    return _ragged_fwd(x_rd, sizes, w_gate, w_up, w_down)[0]
+
+
+def _ragged_mlp_tapped_fwd(x_rd, sizes, w_gate, w_up, w_down, tap):
+    return _ragged_mlp_fwd(x_rd, sizes, w_gate, w_up, w_down)
+
+
+def _ragged_mlp_tapped_bwd(res, dy_rd):
+    x_rd, sizes, w_gate, w_up, w_down, gate, up = res
+    dx, h, dgate, dup = _ragged_bwd_rows(x_rd, sizes, w_gate, w_up, w_down, gate, up, dy_rd)
+    return dx, None, None, None, None, _recorded(x_rd, h, sizes.astype(jnp.float32), dgate, dup, dy_rd)
+
+
+_ragged_mlp_tapped.defvjp(_ragged_mlp_tapped_fwd, _ragged_mlp_tapped_bwd)
+
+
+@jax.custom_batching.sequential_vmap
+def _ragged_linear(x_rd, h_rd, sizes, w_gate, w_up, w_down):
+    return (jax.lax.ragged_dot(x_rd, w_gate, sizes), jax.lax.ragged_dot(x_rd, w_up, sizes),
+            jax.lax.ragged_dot(h_rd, w_down, sizes))
+
+
+@jax.custom_vjp
+def _ragged_replay(w_gate, w_up, w_down, x_rd, h_rd, plan):
+    return _ragged_linear(x_rd, h_rd, plan.astype(jnp.int32), w_gate, w_up, w_down)
+
+
+def _ragged_replay_fwd(w_gate, w_up, w_down, x_rd, h_rd, plan):
+    return _ragged_replay(w_gate, w_up, w_down, x_rd, h_rd, plan), (w_gate, w_up, w_down, x_rd, h_rd, plan)
+
+
+def _ragged_replay_bwd(res, cts):
+    w_gate, w_up, w_down, x_rd, h_rd, plan = res
+    dwg, dwu, dwd = _ragged_dw_rows(x_rd, h_rd, plan.astype(jnp.int32), w_gate, w_up, w_down, *cts)
+    return dwg, dwu, dwd, None, None, None
+
+
+_ragged_replay.defvjp(_ragged_replay_fwd, _ragged_replay_bwd)
+
+
+# --- a split backward ---------------------------------------------------------------------------
+
+TAP_INPUTS = ("x", "h", "plan")  # what the weight unit reads: the rows, w_down's input, the layout
+TAP_COTANGENTS = ("dgate", "dup", "dy")  # the three matmuls' output cotangents, in `replay`'s order
+
+
+def _recorded(x, h, plan, dgate, dup, dy) -> dict:
+    return dict(zip(TAP_INPUTS + TAP_COTANGENTS, (x, h, plan, dgate, dup, dy)))
+
+
+def _blocks_of(assignments: int, experts: int, block: int) -> int:
+    """J, the blocks the layout has room for: sum_e ceil(n_e / block) <= A / block + X."""
+    return -(-assignments // block) + experts
+
+
+def tap_shapes(x_rd: jax.ShapeDtypeStruct, assignments: int, weights: tuple[jax.Array, ...], form: str = "blocks",
+               expected_rows: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shapes of `swiglu`'s `tap` for these arguments: the recorded rows [P, D] and [P, F] (P:
+    the padded rows of the blocks, or A) and the layout (blocks: [J + 1], ragged: the sizes [X])."""
+    experts, f = weights[0].shape[0], weights[0].shape[2]
+    d, dt = x_rd.shape[1], x_rd.dtype
+    if form == "blocks":
+        block = block_rows(expected_rows or assignments, experts)
+        j = _blocks_of(assignments, experts, block)
+        rows, plan = j * block, j + 1
+    else:
+        rows, plan = assignments, experts
+    sds = jax.ShapeDtypeStruct
+    return _recorded(sds((rows, d), dt), sds((rows, f), dt), sds((plan,), jnp.float32), sds((rows, f), dt),
+                     sds((rows, f), dt), sds((rows, d), dt))
+
+
+def replay(weights: tuple[jax.Array, ...], recorded: dict, form: str = "blocks") -> tuple[jax.Array, ...]:
+    """The three matmuls of the rows a split backward recorded (`swiglu(..., tap=)`'s cotangents):
+    (x w_gate, x w_up, h w_down), linear in `weights` (compute dtype). Their vjp at the recorded
+    cotangents (`TAP_COTANGENTS`) is the weight gradients, the whole backward's to the bit."""
+    args = (*(w.astype(recorded["x"].dtype) for w in weights), *(recorded[k] for k in TAP_INPUTS))
+    return (_blocks_replay if form == "blocks" else _ragged_replay)(*args)
+
+
 def swiglu(x_rd: jax.Array, row_a: jax.Array, group_a: jax.Array, weights: tuple[jax.Array, ...],
-           form: str = "blocks", expected_rows: int | None = None) -> jax.Array:
+           form: str = "blocks", expected_rows: int | None = None, tap: dict | None = None) -> jax.Array:
     """Each assignment's expert SwiGLU of its row (see the module docstring).
 
     Args:
@@ -211,6 +414,8 @@ def swiglu(x_rd: jax.Array, row_a: jax.Array, group_a: jax.Array, weights: tuple
       weights: (w_gate [X, D, F], w_up [X, D, F], w_down [X, F, D]), cast to x's dtype here.
       form: blocks | ragged.
       expected_rows: the assignments expected to arrive (sets the block size; default A).
+      tap: a split backward's zeros of `tap_shapes`: the backward gives no weight gradient, and
+        the tap's cotangent is what `replay` needs for it; None: the whole backward.
 
     Returns:
       y [A, D] in x's dtype.
@@ -222,10 +427,12 @@ def swiglu(x_rd: jax.Array, row_a: jax.Array, group_a: jax.Array, weights: tuple
     if form == "ragged":
         order = jnp.argsort(group_a, stable=True)
         sizes = jnp.zeros((experts,), jnp.int32).at[group_a].add(1, mode="drop")
-        y = _ragged_mlp(x_rd[row_a[order]], sizes, w_gate, w_up, w_down)
+        args = (x_rd[row_a[order]], sizes, w_gate, w_up, w_down)
+        y = _ragged_mlp(*args) if tap is None else _ragged_mlp_tapped(*args, tap)
         return jnp.zeros_like(y).at[order].set(y)
     plan = plan_blocks(group_a, experts, block_rows(expected_rows or a, experts))
     src_row = jnp.where(plan.src_p < a, row_a[jnp.minimum(plan.src_p, a - 1)], x_rd.shape[0])
     x_pd = x_rd.at[src_row].get(mode="fill", fill_value=0)
-    y_pd = _blocks_mlp(x_pd, plan.group_j, plan.used, w_gate, w_up, w_down)
+    args = (x_pd, plan.group_j, plan.used, w_gate, w_up, w_down)
+    y_pd = _blocks_mlp(*args) if tap is None else _blocks_mlp_tapped(*args, tap)
     return y_pd.at[plan.slot_a].get(mode="fill", fill_value=0)

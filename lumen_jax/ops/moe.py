@@ -41,6 +41,7 @@ from flax import nnx
 from lumen_jax.config import MoeConfig
 from lumen_jax.ops.choice import Ops
 from lumen_jax.ops.state import ModelState
+from lumen_jax.ops.projection import Tape
 from lumen_jax.parallel import expert
 
 
@@ -150,10 +151,11 @@ def route(x_btd: jax.Array, w_router_de: jax.Array, cfg: MoeConfig,
 
 def moe(x_btd: jax.Array, w_router_de: jax.Array, w_gate_edf: jax.Array, w_up_edf: jax.Array,
         w_down_efd: jax.Array, cfg: MoeConfig, ops: Ops,
-        state: dict[str, jax.Array] | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        state: dict[str, jax.Array] | None = None, tape: Tape | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The routed experts' output [B, T, D] and the layer's auxiliary terms.
 
     `state`: balance=bias only, the layer's {"bias", "load"} (`route`).
+    `tape`: a split backward's tape of the layer (`ops.projection.Taps`), or None.
 
     Returns:
       (y_btd in x's dtype, aux): aux["loss"] is the weighted sum of the auxiliary losses (what the
@@ -162,7 +164,7 @@ def moe(x_btd: jax.Array, w_router_de: jax.Array, w_gate_edf: jax.Array, w_up_ed
     ids, weights, stats = route(x_btd, w_router_de, cfg, state)
     y_btd, kept = expert.dispatch(x_btd, ids, weights, w_gate_edf, w_up_edf, w_down_efd,
                                   capacity_factor=cfg.capacity_factor, exchange=ops.moe_exchange,
-                                  matmul=ops.moe_matmul)
+                                  matmul=ops.moe_matmul, tape=tape)
     loss = cfg.aux_loss_weight * stats["balance_loss"] + cfg.router_z_loss_weight * stats["router_z_loss"]
     aux = {
         "moe/balance_loss": stats["balance_loss"],

@@ -18,6 +18,8 @@ A custom VJP reaches remat policies as one opaque `custom_vjp_call`: `remat_poli
 `Taps` split a backward in two (zero_bubble's B and W units, Qi et al. 2023): a vjp of the layers
 gives the input gradient and, per projection, its input and output cotangent; `Taps.replay` turns
 those into the weight gradients later, one einsum per projection, without the cotangent chain again.
+An MoE layer's routed experts (grouped matmuls, `ops.grouped`) are tapped the same way, through
+`Tape.grouped`: their rows, SwiGLU outputs and cotangents wait for W instead.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import jax.extend
 import jax.numpy as jnp
 from flax import nnx
 
-from lumen_jax.ops import cpu, fp8
+from lumen_jax.ops import cpu, fp8, grouped
 from lumen_jax.ops.choice import Ops
 
 
@@ -83,6 +85,23 @@ _record.defvjp(_record_fwd, _record_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
+class _Grouped:
+    """A tapped grouped matmul (an MoE layer's routed experts, `Tape.grouped`): its weights' keys,
+    the shapes of one layer's taps (`ops.grouped.tap_shapes`, as the layer sees them) and the
+    replay (`weights, recorded inputs -> the matmuls' outputs`, whose vjp gives their gradients)."""
+
+    weights: tuple[str, ...]
+    shapes: dict  # {name: jax.ShapeDtypeStruct}: grouped.TAP_INPUTS + grouped.TAP_COTANGENTS
+    replay: Callable[[tuple, dict], tuple]
+
+
+def _weight(tree: dict, key: str) -> Any:
+    for name in key.split("."):
+        tree = tree[name]
+    return tree
+
+
+@dataclasses.dataclass(frozen=True)
 class _Tapped:
     """One tapped projection of a stack: its einsum, how it runs, whose input it reads (projections
     of one input, Q/K/V and gate/up, record it once) and the shapes of one layer's taps."""
@@ -103,8 +122,8 @@ class Taps:
     stopped (`stop`) then returns the input gradient and, as the taps' cotangents, each projection's
     output cotangent dy and input x, but no weight gradient of a tapped weight. `replay(weights, cotangents)`
     gives those weights' gradients later (its vjp: x^T dy, the einsum JAX's transpose does).
-    Projections with a backward of their own (fp8's scales and histories, MoE experts' grouped
-    matmuls) are not tapped: their weight gradients stay in the first vjp.
+    Projections with a backward of their own (fp8's scales and histories) are not tapped: their
+    weight gradients stay in the first vjp. The MoE experts' grouped matmuls are (`_Grouped`).
 
     Without `arrays`, a probe: tracing the layers fills `found` ({stack: {key: _Tapped}}; a key is
     the weight's path in a layer, "attn.wq").
@@ -119,9 +138,14 @@ class Taps:
         here, outside the layers' scan, a weight stays a scan input, which the vjp keeps as it is (a
         residual of the weights alone, not stashed); stopped inside the scan's body it would be a
         new per-layer output, which the pipeline would stash for every micro-batch in flight."""
-        tapped = {(stack, *key.split(".")) for stack, found in self.found.items() for key in found}
+        tapped = {(stack, *w.split(".")) for stack, keys in self.weights().items() for w in keys}
         return jax.tree_util.tree_map_with_path(
             lambda path, a: jax.lax.stop_gradient(a) if tuple(k.key for k in path) in tapped else a, params)
+
+    def weights(self) -> dict[str, list[str]]:
+        """{stack: the keys of the tapped weights}: a projection's weight, a grouped matmul's three."""
+        return {stack: [w for key, t in found.items() for w in (t.weights if isinstance(t, _Grouped) else (key,))]
+                for stack, found in self.found.items()}
 
     def tapping(self, arrays: dict) -> "Taps":
         """These (probed) taps with `arrays` (a chunk's, `zeros`-shaped): the layers run tapped."""
@@ -136,8 +160,13 @@ class Taps:
         [L, ...]): zeros [L, ...] per tapped projection."""
         def one(sds: jax.ShapeDtypeStruct, stack: str) -> jax.Array:
             return jnp.zeros((jax.tree.leaves(params[stack])[0].shape[0], *sds.shape), sds.dtype)
-        return {stack: {key: ({"x": one(t.x, stack)} if t.source == key else {}) | {"y": one(t.y, stack)}
-                        for key, t in found.items()} for stack, found in self.found.items() if found}
+
+        def taps(t: Any, key: str, stack: str) -> dict:
+            if isinstance(t, _Grouped):
+                return {name: one(sds, stack) for name, sds in t.shapes.items()}
+            return ({"x": one(t.x, stack)} if t.source == key else {}) | {"y": one(t.y, stack)}
+        return {stack: {key: taps(t, key, stack) for key, t in found.items()}
+                for stack, found in self.found.items() if found}
 
     def replay(self, weights: dict, cotangents: dict) -> dict:
         """{stack: {key: y [L, ...]}}: the tapped projections of the recorded inputs (the taps'
@@ -146,12 +175,14 @@ class Taps:
         out = {}
         for stack, found in self.found.items():
             for key, t in found.items():
-                w = weights[stack]
-                for name in key.split("."):
-                    w = w[name]
+                if isinstance(t, _Grouped):  # (x w_gate, x w_up, h w_down) of the recorded rows
+                    w = tuple(_weight(weights[stack], k) for k in t.weights)
+                    recorded = {n: cotangents[stack][key][n] for n in grouped.TAP_INPUTS}
+                    out.setdefault(stack, {})[key] = jax.vmap(t.replay)(w, recorded)
+                    continue
                 x = cotangents[stack][t.source]["x"]
                 out.setdefault(stack, {})[key] = jax.vmap(
-                    lambda x, w, t=t: project(t.spec, x, w, t.ops, t.layer_type))(x, w)
+                    lambda x, w, t=t: project(t.spec, x, w, t.ops, t.layer_type))(x, _weight(weights[stack], key))
         return out
 
     def weight_grads(self, weights_of: Callable[[dict], dict], params: dict, cotangents: dict) -> dict:
@@ -160,7 +191,9 @@ class Taps:
         `params`: the stacks' parameters (float32; the result has their structure),
         `weights_of(params)`: the compute-dtype weights, differentiated through."""
         stacks = {k: params[k] for k in self.found if self.found[k]}
-        dys = {k: {key: t["y"] for key, t in d.items()} for k, d in cotangents.items()}
+        def dy(t: Any, recorded: dict) -> Any:
+            return tuple(recorded[n] for n in grouped.TAP_COTANGENTS) if isinstance(t, _Grouped) else recorded["y"]
+        dys = {k: {key: dy(self.found[k][key], c) for key, c in d.items()} for k, d in cotangents.items()}
         return jax.vjp(lambda p: self.replay(weights_of(p), cotangents), stacks)[1](dys)[0]
 
 
@@ -175,6 +208,18 @@ class Tape:
 
     def scope(self, name: str) -> "Tape":
         return Tape(self.found, self.arrays, self.probe, f"{self.prefix}{name}.", self.seen)
+
+    def grouped(self, attr: str, weights: tuple[str, ...], shapes: dict | None = None,
+                replay: Callable[[tuple, dict], tuple] | None = None) -> dict | None:
+        """This layer's taps of the grouped matmul `attr` whose weights are `weights` (this scope's
+        attributes): its zero arrays, or None when probing. Probing, pass `shapes` (the taps as the
+        layer sees them) and `replay` (`_Grouped`) once they are known; they are recorded."""
+        key = self.prefix + attr
+        if self.probe:
+            if shapes is not None:
+                self.found[key] = _Grouped(tuple(self.prefix + w for w in weights), shapes, replay)
+            return None
+        return self.arrays[key]
 
     def project(self, attr: str, spec: str, x: jax.Array, w: jax.Array, ops: Ops, layer_type: str | None,
                 state: nnx.Dict | None = None) -> jax.Array:

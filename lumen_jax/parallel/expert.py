@@ -30,6 +30,7 @@ N = B*T tokens, A = N*K assignments, R rows received.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -37,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from lumen_jax.ops import grouped
+from lumen_jax.ops.projection import Tape
 from lumen_jax.parallel import shard
 
 EXCHANGES = ("padded", "ragged")
@@ -44,6 +46,8 @@ _TOKENS = ("batch", "seq", "act_embed")
 _CHOICES = ("batch", "seq", None)
 _W_IN = ("experts", "embed", "mlp")
 _W_OUT = ("experts", "mlp", "embed")
+_DEVICE = ("devices",)  # a split backward's recorded rows: one block per device ([devices, ...])
+_WEIGHTS = ("w_gate", "w_up", "w_down")  # the MoE layer's attributes (`Tape.grouped`)
 
 
 def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float | None) -> int:
@@ -131,7 +135,7 @@ def _ragged(rows_ad: jax.Array, key_a: jax.Array, dev_counts: jax.Array, ep: int
 
 def dispatch(x_btd: jax.Array, ids_btk: jax.Array, weights_btk: jax.Array, w_gate_xdf: jax.Array,
              w_up_xdf: jax.Array, w_down_xfd: jax.Array, *, capacity_factor: float | None,
-             exchange: str = "padded", matmul: str = "blocks") -> tuple[jax.Array, jax.Array]:
+             exchange: str = "padded", matmul: str = "blocks", tape: Tape | None = None) -> tuple[jax.Array, jax.Array]:
     """The routed experts' combined output for each token (see the module docstring).
 
     Args:
@@ -142,6 +146,8 @@ def dispatch(x_btd: jax.Array, ids_btk: jax.Array, weights_btk: jax.Array, w_gat
       capacity_factor: None (dropless) or the factor of `capacity`.
       exchange: padded | ragged (how rows cross the `expert` axis).
       matmul: blocks | ragged (the experts' grouped matmuls, `ops.grouped`).
+      tape: a split backward's tape of the layer (`ops.projection.Tape.grouped`): the grouped
+        matmuls' weight gradients wait for the weight unit (`replay`), their rows on each device.
 
     Returns:
       (y [B, T, D] in x's dtype, kept [B, T, K]: which assignments an expert took).
@@ -149,8 +155,10 @@ def dispatch(x_btd: jax.Array, ids_btk: jax.Array, weights_btk: jax.Array, w_gat
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange!r}; expected one of {EXCHANGES}")
     num_experts = w_gate_xdf.shape[0]
+    taps = None if tape is None else tape.grouped("experts", _WEIGHTS)  # [devices, ...]; None probing
+    devices = shard.axes_size(_DEVICE)
 
-    def local(x_btd, ids_btk, weights_btk, w_gate, w_up, w_down):
+    def local(x_btd, ids_btk, weights_btk, w_gate, w_up, w_down, taps):
         b, t, d = x_btd.shape
         k = ids_btk.shape[-1]
         ep, tp = shard.mesh_axis_size("expert"), shard.mesh_axis_size("tensor")
@@ -159,8 +167,15 @@ def dispatch(x_btd: jax.Array, ids_btk: jax.Array, weights_btk: jax.Array, w_gat
         ids_a = ids_btk.reshape(-1).astype(jnp.int32)
         x_nd = x_btd.reshape(n, d)
         weights = (w_gate, w_up, w_down)
-        experts = lambda rows, row_a, group_a: grouped.swiglu(  # noqa: E731
-            rows, row_a, group_a, weights, matmul, expected_rows=a)
+
+        def experts(rows: jax.Array, row_a: jax.Array, group_a: jax.Array) -> jax.Array:
+            if tape is not None and tape.probe:  # this device's taps, one block of [devices, ...]
+                shapes = grouped.tap_shapes(rows, group_a.shape[0], weights, matmul, expected_rows=a)
+                tape.grouped("experts", _WEIGHTS, {k: jax.ShapeDtypeStruct((devices, *v.shape), v.dtype)
+                                                   for k, v in shapes.items()}, functools.partial(replay, form=matmul))
+            tap = None if taps is None else jax.tree.map(lambda t: t[0], taps)
+            return grouped.swiglu(rows, row_a, group_a, weights, matmul, expected_rows=a, tap=tap)
+
         if ep > 1 and exchange == "padded":
             kept_a = _kept(ids_a, num_experts, cap)
             key = jnp.where(kept_a, ids_a, num_experts).reshape(n, k)
@@ -183,6 +198,18 @@ def dispatch(x_btd: jax.Array, ids_btk: jax.Array, weights_btk: jax.Array, w_gat
             y_nd = jax.lax.psum(y_nd, "tensor")
         return y_nd.reshape(b, t, d).astype(x_btd.dtype), kept_a.reshape(b, t, k)
 
-    return shard.per_device(local, in_axes=(_TOKENS, _CHOICES, _CHOICES, _W_IN, _W_IN, _W_OUT),
+    return shard.per_device(local, in_axes=(_TOKENS, _CHOICES, _CHOICES, _W_IN, _W_IN, _W_OUT, _DEVICE),
                             out_axes=(_TOKENS, _CHOICES))(x_btd, ids_btk, weights_btk, w_gate_xdf, w_up_xdf,
-                                                           w_down_xfd)
+                                                           w_down_xfd, taps)
+
+
+def replay(weights: tuple[jax.Array, ...], recorded: dict, form: str = "blocks") -> tuple[jax.Array, ...]:
+    """`ops.grouped.replay` on each device's recorded rows ({name: [devices, ...]}, `dispatch`'s
+    taps' cotangents): a split backward's weight unit differentiates it with respect to the experts'
+    weights (w_gate, w_up [E, D, F], w_down [E, F, D]), whose gradients, like the whole backward's,
+    are summed over the devices that hold the same experts."""
+    def local(w_gate, w_up, w_down, recorded):
+        out = grouped.replay((w_gate, w_up, w_down), jax.tree.map(lambda a: a[0], recorded), form)
+        return tuple(o[None] for o in out)
+    return shard.per_device(local, in_axes=(_W_IN, _W_IN, _W_OUT, _DEVICE), out_axes=(_DEVICE,) * 3)(
+        *weights, recorded)

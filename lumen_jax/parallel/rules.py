@@ -20,6 +20,8 @@ embed           fsdp (params)          ZeRO-3: parameters sharded over `fsdp`
                 fsdp (optimizer)       ZeRO-1/2/3: optimizer state always sharded
                 fsdp (gradients)       ZeRO-2/3: gradients reduce-scattered
 layers          pipeline               the stacked blocks cut into pipeline stages
+devices         every axis but         one block per device: a split backward's recorded expert rows
+                pipeline (and replica)
 head_dim, norm, act_embed -> replicated
 ==============  =====================  ==========================================================
 
@@ -77,6 +79,11 @@ class Rules:
             "act_kv_heads": "tensor",
             "act_mlp": "tensor",
             "act_vocab": "tensor",
+            # one block per device of the axes `shard.per_device` splits over (inside a pipeline
+            # stage, which holds `pipeline` itself): a device's own rows, e.g. a split backward's
+            # recorded expert rows (`ops.projection.Tape.grouped`)
+            "devices": tuple(a for a in ("data", "fsdp", "expert", "context", "tensor")
+                             if a not in self.replica_axes),
         }
 
     def spec(self, names: Sequence[str | None], kind: str = "activations") -> P:

@@ -64,3 +64,17 @@ def mesh_axis_size(axis: str) -> int:
     """The size of mesh axis `axis` in the active mesh (1 outside `rules.activate`)."""
     active = rules_lib.active()
     return 1 if active is None else active[0].shape.get(axis, 1)
+
+
+def axes_size(names: Names) -> int:
+    """How many blocks an array whose axes carry logical `names` is split into over the active
+    mesh (1 outside `rules.activate`)."""
+    active = rules_lib.active()
+    if active is None:
+        return 1
+    mesh, rules = active
+    size = 1
+    for axes in rules.spec(names):
+        for axis in (axes,) if isinstance(axes, str) else axes or ():
+            size *= mesh.shape[axis]
+    return size

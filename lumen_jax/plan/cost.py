@@ -114,7 +114,7 @@ def _tick_units(model: ModelConfig, layout: Layout, seq_len: int, global_batch: 
     layer = planned_flops_per_token(one, flat, seq_len, model.remat, score_fraction=fraction) - head
     forward = 2.0 * flops.param_counts(one)["layer_matmul"] + flops.attention_forward_flops_per_token(
         one, seq_len, causal=False) * fraction
-    return _TickUnits(forward, layer, 2.0 * split_backward(model).params if split else 0.0, head,
+    return _TickUnits(forward, layer, split_backward(model).flops if split else 0.0, head,
                       global_batch // layout.micro_batches * seq_len / flat.num_devices)
 
 
@@ -393,7 +393,8 @@ def _pipelined_gradients(s: StepShape, add: Add, weights: float, red: int) -> No
     head = (model.vocab_size * model.d_model / tp + model.d_model) * F32_BYTES
     outside = head + (0 if model.tie_embeddings else model.vocab_size * model.d_model / tp * F32_BYTES)
     layers = weights - outside  # the stage's layer stack, norms (and experts) included
-    tapped = split_backward(model).params * s.layers * F32_BYTES / tp if prog.split else 0.0
+    split = split_backward(model)
+    tapped = (split.params + split.experts / layout.mesh.expert) * s.layers * F32_BYTES / tp if prog.split else 0.0
     dt = DTYPE_NAMES[red]
     add("fsdp", "reduce-scatter", f"{dt} layer gradients of a backward, per backward tick",
         (layers - tapped) * red / F32_BYTES / v, ticks["backward"], True)

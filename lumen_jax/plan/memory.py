@@ -381,15 +381,25 @@ class SplitBackward:
 
     params: float  # weights of the tapped (plain-einsum) projections: W's matmuls, 2 FLOPs each per token
     rows: collections.Counter  # per token, compute dtype: each tapped projection's output cotangent and
-    # each distinct input once (Q/K/V share the attention's normed input, gate/up the MLP's)
+    # each distinct input once (Q/K/V share the attention's normed input, gate/up the MLP's); per
+    # routed row of an MoE layer its input, SwiGLU output, and the three matmuls' output cotangents
+    experts: float = 0.0  # the routed experts' weights (all experts'; W differentiates each device's)
+    routed: float = 0.0  # the routed experts' weights one token meets (its top_k experts')
+
+    @property
+    def flops(self) -> float:
+        """W's matmul FLOPs per token: 2 per weight the token's rows meet."""
+        return 2.0 * (self.params + self.routed)
 
 
 def split_backward(model: ModelConfig) -> SplitBackward:
     """What `ops.projection.Taps` taps per layer: the projections that run as a plain einsum (fp8
-    ones and the MoE's routed experts keep their own backward, whose weight gradients stay in B).
-    Attention: input, q, k, v, the core's output (wo's input) and wo's output; an MLP: input, gate,
-    up, the SwiGLU output (w_down's input) and w_down's output. The D-wide rows are the matmuls'
-    (gathered under sequence parallelism: `G`)."""
+    ones keep their own backward, whose weight gradients stay in B) and an MoE layer's routed
+    experts. Attention: input, q, k, v, the core's output (wo's input) and wo's output; an MLP:
+    input, gate, up, the SwiGLU output (w_down's input) and w_down's output; the routed experts:
+    per routed row (top_k per token, balanced routing: the blocks' padding not counted) its input,
+    SwiGLU output and the gate, up and down cotangents. The D-wide rows are the matmuls' (gathered
+    under sequence parallelism: `G`)."""
     plain = {t for t in ("attention", "mlp") if Ops.plain(model).projection(t) in ("einsum", "token_grad")}
     d, h = model.d_model, model.resolved_head_dim
     n_moe = model.num_layers // model.moe.every_n_layers if model.moe.enabled else 0
@@ -406,7 +416,13 @@ def split_backward(model: ModelConfig) -> SplitBackward:
             share = layers / model.num_layers
             params += share * 3 * d * ffn
             rows.update({("G", "c"): 2 * share, ("F", "c"): 3 * share * ffn / model.ffn_dim})
-    return SplitBackward(params=params, rows=rows)
+    experts = routed = 0.0
+    if n_moe:
+        share, k = n_moe / model.num_layers, model.moe.top_k
+        expert = 3 * d * model.expert_ffn_dim
+        experts, routed = share * model.moe.num_experts * expert, share * k * expert
+        rows.update({("G", "c"): 2 * share * k, ("F", "c"): 3 * share * k * model.expert_ffn_dim / model.ffn_dim})
+    return SplitBackward(params=params, rows=rows, experts=experts, routed=routed)
 
 
 def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_batch: int,

@@ -263,7 +263,7 @@ def _stretch(model: ModelConfig, layout: Layout, parts: Compute, hw_per_token: f
     prog = pipeline_lib.lockstep(name, layout.pipeline, layout.micro_batches, v)
     if not prog.split:
         return 1 / (1 - prog.bubble())
-    w = 2 * split_backward(model).params * model.num_layers / hw_per_token
+    w = split_backward(model).flops * model.num_layers / hw_per_token
     f, b = 1 - parts.backward_share, parts.backward_share - w
     executed = sum((g.stop - g.start) * (f * g.forward + b * g.backward + w * g.weight) for g in prog.segments)
     return executed / (prog.micro_batches * prog.virtual)

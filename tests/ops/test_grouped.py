@@ -97,3 +97,41 @@ def test_block_layout_holds_each_expert_in_whole_blocks():
         if s < len(src):
             assert src[s] == a and blocks[s // 2] == group[a]
     assert (src == 10).sum() == 20 - 9  # every other padded row holds no assignment
+
+
+def _split(form, x, row, group, weights, ct, expected_rows=None):
+    """A split backward's two halves: (B's rows gradient, the tap's cotangents), then replay's vjp at
+    the recorded cotangents: the weight gradients."""
+    shapes = grouped.tap_shapes(jax.ShapeDtypeStruct(x.shape, x.dtype), group.shape[0], weights, form, expected_rows)
+    tap = {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
+    def b(x, tap):  # the weights stopped: B's vjp does not reach them
+        y = grouped.swiglu(x, row, group, jax.lax.stop_gradient(weights), form, expected_rows, tap)
+        return jnp.sum(y * ct)
+    dx, recorded = jax.grad(b, argnums=(0, 1))(x, tap)
+    _, vjp = jax.vjp(lambda w: grouped.replay(w, recorded, form), weights)
+    return dx, vjp(tuple(recorded[k] for k in grouped.TAP_COTANGENTS))[0]
+
+
+@pytest.mark.parametrize("form", grouped.FORMS)
+def test_a_split_backward_is_the_whole_backward(form):
+    """B (the tapped backward) gives the rows' gradient and no weight gradient; `replay`'s vjp at the
+    recorded cotangents gives the weight gradients: the whole backward's, bit for bit (blocks: the
+    same float32 sums in the same order), and under `jax.vmap` each example's own."""
+    x, row, group, weights = _inputs(6)
+    ct = jax.random.normal(jax.random.key(7), (A, D))
+    whole = jax.jit(jax.grad(_loss(lambda *a: grouped.swiglu(*a, form=form, expected_rows=X * 8), ct),
+                             argnums=(0, 1)))(x, weights, row, group)
+    dx, dw = jax.jit(lambda *a: _split(form, *a, expected_rows=X * 8))(x, row, group, weights, ct)
+    for name, got, want in zip(["x", "w_gate", "w_up", "w_down"], (dx, *dw), jax.tree.leaves(whole)):
+        if form == "blocks":
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+        else:
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=FP32_RTOL, atol=1e-6, err_msg=name)
+    examples = [_inputs(s)[:3] for s in (2, 3)]
+    stack = lambda i: jnp.stack([e[i] for e in examples])  # noqa: E731
+    got = jax.jit(jax.vmap(lambda *a: _split(form, *a), in_axes=(0, 0, 0, None, None)))(
+        stack(0), stack(1), stack(2), weights, ct)
+    for i, (x, row, group) in enumerate(examples):
+        want = jax.jit(lambda *a: _split(form, *a))(x, row, group, weights, ct)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(g[i]), np.asarray(w), rtol=FP32_RTOL, atol=1e-6)

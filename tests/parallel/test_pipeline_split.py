@@ -54,10 +54,12 @@ def test_b_and_w_are_the_whole_backward(model):
     assert_tree_close(jax.tree.map(jnp.add, b_dp, w_dp), whole_dp, SAME_MATH_FP32_RTOL, what="B + W ")
     attn = {"attn.wq", "attn.wk", "attn.wv", "attn.wo"}
     dense = attn | {"mlp.w_gate", "mlp.w_up", "mlp.w_down"}
-    expect = {"blocks": dense} | ({"moe_blocks": attn | {"mlp.shared.w_gate", "mlp.shared.w_up", "mlp.shared.w_down"}}
-                                  if cfg.moe.enabled else {})
+    shared = {"mlp.shared.w_gate", "mlp.shared.w_up", "mlp.shared.w_down"}
+    expect = {"blocks": dense} | ({"moe_blocks": attn | shared | {"mlp.experts"}} if cfg.moe.enabled else {})
     assert {stack: set(found) for stack, found in probe.found.items()} == expect
-    keys = [(stack, key) for stack, found in probe.found.items() for key in found]
+    if cfg.moe.enabled:  # the routed experts' three weights, as one grouped matmul
+        assert set(probe.weights()["moe_blocks"]) == attn | shared | {"mlp.w_gate", "mlp.w_up", "mlp.w_down"}
+    keys = [(stack, key) for stack, found in probe.weights().items() for key in found]
     for stack, key in keys:
         path = key.split(".")
         b, w = b_dp[stack], w_dp[stack]
@@ -91,12 +93,15 @@ def test_zero_bubble_gradients_under_remat_equal_one_device(remat, mesh):
     assert_tree_close(got[1], one[1], FP32_RTOL, what=f"zero_bubble {remat} {mesh} ")
 
 
-def test_routed_experts_are_not_tapped():
-    """The routed experts (grouped matmuls with their own backward) are not tapped: their weight
-    gradients stay in B, whose parameter gradients for them equal the whole backward's."""
+def test_routed_experts_are_split_bit_for_bit():
+    """The routed experts (grouped matmuls with their own backward) are tapped too: B gives them no
+    weight gradient, W the whole backward's to the bit (the same float32 sums in the same order),
+    and B's router gradient is the whole backward's."""
     cfg = dataclasses.replace(moe_config(2, 1).model, num_layers=2)
-    probe, (whole_dp, _), (b_dp, _), _ = _split_grads(cfg)
-    assert set(probe.found["moe_blocks"]) == {"attn.wq", "attn.wk", "attn.wv", "attn.wo"}
-    for name in ("w_gate", "w_up", "w_down", "router"):
-        np.testing.assert_allclose(b_dp["moe_blocks"]["mlp"][name], whole_dp["moe_blocks"]["mlp"][name],
-                                   rtol=SAME_MATH_FP32_RTOL, atol=1e-12)
+    probe, (whole_dp, _), (b_dp, _), w_dp = _split_grads(cfg)
+    assert set(probe.found["moe_blocks"]) == {"attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.experts"}
+    for name in ("w_gate", "w_up", "w_down"):
+        assert not np.any(np.asarray(b_dp["moe_blocks"]["mlp"][name])), f"B computed {name}'s gradient"
+        np.testing.assert_array_equal(w_dp["moe_blocks"]["mlp"][name], whole_dp["moe_blocks"]["mlp"][name])
+    np.testing.assert_allclose(b_dp["moe_blocks"]["mlp"]["router"], whole_dp["moe_blocks"]["mlp"]["router"],
+                               rtol=SAME_MATH_FP32_RTOL, atol=1e-12)

@@ -61,10 +61,12 @@ def test_executed_work_is_the_schedules(mesh, flat, schedules):
 ], ids=["pipeline2-context2-data2", "moe-pipeline4-expert2"])
 def test_compositions_do_the_schedules_work(moe, mesh, flat):
     """A context and an expert composition (MoE every second layer): 1f1b within its lock-step bound,
-    zero_bubble within the issue's 1.15/(1 - its table's bubble) and no slower than 1f1b.
-    Measured: 1f1b 1.122x (bound 1.125) and 1.372x (1.375); zero_bubble 1.090x (its lock-step
-    program's 1.083, the issue's 1.198) and 1.293x (1.25, the issue's 1.294: the routed experts'
-    weight gradients stay in B, untapped, so B costs more than a unit and W less)."""
+    zero_bubble within its lock-step program's (every unit, the routed experts' weight gradients
+    included, split equally: B no dearer than a unit), hence within the issue's 1.15/(1 - its
+    table's bubble), and no slower than 1f1b.
+    Measured: 1f1b 1.122x (bound 1.125) and 1.366x (1.375); zero_bubble 1.090x (its lock-step
+    program's 1.083, the issue's 1.198) and 1.257x (1.25, the issue's 1.294; 1.293x while the
+    experts' weight gradients stayed in B)."""
     from lumen_jax.config import MoeConfig
 
     cfg = CFG.replace(model=dataclasses.replace(CFG.model, moe=MoeConfig(num_experts=4, top_k=2, every_n_layers=2))
@@ -72,10 +74,11 @@ def test_compositions_do_the_schedules_work(moe, mesh, flat):
     flat_flops = matmul_flops(with_mesh(cfg, micro_batches=M, **flat))
     ratio = {name: matmul_flops(with_mesh(cfg, micro_batches=M, pipeline_schedule=name, **mesh)) / flat_flops
              for name in ("1f1b", "zero_bubble")}
-    bound = 1 / (1 - pipeline.lockstep("1f1b", mesh["pipeline"], M, 1).bubble())
-    assert 0.95 * bound < ratio["1f1b"] <= TIGHT * bound, f"{mesh}: 1f1b {ratio['1f1b']:.3f}x, bound {bound:.3f}"
+    bound = {name: 1 / (1 - pipeline.lockstep(name, mesh["pipeline"], M, 1).bubble()) for name in ratio}
+    assert 0.95 * bound["1f1b"] < ratio["1f1b"] <= TIGHT * bound["1f1b"], f"{mesh}: 1f1b {ratio}, bounds {bound}"
+    assert ratio["zero_bubble"] <= min(TIGHT * bound["zero_bubble"], ratio["1f1b"]), f"{mesh}: {ratio}, bounds {bound}"
     table = 1 / (1 - pipeline.build("zero_bubble", mesh["pipeline"], M, 1).bubble())
-    assert ratio["zero_bubble"] <= min(1.15 * table, ratio["1f1b"]), f"{mesh}: zero_bubble {ratio}, table {table:.3f}"
+    assert bound["zero_bubble"] <= 1.15 * table
 
 
 @pytest.mark.heavy

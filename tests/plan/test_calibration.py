@@ -16,7 +16,7 @@ from lumen_jax.plan.efficiency import Compute, Efficiency, Overlap
 from lumen_jax.plan.hardware import DEVICES
 from lumen_jax.plan.predict import exposed_seconds
 from lumen_jax.plan.published import CONVENTIONS, HARDWARE, TABLE
-from tests.helpers.paths import REPO
+from helpers.paths import REPO
 
 H100 = DEVICES["h100"]
 
