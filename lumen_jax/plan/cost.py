@@ -125,8 +125,8 @@ def critical_path_matmul_flops(model: ModelConfig, layout: Layout, seq_len: int,
     the lock-step program (`schedule.lockstep`: every stage runs every tick, the bubble on zeros):
     per tick a chunk's forward, its backward (a split program's B: less the tapped projections'
     weight-gradient matmuls), a split program's W (those matmuls) and 1/P of a micro-batch's logits,
-    as the tick's segment runs them. Context parallelism is not modelled here (its hop conditionals'
-    branches each hold dots, which `hlo.matmul_flops` adds up)."""
+    as the tick's segment runs them. Under context parallelism the compiled ring's hop conditionals
+    count at their dearest branch, a full chunk pair: the device's share of the computed square."""
     if layout.pipeline == 1:
         return flops_per_device(model, layout, seq_len, global_batch, causal=False)
     name, v = layout.schedule

@@ -106,6 +106,24 @@ class Module:
     instrs: list[Instr]
     runs: dict[str, int]  # computation -> executions per step (0: not reached from the entry)
     loops: list[tuple[str, int | None]]  # (while body, trip count or None when unreadable)
+    # computation -> what it calls: (the computations of which one runs (a conditional's branches;
+    # else one), times per execution (a while body: its trip count))
+    calls: dict[str, list[tuple[tuple[str, ...], int]]] = dataclasses.field(default_factory=dict)
+    entry: str | None = None
+
+    def critical(self, own: dict[str, float]) -> float:
+        """The sum over the step of `own` (computation -> its cost per execution, without what it
+        calls), each conditional at its dearest branch: what a device on the critical path runs
+        when devices in lock step take different branches (context parallelism's hop switch)."""
+        memo: dict[str, float] = {}
+
+        def cost(comp: str, depth: int = 0) -> float:
+            if comp not in memo:
+                memo[comp] = own.get(comp, 0.0) + (0.0 if depth > 64 else sum(
+                    times * max(cost(c, depth + 1) for c in alternatives)
+                    for alternatives, times in self.calls.get(comp, ())))
+            return memo[comp]
+        return cost(self.entry) if self.entry is not None else 0.0
 
     @property
     def unknown_trip_counts(self) -> int:
@@ -141,30 +159,38 @@ def parse(text: str) -> Module:
 
     loops: list[tuple[str, int | None]] = []
     runs: dict[str, int] = collections.defaultdict(int)
+    calls: dict[str, list[tuple[tuple[str, ...], int]]] = collections.defaultdict(list)
+    for comp, comp_instrs in by_comp.items():
+        for i in comp_instrs:
+            called = dict(_CALLED.findall(i.line))
+            if i.op == "while":
+                body, cond = called.get("body", "").lstrip("%"), called.get("condition", "").lstrip("%")
+                trip = _trip_count(i.line, by_comp.get(cond, [])) or 1
+                calls[comp] += [((body,), trip), ((cond,), trip + 1)]
+                continue
+            branches = [b.strip().lstrip("%") for b in (_BRANCHES.findall(i.line) or [""])[0].split(",") if b.strip()]
+            branches += [v.lstrip("%") for k, v in called.items() if k in ("true_computation", "false_computation")]
+            if branches:
+                calls[comp].append((tuple(branches), 1))
+            calls[comp] += [((v.lstrip("%"),), 1) for k, v in called.items()
+                            if k not in ("true_computation", "false_computation") and (k != "to_apply" or i.op == "call")]
 
     def visit(comp: str, times: int, depth: int = 0) -> None:
         if depth > 64:
             return
         runs[comp] += times
         for i in by_comp.get(comp, ()):
-            called = dict(_CALLED.findall(i.line))
             if i.op == "while":
-                body, cond = called.get("body", "").lstrip("%"), called.get("condition", "").lstrip("%")
-                trip = _trip_count(i.line, by_comp.get(cond, []))
-                loops.append((body, trip))
-                visit(body, times * (trip or 1), depth + 1)
-                visit(cond, times * ((trip or 1) + 1), depth + 1)
-                continue
-            targets = [v for k, v in called.items() if k != "to_apply" or i.op == "call"]
-            m = _BRANCHES.search(i.line)
-            if m:
-                targets += [b.strip() for b in m.group(1).split(",")]
-            for t in targets:  # fusions, calls, conditionals (every branch counted once)
-                visit(t.lstrip("%"), times, depth + 1)
+                cond = dict(_CALLED.findall(i.line)).get("condition", "").lstrip("%")
+                loops.append((dict(_CALLED.findall(i.line)).get("body", "").lstrip("%"),
+                              _trip_count(i.line, by_comp.get(cond, []))))
+        for alternatives, n in calls.get(comp, ()):
+            for t in alternatives:  # fusions, calls, loops, conditionals (every branch counted once)
+                visit(t, times * n, depth + 1)
 
     if entry is not None:
         visit(entry, 1)
-    return Module(instrs=instrs, runs=dict(runs), loops=loops)
+    return Module(instrs=instrs, runs=dict(runs), loops=loops, calls=dict(calls), entry=entry)
 
 
 def _trip_count(while_line: str, condition: list[Instr]) -> int | None:
@@ -358,12 +384,12 @@ _FIRST_OPERAND = re.compile(r" dot\(\s*(?:([a-z][a-z0-9]*)\[([0-9,]*)\]\S*\s+)?%
 
 
 def matmul_flops(module: Module) -> int:
-    """Matmul FLOPs of one device per step: 2 x output elements x contracted size of every `dot`,
-    times the executions of its computation (loop bodies times their trip counts). Every branch of a
-    conditional counts as if it ran (their sum, above the dearest branch where several hold dots, as
-    context parallelism's hop switch does); the lock-step pipeline has none."""
+    """Matmul FLOPs of one device per step on the critical path: 2 x output elements x contracted
+    size of every `dot`, times the executions of its computation (loop bodies times their trip
+    counts), a conditional at its dearest branch (`Module.critical`: devices in lock step that take
+    different branches, as context parallelism's hop switch does, wait for the dearest)."""
     shapes = {(i.computation, i.name): i.arrays[0] for i in module.instrs if len(i.arrays) == 1}
-    total = 0
+    own: dict[str, float] = collections.defaultdict(float)
     for i in module.where("dot"):
         m, c = _FIRST_OPERAND.search(i.line), _CONTRACTING.search(i.line)
         if m is None or c is None or not i.arrays:
@@ -373,5 +399,5 @@ def matmul_flops(module: Module) -> int:
         if lhs is None:
             continue
         contracted = math.prod(lhs[int(k)] for k in c.group(1).split(",") if k)
-        total += 2 * math.prod(i.arrays[0].dims) * contracted * module.executions(i)
-    return total
+        own[i.computation] += 2 * math.prod(i.arrays[0].dims) * contracted
+    return int(module.critical(own))

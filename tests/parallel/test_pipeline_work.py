@@ -64,7 +64,7 @@ def test_compositions_do_the_schedules_work(moe, mesh, flat):
     zero_bubble within its lock-step program's (every unit, the routed experts' weight gradients
     included, split equally: B no dearer than a unit), hence within the issue's 1.15/(1 - its
     table's bubble), and no slower than 1f1b.
-    Measured: 1f1b 1.122x (bound 1.125) and 1.366x (1.375); zero_bubble 1.090x (its lock-step
+    Measured: 1f1b 1.122x (bound 1.125) and 1.366x (1.375); zero_bubble 1.086x (its lock-step
     program's 1.083, the issue's 1.198) and 1.257x (1.25, the issue's 1.294; 1.293x while the
     experts' weight gradients stayed in B)."""
     from lumen_jax.config import MoeConfig

@@ -81,13 +81,13 @@ def test_bytes_and_flops_match_the_compiled_step(name):
     assert check.flops_predicted == pytest.approx(check.flops_compiled, rel=FLOPS_RTOL), (
         f"{name}: predicted {check.flops_predicted:,.0f} FLOPs, XLA {check.flops_compiled:,.0f} "
         f"({check.flops_predicted / check.flops_compiled - 1:+.1%})")
-    if "context" not in name:  # hop conditionals: hlo.matmul_flops adds every branch's dots
-        _assert_matmuls(name, check, CRITICAL_PATH_RTOL)
+    _assert_matmuls(name, check, CRITICAL_PATH_RTOL)
 
 
 # The step's matmul FLOPs with every loop's trip count (`hlo.matmul_flops`) against the planner's
 # (`cost.critical_path_matmul_flops`). Measured: 0.0% but +3.9% for remat=full (the recompute the
-# planner counts for the logits' input); every pipeline schedule 0.0%. The issue's bound is 10%.
+# planner counts for the logits' input; +3.8% with context parallelism, whose hop conditionals count
+# at their dearest branch); every pipeline schedule 0.0%. The issue's bound is 10%.
 CRITICAL_PATH_RTOL = 0.10
 
 
