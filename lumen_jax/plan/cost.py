@@ -381,12 +381,14 @@ def _weights_and_gradients(s: StepShape, add: Add) -> None:
         add("data", "all-reduce", f"{red_dt} gradients, once per step", s.grads, 1, True)
 
 
-def _pipelined_gradients(s: StepShape, add: Add, weights: float, red: int) -> None:
-    """ZeRO-3 gradients of a pipelined step, reduced every micro-batch: as the compiled step sums
-    them (measured), each unit reduces the gradients it makes, in its tick: a backward its chunk's
-    layers' (split: all but the tapped projections'), a split backward's W unit the tapped
-    projections', a loss tick the logits matrix and the final norm. `weights`: the stage's fp32
-    parameter bytes on one fsdp shard group (unsharded over data and fsdp)."""
+def _pipelined_gradients(s: StepShape, add: Add, weights: float, red: int, axis: str = "fsdp",
+                         kind: str = "reduce-scatter") -> None:
+    """Gradients of a pipelined step that `axis` reduces in every tick (ZeRO-3's over fsdp; context
+    parallelism's over context): as the compiled step sums them (measured), each unit reduces the
+    gradients it makes, in its tick: a backward its chunk's layers' (split: all but the tapped
+    projections'), a split backward's W unit the tapped projections', a loss tick the logits matrix
+    and the final norm. `weights`: the stage's fp32 parameter bytes on one fsdp shard group
+    (unsharded over data and fsdp)."""
     model, layout = s.model, s.layout
     prog, tp, v = _lockstep(s), layout.mesh.tensor, layout.schedule[1]
     ticks = _ticks(prog)
@@ -396,11 +398,11 @@ def _pipelined_gradients(s: StepShape, add: Add, weights: float, red: int) -> No
     split = split_backward(model)
     tapped = (split.params + split.experts / layout.mesh.expert) * s.layers * F32_BYTES / tp if prog.split else 0.0
     dt = DTYPE_NAMES[red]
-    add("fsdp", "reduce-scatter", f"{dt} layer gradients of a backward, per backward tick",
+    add(axis, kind, f"{dt} layer gradients of a backward, per backward tick",
         (layers - tapped) * red / F32_BYTES / v, ticks["backward"], True)
-    add("fsdp", "reduce-scatter", f"{dt} tapped projections' gradients of a W unit, per W tick",
+    add(axis, kind, f"{dt} tapped projections' gradients of a W unit, per W tick",
         tapped * red / F32_BYTES / v, ticks["weight"], True)
-    add("fsdp", "reduce-scatter", f"{dt} logits matrix and final norm gradients, per loss tick",
+    add(axis, kind, f"{dt} logits matrix and final norm gradients, per loss tick",
         head * red / F32_BYTES, ticks["head"], True)
 
 
@@ -436,24 +438,44 @@ def _tensor(s: StepShape, add: Add) -> None:
 @counts_collectives
 def _context(s: StepShape, add: Add) -> None:
     """context (`mesh.context_parallel`), each device holding S/C of every sequence: `ring`, K/V chunks
-    hop C-1 times around the axis per layer forward (again when the backward recomputes the
-    forward), and in the backward K/V travel with the fp32 dK/dV accumulators, overlapping the chunk
-    computations; `allgather`: K/V all-gathered per layer (re-gathered in the backward unless saved)
-    and dK/dV reduce-scattered, exposed."""
+    hop C-1 times around the axis per layer forward, again in the backward (measured with remat none
+    as with full: the backward re-runs the exchange), and in the backward K/V travel with the fp32
+    dK/dV accumulators, overlapping the chunk computations; `allgather`: K/V all-gathered per layer
+    (again in the backward) and dK/dV reduce-scattered, exposed. Under a pipeline
+    per layer of each tick that runs it (fill and drain included), as `_pipelined_tensor` counts.
+    The weights are replicated over context and each device's gradients are partial sums of its
+    tokens: XLA all-reduces them (float32, measured) where they are made, every micro-batch (in a
+    pipeline: each unit its own, in its tick), not once per step as over `data`; a pipelined step's
+    embedding gradient, summed per device, once."""
     model, layout, m, layers, c = s.model, s.layout, s.m, s.layers, s.c
-    cp, hops = layout.mesh.context_parallel, layout.mesh.context - 1
-    kv_chunk = (2 * s.micro_batch * s.seq_len / layout.mesh.context * model.num_kv_heads * model.resolved_head_dim
-                / layout.mesh.tensor * c)
-    fwd = 2 if recomputes(s.remat, layout.mesh.context, cp)["attention"] else 1  # the backward re-runs the exchange
+    mesh = layout.mesh
+    cp, hops = mesh.context_parallel, mesh.context - 1
+    kv_chunk = (2 * s.micro_batch * s.seq_len / mesh.context * model.num_kv_heads * model.resolved_head_dim
+                / mesh.tensor * c)
+    if layout.pipeline > 1:
+        prog = _lockstep(s)
+        ticks, chunk = _ticks(prog), layers / prog.virtual
+        forwards, backwards = ticks["forward"] * chunk, ticks["backward"] * chunk
+    else:
+        forwards = backwards = m * layers
     if cp == "ring":  # K/V chunks hop C-1 times per layer forward; dK/dV (fp32) travel back with them
-        add("context", "send/recv", "K/V chunks, C-1 ring hops per layer (forward, recompute)", kv_chunk,
-            m * layers * hops * fwd, True)
+        add("context", "send/recv", "K/V chunks, C-1 ring hops per layer (forward, again in the backward)", kv_chunk,
+            (forwards + backwards) * hops, True)
         add("context", "send/recv", "K/V and fp32 dK/dV chunks, C-1 ring hops per layer (backward)",
-            kv_chunk * (1 + F32_BYTES / c), m * layers * hops, True)
+            kv_chunk * (1 + F32_BYTES / c), backwards * hops, True)
     else:  # all-gather K, V over the context axis; reduce-scatter dK/dV
-        kv = kv_chunk * layout.mesh.context
-        add("context", "all-gather", "K/V per layer (again in the backward unless saved)", kv, m * layers * fwd, False)
-        add("context", "reduce-scatter", "dK/dV per layer", kv, m * layers, False)
+        kv = kv_chunk * mesh.context
+        add("context", "all-gather", "K/V per layer (again in the backward: measured with remat none as with full)",
+            kv, forwards + backwards, False)
+        add("context", "reduce-scatter", "dK/dV per layer", kv, backwards, False)
+    unsharded = dataclasses.replace(layout, mesh=dataclasses.replace(mesh, data=1, fsdp=1))
+    weights = state_bytes(model, unsharded)["params"] / (mesh.fsdp if mesh.zero_stage >= 3 else 1)
+    if layout.pipeline > 1:
+        _pipelined_gradients(s, add, weights, F32_BYTES, "context", "all-reduce")
+        add("context", "all-reduce", "fp32 embedding table gradient of the context row groups, once per step",
+            model.vocab_size * model.d_model / mesh.tensor * F32_BYTES, 1, True)
+    else:
+        add("context", "all-reduce", "fp32 gradients of each micro-batch (partial sums of its tokens)", weights, m, True)
 
 
 @counts_collectives

@@ -210,6 +210,7 @@ OPTIONS = {
     "zero1,data=2,fsdp=4,once": dict(data=2, fsdp=4, zero_stage=1, fsdp_grad_reduce="once"),
     "zero2,data=2,fsdp=4,per_step": dict(data=2, fsdp=4, zero_stage=2, fsdp_regather="per_step"),
     "data=2,context=2,fsdp=2": dict(data=2, context=2, fsdp=2),  # the ring's shard_map inside the replica vmap
+    "data=4,context=2": dict(data=4, context=2),
 }
 
 
@@ -264,12 +265,14 @@ def test_an_option_this_xla_lacks(monkeypatch, capsys):
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("name", ["fsdp=8", "data=2,fsdp=2,tensor=2,sp", "data=2,fsdp=2,tensor=2,sp,once,per_step",
-                                  "zero1,data=2,fsdp=4,once", "zero2,data=2,fsdp=4,per_step"])
+                                  "zero1,data=2,fsdp=4,once", "zero2,data=2,fsdp=4,per_step", "data=4,context=2"])
 def test_planned_collectives_match_the_compiled_step(name):
     """The planner's collective bytes per step, by mesh axes and kind, within 10% of the compiled
     program's (4 micro-batches); data=8's single reduction is covered by the first test. Entries under
     5% of the largest are not compared: the planner leaves out one small reshard (with sequence
-    parallelism XLA collective-permutes 33 KB over fsdp+tensor per step, 2.6% of the largest)."""
+    parallelism XLA collective-permutes 33 KB over fsdp+tensor per step, 2.6% of the largest).
+    data=4,context=2: the ring's hops and the gradients' all-reduce over context, every micro-batch
+    (the weights are replicated over context; measured: both within 0.1%)."""
     from lumen_jax.plan import DEVICES, predict
     from lumen_jax.plan.compiled import against_xla
 
@@ -277,7 +280,7 @@ def test_planned_collectives_match_the_compiled_step(name):
     layout = layout_from_config(cfg, jax.device_count())
     check = against_xla(cfg, predict(cfg, layout, DEVICES["h100"]))
     compared = {k: v for k, v in check.collectives.items() if max(v) > 0.05 * max(c for _, c in check.collectives.values())}
-    assert any(k.startswith("fsdp") for k in compared), compared
+    assert any(k.startswith("context" if "context" in name else "fsdp") for k in compared), compared
     for key, (predicted, compiled) in compared.items():
         assert abs(predicted - compiled) <= 0.10 * compiled, f"{name} {key}: predicted {predicted}, compiled {compiled}"
 

@@ -113,18 +113,19 @@ def test_the_planner_counts_what_the_pipeline_sends(stages, m, mesh):
         assert planned[kind] == pytest.approx(nbytes, rel=0.10), (kind, planned, compiled)
 
 
-@pytest.mark.parametrize("mesh", [dict(fsdp=4), dict(fsdp=2, tensor=2, sequence_parallel=True)],
-                         ids=["fsdp4", "fsdp2-tensor2-sp"])
+@pytest.mark.parametrize("mesh", [dict(fsdp=4), dict(fsdp=2, tensor=2, sequence_parallel=True),
+                                  dict(fsdp=2, context=2)],
+                         ids=["fsdp4", "fsdp2-tensor2-sp", "fsdp2-context2"])
 def test_the_embedding_gradient_keeps_its_rows_on_their_devices(mesh):
-    """Under ZeRO-3 a micro-batch's rows are split over fsdp. Each device sums the embedding
-    gradient of its own rows (`executor._Device.embedding_grad`), the sums reduced once after the
-    last tick: no all-gather over fsdp carries a token id (a lookup gradient into one table gathers
-    every backward tick's rows and their ids onto each device of the group: 4 x 4 rows x 128 tokens
-    x (64 + 1) x 4 bytes a tick here; under sequence parallelism a tick permutes its 32 ids between
-    the fsdp x tensor devices, 128 bytes). The planner counts the table's one reduction
-    (tests/plan/test_plan.py)."""
+    """Under ZeRO-3 a micro-batch's rows are split over fsdp, under context parallelism its tokens
+    over context. Each device sums the embedding gradient of its own rows and tokens
+    (`executor._Device.embedding_grad`), the sums reduced once after the last tick: no all-gather
+    over fsdp or context carries a token id (a lookup gradient into one table gathers every backward
+    tick's rows and their ids onto each device of the group: 4 x 4 rows x 128 tokens x (64 + 1) x 4
+    bytes a tick here; under sequence parallelism a tick permutes its 32 ids between the fsdp x
+    tensor devices, 128 bytes). The planner counts the table's one reduction (tests/plan/test_plan.py)."""
     cfg = with_mesh(BASE, micro_batches=4, pipeline=2, pipeline_schedule="1f1b", **mesh)
     cfg = cfg.replace(model=dataclasses.replace(cfg.model, num_layers=4))
     collectives = hlo.on_mesh(compiled_step(cfg), {a: getattr(cfg.mesh, a) for a in MeshConfig.AXES})
-    ids = [c for c in collectives if "fsdp" in c.axes and c.kind == "all-gather" and c.dtype == "s32"]
-    assert not ids, f"{mesh}: token ids gathered over fsdp: {ids}"
+    ids = [c for c in collectives if {"fsdp", "context"} & set(c.axes) and c.kind == "all-gather" and c.dtype == "s32"]
+    assert not ids, f"{mesh}: token ids gathered over fsdp or context: {ids}"

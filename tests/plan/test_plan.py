@@ -109,6 +109,9 @@ PIPELINE_XLA_CASES = {
     "data=2 interleaved": [*PIPELINE, "train.micro_batches=8", "mesh.pipeline_schedule=interleaved",
                            "mesh.pipeline_virtual_stages=2"],
     **{f"fsdp=4 {s}": [*PIPELINE_FSDP, f"mesh.pipeline_schedule={s}"] for s in ("1f1b", "zero_bubble")},
+    # context parallelism in stages: the ring's hops and the gradients' reductions over context per tick
+    **{f"context=2 {s}": ["mesh.fsdp=1", "mesh.context=2", "mesh.pipeline=2", "model.num_layers=4",
+                          "train.micro_batches=8", f"mesh.pipeline_schedule={s}"] for s in ("1f1b", "zero_bubble")},
 }
 
 

@@ -207,14 +207,18 @@ def _varying(fn: Callable, weights: tuple, varying: tuple) -> tuple[list[bool], 
     return [not hasattr(v, "val") and v in dep for v in jaxpr.outvars], [v.aval for v in jaxpr.outvars]
 
 
-def _row_groups(mesh: Mesh, rows: int) -> int:
-    """G, the devices a micro-batch's `rows` are split over inside a tick: the axes of the `batch`
-    rule of the enclosing `rules.activate` (the replica axes, which the ticks' vmap takes, are not
-    among them); 1 outside one, or when the rows do not split evenly."""
+def _row_groups(mesh: Mesh, rows: int, tokens: int) -> tuple[int, int]:
+    """(Gb, Gs): the devices a micro-batch's `rows` and its `tokens` per row are split over inside a
+    tick: the axes of the `batch` and the `seq` rules of the enclosing `rules.activate` (the replica
+    axes, which the ticks' vmap takes, are not among them; `seq` is context parallelism's); 1 outside
+    one, or where they do not split evenly."""
     active = rules_lib.active()
-    spec = active[1].spec(("batch",))[0] if active is not None else None
-    groups = int(np.prod([mesh.shape[a] for a in ((spec,) if isinstance(spec, str) else spec or ())]))
-    return groups if rows % groups == 0 else 1
+
+    def size(name: str, n: int) -> int:
+        spec = active[1].spec((name,))[0] if active is not None else None
+        groups = int(np.prod([mesh.shape[a] for a in ((spec,) if isinstance(spec, str) else spec or ())]))
+        return groups if n % groups == 0 else 1
+    return size("batch", rows), size("seq", tokens)
 
 
 def _f32_zeros(a: jax.Array) -> jax.Array:
@@ -242,7 +246,7 @@ class _Carry(NamedTuple):
     g_recv: jax.Array  # [B, T, D]: the cotangent the next stage sent
     d_stacked: dict  # [V, Lc, ...]: gradient sums of this device's chunks
     d_other: dict  # gradient sums of the replicated parameters (embedding, final norm, head)
-    d_table: jax.Array  # [G, V, D] float32: each row group's sum of the embedding table's gradient
+    d_table: jax.Array  # [Gb, Gs, V, D] float32: each row group's sum of the embedding table's gradient
     ce: jax.Array  # the summed cross-entropy of this device's share of the head's tokens
     state: dict  # [V, Lc, ...]: the model state's next value (ops/state.py)
     metrics: dict  # the model's aux metrics, summed over real forwards
@@ -267,7 +271,7 @@ class _Device:
     taps: Any = None  # split backward: the probed taps of the layers' projections (`StageFns.taps`)
     w_tree: Any = None  # the taps' tree structure (the W stash's leaves)
     table: Any = None  # the embedding table the lookup reads (`StageFns.table` of the cast weights)
-    groups: int = 1  # G: the devices a micro-batch's rows are split over in a tick (`_row_groups`)
+    groups: tuple[int, int] = (1, 1)  # the devices a micro-batch's rows and tokens are split over (`_row_groups`)
 
     @property
     def act_dtype(self):
@@ -308,7 +312,7 @@ class _Device:
                        w_stash=[slots(prog.wslots, a) for a in w_shapes], g_stash=slots(prog.slots, zeros_act),
                        x_recv=zeros_act, g_recv=zeros_act,
                        d_stacked=jax.tree.map(_f32_zeros, dev.stacked), d_other=jax.tree.map(_f32_zeros, dev.other),
-                       d_table=jnp.zeros((dev.groups, *dev.table.shape), jnp.float32),
+                       d_table=jnp.zeros((*dev.groups, *dev.table.shape), jnp.float32),
                        ce=jnp.zeros((), jnp.float32), state=jax.tree.map(jnp.zeros_like, dev.state), metrics=metrics0)
         if r > 1:  # one stash and one gradient sum per replica group (carry [R, ...]), see loss_and_grads
             carry = jax.tree.map(lambda a: jnp.zeros((r, *a.shape), a.dtype), carry)
@@ -340,22 +344,29 @@ class _Device:
         return jnp.where(v == 0, self.fns.embed(self.table, mb["inputs"]).astype(self.act_dtype), x_recv)
 
     def embedding_grad(self, d_table: jax.Array, tokens: jax.Array, d_rows: jax.Array) -> jax.Array:
-        """`d_table` [G, V, D] plus the scatter-add of the rows' cotangents d_rows [B, T, D] into
-        their tokens' rows [B, T]. Each of the G row groups (the devices the rows are split over,
-        `_row_groups`) adds its own rows into its own sum, so no row leaves its device: one lookup
-        gradient into one table gathers, in every tick, the group's rows onto each device (a
-        ZeRO-3 step's embedding cotangents and token ids: [fsdp x B, T, D] per backward). The G sums
-        are added once, after the last tick."""
-        g = self.groups
+        """`d_table` [Gb, Gs, V, D] plus the scatter-add of the rows' cotangents d_rows [B, T, D] into
+        their tokens' rows [B, T]. Each row group (the devices the rows and their tokens are split
+        over, `_row_groups`: the batch axes and context's) adds its own rows into its own sum, so no
+        row leaves its device: one lookup gradient into one table gathers, in every tick, the
+        group's rows onto each device (a ZeRO-3 step's embedding cotangents and token ids: [fsdp x
+        B, T, D] per backward; under context parallelism every device's tokens). The sums are added
+        once, after the last tick."""
+        gb, gs = self.groups
         add = lambda acc, tk, d: acc.at[tk].add(d.astype(acc.dtype))  # noqa: E731
-        if g == 1:
-            return add(d_table[0], tokens, d_rows)[None]
-        # [G, ...] split over the `batch` axes (a vmap: the scatter's batch dimension, which XLA
-        # partitions by group), the table's vocabulary over `tensor` as the lookup reads it
-        rows = lambda a: a.reshape(g, a.shape[0] // g, *a.shape[1:])  # noqa: E731
-        pin = lambda a, *names: rules_lib.constrain(a, ("batch", *names))  # noqa: E731
+        if gb * gs == 1:
+            return add(d_table[0, 0], tokens, d_rows)[None, None]
+
+        def groups(a: jax.Array) -> jax.Array:  # [B, T, ...] -> [Gb, Gs, B/Gb, T/Gs, ...], each group a device's
+            b, t = a.shape[:2]
+            return a.reshape(gb, b // gb, gs, t // gs, *a.shape[2:]).swapaxes(1, 2)
+        # the group axes split over the `batch` and `seq` axes (vmaps: the scatter's batch dimensions,
+        # which XLA partitions by group), the table's vocabulary over `tensor` as the lookup reads it
+        split = ("batch" if gb > 1 else None, "seq" if gs > 1 else None)
+        pin = lambda a, *names: rules_lib.constrain(a, (*split, *names))  # noqa: E731
         table = lambda a: pin(a, "act_vocab", "act_embed")  # noqa: E731
-        return table(jax.vmap(add)(table(d_table), pin(rows(tokens), None, None), pin(rows(d_rows), None, None, None)))
+        summed = jax.vmap(jax.vmap(add))(table(d_table), pin(groups(tokens), None, None),
+                                         pin(groups(d_rows), None, None, None))
+        return table(summed)
 
     def forward(self, c: _Carry, row: jax.Array, mbs: dict) -> tuple[_Carry, jax.Array]:
         """The row's forward on the activation received; its residuals into the stash slot."""
@@ -497,7 +508,7 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
     if set(model_state) - set(pipe.stacks):  # no such model: fp8's and MoE's state live in the layers
         raise ValueError(f"model state outside the layer stacks {sorted(set(model_state) - set(pipe.stacks))} "
                          "does not run in pipeline stages")
-    groups = _row_groups(pipe.mesh, b)
+    groups = _row_groups(pipe.mesh, b, t)
     rows_all = (np.asarray(prog.fwd, np.int32), np.asarray(prog.bwd, np.int32),  # [ticks, P, 5]
                 np.asarray(prog.head, np.int32),  # [ticks, 2]
                 np.asarray(prog.wgt if prog.split else prog.bwd, np.int32))  # W units (unused unless split)
@@ -536,7 +547,7 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
             state_new = fns.fold_state(state_new)
         # The row groups' table gradients added (the step's one reduction of them), through the
         # table's cast and gather into the embedding's gradient.
-        d_other = jax.tree.map(_add, d_other, table_vjp(d_table.sum(0).astype(table.dtype))[0])
+        d_other = jax.tree.map(_add, d_other, table_vjp(d_table.sum((0, 1)).astype(table.dtype))[0])
         flat = lambda tree: jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), tree)  # noqa: E731
         metrics = jax.tree.map(lambda a: jax.lax.psum(a, AXIS) / (p * v_count * m * r), metrics)
         return jax.lax.psum(ce, AXIS), flat(d_stacked), jax.lax.psum(d_other, AXIS), flat(state_new), metrics
