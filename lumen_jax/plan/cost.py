@@ -258,6 +258,9 @@ class StepShape:
     micro_batch: int
     remat: str
     moe_backend: str = "gpu"  # plan.moe.BACKENDS
+    # how the gradients cross `context`: "per_unit", as our step runs it (`_context`), or "once" per
+    # step with the data-parallel reduction, as Megatron does (the calibration's published runs)
+    context_grads: str = "per_unit"
 
     @property
     def m(self) -> int:  # micro-batches per step
@@ -304,7 +307,7 @@ def counts_collectives(fn: Callable[[StepShape, Add], None]) -> Callable[[StepSh
 
 
 def collectives(model: ModelConfig, layout: Layout, hw: Hardware, seq_len: int, micro_batch: int,
-                remat: str, moe_backend: str = "gpu") -> list[Collective]:
+                remat: str, moe_backend: str = "gpu", context_grads: str = "per_unit") -> list[Collective]:
     """The collectives of one step per mesh axis (see docs/PLANNING.md for each count), from every
     registered counter (`counts_collectives`): fsdp and data, tensor, context, pipeline, expert."""
     out: list[Collective] = []
@@ -315,7 +318,7 @@ def collectives(model: ModelConfig, layout: Layout, hw: Hardware, seq_len: int, 
             link, bw = link_of(axis.split("+")[0], layout, hw)
             out.append(Collective(axis, size, link, kind, what, payload, calls, overlapped, bw))
 
-    step = StepShape(model, layout, seq_len, micro_batch, remat, moe_backend)
+    step = StepShape(model, layout, seq_len, micro_batch, remat, moe_backend, context_grads)
     for count in AXIS_COLLECTIVES:
         count(step, add)
     return out
@@ -470,7 +473,9 @@ def _context(s: StepShape, add: Add) -> None:
         add("context", "reduce-scatter", "dK/dV per layer", kv, backwards, False)
     unsharded = dataclasses.replace(layout, mesh=dataclasses.replace(mesh, data=1, fsdp=1))
     weights = state_bytes(model, unsharded)["params"] / (mesh.fsdp if mesh.zero_stage >= 3 else 1)
-    if layout.pipeline > 1:
+    if s.context_grads == "once":
+        add("context", "all-reduce", "gradients, once per step (with the data-parallel reduction)", s.grads, 1, True)
+    elif layout.pipeline > 1:
         _pipelined_gradients(s, add, weights, F32_BYTES, "context", "all-reduce")
         add("context", "all-reduce", "fp32 embedding table gradient of the context row groups, once per step",
             model.vocab_size * model.d_model / mesh.tensor * F32_BYTES, 1, True)

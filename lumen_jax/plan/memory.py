@@ -381,8 +381,8 @@ class SplitBackward:
 
     params: float  # weights of the tapped (plain-einsum) projections: W's matmuls, 2 FLOPs each per token
     rows: collections.Counter  # per token, compute dtype: each tapped projection's output cotangent and
-    # each distinct input once (Q/K/V share the attention's normed input, gate/up the MLP's); per
-    # routed row of an MoE layer its input, SwiGLU output, and the three matmuls' output cotangents
+    # each distinct input once (Q/K/V share the attention's normed input, gate/up the MLP's); an MoE
+    # layer's routed rows are the dispatch's (`activation_bytes`)
     experts: float = 0.0  # the routed experts' weights (all experts'; W differentiates each device's)
     routed: float = 0.0  # the routed experts' weights one token meets (its top_k experts')
 
@@ -397,8 +397,8 @@ def split_backward(model: ModelConfig) -> SplitBackward:
     ones keep their own backward, whose weight gradients stay in B) and an MoE layer's routed
     experts. Attention: input, q, k, v, the core's output (wo's input) and wo's output; an MLP:
     input, gate, up, the SwiGLU output (w_down's input) and w_down's output; the routed experts:
-    per routed row (top_k per token, balanced routing: the blocks' padding not counted) its input,
-    SwiGLU output and the gate, up and down cotangents. The D-wide rows are the matmuls' (gathered
+    per row of the dispatch its input, SwiGLU output and the gate, up and down cotangents (counted
+    by `activation_bytes` from the dispatch's rows). The D-wide rows are the matmuls' (gathered
     under sequence parallelism: `G`)."""
     plain = {t for t in ("attention", "mlp") if Ops.plain(model).projection(t) in ("einsum", "token_grad")}
     d, h = model.d_model, model.resolved_head_dim
@@ -421,7 +421,6 @@ def split_backward(model: ModelConfig) -> SplitBackward:
         share, k = n_moe / model.num_layers, model.moe.top_k
         expert = 3 * d * model.expert_ffn_dim
         experts, routed = share * model.moe.num_experts * expert, share * k * expert
-        rows.update({("G", "c"): 2 * share * k, ("F", "c"): 3 * share * k * model.expert_ffn_dim / model.ffn_dim})
     return SplitBackward(params=params, rows=rows, experts=experts, routed=routed)
 
 
@@ -487,12 +486,20 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
         split = split_backward(model)
         saved += (wslots + 2) * layers * tokens * _bytes(split.rows, widths, c)
     n_moe = moe_plan.moe_layers(model, layout)
-    if n_moe and not pipelined:  # MoE in pipeline stages: its dispatch buffers are not modelled yet
+    if n_moe:
         shared = dataclasses.replace(model, ffn_dim=model.moe.shared_experts * model.expert_ffn_dim)
         moe = moe_plan.layer_bytes(model, layout, tokens, moe_backend)
         kept = moe["saved"] if remat == "none" else 0.0
         moe_layer = tokens * saved_bytes_per_token(shared, layout, seq_len, remat, attention) + copies + kept
-        saved += n_moe * (moe_layer + moe["router"] - per_layer)
+        # A pipelined stage keeps its chunk's MoE layers' residuals in each of its (slots + 2) sets;
+        # a split backward's W stash (wslots + 2 sets) their dispatched rows: input and output cotangent
+        # D wide, SwiGLU output and gate and up cotangents F/t wide (`ops.grouped.TAP_INPUTS`, ...).
+        sets = (slots + 2) / virtual if pipelined else 1
+        saved += sets * n_moe * (moe_layer + moe["router"] - per_layer)
+        if wslots:
+            rows = moe_plan.dispatch(model, layout, tokens, moe_backend).padded
+            width = 2 * model.d_model + 3 * model.expert_ffn_dim / layout.mesh.tensor
+            saved += (wslots + 2) / virtual * n_moe * rows * width * c
         parts["moe"] = (moe["working"] if remat == "none" else moe["recomputed"]) / tokens
     return Activations(
         saved=saved, working=tokens * sum(parts.values()),

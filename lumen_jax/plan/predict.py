@@ -168,9 +168,12 @@ def exposed_seconds(comms: tuple[Collective, ...], compute: Compute, m: int, ove
 
 def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = None,
             attention: str | None = None, efficiency: float | None = None, memory_fraction: float = MEMORY_FRACTION,
-            terms: Efficiency = Efficiency(), overlap: Overlap = Overlap(), moe_backend: str = "gpu") -> Plan:
+            terms: Efficiency = Efficiency(), overlap: Overlap = Overlap(), moe_backend: str = "gpu",
+            context_grads: str = "per_unit") -> Plan:
     """Bytes, FLOPs, collectives and a step time for `cfg` on `layout`. `moe_backend`: the MoE
-    dispatch's exchange and grouped matmuls as on GPU or as XLA:CPU compiles them (`plan.moe`).
+    dispatch's exchange and grouped matmuls as on GPU or as XLA:CPU compiles them (`plan.moe`);
+    `context_grads`: the gradients' reduction over context as our step runs it, or "once" per step
+    (`cost.StepShape.context_grads`).
 
     Step time = compute + the communication that does not hide under it (`exposed_seconds`, per
     axis: `overlap`), stretched by the pipeline bubble (`_stretch`: zero_bubble's B and W ticks at
@@ -188,7 +191,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     fraction = (context_score_fraction(layout.mesh.context, layout.mesh.context_balance, attention)
                 if layout.mesh.context > 1 else 0.5)
     hw_per_token = planned_flops_per_token(model, layout, seq, remat, score_fraction=fraction)
-    comms = tuple(collectives(model, layout, hw, seq, micro_batch, remat, moe_backend))
+    comms = tuple(collectives(model, layout, hw, seq, micro_batch, remat, moe_backend, context_grads))
     if efficiency is None:
         redo = recomputes(remat, layout.mesh.context, layout.mesh.context_parallel)
         parts = compute_seconds(model, layout, seq, micro_batch, redo, attention, hw, terms, score_fraction=fraction)
