@@ -385,13 +385,13 @@ def _weights_and_gradients(s: StepShape, add: Add) -> None:
 
 
 def _pipelined_gradients(s: StepShape, add: Add, weights: float, red: int, axis: str = "fsdp",
-                         kind: str = "reduce-scatter") -> None:
+                         kind: str = "reduce-scatter", experts: bool = True) -> None:
     """Gradients of a pipelined step that `axis` reduces in every tick (ZeRO-3's over fsdp; context
     parallelism's over context): as the compiled step sums them (measured), each unit reduces the
     gradients it makes, in its tick: a backward its chunk's layers' (split: all but the tapped
     projections'), a split backward's W unit the tapped projections', a loss tick the logits matrix
     and the final norm. `weights`: the stage's fp32 parameter bytes on one fsdp shard group
-    (unsharded over data and fsdp)."""
+    (unsharded over data and fsdp); `experts=False`: without the routed experts' (reduced elsewhere)."""
     model, layout = s.model, s.layout
     prog, tp, v = _lockstep(s), layout.mesh.tensor, layout.schedule[1]
     ticks = _ticks(prog)
@@ -399,7 +399,8 @@ def _pipelined_gradients(s: StepShape, add: Add, weights: float, red: int, axis:
     outside = head + (0 if model.tie_embeddings else model.vocab_size * model.d_model / tp * F32_BYTES)
     layers = weights - outside  # the stage's layer stack, norms (and experts) included
     split = split_backward(model)
-    tapped = (split.params + split.experts / layout.mesh.expert) * s.layers * F32_BYTES / tp if prog.split else 0.0
+    routed = split.experts / layout.mesh.expert if experts else 0.0
+    tapped = (split.params + routed) * s.layers * F32_BYTES / tp if prog.split else 0.0
     dt = DTYPE_NAMES[red]
     add(axis, kind, f"{dt} layer gradients of a backward, per backward tick",
         (layers - tapped) * red / F32_BYTES / v, ticks["backward"], True)
@@ -600,13 +601,30 @@ def _expert(s: StepShape, add: Add) -> None:
     the forward, their cotangents both ways in the backward (and the forward's again when the
     backward recomputes the layer): `plan.moe.all_to_alls` (gpu: the routed rows, balanced
     routing assumed; cpu: the padded exchange's buffers). The batch is split over `expert` too, so
-    the gradients of the weights outside the experts are all-reduced over it, every micro-batch."""
+    the gradients of the weights outside the experts are all-reduced over it, every micro-batch.
+    Under a pipeline (measured, pipeline=2 expert=2): each tick's units exchange their MoE layers'
+    rows, half of the calls in forward ticks and half in backward ticks (fill and drain included);
+    each unit all-reduces the gradients it makes outside the experts in its tick
+    (`_pipelined_gradients`), and the embedding gradient, summed per device, once."""
     model, layout = s.model, s.layout
     if not model.moe.enabled:
         return
     layers = moe_plan.moe_layers(model, layout)
+    units = s.m
+    if layout.pipeline > 1:
+        ticks = _ticks(_lockstep(s))
+        units = (ticks["forward"] + ticks["backward"]) / 2 / layout.schedule[1]
     for what, payload, calls in moe_plan.all_to_alls(model, layout, s.tokens, s.moe_backend, s.redo):
-        add("expert", "all-to-all", f"{what}, {calls}/MoE layer", payload, s.m * layers * calls, False)
+        add("expert", "all-to-all", f"{what}, {calls}/MoE layer", payload, units * layers * calls, False)
     counts = flops.param_counts(model)
-    add("expert", "all-reduce", "fp32 gradients outside the experts",
-        s.grads * (1 - counts["experts"] / counts["total"]), s.m, True)
+    if layout.pipeline == 1:
+        add("expert", "all-reduce", "fp32 gradients outside the experts",
+            s.grads * (1 - counts["experts"] / counts["total"]), s.m, True)
+        return
+    mesh = layout.mesh
+    unsharded = dataclasses.replace(layout, mesh=dataclasses.replace(mesh, data=1, fsdp=1))
+    weights = state_bytes(model, unsharded)["params"] / (mesh.fsdp if mesh.zero_stage >= 3 else 1)
+    experts = counts["experts"] / layout.pipeline / mesh.expert / mesh.tensor * F32_BYTES
+    _pipelined_gradients(s, add, weights - experts, F32_BYTES, "expert", "all-reduce", experts=False)
+    add("expert", "all-reduce", "fp32 embedding table gradient of the expert row groups, once per step",
+        model.vocab_size * model.d_model / mesh.tensor * F32_BYTES, 1, True)
