@@ -8,7 +8,7 @@ import math
 from typing import Callable
 
 from lumen_jax.metrics import flops
-from lumen_jax.config import ModelConfig
+from lumen_jax.config import MeshConfig, ModelConfig
 from lumen_jax.parallel import context as context_lib
 from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.plan import moe as moe_plan
@@ -291,6 +291,12 @@ class StepShape:
         return recomputes(self.remat, self.layout.mesh.context, self.layout.mesh.context_parallel)["projections"]
 
 
+def _fsdp_shards(mesh: MeshConfig) -> int:
+    """What the gradients a unit makes are split into when another axis reduces them: fsdp under
+    ZeRO-3 reducing every micro-batch (with `fsdp_grad_reduce=once` fsdp is a replica axis: full size)."""
+    return mesh.fsdp if mesh.zero_stage >= 3 and mesh.fsdp_grad_reduce != "once" else 1
+
+
 def _reduce_bytes(layout: Layout) -> int:
     return F32_BYTES if layout.mesh.reduce_dtype == "float32" else 2
 
@@ -385,13 +391,15 @@ def _weights_and_gradients(s: StepShape, add: Add) -> None:
 
 
 def _pipelined_gradients(s: StepShape, add: Add, weights: float, red: int, axis: str = "fsdp",
-                         kind: str = "reduce-scatter", experts: bool = True) -> None:
+                         kind: str = "reduce-scatter", experts: bool = True, shards: int = 1) -> None:
     """Gradients of a pipelined step that `axis` reduces in every tick (ZeRO-3's over fsdp; context
     parallelism's over context): as the compiled step sums them (measured), each unit reduces the
     gradients it makes, in its tick: a backward its chunk's layers' (split: all but the tapped
     projections'), a split backward's W unit the tapped projections', a loss tick the logits matrix
     and the final norm. `weights`: the stage's fp32 parameter bytes on one fsdp shard group
-    (unsharded over data and fsdp); `experts=False`: without the routed experts' (reduced elsewhere)."""
+    (unsharded over data and fsdp); `experts=False`: without the routed experts' (reduced elsewhere);
+    `shards`: the layers' gradients reduced at 1/shards of their size (after ZeRO-3's reduce-scatter
+    over fsdp: measured on context=2 fsdp=2 without a pipeline), the head's at full size."""
     model, layout = s.model, s.layout
     prog, tp, v = _lockstep(s), layout.mesh.tensor, layout.schedule[1]
     ticks = _ticks(prog)
@@ -403,9 +411,9 @@ def _pipelined_gradients(s: StepShape, add: Add, weights: float, red: int, axis:
     tapped = (split.params + routed) * s.layers * F32_BYTES / tp if prog.split else 0.0
     dt = DTYPE_NAMES[red]
     add(axis, kind, f"{dt} layer gradients of a backward, per backward tick",
-        (layers - tapped) * red / F32_BYTES / v, ticks["backward"], True)
+        (layers - tapped) * red / F32_BYTES / v / shards, ticks["backward"], True)
     add(axis, kind, f"{dt} tapped projections' gradients of a W unit, per W tick",
-        tapped * red / F32_BYTES / v, ticks["weight"], True)
+        tapped * red / F32_BYTES / v / shards, ticks["weight"], True)
     add(axis, kind, f"{dt} logits matrix and final norm gradients, per loss tick",
         head * red / F32_BYTES, ticks["head"], True)
 
@@ -473,15 +481,17 @@ def _context(s: StepShape, add: Add) -> None:
             kv, forwards + backwards, False)
         add("context", "reduce-scatter", "dK/dV per layer", kv, backwards, False)
     unsharded = dataclasses.replace(layout, mesh=dataclasses.replace(mesh, data=1, fsdp=1))
-    weights = state_bytes(model, unsharded)["params"] / (mesh.fsdp if mesh.zero_stage >= 3 else 1)
+    weights = state_bytes(model, unsharded)["params"]
+    shards = _fsdp_shards(mesh)
     if s.context_grads == "once":
         add("context", "all-reduce", "gradients, once per step (with the data-parallel reduction)", s.grads, 1, True)
     elif layout.pipeline > 1:
-        _pipelined_gradients(s, add, weights, F32_BYTES, "context", "all-reduce")
+        _pipelined_gradients(s, add, weights, F32_BYTES, "context", "all-reduce", shards=shards)
         add("context", "all-reduce", "fp32 embedding table gradient of the context row groups, once per step",
             model.vocab_size * model.d_model / mesh.tensor * F32_BYTES, 1, True)
     else:
-        add("context", "all-reduce", "fp32 gradients of each micro-batch (partial sums of its tokens)", weights, m, True)
+        add("context", "all-reduce", "fp32 gradients of each micro-batch (partial sums of its tokens)",
+            weights / shards, m, True)
 
 
 @counts_collectives
@@ -623,8 +633,9 @@ def _expert(s: StepShape, add: Add) -> None:
         return
     mesh = layout.mesh
     unsharded = dataclasses.replace(layout, mesh=dataclasses.replace(mesh, data=1, fsdp=1))
-    weights = state_bytes(model, unsharded)["params"] / (mesh.fsdp if mesh.zero_stage >= 3 else 1)
+    weights = state_bytes(model, unsharded)["params"]
     experts = counts["experts"] / layout.pipeline / mesh.expert / mesh.tensor * F32_BYTES
-    _pipelined_gradients(s, add, weights - experts, F32_BYTES, "expert", "all-reduce", experts=False)
+    _pipelined_gradients(s, add, weights - experts, F32_BYTES, "expert", "all-reduce", experts=False,
+                         shards=_fsdp_shards(mesh))
     add("expert", "all-reduce", "fp32 embedding table gradient of the expert row groups, once per step",
         model.vocab_size * model.d_model / mesh.tensor * F32_BYTES, 1, True)
