@@ -125,12 +125,14 @@ class Taps:
     Projections with a backward of their own (fp8's scales and histories) are not tapped: their
     weight gradients stay in the first vjp. The MoE experts' grouped matmuls are (`_Grouped`).
 
-    Without `arrays`, a probe: tracing the layers fills `found` ({stack: {key: _Tapped}}; a key is
-    the weight's path in a layer, "attn.wq").
+    Without `arrays`, a probe: tracing the layers fills `found` ({stack: {key: _Tapped or _Grouped}};
+    a key is the weight's path in a layer, "attn.wq", or a grouped matmul's, "mlp.experts").
     """
 
     def __init__(self, arrays: dict | None = None, found: dict | None = None):
-        self.arrays = arrays  # {stack: {key: {"x": [L, ...] (the source keys only), "y": [L, ...]}}}
+        # {stack: {key: {"x": [L, ...] (the source keys only), "y": [L, ...]}}}; a grouped key: its
+        # `_Grouped.shapes` names, [L, devices, ...]
+        self.arrays = arrays
         self.found = {} if found is None else found
 
     def stop(self, params: dict) -> dict:

@@ -23,9 +23,11 @@ every stage, so there is no conditional and no stage computes a branch it drops:
   on the weights (their compute-dtype casts) are not stashed but taken again from the weights.
 - weight (zero_bubble, `Lockstep.split`): the backward above is B, the input gradient; the layers'
   plain projections run tapped (`StageFns.taps`, `ops.projection.Taps`), so B's vjp also returns
-  each projection's input and output cotangent instead of its weight gradient. They wait in the W
-  stash until the weight unit, one einsum per projection (the replay's vjp), in the tick stage 0
-  runs the same micro-batch's B: the drain's ticks run B alone, one unit instead of two.
+  each projection's input and output cotangent instead of its weight gradient (an MoE layer's
+  routed experts: each device's dispatched rows and cotangents, `Tape.grouped`). They wait in the W
+  stash until the weight unit, one einsum per projection (the replay's vjp; the experts' grouped
+  matmuls' weight gradients), in the tick stage 0 runs the same micro-batch's B: the drain's ticks
+  run B alone, one unit instead of two.
 
 Uneven stages (`mesh.pipeline_layers`) keep the stacks padded in memory (`Pipeline.pad`): each
 virtual stage holds max(pipeline_layers) layer slots, the ones past its own layers all zeros, which
