@@ -23,8 +23,9 @@ XLA, and a worked 7B/70B example are in docs/PLANNING.md.
 - `cli`: the command line.
 """
 
-from lumen_jax.plan.cost import (ELEMENTWISE_OPS, Collective, bubble_fraction, collectives, compiled_flops_per_device,
-                                 context_score_fraction, flops_per_device, link_of, planned_flops_per_token)
+from lumen_jax.plan.collectives import Collective, collectives, link_of
+from lumen_jax.plan.cost import (ELEMENTWISE_OPS, bubble_fraction, compiled_flops_per_device, context_score_fraction,
+                                 flops_per_device, planned_flops_per_token)
 from lumen_jax.plan.hardware import AXES, DEVICES, Hardware, Layout, compute_bytes, layout_from_config
 from lumen_jax.plan.memory import (BACKWARD_ROWS, CONTEXT_BACKWARD_ROWS, STATE_BYTES, TEXTBOOK_BYTES_PER_PARAM,
                                    Activations, Residuals, activation_bytes, fp8_bytes,

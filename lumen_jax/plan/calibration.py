@@ -58,7 +58,7 @@ def predict_row(row: Published, terms: Efficiency = Efficiency(), overlap: Overl
                 efficiency: float | None = None) -> Plan:
     """Our program's plan for the row's model, layout and hardware, with the recipe's overlap and its
     gradients' reduction over context (once per step: Megatron folds context into the data-parallel
-    group; our step reduces them where they are made, `cost._context`, which at NeMo's 405B layout,
+    group; our step reduces them where they are made, `collectives._context`, which at NeMo's 405B layout,
     CP2 PP9 VP7, plans 0.33x the measured tokens/s); `efficiency`: one fraction of the peak for
     every FLOP instead of `terms` (`predict`)."""
     recipe = dataclasses.replace(overlap, **(RECIPE_OVERLAP if recipe_overlap is None else recipe_overlap)) \

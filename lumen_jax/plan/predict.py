@@ -9,8 +9,8 @@ from typing import Any, Callable
 from lumen_jax.metrics import flops
 from lumen_jax.config import ATTENTION_IMPLS, Config, MeshConfig, ModelConfig
 from lumen_jax.parallel.pipeline import schedule as pipeline_lib
-from lumen_jax.plan.cost import (Collective, collectives, context_score_fraction,
-                                 planned_flops_per_token)
+from lumen_jax.plan.collectives import Collective, collectives
+from lumen_jax.plan.cost import context_score_fraction, planned_flops_per_token
 from lumen_jax.plan.efficiency import Compute, Efficiency, Overlap, compute_seconds
 from lumen_jax.plan.hardware import Hardware, Layout, uneven_split
 from lumen_jax.plan.memory import (Activations, activation_bytes, communication_bytes, fp8_bytes, recomputes,
@@ -173,7 +173,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     """Bytes, FLOPs, collectives and a step time for `cfg` on `layout`. `moe_backend`: the MoE
     dispatch's exchange and grouped matmuls as on GPU or as XLA:CPU compiles them (`plan.moe`);
     `context_grads`: the gradients' reduction over context as our step runs it, or "once" per step
-    (`cost.StepShape.context_grads`).
+    (`collectives.StepShape.context_grads`).
 
     Step time = compute + the communication that does not hide under it (`exposed_seconds`, per
     axis: `overlap`), stretched by the pipeline bubble (`_stretch`: zero_bubble's B and W ticks at

@@ -85,7 +85,7 @@ def test_compositions_do_the_schedules_work(moe, mesh, flat):
 @pytest.mark.parametrize("stages,m,mesh", [(2, 4, dict(data=4)), (4, 8, dict(data=2)), (2, 2, dict(data=2, fsdp=2))],
                          ids=["pipeline2-data4", "pipeline4-data2", "pipeline2-data2-fsdp2"])
 def test_the_planner_counts_what_the_pipeline_sends(stages, m, mesh):
-    """The planner's collectives over `pipeline` (`plan/cost.py`) against the compiled step's, by kind:
+    """The planner's collectives over `pipeline` (`plan/collectives.py`) against the compiled step's, by kind:
     one activation per forward tick and one cotangent per backward tick (collective-permutes), the
     shared loss's all-reduces and the replicated weights' gradient sum (over `fsdp` shards under ZeRO-3)."""
     from lumen_jax import plan

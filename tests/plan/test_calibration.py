@@ -11,7 +11,7 @@ import pytest
 
 from lumen_jax.metrics import flops
 from lumen_jax.plan import calibration, goodput
-from lumen_jax.plan.cost import Collective
+from lumen_jax.plan.collectives import Collective
 from lumen_jax.plan.efficiency import Compute, Efficiency, Overlap
 from lumen_jax.plan.hardware import DEVICES
 from lumen_jax.plan.predict import exposed_seconds

@@ -188,9 +188,9 @@ def test_pipeline_sequence_parallel_sends_its_share(schedule):
     zero_bubble -20.3%, with the embedding and logits gathered once per loss tick): the embedding
     table once, the logits once per segment with the loss, its forward and backward apart (the
     vocabulary is split over tensor), and no row of the embedding gradient
-    (`cost._pipelined_head_gathers`). The tensor axis within 10% (measured +0.0% gathers, -0.3%
+    (`collectives._pipelined_head_gathers`). The tensor axis within 10% (measured +0.0% gathers, -0.3%
     reductions; +13.6% / -16.9% while it was planned as the unpipelined step's, per micro-batch
-    rather than per executed tick: `cost._pipelined_tensor`)."""
+    rather than per executed tick: `collectives._pipelined_tensor`)."""
     cfg = load_config("configs/tiny.yaml", ["mesh.fsdp=2", "mesh.tensor=2", "mesh.sequence_parallel=true",
                                             "mesh.pipeline=2", "model.num_layers=4", "train.micro_batches=4",
                                             f"mesh.pipeline_schedule={schedule}"])
