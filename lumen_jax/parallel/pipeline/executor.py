@@ -58,6 +58,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from lumen_jax.parallel import rules as rules_lib
+from lumen_jax.parallel import shard
 from lumen_jax.parallel.pipeline import schedule as tables
 
 AXIS = "pipeline"
@@ -209,16 +210,13 @@ def _varying(fn: Callable, weights: tuple, varying: tuple) -> tuple[list[bool], 
     return [not hasattr(v, "val") and v in dep for v in jaxpr.outvars], [v.aval for v in jaxpr.outvars]
 
 
-def _row_groups(mesh: Mesh, rows: int, tokens: int) -> tuple[int, int]:
+def _row_groups(rows: int, tokens: int) -> tuple[int, int]:
     """(Gb, Gs): the devices a micro-batch's `rows` and its `tokens` per row are split over inside a
     tick: the axes of the `batch` and the `seq` rules of the enclosing `rules.activate` (the replica
     axes, which the ticks' vmap takes, are not among them; `seq` is context parallelism's); 1 outside
     one, or where they do not split evenly."""
-    active = rules_lib.active()
-
     def size(name: str, n: int) -> int:
-        spec = active[1].spec((name,))[0] if active is not None else None
-        groups = int(np.prod([mesh.shape[a] for a in ((spec,) if isinstance(spec, str) else spec or ())]))
+        groups = shard.axes_size((name,))
         return groups if n % groups == 0 else 1
     return size("batch", rows), size("seq", tokens)
 
@@ -510,7 +508,7 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
     if set(model_state) - set(pipe.stacks):  # no such model: fp8's and MoE's state live in the layers
         raise ValueError(f"model state outside the layer stacks {sorted(set(model_state) - set(pipe.stacks))} "
                          "does not run in pipeline stages")
-    groups = _row_groups(pipe.mesh, b, t)
+    groups = _row_groups(b, t)
     rows_all = (np.asarray(prog.fwd, np.int32), np.asarray(prog.bwd, np.int32),  # [ticks, P, 5]
                 np.asarray(prog.head, np.int32),  # [ticks, 2]
                 np.asarray(prog.wgt if prog.split else prog.bwd, np.int32))  # W units (unused unless split)
