@@ -6,7 +6,7 @@ Each MESH is comma-separated `key=value`: mesh fields (data, fsdp, tensor, zero_
 fsdp_grad_reduce, ...), `m` (micro-batches) and `dt` (compute dtype). The model is a small fp32
 config (CONFIG below: the mesh tests' BASE of tests/helpers/run.py, at batch 32); the step is compiled
 on 8 emulated CPU devices and every collective counted with the trip counts of its loops
-(`lumen_jax.plan.hlo.on_mesh`). Collectives under 2 KB per step (loss scalars) are left out.
+(`lumen_jax.compiler.hlo.on_mesh`). Collectives under 2 KB per step (loss scalars) are left out.
 Figures: docs/PERFORMANCE.md.
 """
 
@@ -28,8 +28,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 from lumen_jax.config import Config, DataConfig, MeshConfig, ModelConfig, OptimConfig, TrainConfig  # noqa: E402
 from lumen_jax.generate import ONE_DEVICE  # noqa: E402
-from lumen_jax.plan import hlo  # noqa: E402
-from lumen_jax.plan.compiled import compile_step  # noqa: E402
+from lumen_jax.compiler import hlo  # noqa: E402
+from lumen_jax.compiler.compiled import compile_step  # noqa: E402
 from lumen_jax.plan.hardware import layout_from_config  # noqa: E402
 
 CONFIG = Config(

@@ -69,7 +69,7 @@ def run_recipe(args: argparse.Namespace, recipe: str, compiler_options: dict | N
     from lumen_jax.config.checks import validate
     from lumen_jax.config.files import load_config
     from lumen_jax.parallel.mesh import make_mesh
-    from lumen_jax.plan.compiled import compiled_bytes  # arguments + outputs + temporaries - aliases
+    from lumen_jax.compiler.compiled import compiled_bytes  # arguments + outputs + temporaries - aliases
 
     keep = "[" + args.keep_bf16 + "]"
     overrides = [f"model.fp8.recipe={recipe}", f"model.fp8.keep_bf16={keep}", f"data.global_batch_size={args.batch}",

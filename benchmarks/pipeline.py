@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from lumen_jax.parallel.pipeline import schedule as pipeline
     from lumen_jax.parallel.mesh import make_mesh
 
-    from lumen_jax.plan import hlo
+    from lumen_jax.compiler import hlo
 
     data = 8 // a.stages
     print(f"{jax.devices()[0].device_kind} x{jax.device_count()}; pipeline={a.stages} data={data}; "

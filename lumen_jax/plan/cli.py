@@ -1,4 +1,4 @@
-"""`python -m lumen_jax.plan`: parse, plan (or search, or check against XLA), print a table or JSON.
+"""`python -m lumen_jax.plan`: parse, plan (or search, or list the calibration), print a table or JSON.
 No math here."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import sys
 from typing import Sequence
 
 from lumen_jax.metrics import flops
-from lumen_jax.config import Config, ConfigError, RuntimeConfig
+from lumen_jax.config import Config, ConfigError
 from lumen_jax.config.checks import validate
+from lumen_jax.config.commands import CommandParser
 from lumen_jax.config.files import load_config
 from lumen_jax.plan import goodput as goodput_lib
 from lumen_jax.plan.goodput import Goodput
@@ -89,27 +90,6 @@ def format_plan(plan: Plan, cfg: Config, g: Goodput | None = None) -> str:
     return "\n".join(lines)
 
 
-def format_against_xla(check, devices: int) -> str:
-    """The predicted and the compiled per-device FLOPs and bytes side by side (`--against-xla`)."""
-    error = lambda p, c: f"{p / c - 1:+.1%}" if c else "n/a"  # noqa: E731
-    return "\n".join([
-        f"against XLA: the step compiled on {devices} emulated CPU devices, per device",
-        f"  {'':8s}{'predicted':>14s}{'compiled':>14s}{'error':>9s}",
-        f"  {'FLOPs':8s}{check.flops_predicted:14.3e}{check.flops_compiled:14.3e}"
-        f"{error(check.flops_predicted, check.flops_compiled):>9s}   as cost_analysis counts: a loop body once "
-        "(one layer, one micro-batch), elementwise work included",
-        f"  {'matmuls':8s}{check.matmul_predicted:14.3e}{check.matmul_compiled:14.3e}"
-        f"{error(check.matmul_predicted, check.matmul_compiled):>9s}   the critical path: every dot times its "
-        "loops' trip counts (with pipeline stages every tick, bubble included)",
-        f"  {'bytes':8s}{check.bytes_predicted / 1e6:11.2f} MB{check.bytes_compiled / 1e6:11.2f} MB"
-        f"{error(check.bytes_predicted, check.bytes_compiled):>9s}   memory_analysis: arguments + outputs + "
-        "temporaries - aliases",
-        "  collective bytes per step (compiled: every collective times its loops' trip counts)",
-        *(f"  {key:24s}{p / 1e6:11.3f} MB{c / 1e6:11.3f} MB{error(p, c):>9s}"
-          for key, (p, c) in check.collectives.items()),
-    ])
-
-
 def format_search(plans: Sequence[Plan]) -> str:
     """One line per candidate, best first: mesh (with the pipeline schedule), remat, sequences per
     micro-batch (b), micro-batches (m)."""
@@ -121,13 +101,8 @@ def format_search(plans: Sequence[Plan]) -> str:
     return "\n".join([head, *rows]) if rows else "no candidate fits"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints its usage too)
-        raise ConfigError(f"{message}; see python -m lumen_jax.plan --help")
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = _Parser(prog="python -m lumen_jax.plan", description=USAGE)
+    p = CommandParser(prog="python -m lumen_jax.plan", description=USAGE)
     p.add_argument("--config", help="YAML or gin file (configs/*.yaml)")
     p.add_argument("--devices", type=int, help="devices the run will use (required but with --calibration)")
     p.add_argument("--device", default="h100", choices=sorted(DEVICES), help="accelerator (default h100)")
@@ -157,9 +132,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--search", action="store_true", help="rank fitting meshes x remat x micro-batch sizes")
     p.add_argument("--top", type=int, default=5, help="candidates --search lists")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--against-xla", action="store_true",
-                   help="also compile the real train step on --devices emulated CPU devices and print XLA's "
-                        "per-device FLOPs and bytes next to the predicted ones (choose small shapes)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.tensor=8 model.remat=full")
     return p.parse_args(argv)
 
@@ -172,23 +144,6 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
                "ib_bytes_per_s": args.ib_gbps and args.ib_gbps * 1e9,
                "devices_per_node": args.devices_per_node}
     return dataclasses.replace(hw, **{k: v for k, v in changes.items() if v})
-
-
-def emulate_cpu_devices(n: int, what: str = "--against-xla") -> None:
-    """`n` emulated CPU devices, set before the JAX backend starts (`runtime.configure`), for `what`
-    (`--against-xla` here, `python -m lumen_jax.lower`). When a caller has started JAX already, its
-    CPU devices must suffice."""
-    from lumen_jax.runtime import process as runtime
-
-    try:
-        runtime.configure(RuntimeConfig(cpu_devices=n, platform="cpu", compilation_cache_dir="", malloc="default"))
-    except RuntimeError:  # the backend runs with another device count; checked below
-        pass
-    import jax
-
-    if jax.default_backend() != "cpu" or jax.device_count() < n:
-        raise ConfigError(f"{what} --devices {n} needs {n} CPU devices, but JAX started with "
-                          f"{jax.device_count()} {jax.default_backend()} device(s); run it in a fresh process")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -207,23 +162,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError(f"{name}={value} must be > 0")
         if args.devices < 1:
             raise ConfigError(f"--devices {args.devices} must be >= 1: the devices the run will use")
-        if args.against_xla:  # before anything starts JAX (the planner's probe traces the model)
-            if args.search or args.pipeline != 1:
-                raise ConfigError("--against-xla compiles the config's own layout; drop --search and --pipeline "
-                                  "(set mesh.pipeline to compile pipeline stages)")
-            emulate_cpu_devices(args.devices)
         cfg = load_config(args.config, args.overrides)
         hw = hardware_from_args(args)
         for name, value, low, high in (("--efficiency", args.efficiency, 0, 1),
                                        ("--memory-fraction", args.memory_fraction, 0, 1)):
             if value is not None and not low < value <= high:
                 raise ConfigError(f"{name}={value} must be in ({low}, {high}]")
-        attention = args.attention
-        if args.against_xla and attention is None and cfg.model.attention == "auto":
-            attention = "xla"  # what the step compiled on CPU runs
-        kwargs = {"attention": attention, "efficiency": args.efficiency, "memory_fraction": args.memory_fraction}
-        if args.against_xla:  # the MoE exchange and grouped matmuls the step compiled on CPU runs
-            kwargs["moe_backend"] = "cpu"
+        kwargs = {"attention": args.attention, "efficiency": args.efficiency, "memory_fraction": args.memory_fraction}
         if args.search:  # the search picks the mesh (but `expert`) and the schedule: check everything else
             one = dataclasses.replace(cfg.mesh, data=1, fsdp=1, context=1, tensor=1, pipeline=1)
             validate(cfg.replace(mesh=one, train=dataclasses.replace(cfg.train, micro_batches=1)), max(one.expert, 1))
@@ -243,23 +188,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             layout = layout_from_config(cfg, args.devices, args.pipeline, args.pipeline_microbatches or None)
             plan = predict(cfg, layout, hw, **kwargs)
             g = goodput_lib.of_plan(plan, cfg.model, storage_gbps=args.storage_gbps, restart_s=args.restart_s)
-            check = None
-            if args.against_xla:
-                from lumen_jax.plan.compiled import against_xla  # the trainer: imported only for this
-
-                check = against_xla(cfg, plan)
             if args.json:
                 out = plan.to_json()
                 out["goodput"] = {"mtbf_s": g.mtbf_s, "checkpoint_bytes": g.checkpoint_bytes,
                                   "checkpoint_s": g.checkpoint_s, "restart_s": g.restart_s,
                                   "interval_s": g.interval_s, "every_steps": g.every_steps, "goodput": g.goodput}
-                if check is not None:
-                    out["against_xla"] = check.to_json()
                 text = json.dumps(out, indent=2)
             else:
                 text = format_plan(plan, cfg, g)
-                if check is not None:
-                    text += "\n\n" + format_against_xla(check, args.devices)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

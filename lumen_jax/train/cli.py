@@ -26,19 +26,16 @@ from typing import Sequence
 
 from lumen_jax.config import Config, ConfigError, suggest_key, to_dict
 from lumen_jax.config.checks import validate, warnings
+from lumen_jax.config.commands import CommandParser
 from lumen_jax.config.files import load_config
 
 EXIT_OK, EXIT_BUG, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_CORRUPTION, EXIT_PREEMPTED = 0, 1, 2, 3, 4, 75
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints the usage too)
-        raise ConfigError(f"{message}; usage: python -m lumen_jax.train --config FILE [section.key=value ...]")
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line; an option other than --config is a ConfigError that suggests the override."""
-    p = _Parser(prog="python -m lumen_jax.train", description=__doc__.splitlines()[0])
+    p = CommandParser(prog="python -m lumen_jax.train", description=__doc__.splitlines()[0],
+                      hint="usage: python -m lumen_jax.train --config FILE [section.key=value ...]")
     p.add_argument("--config", help="YAML or gin file (configs/*.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4 mesh.tensor=2")
     args, unknown = p.parse_known_args(argv)
@@ -74,6 +71,7 @@ def train(cfg: Config, stop=None) -> dict:
     from lumen_jax.metrics.flops import param_counts
     from lumen_jax.metrics.mfu import Throughput
     from lumen_jax.parallel.mesh import make_mesh
+    from lumen_jax.plan import startup
     from lumen_jax.runtime import rundir
     from lumen_jax.train import loop
     from lumen_jax.train.build import build
@@ -94,8 +92,9 @@ def train(cfg: Config, stop=None) -> dict:
         rundir.prepare(run_dir)  # a file in its place, read-only, full: exit 2 before compiling
     trainer = build(cfg, make_mesh(mesh_shape, across_nodes=distributed.across_nodes(
         cfg.distributed, mesh_shape, jax.devices())))
-    if cfg.mesh.fsdp_regather == "per_step":
-        _check_kept_weights_fit(cfg, trainer.mesh)
+    local = [d for d in trainer.mesh.devices.flat if d.process_index == jax.process_index()]  # addressable only
+    planned = startup.at_start(cfg, dict(trainer.mesh.shape), trainer.ops, (local[0].memory_stats() or {}).get(
+        "bytes_limit"), plan_bytes=jax.process_index() == 0)  # memory_stats: None on CPU
     share, shares = distributed.batch_share(trainer.batch_sharding, cfg.data.global_batch_size, cfg.data.seq_len)
     data = TrainData(cfg.data, seed=cfg.train.seed, process_index=share, process_count=shares)
     if data.tokenizer.vocab_size > cfg.model.vocab_size:
@@ -108,46 +107,12 @@ def train(cfg: Config, stop=None) -> dict:
                  data.check_state)
     if jax.process_index() == 0:
         rundir.write_json(run_dir, "config.json", config)
-    planned, planned_error = _planned_bytes(cfg, trainer) if jax.process_index() == 0 else (None, "")
     spec = loop.RunSpec(train=cfg.train, checkpoint=cfg.checkpoint, log=cfg.log, config=config,
                         param_count=param_counts(cfg.model)["total"],
                         throughput=Throughput.of(cfg.model, cfg.data.seq_len, cfg.data.global_batch_size,
                                                  jax.devices()),
-                        planned_bytes=planned, planned_error=planned_error)
+                        planned_bytes=planned.bytes_per_device, planned_error=planned.error)
     return loop.run(trainer, data, run_dir, spec, stop, during_training(cfg.data, cfg.train, trainer, share, shares))
-
-
-def _planned_bytes(cfg: Config, trainer) -> tuple[dict | None, str]:
-    """The planner's bytes per device for this run (`python -m lumen_jax.plan`'s figures, for the
-    start-up memory line), or (None, why) when it cannot plan it: a diagnostic never stops a run."""
-    import dataclasses
-
-    from lumen_jax.plan.hardware import Hardware, Layout
-    from lumen_jax.plan.predict import predict
-    shape = dict(trainer.mesh.shape)
-    layout = Layout(dataclasses.replace(cfg.mesh, **shape), pipeline=shape["pipeline"],
-                    micro_batches=cfg.train.micro_batches)
-    device = trainer.mesh.devices.flat[0]
-    try:  # the device's memory and peak do not change the bytes: any values do
-        plan = predict(cfg, layout, Hardware(device.device_kind, 0.0, peak_flops=1.0), attention=trainer.ops.attention,
-                       moe_backend="cpu" if device.platform == "cpu" else "gpu")
-    except Exception as e:  # noqa: BLE001 - a planner limitation is reported in the line, training goes on
-        return None, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-    return plan.bytes_per_device, ""
-
-
-def _check_kept_weights_fit(cfg: Config, mesh) -> None:
-    """`mesh.fsdp_regather=per_step` keeps the gathered weights for the whole step: ConfigError when
-    they and the state exceed a device's memory (the planner's bytes; unknown on CPU: no check)."""
-    import dataclasses
-
-    import jax
-    from lumen_jax.plan.hardware import Layout
-    from lumen_jax.plan.memory import check_kept_weights_fit
-    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]  # memory_stats: addressable only
-    stats = local[0].memory_stats() or {}  # None on CPU
-    check_kept_weights_fit(cfg.model, Layout(dataclasses.replace(cfg.mesh, **dict(mesh.shape)),
-                                             micro_batches=cfg.train.micro_batches), stats.get("bytes_limit"))
 
 
 def _leave(cfg: Config | None, code: int) -> int:

@@ -185,8 +185,8 @@ def test_fine_grained_step_has_no_tokens_by_experts_by_d_array(mesh):
     once per device, [E, tokens, D + 2 top_k] with its experts and weights (not one row per
     assignment, top_k times that). One layer: the
     layer scan stacks each layer's residuals into [layers, ...] arrays."""
-    from lumen_jax.plan import hlo
-    from lumen_jax.plan.compiled import compile_step
+    from lumen_jax.compiler import hlo
+    from lumen_jax.compiler.compiled import compile_step
     from lumen_jax.plan.hardware import layout_from_config
 
     cfg = with_mesh(FINE.replace(model=dataclasses.replace(FINE.model, num_layers=1)), 2 if "data" in mesh else 1,

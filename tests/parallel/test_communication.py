@@ -2,7 +2,7 @@
 compute dtype while sharded, gathered once per step on request; the numbers stay those of one big batch.
 
 Byte counts come from the compiled step's HLO, every collective weighted by the trip counts of the
-loops around it (`lumen_jax.plan.hlo`).
+loops around it (`lumen_jax.compiler.hlo`).
 """
 
 import dataclasses
@@ -16,8 +16,8 @@ import pytest
 from helpers.paths import REPO
 from helpers.run import BASE, assert_same_run, run, with_mesh
 from lumen_jax.config import MeshConfig, MoeConfig
-from lumen_jax.plan import hlo
-from lumen_jax.plan.compiled import compile_step
+from lumen_jax.compiler import hlo
+from lumen_jax.compiler.compiled import compile_step
 from lumen_jax.plan.hardware import layout_from_config
 
 # Batch 32 so that data=8 with 4 micro-batches gives every device one row per micro-batch.
@@ -73,7 +73,7 @@ def test_pipelined_data_parallel_gradients_cross_once_per_step(schedule, moe):
     the replica vmap: every tick's gradients crossed `data`)."""
     from lumen_jax.train.build import build
     from lumen_jax.parallel.mesh import make_mesh
-    from lumen_jax.plan.compiled import abstract_step_args
+    from lumen_jax.compiler.compiled import abstract_step_args
 
     cfg = _cfg(4, data=4, pipeline=2, pipeline_schedule=schedule)
     if moe:
@@ -127,7 +127,7 @@ def test_weights_are_cast_to_bf16_while_sharded(regather):
     (per_step). (XLA:CPU then runs every bf16 collective in f32, so the compiled CPU program cannot
     show the bf16 bytes: docs/PLATFORM.md.)"""
     from lumen_jax.train.build import build
-    from lumen_jax.plan.compiled import abstract_step_args
+    from lumen_jax.compiler.compiled import abstract_step_args
     from lumen_jax.parallel.mesh import make_mesh
 
     cfg = _cfg(2, "bfloat16", fsdp=8, fsdp_regather=regather)
@@ -149,7 +149,7 @@ def _compiled_and_partitioned(cfg, tmp_path):
     partitioning: XLA:CPU then runs every bf16 collective in f32, so the dtype a GPU would move is
     read there (docs/PLATFORM.md)."""
     from lumen_jax.train.build import build
-    from lumen_jax.plan.compiled import abstract_step_args
+    from lumen_jax.compiler.compiled import abstract_step_args
     from lumen_jax.parallel.mesh import make_mesh
 
     shape = {a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}
@@ -274,7 +274,7 @@ def test_planned_collectives_match_the_compiled_step(name):
     data=4,context=2: the ring's hops and the gradients' all-reduce over context, every micro-batch
     (the weights are replicated over context; measured: both within 0.1%)."""
     from lumen_jax.plan import DEVICES, predict
-    from lumen_jax.plan.compiled import against_xla
+    from lumen_jax.compiler.compiled import against_xla
 
     cfg = with_mesh(BASE32, micro_batches=4, **OPTIONS.get(name, {"fsdp": 8}))
     layout = layout_from_config(cfg, jax.device_count())

@@ -12,7 +12,7 @@ from helpers.run import BASE, batches, with_mesh
 from lumen_jax.config import MeshConfig
 from lumen_jax.parallel.mesh import make_mesh
 from lumen_jax.parallel.pipeline import schedule as pipeline
-from lumen_jax.plan import hlo
+from lumen_jax.compiler import hlo
 from lumen_jax.train.build import build
 
 CFG = BASE.replace(model=dataclasses.replace(BASE.model, num_layers=16))

@@ -118,7 +118,7 @@ def test_a_run_without_profile_steps_writes_no_trace(slow_data):
 def test_the_memory_line_is_the_compiled_steps_memory_analysis(supervised):
     """The same config's step compiled here: its memory_analysis() is compile.json's and the line's."""
     from lumen_jax.parallel.mesh import make_mesh
-    from lumen_jax.plan.compiled import abstract_step_args
+    from lumen_jax.compiler.compiled import abstract_step_args
     from lumen_jax.train.build import build
 
     run_dir, proc = supervised

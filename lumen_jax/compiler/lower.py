@@ -15,7 +15,10 @@ runs: nothing is compiled or allocated. The report (`--json` for a machine):
   XLA:CPU on the same mesh and counts those);
 - the largest arrays, and those shaped [.., T, T] (attention scores) for the sequence length T;
 - `--compile-kernels`: the flash kernels' Triton IR compiled for the target with the `triton`
-  package (`lumen_jax.plan.kernel_compile`): shared memory, registers, spills against Hopper's limits.
+  package (`lumen_jax.compiler.kernels`): shared memory, registers, spills against Hopper's limits.
+
+`--against-xla` instead compiles the step for XLA:CPU on the emulated devices and prints the
+planner's per-device FLOPs, bytes and collectives next to the compiled program's (`compiled.py`).
 
 A config that cannot lower prints one line naming the op and the layer, exit 2 (like any bad input).
 """
@@ -32,10 +35,11 @@ import traceback
 import types
 from typing import Any, Sequence
 
-from lumen_jax.config import Config, ConfigError, MeshConfig
+from lumen_jax.config import Config, ConfigError, MeshConfig, RuntimeConfig
 from lumen_jax.config.checks import validate
+from lumen_jax.config.commands import CommandParser
 from lumen_jax.config.files import load_config
-from lumen_jax.plan import hlo
+from lumen_jax.compiler import hlo
 
 EXIT_BAD_INPUT = 2
 PLATFORMS = ("cuda", "cpu")
@@ -76,6 +80,22 @@ def mosaic_without_cuda():
         attention_mgpu.cuda_versions = None
 
 
+def emulate_cpu_devices(n: int) -> None:
+    """`n` emulated CPU devices, set before the JAX backend starts (`runtime.configure`). When a caller
+    has started JAX already, its CPU devices must suffice."""
+    from lumen_jax.runtime import process as runtime
+
+    try:
+        runtime.configure(RuntimeConfig(cpu_devices=n, platform="cpu", compilation_cache_dir="", malloc="default"))
+    except RuntimeError:  # the backend runs with another device count; checked below
+        pass
+    import jax
+
+    if jax.default_backend() != "cpu" or jax.device_count() < n:
+        raise ConfigError(f"python -m lumen_jax.lower --devices {n} needs {n} CPU devices, but JAX started with "
+                          f"{jax.device_count()} {jax.default_backend()} device(s); run it in a fresh process")
+
+
 def lower_step(cfg: Config, platform: str, devices: Sequence[Any], compute_capability: str = "9.0",
                flash_forward: str = "") -> tuple[Any, Any]:
     """(the trainer's step lowered for `platform`, its `Ops`), built on `devices` for `cfg`'s mesh.
@@ -86,7 +106,7 @@ def lower_step(cfg: Config, platform: str, devices: Sequence[Any], compute_capab
     from lumen_jax.train.build import build
     from lumen_jax.ops.choice import choose
     from lumen_jax.parallel.mesh import make_mesh
-    from lumen_jax.plan.compiled import abstract_step_args
+    from lumen_jax.compiler.compiled import abstract_step_args
 
     shape = validate(cfg, len(devices))
     target = [TargetGpu(compute_capability)] * len(devices) if platform == "cuda" else list(devices)
@@ -189,9 +209,9 @@ def format_report(report: dict) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m lumen_jax.lower", description=__doc__.splitlines()[0])
+    p = CommandParser(prog="python -m lumen_jax.lower", description=__doc__.splitlines()[0])
     p.add_argument("--config", help="YAML or gin file (configs/*.yaml)")
-    p.add_argument("--platform", choices=PLATFORMS, default="cuda", help="lower for this platform (default cuda)")
+    p.add_argument("--platform", choices=PLATFORMS, help="lower for this platform (default cuda)")
     p.add_argument("--devices", type=int, default=0,
                    help="emulated devices for the mesh (default: the mesh's product, 8 when an axis is -1)")
     p.add_argument("--compute-capability", default="9.0", help="target GPU (9.0 Hopper, 8.0 Ampere)")
@@ -201,20 +221,54 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="also compile the step for XLA:CPU and count the collectives the partitioner inserts")
     p.add_argument("--compile-kernels", action="store_true",
                    help="compile the flash kernels' Triton IR for the target with the triton package")
+    p.add_argument("--against-xla", action="store_true",
+                   help="instead: compile the step for XLA:CPU on --devices emulated devices and print XLA's "
+                        "per-device FLOPs, bytes and collectives next to the planner's (choose small shapes)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a report")
     p.add_argument("--traceback", action="store_true", help="a step that cannot lower: also print the traceback")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.tensor=8 model.attention=flash")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.devices < 0:
+        raise ConfigError(f"--devices {args.devices} must be >= 1 (0: the mesh's product)")
+    if args.against_xla:
+        given = [f for f, on in (("--platform", args.platform), ("--partitioned", args.partitioned),
+                                 ("--compile-kernels", args.compile_kernels),
+                                 ("--flash-forward", args.flash_forward)) if on]
+        if given:
+            raise ConfigError(f"--against-xla compiles the step for XLA:CPU; drop {' '.join(given)}")
+    args.platform = args.platform or "cuda"
+    return args
+
+
+def against_xla_report(cfg: Config, n: int) -> tuple[dict, str]:
+    """(JSON, text) of the planner next to the step compiled for XLA:CPU on `n` emulated devices."""
+    import jax
+
+    from lumen_jax.compiler.compiled import against_xla, format_against_xla
+    from lumen_jax.ops.choice import choose
+    from lumen_jax.plan.hardware import DEVICES, layout_from_config
+    from lumen_jax.plan.predict import predict
+    from lumen_jax.plan.startup import moe_backend
+
+    ops = choose(cfg.model, jax.devices()[:n])  # what the step compiled here runs (attention, MoE exchange)
+    plan = predict(cfg, layout_from_config(cfg, n), DEVICES["h100"], attention=ops.attention,
+                   moe_backend=moe_backend(ops))
+    check = against_xla(cfg, plan)
+    head = (f"{cfg.name}: the planner's per-device figures ({plan.layout.describe()}, remat={plan.remat}, "
+            f"attention={plan.attention}) against the compiled step")
+    return {**plan.to_json(), "against_xla": check.to_json()}, head + "\n" + format_against_xla(check, n)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    from lumen_jax.plan.cli import emulate_cpu_devices
-
     try:
+        args = parse_args(argv)
         cfg = load_config(args.config, args.overrides)
         n = args.devices or devices_needed(cfg)
-        emulate_cpu_devices(n, "python -m lumen_jax.lower")
+        emulate_cpu_devices(n)
+        if args.against_xla:
+            out, text = against_xla_report(cfg, n)
+            print(json.dumps(out, indent=2) if args.json else text)
+            return 0
         import jax
 
         devices = jax.devices()[:n]
@@ -237,10 +291,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             report["collectives_partitioned"] = [dataclasses.asdict(c) for c in partitioned_collectives(
                 cfg, devices, lowered if args.platform == "cpu" else None)]
         if args.compile_kernels:
-            from lumen_jax.plan import kernel_compile
+            from lumen_jax.compiler import kernels
 
-            report["kernel_resources"] = [dataclasses.asdict(r) for r in kernel_compile.compile_lowered(
-                lowered, kernel_compile.arch_of(args.compute_capability))]
+            report["kernel_resources"] = [dataclasses.asdict(r) for r in kernels.compile_lowered(
+                lowered, kernels.arch_of(args.compute_capability))]
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

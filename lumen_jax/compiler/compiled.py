@@ -1,5 +1,5 @@
 """The plan against the compiler: the real train step compiled on this machine's devices, and XLA's
-own per-device bytes and FLOPs next to the predicted ones (`python -m lumen_jax.plan --against-xla`
+own per-device bytes and FLOPs next to the predicted ones (`python -m lumen_jax.lower --against-xla`
 and tests/plan/test_plan.py use the same functions).
 
 Nothing is allocated: the step is lowered for abstract, sharded state and batch and compiled;
@@ -23,7 +23,7 @@ from lumen_jax.data import BATCH_KEYS
 from lumen_jax.metrics import memory
 from lumen_jax.metrics.memory import compiled_flops
 from lumen_jax.parallel.mesh import make_mesh
-from lumen_jax.plan import hlo
+from lumen_jax.compiler import hlo
 from lumen_jax.plan.cost import compiled_flops_per_device, critical_path_matmul_flops
 from lumen_jax.plan.hardware import Layout
 from lumen_jax.plan.predict import Plan
@@ -114,3 +114,24 @@ def against_xla(cfg: Config, plan: Plan, compiled: Any = None) -> AgainstXla:
                       matmul_compiled=float(hlo.matmul_flops(hlo.parse(compiled.as_text()))),
                       bytes_predicted=plan.bytes_per_device["total"], bytes_compiled=float(compiled_bytes(compiled)),
                       collectives=collective_bytes(plan, compiled))
+
+
+def format_against_xla(check: AgainstXla, devices: int) -> str:
+    """The predicted and the compiled per-device FLOPs and bytes side by side (`--against-xla`)."""
+    error = lambda p, c: f"{p / c - 1:+.1%}" if c else "n/a"  # noqa: E731
+    return "\n".join([
+        f"against XLA: the step compiled on {devices} emulated CPU devices, per device",
+        f"  {'':8s}{'predicted':>14s}{'compiled':>14s}{'error':>9s}",
+        f"  {'FLOPs':8s}{check.flops_predicted:14.3e}{check.flops_compiled:14.3e}"
+        f"{error(check.flops_predicted, check.flops_compiled):>9s}   as cost_analysis counts: a loop body once "
+        "(one layer, one micro-batch), elementwise work included",
+        f"  {'matmuls':8s}{check.matmul_predicted:14.3e}{check.matmul_compiled:14.3e}"
+        f"{error(check.matmul_predicted, check.matmul_compiled):>9s}   the critical path: every dot times its "
+        "loops' trip counts (with pipeline stages every tick, bubble included)",
+        f"  {'bytes':8s}{check.bytes_predicted / 1e6:11.2f} MB{check.bytes_compiled / 1e6:11.2f} MB"
+        f"{error(check.bytes_predicted, check.bytes_compiled):>9s}   memory_analysis: arguments + outputs + "
+        "temporaries - aliases",
+        "  collective bytes per step (compiled: every collective times its loops' trip counts)",
+        *(f"  {key:24s}{p / 1e6:11.3f} MB{c / 1e6:11.3f} MB{error(p, c):>9s}"
+          for key, (p, c) in check.collectives.items()),
+    ])

@@ -13,7 +13,7 @@ loop condition compares against (how `lax.scan` lowers: `i < L`); a loop whose c
 counts once and is flagged (`Module.unknown_trip_counts`).
 
 `on_mesh` gives each collective of a compiled program the mesh axes its device groups span, which
-is what the planner's collective bytes are compared with (`plan --against-xla`, the communication
+is what the planner's collective bytes are compared with (`lower --against-xla`, the communication
 tests).
 """
 
@@ -323,7 +323,7 @@ def square_arrays(module: Module, length: int) -> list[tuple[Instr, Array]]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Collectives on a mesh: what the planner compares (`plan --against-xla`,
+# Collectives on a mesh: what the planner compares (`lower --against-xla`,
 # tests/parallel/test_communication.py)
 # --------------------------------------------------------------------------------------------------
 

@@ -13,11 +13,11 @@ import pytest
 
 from helpers.run import BASE, with_mesh
 from lumen_jax.metrics import flops
-from lumen_jax.plan import kernel_compile
-from lumen_jax.plan import lower
+from lumen_jax.compiler import kernels
+from lumen_jax.compiler import lower
 from lumen_jax.config import MeshConfig
 from lumen_jax.kernels.flash_attention import BlockSizes, flash_attention
-from lumen_jax.plan import hlo
+from lumen_jax.compiler import hlo
 
 LAYERS = 3
 SEQ = 48  # no model dimension is 48 (d_model 64, ffn 128, head_dim 16, vocab 256): [.., 48, 48] is scores
@@ -47,7 +47,7 @@ def lowered_summary(cfg) -> dict:
 def kernels(summary: dict) -> dict[str, tuple[int, int]]:
     """{kernel name: (instructions in the module, executions per step)} of the Triton custom calls."""
     return {c["kernel"]: (c["instructions"], c["per_step"]) for c in summary["custom_calls"]
-            if c["target"] == kernel_compile.TRITON_TARGET}
+            if c["target"] == kernels.TRITON_TARGET}
 
 
 @pytest.mark.parametrize("mesh", [{}, {"fsdp": 4, "tensor": 2}], ids=["1 device", "fsdp=4,tensor=2"])
@@ -135,8 +135,8 @@ def test_mosaic_forward_lowers_for_cuda():
     kernel keeps its shared-memory tiles in float16, so bfloat16 inputs fail to lower (docs/PLATFORM.md)."""
     calls = hlo.custom_calls(hlo.parse(mosaic_lowered(jnp.float16).as_text(dialect="hlo")))
     assert {(c.target, c.kernel) for c in calls} == {
-        ("mosaic_gpu_v2", ""), (kernel_compile.TRITON_TARGET, "flash_bwd_dkv"),
-        (kernel_compile.TRITON_TARGET, "flash_bwd_dq")}
+        ("mosaic_gpu_v2", ""), (kernels.TRITON_TARGET, "flash_bwd_dkv"),
+        (kernels.TRITON_TARGET, "flash_bwd_dq")}
     try:
         mosaic_lowered(jnp.bfloat16)
     except ValueError as e:
@@ -162,6 +162,29 @@ def test_cli_reports_json_and_one_line_exit_2(capsys):
     assert "needs the flash kernels" in capsys.readouterr().err
 
 
+
+@pytest.mark.parametrize("argv, message", [
+    (["--against-xla", "--platform", "cuda"], "--against-xla compiles the step for XLA:CPU; drop --platform"),
+    (["--against-xla", "--partitioned"], "drop --partitioned"),
+    (["--devices", "-4"], "--devices -4 must be >= 1"),
+    (["--platform", "tpu"], "argument --platform: invalid choice: 'tpu'"),
+])
+def test_cli_bad_flags_exit_2_in_one_line(capsys, argv, message):
+    assert lower.main(["--config", "configs/tiny.yaml", *argv]) == lower.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_against_xla_prints_both_sides(capsys):
+    """`--against-xla` (moved here from the planner's command): the planner's figures next to the
+    compiled step's, as a table."""
+    assert lower.main(["--config", "configs/tiny.yaml", "--against-xla", "mesh.fsdp=8", "model.num_layers=2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("tiny: the planner's per-device figures (") and "against the compiled step" in lines[0]
+    rows = {line.split()[0]: line.split() for line in lines if line.startswith("  ") and line.split()}
+    assert {"FLOPs", "matmuls", "bytes"} <= set(rows), lines
+    assert any(k.startswith("fsdp") for k in rows), lines  # the fsdp gathers, both sides
+
 @pytest.mark.heavy
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_default_hopper_tiles_compile_for_sm90_and_fit(head_dim):
@@ -177,9 +200,9 @@ def test_default_hopper_tiles_compile_for_sm90_and_fit(head_dim):
         return vjp(out)
 
     lowered = jax.jit(fwd_bwd).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",))
-    found = {r.kernel: r for r in kernel_compile.compile_lowered(lowered, 90)}
+    found = {r.kernel: r for r in kernels.compile_lowered(lowered, 90)}
     assert set(found) == set(KERNELS)
     for r in found.values():
         assert r.fits, r
         assert r.num_warps == (blocks.num_warps if r.kernel == "flash_fwd" else blocks.num_warps_bwd)
-        assert 0 < r.shared_bytes <= kernel_compile.LIMITS[90].shared_bytes and r.registers > 0
+        assert 0 < r.shared_bytes <= kernels.LIMITS[90].shared_bytes and r.registers > 0
