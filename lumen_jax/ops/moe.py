@@ -34,15 +34,20 @@ matmuls, all-to-all over the `expert` mesh axis); `Ops.moe_exchange` says how ro
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from lumen_jax.config import MoeConfig
+from lumen_jax.ops import grouped
 from lumen_jax.ops.choice import Ops
 from lumen_jax.ops.state import ModelState
 from lumen_jax.ops.projection import Tape
-from lumen_jax.parallel import expert
+from lumen_jax.parallel import expert, shard
+
+WEIGHTS = ("w_gate", "w_up", "w_down")  # the MoE layer's attributes (`Tape.grouped`)
 
 
 class RouterBias(ModelState):
@@ -162,9 +167,9 @@ def moe(x_btd: jax.Array, w_router_de: jax.Array, w_gate_edf: jax.Array, w_up_ed
       objective adds), the other entries are metrics (`moe/...`, scalars).
     """
     ids, weights, stats = route(x_btd, w_router_de, cfg, state)
-    y_btd, kept = expert.dispatch(x_btd, ids, weights, w_gate_edf, w_up_edf, w_down_efd,
-                                  capacity_factor=cfg.capacity_factor, exchange=ops.moe_exchange,
-                                  matmul=ops.moe_matmul, tape=tape)
+    y_btd, kept = routed_experts(x_btd, ids, weights, w_gate_edf, w_up_edf, w_down_efd,
+                                 capacity_factor=cfg.capacity_factor, exchange=ops.moe_exchange,
+                                 matmul=ops.moe_matmul, tape=tape)
     loss = cfg.aux_loss_weight * stats["balance_loss"] + cfg.router_z_loss_weight * stats["router_z_loss"]
     aux = {
         "moe/balance_loss": stats["balance_loss"],
@@ -177,3 +182,33 @@ def moe(x_btd: jax.Array, w_router_de: jax.Array, w_gate_edf: jax.Array, w_up_ed
         loss = loss + cfg.sequence_aux_loss_weight * stats["sequence_balance_loss"]
         aux["moe/sequence_balance_loss"] = stats["sequence_balance_loss"]
     return y_btd, {"loss": loss, **aux}
+
+
+def routed_experts(x_btd: jax.Array, ids_btk: jax.Array, weights_btk: jax.Array, w_gate_edf: jax.Array,
+                   w_up_edf: jax.Array, w_down_efd: jax.Array, *, capacity_factor: float | None,
+                   exchange: str = "padded", matmul: str = "blocks",
+                   tape: Tape | None = None) -> tuple[jax.Array, jax.Array]:
+    """Each token's routed experts' combined output: `parallel.expert.dispatch` with the experts'
+    SwiGLU as `ops.grouped` runs it (`matmul`: blocks | ragged).
+
+    `tape`: a split backward's tape of the layer (`ops.projection.Tape.grouped`): the grouped matmuls'
+    weight gradients wait for the weight unit (`expert.replay` of `grouped.replay`), their rows
+    recorded on each device.
+
+    Returns:
+      (y [B, T, D] in x's dtype, kept [B, T, K]: which assignments an expert took).
+    """
+    taps = None if tape is None else tape.grouped("experts", WEIGHTS)  # [devices, ...]; None probing
+    devices = shard.axes_size(expert.DEVICE)
+    local_replay = functools.partial(grouped.replay, form=matmul)
+
+    def experts(rows, row_a, group_a, local_weights, expected_rows, tap):
+        if tape is not None and tape.probe:  # this device's taps, one block of [devices, ...]
+            shapes = grouped.tap_shapes(rows, group_a.shape[0], local_weights, matmul, expected_rows=expected_rows)
+            tape.grouped("experts", WEIGHTS, {k: jax.ShapeDtypeStruct((devices, *v.shape), v.dtype)
+                                              for k, v in shapes.items()},
+                         functools.partial(expert.replay, local_replay=local_replay))
+        return grouped.swiglu(rows, row_a, group_a, local_weights, matmul, expected_rows=expected_rows, tap=tap)
+
+    return expert.dispatch(x_btd, ids_btk, weights_btk, w_gate_edf, w_up_edf, w_down_efd,
+                           capacity_factor=capacity_factor, experts=experts, exchange=exchange, taps=taps)

@@ -15,7 +15,8 @@ the experts (E = the `expert` axis; each expert's hidden width split over `tenso
    `ragged` (GPU) sends one row per kept assignment with `jax.lax.ragged_all_to_all`, after an
    all-gather of the row counts.
 3. The receiving device runs the SwiGLU experts on what it got, grouped by its local expert
-   (`ops.grouped`: row blocks on CPU, `jax.lax.ragged_dot` on GPU). `padded` adds each token's
+   (the `experts` function `ops.moe` passes: `ops.grouped`'s row blocks on CPU, `jax.lax.ragged_dot`
+   on GPU). `padded` adds each token's
    outputs there with the router weights (float32) and sends the sums back (compute dtype); `ragged` sends the
    rows back the same way. With one `expert` device nothing moves: each assignment reads its
    token's row.
@@ -30,15 +31,12 @@ N = B*T tokens, A = N*K assignments, R rows received.
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
-from lumen_jax.ops import grouped
-from lumen_jax.ops.projection import Tape
 from lumen_jax.parallel import shard
 
 EXCHANGES = ("padded", "ragged")
@@ -46,8 +44,12 @@ _TOKENS = ("batch", "seq", "act_embed")
 _CHOICES = ("batch", "seq", None)
 _W_IN = ("experts", "embed", "mlp")
 _W_OUT = ("experts", "mlp", "embed")
-_DEVICE = ("devices",)  # a split backward's recorded rows: one block per device ([devices, ...])
-_WEIGHTS = ("w_gate", "w_up", "w_down")  # the MoE layer's attributes (`Tape.grouped`)
+DEVICE = ("devices",)  # a split backward's recorded rows: one block per device ([devices, ...])
+# What a device's experts compute on the rows it received (`ops.moe` passes the grouped SwiGLU):
+# (rows [R, D], each row's assignment [R], its local expert [R] (X: none), the local weights
+# (w_gate, w_up [X, D, F], w_down [X, F, D]), A (the rows the dispatch group expects), this device's
+# taps or None) -> the experts' outputs [R, D].
+LocalExperts = Callable[[jax.Array, jax.Array, jax.Array, tuple, int, Any], jax.Array]
 
 
 def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float | None) -> int:
@@ -134,8 +136,8 @@ def _ragged(rows_ad: jax.Array, key_a: jax.Array, dev_counts: jax.Array, ep: int
 
 
 def dispatch(x_btd: jax.Array, ids_btk: jax.Array, weights_btk: jax.Array, w_gate_xdf: jax.Array,
-             w_up_xdf: jax.Array, w_down_xfd: jax.Array, *, capacity_factor: float | None,
-             exchange: str = "padded", matmul: str = "blocks", tape: Tape | None = None) -> tuple[jax.Array, jax.Array]:
+             w_up_xdf: jax.Array, w_down_xfd: jax.Array, *, capacity_factor: float | None, experts: LocalExperts,
+             exchange: str = "padded", taps: Any = None) -> tuple[jax.Array, jax.Array]:
     """The routed experts' combined output for each token (see the module docstring).
 
     Args:
@@ -144,10 +146,10 @@ def dispatch(x_btd: jax.Array, ids_btk: jax.Array, weights_btk: jax.Array, w_gat
       weights_btk: their router weights [B, T, K] (float32).
       w_gate_xdf, w_up_xdf, w_down_xfd: the experts' SwiGLU weights [E, D, F], [E, D, F], [E, F, D].
       capacity_factor: None (dropless) or the factor of `capacity`.
+      experts: what each device's experts compute on its rows (`LocalExperts`; `ops.moe`'s grouped SwiGLU).
       exchange: padded | ragged (how rows cross the `expert` axis).
-      matmul: blocks | ragged (the experts' grouped matmuls, `ops.grouped`).
-      tape: a split backward's tape of the layer (`ops.projection.Tape.grouped`): the grouped
-        matmuls' weight gradients wait for the weight unit (`replay`), their rows on each device.
+      taps: a split backward's taps of the layer, one block per device ([devices, ...] leaves, or
+        None): each device's block reaches `experts` (the grouped matmuls record their rows there).
 
     Returns:
       (y [B, T, D] in x's dtype, kept [B, T, K]: which assignments an expert took).
@@ -155,8 +157,6 @@ def dispatch(x_btd: jax.Array, ids_btk: jax.Array, weights_btk: jax.Array, w_gat
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange!r}; expected one of {EXCHANGES}")
     num_experts = w_gate_xdf.shape[0]
-    taps = None if tape is None else tape.grouped("experts", _WEIGHTS)  # [devices, ...]; None probing
-    devices = shard.axes_size(_DEVICE)
 
     def local(x_btd, ids_btk, weights_btk, w_gate, w_up, w_down, taps):
         b, t, d = x_btd.shape
@@ -168,29 +168,24 @@ def dispatch(x_btd: jax.Array, ids_btk: jax.Array, weights_btk: jax.Array, w_gat
         x_nd = x_btd.reshape(n, d)
         weights = (w_gate, w_up, w_down)
 
-        def experts(rows: jax.Array, row_a: jax.Array, group_a: jax.Array) -> jax.Array:
-            if tape is not None and tape.probe:  # this device's taps, one block of [devices, ...]
-                shapes = grouped.tap_shapes(rows, group_a.shape[0], weights, matmul, expected_rows=a)
-                tape.grouped("experts", _WEIGHTS, {k: jax.ShapeDtypeStruct((devices, *v.shape), v.dtype)
-                                                   for k, v in shapes.items()}, functools.partial(replay, form=matmul))
-            tap = None if taps is None else jax.tree.map(lambda t: t[0], taps)
-            return grouped.swiglu(rows, row_a, group_a, weights, matmul, expected_rows=a, tap=tap)
+        tap = None if taps is None else jax.tree.map(lambda t: t[0], taps)  # this device's block
+        experts_here = lambda rows, row_a, group_a: experts(rows, row_a, group_a, weights, a, tap)  # noqa: E731
 
         if ep > 1 and exchange == "padded":
             kept_a = _kept(ids_a, num_experts, cap)
             key = jnp.where(kept_a, ids_a, num_experts).reshape(n, k)
             gate = (weights_btk.reshape(n, k) * kept_a.reshape(n, k)).astype(jnp.float32)
-            y_nd = _padded(x_nd, key, gate, ep, x_local, experts)
+            y_nd = _padded(x_nd, key, gate, ep, x_local, experts_here)
         else:
             if ep == 1:  # no exchange: each assignment's row is its token's
                 kept_a = _kept(ids_a, num_experts, cap)
-                y_a = experts(x_nd, jnp.arange(a, dtype=jnp.int32) // k, jnp.where(kept_a, ids_a, num_experts))
+                y_a = experts_here(x_nd, jnp.arange(a, dtype=jnp.int32) // k, jnp.where(kept_a, ids_a, num_experts))
             else:
                 order, kept_a, kept_counts = _sort_by_expert(ids_a, num_experts, cap)
                 key = jnp.where(kept_a, ids_a, num_experts)[order]
                 slots = min(a, x_local * cap)  # the most rows one device can be sent by one other
                 y_sorted = _ragged(x_nd[order // k], key, kept_counts.reshape(ep, x_local).sum(1), ep, x_local,
-                                   slots, experts)
+                                   slots, experts_here)
                 y_a = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
             gate = (weights_btk.reshape(n, k) * kept_a.reshape(n, k)).astype(jnp.float32)
             y_nd = jnp.einsum("nk,nkd->nd", gate, y_a.reshape(n, k, d).astype(jnp.float32))
@@ -198,18 +193,19 @@ def dispatch(x_btd: jax.Array, ids_btk: jax.Array, weights_btk: jax.Array, w_gat
             y_nd = jax.lax.psum(y_nd, "tensor")
         return y_nd.reshape(b, t, d).astype(x_btd.dtype), kept_a.reshape(b, t, k)
 
-    return shard.per_device(local, in_axes=(_TOKENS, _CHOICES, _CHOICES, _W_IN, _W_IN, _W_OUT, _DEVICE),
+    return shard.per_device(local, in_axes=(_TOKENS, _CHOICES, _CHOICES, _W_IN, _W_IN, _W_OUT, DEVICE),
                             out_axes=(_TOKENS, _CHOICES))(x_btd, ids_btk, weights_btk, w_gate_xdf, w_up_xdf,
                                                            w_down_xfd, taps)
 
 
-def replay(weights: tuple[jax.Array, ...], recorded: dict, form: str = "blocks") -> tuple[jax.Array, ...]:
-    """`ops.grouped.replay` on each device's recorded rows ({name: [devices, ...]}, `dispatch`'s
-    taps' cotangents): a split backward's weight unit differentiates it with respect to the experts'
-    weights (w_gate, w_up [E, D, F], w_down [E, F, D]), whose gradients, like the whole backward's,
-    are summed over the devices that hold the same experts."""
+def replay(weights: tuple[jax.Array, ...], recorded: dict,
+           local_replay: Callable[[tuple, dict], tuple]) -> tuple[jax.Array, ...]:
+    """`local_replay` (`ops.grouped.replay`) on each device's recorded rows ({name: [devices, ...]},
+    `dispatch`'s taps' cotangents): a split backward's weight unit differentiates it with respect to
+    the experts' weights (w_gate, w_up [E, D, F], w_down [E, F, D]), whose gradients, like the whole
+    backward's, are summed over the devices that hold the same experts."""
     def local(w_gate, w_up, w_down, recorded):
-        out = grouped.replay((w_gate, w_up, w_down), jax.tree.map(lambda a: a[0], recorded), form)
+        out = local_replay((w_gate, w_up, w_down), jax.tree.map(lambda a: a[0], recorded))
         return tuple(o[None] for o in out)
-    return shard.per_device(local, in_axes=(_W_IN, _W_IN, _W_OUT, _DEVICE), out_axes=(_DEVICE,) * 3)(
+    return shard.per_device(local, in_axes=(_W_IN, _W_IN, _W_OUT, DEVICE), out_axes=(DEVICE,) * 3)(
         *weights, recorded)

@@ -56,7 +56,7 @@ def _reference(x, ids, weights, w_gate, w_up, w_down, cap):
 @pytest.mark.parametrize("capacity_factor", [None, 0.5])
 def test_dispatch_matches_per_token_reference(capacity_factor):
     args = _layer_inputs(2, 8)
-    y, kept = jax.jit(lambda *a: expert.dispatch(*a, capacity_factor=capacity_factor))(*args)
+    y, kept = jax.jit(lambda *a: moe_ops.routed_experts(*a, capacity_factor=capacity_factor))(*args)
     cap = expert.capacity(16, K, E, capacity_factor)
     y_ref, kept_ref = _reference(*args, cap)
     np.testing.assert_array_equal(np.asarray(kept).reshape(-1, K), kept_ref)
@@ -79,7 +79,7 @@ def test_expert_parallel_dispatch_per_device_groups(capacity_factor, mesh_shape)
 
     def f(*a):
         with activate(mesh, rules):
-            return expert.dispatch(*a, capacity_factor=capacity_factor)
+            return moe_ops.routed_experts(*a, capacity_factor=capacity_factor)
 
     shard = lambda names: NamedSharding(mesh, rules.spec(names))  # noqa: E731
     shardings = [shard(("batch", "seq", None))] * 3 + [shard(("experts", None, None))] * 3
@@ -123,8 +123,8 @@ def test_gpu_exchange_lowers_to_ragged_all_to_all():
     def lowered(exchange: str) -> str:
         def loss(x, w_gate, w_up, w_down):
             with activate(mesh, rules):
-                y, _ = expert.dispatch(x, args[1], args[2], w_gate, w_up, w_down, capacity_factor=None,
-                                       exchange=exchange)
+                y, _ = moe_ops.routed_experts(x, args[1], args[2], w_gate, w_up, w_down, capacity_factor=None,
+                                             exchange=exchange)
             return (y ** 2).sum()
 
         fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
