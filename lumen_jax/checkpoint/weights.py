@@ -160,7 +160,7 @@ def saved_shapes(run_dir: str, step: int, field: str = "params") -> dict[str, tu
         flat = jax.tree_util.tree_flatten_with_path(tree[field], is_leaf=lambda x: hasattr(x, "shape"))[0]
     except Exception:  # noqa: BLE001 - any damaged metadata file: name it
         raise UnusableCheckpoint(f"checkpoint step {step}: {_damaged_metadata(where)}") from None
-    return {_key(p): tuple(v.shape) for p, v in flat}
+    return {path_key(p): tuple(v.shape) for p, v in flat}
 
 
 def _damaged_file(where: str) -> str | None:
@@ -209,7 +209,7 @@ def _verify(run_dir: str, step: int, tree: dict, field: str = "params") -> None:
     meta = _meta(run_dir, step)
     recorded, shapes = meta.get("checksums"), meta.get("state_shapes")
     where = item_dir(checkpoints_dir(run_dir), step, STATE)
-    paths = [_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    paths = [path_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
     if recorded is not None:
         if shapes is not None:  # a training state: this field's entries, in the same (sorted) order
             recorded = [c for c, (path, *_) in zip(recorded, shapes) if path.startswith(f".{field}[")]
@@ -227,13 +227,14 @@ def _verify(run_dir: str, step: int, tree: dict, field: str = "params") -> None:
         raise UnusableCheckpoint(f"checkpoint step {step}: {bad[0]} in {where} holds inf or NaN")
 
 
-def _key(path: Any) -> str:
+def path_key(path: Any) -> str:
+    """A tree path as `a/b/c` (the names shape errors and checksums use)."""
     return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
 def check_shapes(expected: dict, got: dict[str, tuple[int, ...]], source: str, fix: str) -> None:
     """ConfigError naming the first parameter that is missing, extra or of another shape."""
-    want = {_key(p): tuple(v.shape) for p, v in jax.tree_util.tree_flatten_with_path(expected)[0]}
+    want = {path_key(p): tuple(v.shape) for p, v in jax.tree_util.tree_flatten_with_path(expected)[0]}
     for k, shape in want.items():
         if k not in got:
             raise ConfigError(f"{source} has no parameter {k} (shape {shape}); {fix}")
@@ -283,7 +284,7 @@ def load_model_state(run_dir: str, step: int, abstract_state: dict) -> dict:
     if not abstract_state:
         return {}
     saved = None if is_weights_only(run_dir, step) else saved_shapes(run_dir, step, "model_state")
-    want = {_key(p): tuple(v.shape) for p, v in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+    want = {path_key(p): tuple(v.shape) for p, v in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
     if saved != want:
         return jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), abstract_state)
     return _restore_field(run_dir, step, "model_state", abstract_state)
@@ -375,111 +376,12 @@ def load_onto_mesh(run_dir: str, step: int | None, overrides: Sequence[str] = ()
     return newest_usable(run_dir, step, load)[1]
 
 
-def _is_hf_dir(path: str) -> bool:
-    return not steps(path) and any(os.path.isfile(os.path.join(path, f))
-                                   for f in ("model.safetensors", "model.safetensors.index.json"))
-
-
-# What the weights of `train.init_from` define besides their shapes: a run starting from them takes these
-# from them (rotary embedding, norm epsilon, routing), and its tokenizer when they name one.
-DEFINED_BY_WEIGHTS = ("norm_eps", "rope_theta", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
-                      "rope_high_freq_factor", "rope_original_max_len", "moe.top_k", "moe.router",
-                      "moe.normalize_top_k", "moe.routed_scaling", "moe.groups", "moe.top_groups")
-# Their shapes: the config must give the same (one line naming the key otherwise).
-SHAPED_BY_WEIGHTS = ("vocab_size", "tie_embeddings", "d_model", "num_layers", "num_heads", "num_kv_heads",
-                     "resolved_head_dim", "ffn_dim", "qkv_bias", "qk_norm", "moe.num_experts", "moe.every_n_layers",
-                     "moe.shared_experts", "moe.shared_gate", "expert_ffn_dim")
-
-
-def _get(model: Any, key: str) -> Any:
-    for part in key.split("."):
-        model = getattr(model, part)
-    return model
-
-
-def _source(path: str) -> tuple[Config, str | None, str]:
-    """(the config the weights at `path` were written with, their tokenizer or None when they name none,
-    how to call them)."""
-    if _is_hf_dir(path):
-        from lumen_jax.convert.hf_dir import read_hf_config
-
-        cfg = read_hf_config(path)[0]
-        return cfg, (cfg.data.tokenizer if cfg.data.tokenizer != "byte" else None), f"the Hugging Face model {path}"
-    step, cfg = newest_usable(path, None, lambda s: read_config(path, s), "train.init_from")
-    copied = os.path.join(path, "tokenizer", "tokenizer.json")  # an import's, wherever the folder now lies
-    tokenizer = copied if os.path.isfile(copied) else None if is_weights_only(path, step) else cfg.data.tokenizer
-    return cfg, (os.path.abspath(tokenizer) if tokenizer not in (None, "byte") else tokenizer), f"{path} step {step}"
-
-
-def defined_by_init_from(cfg: Config, run_dir: str) -> tuple[Config, list[str]]:
-    """`cfg` with the settings that `train.init_from`'s weights define (DEFINED_BY_WEIGHTS and the
-    tokenizer) taken from them, and the lines to print: what changed, or that the run resumes instead.
-
-    A run directory that has checkpoints resumes from them: the settings come from its own newest
-    checkpoint (they were taken from the weights when it started), so a resume keeps them. A shape
-    key (SHAPED_BY_WEIGHTS) that differs from the weights' is a ConfigError naming it.
-    """
-    notes = []
-    source = cfg.train.init_from
-    if steps(run_dir):
-        have = [s for s in steps(run_dir) if _readable_meta(run_dir, s)]
-        if not have:  # the restore reports the damaged checkpoints
-            return cfg, notes
-        notes.append(f"note: train.init_from={source} is not used: {run_dir} has checkpoints and the run resumes "
-                     f"from them (with the model settings they record)")
-        source = run_dir
-    theirs, tokenizer, name = _source(source)
-    for key in SHAPED_BY_WEIGHTS if source != run_dir else ():  # a resume: resume.py names a changed shape
-        mine, other = _get(cfg.model, key), _get(theirs.model, key)
-        if mine != other:
-            key = key.replace("resolved_head_dim", "head_dim").replace("expert_ffn_dim", "moe.expert_ffn_dim")
-            raise ConfigError(f"model.{key}={mine} differs from the weights of train.init_from={cfg.train.init_from} "
-                              f"({name}: {other}); set model.{key}={other}")
-    changed, model = [], cfg.model
-    for key in DEFINED_BY_WEIGHTS:
-        mine, other = _get(model, key), _get(theirs.model, key)
-        if mine != other:
-            changed.append(f"model.{key}={other} (the config had {mine})")
-            if key.startswith("moe."):
-                model = dataclasses.replace(model, moe=dataclasses.replace(model.moe, **{key[4:]: other}))
-            else:
-                model = dataclasses.replace(model, **{key: other})
-    data = cfg.data
-    if tokenizer is not None and tokenizer != data.tokenizer:
-        changed.append(f"data.tokenizer={tokenizer} (the config had {data.tokenizer})")
-        data = dataclasses.replace(data, tokenizer=tokenizer)
-    elif tokenizer is None and data.tokenizer == "byte":
-        notes.append(f"warning: train.init_from={cfg.train.init_from} names no tokenizer (no tokenizer.json): training "
-                     "with data.tokenizer=byte, which is not the model's unless it was trained on bytes; give "
-                     "data.tokenizer=PATH of its tokenizer.json")
-    if changed and source != run_dir:
-        notes.append(f"note: {name} defines " + ", ".join(changed) + "; the run uses those")
-    return cfg.replace(model=model, data=data), notes
-
-
-def _readable_meta(run_dir: str, step: int) -> bool:
+def has_readable_config(run_dir: str, step: int) -> bool:
+    """Whether checkpoint `step` of `run_dir` records its config (a damaged one does not)."""
     try:
         return isinstance(_meta(run_dir, step).get("config"), dict)
     except UnusableCheckpoint:
         return False
-
-
-def init_from(path: str, abstract_params: dict) -> dict:
-    """The parameters a new run starts from (`train.init_from`), in `abstract_params`' shardings.
-
-    `path` is a run directory (its latest checkpoint: a training run or an imported model) or a Hugging
-    Face Llama directory, converted in memory. The shapes must be those of the run's model config;
-    else a ConfigError naming the first parameter that differs.
-    """
-    fix = "make the model section of the config match the weights'"
-    if _is_hf_dir(path):
-        from lumen_jax.convert.hf_dir import read_hf
-        _, params = read_hf(path)
-        got = {_key(p): tuple(v.shape) for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
-        check_shapes(abstract_params, got, f"train.init_from={path!r}", fix)
-        return jax.tree.map(lambda x, a: jax.device_put(x.astype(a.dtype), a.sharding), params, abstract_params)
-    return newest_usable(path, None, lambda step: load_params(
-        path, step, abstract_params, f"train.init_from={path!r} (step {step})", fix), "train.init_from")[1]
 
 
 def refuse_weights_only(run_dir: str) -> None:

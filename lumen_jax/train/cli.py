@@ -84,8 +84,8 @@ def train(cfg: Config, stop=None) -> dict:
     run_dir = run_dir_for(cfg)
     notes = []
     if cfg.train.init_from:  # the tokenizer, RoPE, norm epsilon, ... of the weights it starts from
-        from lumen_jax.checkpoint import weights
-        cfg, notes = weights.defined_by_init_from(cfg, run_dir)
+        from lumen_jax.train.init_from import defined_by_init_from
+        cfg, notes = defined_by_init_from(cfg, run_dir)
     if jax.process_index() == 0:
         for line in [*notes, *(f"warning: {w}" for w in warnings(cfg))]:
             print(line, file=sys.stderr, flush=True)

@@ -33,6 +33,7 @@ from lumen_jax.metrics.mfu import Throughput
 from lumen_jax.runtime import distributed, logs, rundir
 from lumen_jax.runtime.signals import StopSignal
 from lumen_jax.train import hooks as hooks_lib
+from lumen_jax.train import init_from as init_from_lib
 from lumen_jax.train.build import Trainer
 from lumen_jax.train.hooks import Events, Preempted, StepInfo
 
@@ -107,7 +108,7 @@ def _start(trainer: Trainer, data: Iterator, ckpt: Checkpointer, init_from: str)
     state = trainer.init()
     if init_from:  # the weights are read as checkpoints hold them (the real layers), then laid out
         stored = trainer.stored.save(state)
-        params = weights.init_from(init_from, trainer.stored_abstract_state().params)
+        params = init_from_lib.init_from(init_from, trainer.stored_abstract_state().params)
         state = trainer.stored.load(stored.replace(params=params))
     return state, 0
 

@@ -16,6 +16,7 @@ from helpers import hf
 from helpers.faults import args, snapshot
 from helpers.paths import REPO
 from lumen_jax.checkpoint import weights
+from lumen_jax.train import init_from as init_from_lib
 from lumen_jax.convert.__main__ import main as convert
 from lumen_jax.generate import ONE_DEVICE, Generator, Sampling, main as generate
 from lumen_jax.train import cli as train_cli
@@ -190,6 +191,6 @@ def test_init_from_mismatches_and_truncated_weights_are_one_line(llama, tmp_path
     os.remove(os.path.join(truncated, "tokenizer.json"))
     shutil.copyfile(os.path.join(llama, "model.safetensors"), path)
     cfg = train_cli.load_config(os.path.join(REPO, "configs/tiny.yaml"), [*FINE_TUNE, f"train.init_from={truncated}"])
-    cfg, notes = weights.defined_by_init_from(cfg, run)
+    cfg, notes = init_from_lib.defined_by_init_from(cfg, run)
     assert cfg.data.tokenizer == "byte" and cfg.model.rope_theta == 100.0
     assert any(n.startswith("warning: train.init_from=") and "names no tokenizer" in n for n in notes), notes

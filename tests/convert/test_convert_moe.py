@@ -17,6 +17,7 @@ from helpers.hf import MOE_MODELS, TOKENS, hf_greedy, hf_logits, logits_of, make
 from helpers.paths import REPO
 from helpers.tolerances import FP32_RTOL
 from lumen_jax.checkpoint import weights
+from lumen_jax.train import init_from as init_from_lib
 from lumen_jax.config import ConfigError
 from lumen_jax.convert.__main__ import main as convert
 
@@ -168,10 +169,10 @@ def test_init_from_a_hf_moe_takes_its_routing(imported, tmp_path):
     cfg = weights.read_config(run_dir, 0)
     mine = cfg.replace(model=dataclasses.replace(cfg.model, moe=dataclasses.replace(cfg.model.moe, normalize_top_k=True)),
                        train=dataclasses.replace(cfg.train, init_from=hf_dir))
-    got, notes = weights.defined_by_init_from(mine, str(tmp_path / "new"))
+    got, notes = init_from_lib.defined_by_init_from(mine, str(tmp_path / "new"))
     assert got.model.moe.normalize_top_k is False
     assert any("model.moe.normalize_top_k=False (the config had True)" in n for n in notes), notes
     wrong = mine.replace(model=dataclasses.replace(mine.model, moe=dataclasses.replace(mine.model.moe, num_experts=4)))
     with pytest.raises(ConfigError) as e:
-        weights.defined_by_init_from(wrong, str(tmp_path / "new"))
+        init_from_lib.defined_by_init_from(wrong, str(tmp_path / "new"))
     assert str(e.value).startswith("model.moe.num_experts=4 differs from the weights of train.init_from=")

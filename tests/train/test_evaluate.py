@@ -20,6 +20,7 @@ from helpers.metrics import read_metrics
 from helpers.paths import REPO
 from helpers.tolerances import FP32_RTOL
 from lumen_jax.checkpoint import weights
+from lumen_jax.train import init_from as init_from_lib
 from lumen_jax.config import ConfigError, to_dict
 from lumen_jax.config.checks import validate
 from lumen_jax.config.files import load_config
@@ -63,8 +64,8 @@ def test_init_from_first_loss_and_eval_every_equal_evaluate(imported, tmp_path):
 
     # The Hugging Face directory itself, converted on the fly, gives the same first loss.
     abstract = weights.load_onto_mesh(source, None).params
-    for x, y in zip(jax.tree.leaves(weights.init_from(hf_dir, abstract)),
-                    jax.tree.leaves(weights.init_from(source, abstract))):
+    for x, y in zip(jax.tree.leaves(init_from_lib.init_from(hf_dir, abstract)),
+                    jax.tree.leaves(init_from_lib.init_from(source, abstract))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
@@ -75,7 +76,7 @@ def test_bad_inputs_are_one_line(imported, tmp_path, capsys):
     for path in (source, hf_dir):
         with pytest.raises(ConfigError, match=r"parameter blocks/mlp/w_down has shape \(2, 48, 32\), the config "
                                               r"needs \(2, 64, 32\)"):
-            weights.init_from(path, wider)
+            init_from_lib.init_from(path, wider)
     with pytest.raises(ConfigError, match="holds imported weights, not a training run"):
         weights.refuse_weights_only(source)
     for overrides, expected in (
