@@ -10,4 +10,5 @@ root conftest.py, on sys.path; the test folders have no __init__.py, so test fil
   faults       a tiny trained run directory, snapshots of files, a full disk
   hf           a small random Hugging Face Llama and its logits, a small tokenizer
   terminal     a command under a pseudo-terminal and what it wrote there
+  imports      the package's import graph by module and by package, a circle in it
 """
