@@ -110,7 +110,7 @@ def lower_step(cfg: Config, platform: str, devices: Sequence[Any], compute_capab
 
     shape = validate(cfg, len(devices))
     target = [TargetGpu(compute_capability)] * len(devices) if platform == "cuda" else list(devices)
-    ops = choose(cfg.model, target)
+    ops = choose(cfg.model, target, shape["context"])
     if flash_forward:
         if ops.flash_blocks is None:
             raise ConfigError(f"--flash-forward {flash_forward} needs the flash kernels, but the step runs "

@@ -12,7 +12,7 @@
   On a multi-device mesh the kernel runs per shard (`parallel.shard.per_device`: batch over
   data/fsdp, heads over tensor).
 
-When the trainer's mesh splits sequences (`context > 1`) the call goes to context parallelism
+When the trainer's mesh splits sequences (`Ops.context`) the call goes to context parallelism
 (`lumen_jax.parallel.context`: ring or all-gather, load-balanced), which runs the chosen
 implementation on each (query chunk, key chunk) pair through `block_kernel`.
 """
@@ -85,7 +85,7 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
       causal: mask future positions. scale: softmax scale; default 1/sqrt(H).
       ops: the implementation choice (`ops.choice.choose`).
     """
-    if context_lib.splits_sequence():
+    if ops.context:
         kernel = block_kernel(ops, q_btnh.shape[-1], scale=scale)
         return context_lib.context_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=segment_ids_bt,
                                              causal=causal, kernel=kernel)[0]

@@ -9,6 +9,8 @@ trace time where it runs. What is decided:
   says why (the trainer's start-up line prints it); an explicit `flash` the kernel cannot take is
   a `ConfigError` before anything compiles. On CPU the kernels run in Pallas's interpreter
   (`interpret`); the tiles come from the device (`flash_blocks`).
+- `context`: the mesh splits sequences over `context` (`mesh.context > 1`): attention runs context
+  parallelism (`parallel/context.py`: ring or all-gather), each chunk pair by `attention`'s kernel.
 - `cpu`: the trainer's step on a mesh of one CPU device runs the formulations of `ops/cpu.py`,
   which XLA:CPU runs faster (docs/PERFORMANCE.md, CPU section). Everything else (partitioned
   programs, GPUs, the model traced outside the trainer, e.g. the planner's probe) keeps the plain
@@ -48,6 +50,7 @@ class Ops:
     attention: str = "xla"  # xla | flash
     flash_blocks: flash_lib.BlockSizes | None = None  # flash: tiles; None: the kernel's default
     interpret: bool = False  # flash: Pallas's interpreter (the only mode on CPU)
+    context: bool = False  # sequences split over the `context` mesh axis (context-parallel attention)
     cpu: bool = False  # the ops/cpu.py formulations (the trainer's step on one CPU device)
     moe_exchange: str = "padded"  # padded | ragged: MoE rows over the `expert` axis (parallel/expert.py)
     moe_matmul: str = "blocks"  # blocks | ragged: the experts' grouped matmuls (ops/grouped.py)
@@ -115,8 +118,9 @@ class Ops:
         return runs
 
 
-def choose(model: ModelConfig, devices: Sequence[Any]) -> Ops:
-    """The `Ops` of the trainer's step on a mesh over `devices` (see the module docstring).
+def choose(model: ModelConfig, devices: Sequence[Any], context: int = 1) -> Ops:
+    """The `Ops` of the trainer's step on a mesh over `devices` whose `context` axis has `context`
+    devices (see the module docstring).
 
     Raises:
       ConfigError: `model.attention=flash` on shapes the kernel cannot take on this backend.
@@ -138,7 +142,7 @@ def choose(model: ModelConfig, devices: Sequence[Any]) -> Ops:
     if attention == "flash":
         blocks = flash_lib.BlockSizes.default(h, devices[0]).with_overrides(model.flash_block_q,
                                                                           model.flash_block_kv)
-    return Ops.plain(model, attention=attention, flash_blocks=blocks, interpret=interpret,
+    return Ops.plain(model, attention=attention, flash_blocks=blocks, interpret=interpret, context=context > 1,
                      cpu=platform == "cpu" and len(devices) == 1, note=note,
                      moe_exchange="ragged" if platform == "gpu" else "padded",
                      moe_matmul="ragged" if platform == "gpu" else "blocks")

@@ -329,17 +329,12 @@ SEQ_AXES = ("batch", "seq")
 LSE_AXES = ("batch", "act_heads", "seq")
 
 
-def splits_sequence() -> bool:
-    """Whether the active mesh (`rules.activate`) splits sequences over `context`."""
-    return shard.mesh_axis_size(AXIS) > 1
-
-
 def context_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
                       segment_ids_bt: jax.Array | None, causal: bool,
                       kernel: BlockKernel) -> tuple[jax.Array, jax.Array]:
     """Attention over sequences sharded along the active mesh's `context` axis.
 
-    Runs under `rules.activate` with `context` > 1 (`splits_sequence`); the strategy and the load
+    Runs under `rules.activate` with `context` > 1 (`ops.Ops.context`); the strategy and the load
     balance are the rules' (`mesh.context_parallel`, `mesh.context_balance`), and the tokens are in
     that layout's order (`permute_tokens`, done by `Trainer.shard_batch`).
 

@@ -191,7 +191,7 @@ def layer_residuals(remat: str, seq_len: int = _PROBE_MIN_SEQ, attention: str = 
     model = dataclasses.replace(PROBE, remat=remat, attention=attention)
     # Traced, never run: Pallas's interpreter takes the probe's head_dim of 6, which the compiled
     # kernel refuses; its custom VJP saves the same residuals.
-    graphdef, shapes, _ = param_shapes_and_names(model, Ops.plain(model, interpret=True))
+    graphdef, shapes, _ = param_shapes_and_names(model, Ops.plain(model, interpret=True, context=context > 1))
     weight_shapes = {shape[1:] for _, shape, names in _param_leaves(model) if names[0] == "layers"}
     tokens = jnp.zeros((1, seq), jnp.int32)
     positions = jnp.arange(seq, dtype=jnp.int32)[None]

@@ -149,7 +149,7 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
     rules = Rules(zero_stage=cfg.mesh.zero_stage, sequence_parallel=cfg.mesh.sequence_parallel,
                   context_parallel=cfg.mesh.context_parallel, context_balance=cfg.mesh.context_balance)
     if ops is None:
-        ops = choose(cfg.model, list(mesh.devices.flat))  # raises ConfigError before anything compiles
+        ops = choose(cfg.model, list(mesh.devices.flat), mesh.shape["context"])  # a ConfigError before compiling
     model = abstract_model(cfg.model, ops)
     names = model.param_names
     tx = make_optimizer(cfg.optim, cfg.train.steps, names)

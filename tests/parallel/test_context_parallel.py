@@ -208,3 +208,21 @@ def test_executed_blocks_per_device(balance):
     assert work == context_lib.work_per_device(context_lib.Layout(c, balance)), work
     ratio = max(work) / min(work)
     assert ratio <= 1.1 if balance == "zigzag" else ratio == 2 * c - 1, work
+
+
+@pytest.mark.parametrize("context", [1, 2])
+def test_the_trainer_runs_context_attention_exactly_when_the_mesh_splits_sequences(context):
+    """The choice is made once, when the step is built (`Ops.context`): with `mesh.context=2` the
+    step's program holds the ring's hops (collective-permutes its attention states); without, none.
+    (The reference attention on a sequence-sharded input gives the same numbers through XLA's own
+    gathers, so only the program tells the two apart.)"""
+    from lumen_jax.compiler.compiled import abstract_step_args
+    from lumen_jax.config.checks import validate
+    from lumen_jax.config.files import load_config
+    from lumen_jax.train.build import build
+
+    cfg = load_config("configs/tiny.yaml", ["mesh.fsdp=-1", f"mesh.context={context}", "model.num_layers=1"])
+    trainer = build(cfg, make_mesh(validate(cfg, 8)))
+    assert trainer.ops.context is (context > 1)
+    text = trainer.step.trace(*abstract_step_args(trainer, cfg)).lower().as_text()
+    assert ("stablehlo.collective_permute" in text) is (context > 1)
