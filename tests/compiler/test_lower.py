@@ -13,7 +13,7 @@ import pytest
 
 from helpers.run import BASE, with_mesh
 from lumen_jax.metrics import flops
-from lumen_jax.compiler import kernels
+from lumen_jax.compiler import kernels as kernel_compile
 from lumen_jax.compiler import lower
 from lumen_jax.config import MeshConfig
 from lumen_jax.kernels.flash_attention import BlockSizes, flash_attention
@@ -47,7 +47,7 @@ def lowered_summary(cfg) -> dict:
 def kernels(summary: dict) -> dict[str, tuple[int, int]]:
     """{kernel name: (instructions in the module, executions per step)} of the Triton custom calls."""
     return {c["kernel"]: (c["instructions"], c["per_step"]) for c in summary["custom_calls"]
-            if c["target"] == kernels.TRITON_TARGET}
+            if c["target"] == kernel_compile.TRITON_TARGET}
 
 
 @pytest.mark.parametrize("mesh", [{}, {"fsdp": 4, "tensor": 2}], ids=["1 device", "fsdp=4,tensor=2"])
@@ -135,8 +135,8 @@ def test_mosaic_forward_lowers_for_cuda():
     kernel keeps its shared-memory tiles in float16, so bfloat16 inputs fail to lower (docs/PLATFORM.md)."""
     calls = hlo.custom_calls(hlo.parse(mosaic_lowered(jnp.float16).as_text(dialect="hlo")))
     assert {(c.target, c.kernel) for c in calls} == {
-        ("mosaic_gpu_v2", ""), (kernels.TRITON_TARGET, "flash_bwd_dkv"),
-        (kernels.TRITON_TARGET, "flash_bwd_dq")}
+        ("mosaic_gpu_v2", ""), (kernel_compile.TRITON_TARGET, "flash_bwd_dkv"),
+        (kernel_compile.TRITON_TARGET, "flash_bwd_dq")}
     try:
         mosaic_lowered(jnp.bfloat16)
     except ValueError as e:
@@ -200,9 +200,9 @@ def test_default_hopper_tiles_compile_for_sm90_and_fit(head_dim):
         return vjp(out)
 
     lowered = jax.jit(fwd_bwd).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",))
-    found = {r.kernel: r for r in kernels.compile_lowered(lowered, 90)}
+    found = {r.kernel: r for r in kernel_compile.compile_lowered(lowered, 90)}
     assert set(found) == set(KERNELS)
     for r in found.values():
         assert r.fits, r
         assert r.num_warps == (blocks.num_warps if r.kernel == "flash_fwd" else blocks.num_warps_bwd)
-        assert 0 < r.shared_bytes <= kernels.LIMITS[90].shared_bytes and r.registers > 0
+        assert 0 < r.shared_bytes <= kernel_compile.LIMITS[90].shared_bytes and r.registers > 0
