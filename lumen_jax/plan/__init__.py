@@ -1,25 +1,33 @@
-"""Count the bytes, FLOPs and collectives of a run before launch: `python -m lumen_jax.plan`.
+"""The analytic planner: bytes, FLOPs, collectives, step time and MFU of a run before launch
+(`python -m lumen_jax.plan`), and its calibration on published runs.
 
 ```
 python -m lumen_jax.plan --config configs/llama3_70b.yaml --devices 1024 --device h100 [key=value ...]
 python -m lumen_jax.plan --config configs/llama3_405b.yaml --devices 16384 --device h100 --search
+python -m lumen_jax.plan --calibration
 ```
 
 Everything is arithmetic on the config, in small pure functions a test or a notebook can call one
-by one. Per-device figures are for the worst device (the pipeline stage holding the embedding or
-the logits, plus its share of the layers). The model behind each number, its calibration against
-XLA, and a worked 7B/70B example are in docs/PLANNING.md.
+by one; the only tracing is of the model's layer, abstractly, to read what it saves. Per-device
+figures are for the worst device (the pipeline stage holding the embedding or the logits, plus its
+share of the layers). The model behind each number and worked examples: docs/PLANNING.md. The
+planner imports neither the trainer (train/) nor the compiler tools (lumen_jax/compiler/, which
+compare a plan with the compiled step: `python -m lumen_jax.lower --against-xla`).
 
 - `hardware`: `Hardware` (memory, peak, links), `DEVICES`, `Layout` (the config's resolved `mesh`
   section, plus pipeline stages and micro-batches).
 - `memory`: `state_bytes` (exact, from the parameter shapes and the sharding rules), `activation_bytes`.
-- `cost`: `flops_per_device`, `compiled_flops_per_device`, `bubble_fraction`, `collectives` per mesh
-  axis. FLOP counts per token are `lumen_jax.metrics.flops`'s (one count for the trainer and the planner).
+- `cost`: `flops_per_device`, `compiled_flops_per_device`, `bubble_fraction`. FLOP counts per token
+  are `lumen_jax.metrics.flops`'s (one count for the trainer and the planner).
+- `collectives`: the collectives of each mesh axis, per step.
 - `moe`: the mixture-of-experts terms: the dispatch's buffers, an MoE layer's bytes, its all-to-alls,
   the FLOPs the compiler counts for it.
+- `efficiency`: matmul efficiency by GEMM shape, attention, overlap per axis (the hardware terms).
 - `predict`: `predict` -> `Plan` (bytes, FLOPs, step time, MFU, verdict), `search`.
-- `compiled`: `compile_step`, `against_xla`: the real step compiled on emulated CPU devices, XLA's
-  bytes and FLOPs next to the plan's (`--against-xla`; imported on use: it loads the trainer).
+- `goodput`: failures at Llama 3's rate, the Young-Daly checkpoint interval, expected goodput.
+- `published`, `recipe_memory`, `calibration`: the published H100 runs, the memory of each recipe's
+  own program, and the planner against them (`--calibration`).
+- `startup`: `at_start`, the one call the trainer makes when a run starts.
 - `cli`: the command line.
 """
 
