@@ -230,6 +230,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.devices < 0:
         raise ConfigError(f"--devices {args.devices} must be >= 1 (0: the mesh's product)")
+    major, _, minor = args.compute_capability.partition(".")
+    if not (major.isdigit() and minor.isdigit()):
+        raise ConfigError(f"--compute-capability {args.compute_capability!r} must be MAJOR.MINOR, e.g. 9.0 (Hopper) "
+                          "or 8.0 (Ampere)")
     if args.against_xla:
         given = [f for f, on in (("--platform", args.platform), ("--partitioned", args.partitioned),
                                  ("--compile-kernels", args.compile_kernels),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from typing import Sequence
 
@@ -157,9 +158,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.devices is None:
             raise ConfigError("--devices is required: the devices the run will use (or --calibration)")
-        for name, value in (("--storage-gbps", args.storage_gbps), ("--restart-s", args.restart_s)):
-            if not value > 0:
-                raise ConfigError(f"{name}={value} must be > 0")
+        positive = (("--storage-gbps", args.storage_gbps), ("--restart-s", args.restart_s),
+                    ("--memory-gb", args.memory_gb), ("--peak-tflops", args.peak_tflops),
+                    ("--nvlink-gbps", args.nvlink_gbps), ("--ib-gbps", args.ib_gbps),
+                    ("--devices-per-node", args.devices_per_node), ("--top", args.top),
+                    ("--pipeline", args.pipeline), ("--pipeline-microbatches", args.pipeline_microbatches or None))
+        for name, value in positive:  # NaN and inf fail too: `not value > 0`, `math.isfinite`
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{name}={value} must be a positive finite number")
         if args.devices < 1:
             raise ConfigError(f"--devices {args.devices} must be >= 1: the devices the run will use")
         cfg = load_config(args.config, args.overrides)

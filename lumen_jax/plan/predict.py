@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import Any, Callable
 
 from lumen_jax.metrics import flops
@@ -241,7 +242,9 @@ COMM_OPTIONS = {"fsdp_grad_reduce": ("every_micro_batch", "once"), "fsdp_regathe
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of `n`, ascending (pairs up to sqrt(n): 2**40 devices take a second, not hours)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _bubble(layout: Layout) -> float:

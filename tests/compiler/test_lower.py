@@ -168,6 +168,7 @@ def test_cli_reports_json_and_one_line_exit_2(capsys):
     (["--against-xla", "--partitioned"], "drop --partitioned"),
     (["--devices", "-4"], "--devices -4 must be >= 1"),
     (["--platform", "tpu"], "argument --platform: invalid choice: 'tpu'"),
+    (["--compute-capability", "banana"], "--compute-capability 'banana' must be MAJOR.MINOR"),
 ])
 def test_cli_bad_flags_exit_2_in_one_line(capsys, argv, message):
     assert lower.main(["--config", "configs/tiny.yaml", *argv]) == lower.EXIT_BAD_INPUT

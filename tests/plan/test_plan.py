@@ -616,6 +616,12 @@ def test_cli_table_and_search(capsys, monkeypatch):
     (["--devices", "8", "--against-xla"], "unrecognized arguments: --against-xla"),
     (["--devices", "8", "--device", "tpu9"], "argument --device: invalid choice: 'tpu9' (choose from"),
     (["--devices", "0"], "--devices 0 must be >= 1"),
+    # numbers that planned nonsense before: a search for 0 candidates said "no candidate fits",
+    # -1 GB planned "-0.9 GB usable", NaN bandwidth planned NaN seconds
+    (["--devices", "8", "--search", "--top", "0"], "--top=0 must be a positive finite number"),
+    (["--devices", "8", "--memory-gb", "-1"], "--memory-gb=-1.0 must be a positive finite number"),
+    (["--devices", "8", "--ib-gbps", "nan"], "--ib-gbps=nan must be a positive finite number"),
+    (["--devices", "8", "--devices-per-node", "0"], "--devices-per-node=0 must be a positive finite number"),
 ])
 def test_cli_bad_input_exits_2(capsys, argv, message):
     assert main(["--config", "configs/tiny.yaml", *argv]) == 2
