@@ -80,9 +80,52 @@ class Run:
         return [e for e in self.events if e.get("event") == event]
 
 
-def _read_jsonl(path: str, notes: list[str]) -> list[dict]:
+_NUMBER = (int, float)
+# The fields the report reads of each kind of event (events.jsonl) and their types; `start` may
+# lack `resume_step` (a fresh run).
+EVENT_FIELDS = {"start": {"resume_step": int}, "step": {"step": int},
+                "slow_step": {"step": int, "step_time_s": _NUMBER}, "straggler": {"step": int, "process": int}}
+OPTIONAL_FIELDS = {("start", "resume_step")}
+GOODPUT_FIELDS = {"goodput": _NUMBER, "wall_s": _NUMBER, "attempts": list, "interruptions": list}
+INTERRUPTION_FIELDS = {"attempt": int, "cause": str, "steps_lost": int, "time_lost_s": _NUMBER}
+
+
+def _field_problem(value: dict, fields: dict, optional: set[str] = frozenset()) -> str | None:
+    """What is wrong with `value`'s `fields` ({name: type}), or None."""
+    for name, kind in fields.items():
+        if name not in value:
+            if name not in optional:
+                return f"has no {name!r}"
+        elif not isinstance(value[name], kind) or isinstance(value[name], bool):
+            return f"has {name}={value[name]!r}, not a {getattr(kind, '__name__', 'number')}"
+    return None
+
+
+def event_problem(event: dict) -> str | None:
+    """What is wrong with one line of events.jsonl for the report, or None (unknown events pass)."""
+    kind = event.get("event")
+    fields = EVENT_FIELDS.get(kind)
+    if fields is None:
+        return None
+    problem = _field_problem(event, fields, {f for k, f in OPTIONAL_FIELDS if k == kind})
+    return problem and f"a {kind!r} event {problem}"
+
+
+def goodput_problem(value: dict) -> str | None:
+    """What is wrong with goodput.json for the report, or None."""
+    problem = _field_problem(value, GOODPUT_FIELDS)
+    for item in value.get("interruptions", []) if problem is None else ():
+        problem = (_field_problem(item, INTERRUPTION_FIELDS) if isinstance(item, dict)
+                   else "an interruption is not an object")
+        if problem:
+            return f"an interruption {problem}" if not problem.startswith("an ") else problem
+    return problem
+
+
+def _read_jsonl(path: str, notes: list[str], check=None) -> list[dict]:
     """The JSON objects of a .jsonl file; a torn last line (a kill mid-write) is skipped with a note,
-    any other line that is not a JSON object is a ReportError naming the file and the line."""
+    any other line that is not a JSON object, or that `check` (object -> problem or None) finds
+    wrong, is a ReportError naming the file and the line."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -101,11 +144,14 @@ def _read_jsonl(path: str, notes: list[str]) -> list[dict]:
                 notes.append(f"{os.path.basename(path)}: its last line is incomplete (skipped)")
                 continue
             raise ReportError(f"{path} line {n} is not a JSON object: {line[:60]!r}; delete or fix that line") from None
+        problem = check(value) if check else None
+        if problem:
+            raise ReportError(f"{path} line {n}: {problem}: {line[:60]!r}; delete or fix that line")
         out.append(value)
     return out
 
 
-def _read_json(path: str) -> dict | None:
+def _read_json(path: str, check=None) -> dict | None:
     if not os.path.exists(path):
         return None
     try:
@@ -113,7 +159,12 @@ def _read_json(path: str) -> dict | None:
             value = json.load(f)
     except (OSError, ValueError) as e:
         raise ReportError(f"{path} is not readable JSON ({e}); delete or fix it") from None
-    return value if isinstance(value, dict) else None
+    if not isinstance(value, dict):
+        return None
+    problem = check(value) if check else None
+    if problem:
+        raise ReportError(f"{path}: {problem}; delete or fix it")
+    return value
 
 
 def read_run(path: str, label: str | None = None) -> Run:
@@ -132,12 +183,12 @@ def read_run(path: str, label: str | None = None) -> Run:
     if not by_step:
         raise ReportError(f"{metrics} holds no logged step yet; rerun the report once the run has logged one")
     events_path = os.path.join(path, "events.jsonl")
-    events = _read_jsonl(events_path, notes) if os.path.exists(events_path) else []
+    events = _read_jsonl(events_path, notes, event_problem) if os.path.exists(events_path) else []
     return Run(path=path, label=label or os.path.basename(os.path.normpath(path)),
                rows=[by_step[s] for s in sorted(by_step)], events=events,
                config=_read_json(os.path.join(path, "config.json")),
                compile=_read_json(os.path.join(path, "compile.json")),
-               goodput=_read_json(os.path.join(path, "goodput.json")), notes=notes)
+               goodput=_read_json(os.path.join(path, "goodput.json"), goodput_problem), notes=notes)
 
 
 def labels(paths: Sequence[str]) -> list[str]:
@@ -375,6 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = p.parse_args(argv)
         if not args.out.lower().endswith(".png"):
             raise ReportError(f"--out {args.out} must end in .png (the figure is a PNG; --html writes the page)")
+        if args.html and not args.html.lower().endswith((".html", ".htm")):
+            raise ReportError(f"--html {args.html} must end in .html (nothing is written over another kind of file)")
         runs = [read_run(path, label) for path, label in zip(args.runs, labels(args.runs))]
         png = render(runs)
         _write(args.out, png, "--out")

@@ -14,6 +14,9 @@ from helpers.paths import REPO
 from lumen_jax import report
 
 
+ROWS = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
+
+
 def write_run(path, rows, events=(), goodput=None, torn=False):
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "metrics.jsonl"), "w") as f:
@@ -81,7 +84,8 @@ def test_an_older_run_without_the_timing_keys_is_drawn(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["no directory", "no metrics", "corrupt line", "no folder for --out",
-                                  "not a png", "unknown option"])
+                                  "not a png", "unknown option", "html over the config", "step event without step",
+                                  "resume step not a number", "slow step without its time", "goodput without wall_s"])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, case):
     good = write_run(tmp_path / "good", [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}])
     out = str(tmp_path / "report.png")
@@ -94,7 +98,20 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, case):
         "no folder for --out": ([good, "--out", str(tmp_path / "nope" / "r.png")], "nope"),
         "not a png": ([good, "--out", str(tmp_path / "r.pdf")], "must end in .png"),
         "unknown option": ([good, "--outt", out], "unrecognized arguments: --outt"),
+        # the run's config.json was replaced by the page
+        "html over the config": ([good, "--out", out, "--html", os.path.join(good, "config.json")],
+                                 "must end in .html"),
+        "step event without step": ([write_run(tmp_path / "ev1", ROWS, [*attempt(0, 0, [1]), {"event": "step"}]),
+                                     "--out", out], "events.jsonl line 3: a 'step' event has no 'step'"),
+        "resume step not a number": ([write_run(tmp_path / "ev2", ROWS, [{"event": "start", "resume_step": "abc"}]),
+                                      "--out", out], "line 1: a 'start' event has resume_step='abc', not a int"),
+        "slow step without its time": ([write_run(tmp_path / "ev3", ROWS, [{"event": "slow_step", "step": 2}]),
+                                        "--out", out], "a 'slow_step' event has no 'step_time_s'"),
+        "goodput without wall_s": ([write_run(tmp_path / "ev4", ROWS, attempt(0, 0, [1, 2]), goodput={
+            "goodput": 0.9, "attempts": [], "interruptions": []}), "--out", out], "goodput.json: has no 'wall_s'"),
     }[case]
+    with open(os.path.join(good, "config.json"), "w") as f:
+        f.write("{}")
     if case == "corrupt line":  # a line in the middle that is not JSON: not a torn write
         path = os.path.join(tmp_path, "bad", "metrics.jsonl")
         lines = open(path).read()
