@@ -65,7 +65,7 @@ def to_hf(run_dir: str, step: int | None, out: str, max_shard_bytes: float) -> s
     from lumen_jax.checkpoint import weights
     from lumen_jax.model import abstract_model
 
-    if max_shard_bytes <= 0:
+    if not max_shard_bytes > 0:  # NaN too
         raise hf.ConvertError(f"--max-shard-gb={max_shard_bytes / 2**30:g} must be > 0 (the most a safetensors "
                               "file holds, e.g. 5)")
     if os.path.exists(out) and os.listdir(out):
@@ -108,7 +108,19 @@ def to_hf(run_dir: str, step: int | None, out: str, max_shard_bytes: float) -> s
                        "weight_map": weight_map}, f, indent=2)
     if not _copy_tokenizer(os.path.join(run_dir, "tokenizer"), out) and os.path.isfile(cfg.data.tokenizer):
         shutil.copyfile(cfg.data.tokenizer, os.path.join(out, "tokenizer.json"))
+    _one_mode(out)
     return out
+
+
+def _one_mode(folder: str) -> None:
+    """Every file of an export gets the mode a new file gets here (0666 less the umask): safetensors
+    writes through a private temporary file (0600) where json.dump's config.json is 0644."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path) and not os.path.islink(path):
+            os.chmod(path, 0o666 & ~umask)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

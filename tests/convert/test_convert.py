@@ -6,6 +6,7 @@ and single-file, tied and sharded), written with `save_pretrained`; torch is imp
 
 import json
 import os
+import stat
 import shutil
 
 import numpy as np
@@ -45,6 +46,8 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(hf_dirs, tmp_pa
     shard = ["--max-shard-gb", str(20e3 / 2**30)] if layout == "tied_sharded" else []
     assert convert(["to-hf", "--run-dir", run_dir, "--out", back, *shard]) == 0
     assert os.path.isfile(os.path.join(back, "model.safetensors.index.json")) == (layout == "tied_sharded")
+    modes = {f: stat.S_IMODE(os.stat(os.path.join(back, f)).st_mode) for f in os.listdir(back)}
+    assert len(set(modes.values())) == 1, modes  # the weights were 0600 beside a 0644 config.json
 
     def tensors(d: str) -> dict:
         files = [f for f in os.listdir(d) if f.endswith(".safetensors")]
@@ -178,7 +181,7 @@ def test_without_a_tokenizer_from_hf_warns_and_to_hf_refuses_a_shard_size_of_0(h
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"warning: {hf_dirs['untied']} has no tokenizer.json"), err
     assert "data.tokenizer=byte" in err
-    for size in ("0", "-1"):
+    for size in ("0", "-1", "nan"):
         out = str(tmp_path / f"hf{size}")
         assert convert(["to-hf", "--run-dir", run_dir, "--out", out, "--max-shard-gb", size]) == 2
         err = capsys.readouterr().err.strip()
