@@ -36,8 +36,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # run as a script from anywhere: lumen_jax.config (no JAX import) is needed
 
 from lumen_jax.config import ConfigError  # noqa: E402
+from lumen_jax.config.commands import CommandParser  # noqa: E402
 from lumen_jax.config.files import load_config  # noqa: E402
 from lumen_jax.train.cli import parse_args as parse_train_args, run_dir_for  # noqa: E402
+
+MAX_DEVICES_PER_PROCESS = 256  # emulated CPU devices: XLA starts a thread pool per device
 
 
 def free_port() -> int:
@@ -159,7 +162,7 @@ def _print_tail(path: str, lines: int = 15) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = CommandParser(prog="python launch/local.py", description=__doc__.splitlines()[0])
     p.add_argument("--num-processes", type=int, default=2)
     p.add_argument("--devices-per-process", type=int, default=4)
     p.add_argument("--log-dir", help="default: <run_dir>/logs")
@@ -167,11 +170,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="seconds beyond distributed.heartbeat_timeout_s to wait for the other processes to stop "
                         "after one failed, before killing them")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then lumen_jax.train's arguments")
-    args = p.parse_args(argv)
-    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    if args.num_processes < 1 or args.devices_per_process < 1:
-        p.error("--num-processes and --devices-per-process must be >= 1")
-    try:  # the same config every process loads: for the run directory and the heartbeat timeout
+    try:
+        args = p.parse_args(argv)
+        train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+        if args.num_processes < 1 or args.devices_per_process < 1:
+            raise ConfigError("--num-processes and --devices-per-process must be >= 1")
+        most = max(8, 4 * (os.cpu_count() or 1))  # each process is a whole trainer on this machine's CPUs
+        if args.num_processes > most:
+            raise ConfigError(f"--num-processes {args.num_processes} would start that many trainers on this machine "
+                              f"({os.cpu_count()} CPUs); at most {most} (across nodes, start one process per node: "
+                              "SLURM or Kubernetes)")
+        if args.devices_per_process > MAX_DEVICES_PER_PROCESS:
+            raise ConfigError(f"--devices-per-process {args.devices_per_process} emulated CPU devices is more than "
+                              f"{MAX_DEVICES_PER_PROCESS}; choose fewer")
+        # the same config every process loads: for the run directory and the heartbeat timeout
         targs = parse_train_args(train_args)
         cfg = load_config(targs.config, targs.overrides)
     except ConfigError as e:

@@ -290,7 +290,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the training command")
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    # the events and checkpoints it reads are the run directory's: another one would count nothing
+    trains_in = [a.split("=", 1)[1] for a in command if a.startswith("train.run_dir=")]
+    elsewhere = [d for d in trains_in if os.path.realpath(d) != os.path.realpath(args.run_dir)]
     for bad, message in ((not command, "give the training command after --"),
+                         (elsewhere, f"--run-dir {args.run_dir} but the command trains in train.run_dir="
+                                     f"{elsewhere[0] if elsewhere else ''}; give both the same directory"),
                          (args.max_restarts < 0, f"--max-restarts={args.max_restarts} must be >= 0 (0: never restart)"),
                          (not args.backoff >= 0, f"--backoff={args.backoff} must be >= 0 seconds")):
         if bad:

@@ -57,3 +57,22 @@ def test_local_console_shows_process_0_without_gloos_lines(tmp_path, monkeypatch
     log.close()
     assert (tmp_path / "log").read_bytes() == b"".join(chunks)
     assert console.getvalue() == b"lumen_jax: 8 cpu devices\n\r 10%|# | 2/20\r 20%|## | 4/20\ndone: step 20"
+
+
+def test_local_refuses_numbers_that_would_start_too_much(capsys, monkeypatch):
+    """--num-processes 100000 started hundreds of trainers: bounded by the machine, one line, exit 2,
+    nothing started; likewise bad counts and absurd emulated devices per process."""
+    from helpers.paths import load_script
+
+    local = load_script("launch/local.py")
+    started = []
+    monkeypatch.setattr(local, "launch", lambda *a, **k: started.append(a) or 0)
+    tiny = ["--", "--config", os.path.join(REPO, "configs", "tiny.yaml")]
+    for argv, message in ((["--num-processes", "100000"], "--num-processes 100000 would start that many trainers"),
+                          (["--num-processes", "0"], "must be >= 1"),
+                          (["--devices-per-process", "100000"], "--devices-per-process 100000 emulated CPU devices"),
+                          (["--num-processes", "two"], "argument --num-processes: invalid int value: 'two'")):
+        assert local.main([*argv, *tiny]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err
+    assert not started

@@ -194,9 +194,12 @@ def test_sigint_during_the_backoff_ends_supervision_with_75(tmp_path):
 
 @pytest.mark.parametrize("bad, expected", [(["--max-restarts", "-1"], "--max-restarts=-1 must be >= 0"),
                                            (["--backoff", "-5"], "--backoff=-5.0 must be >= 0"),
-                                           ([], "give the training command after --")])
+                                           ([], "give the training command after --"),
+                                           (["train.run_dir=elsewhere"], "the command trains in train.run_dir=elsewhere")])
 def test_bad_arguments_are_one_line_exit_2(tmp_path, bad, expected):
     command = ["--", sys.executable, "-c", "pass"] if bad else []
+    if bad[:1] == ["train.run_dir=elsewhere"]:  # goodput 0.0% of a run it did not watch, before
+        bad, command = [], [*command, bad[0]]
     proc = subprocess.run([sys.executable, "launch/supervise.py", "--run-dir", str(tmp_path), *bad, *command],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     lines = proc.stderr.strip().splitlines()
