@@ -1,5 +1,5 @@
-"""The package's shape: no import circles, the build does not import the planner, and README's
-Layout section lists every module of the tree (and nothing that is gone)."""
+"""The package's shape: no import circles, the build does not import the planner, and the Layout
+section of docs/ARCHITECTURE.md lists every module of the tree (and nothing that is gone)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def test_the_build_of_a_run_does_not_import_the_planner():
     assert not {m for m in seen if m.startswith("lumen_jax.plan")}, sorted(m for m in seen if m.startswith("lumen_jax.plan"))
 
 
-def readme_modules(text: str) -> set[str]:
-    """The module files README's Layout section lists: `dir/` lines, then `  name.py` lines under them."""
+def layout_modules(text: str) -> set[str]:
+    """The module files a page's Layout section lists: `dir/` lines, then `  name.py` lines under them."""
     block = text.split("## Layout\n", 1)[1].split("```\n", 2)[1]
     listed, folder = set(), ""
     for line in block.splitlines():
@@ -52,13 +52,13 @@ def tree_modules() -> set[str]:
             if p.name != "__init__.py"}
 
 
-def test_readme_layout_lists_every_module():
-    listed = readme_modules((ROOT / "README.md").read_text(encoding="utf-8"))
+def test_architecture_layout_lists_every_module():
+    listed = layout_modules((ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8"))
     tree = tree_modules()
-    assert not tree - listed, f"modules README's Layout section does not list: {sorted(tree - listed)}"
-    assert not listed - tree, f"README's Layout section lists modules that are gone: {sorted(listed - tree)}"
+    assert not tree - listed, f"modules docs/ARCHITECTURE.md's Layout section does not list: {sorted(tree - listed)}"
+    assert not listed - tree, f"docs/ARCHITECTURE.md's Layout section lists modules that are gone: {sorted(listed - tree)}"
 
 
-def test_readme_layout_reader_sees_a_missing_line():
+def test_layout_reader_sees_a_missing_line():
     text = "## Layout\n\n```\nlumen_jax/train/   x\n  cli.py   y\nlumen_jax/lower.py  z\n```\n"
-    assert readme_modules(text) == {"lumen_jax/train/cli.py", "lumen_jax/lower.py"}
+    assert layout_modules(text) == {"lumen_jax/train/cli.py", "lumen_jax/lower.py"}
