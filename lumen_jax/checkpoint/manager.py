@@ -30,7 +30,7 @@ import dataclasses
 import os
 import shutil
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -59,32 +59,6 @@ class Restored:
     meta: dict
 
 
-def _fields(state: Any) -> dict[str, Any]:
-    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
-
-
-@dataclasses.dataclass(frozen=True)
-class OlderLayout:
-    """How an earlier version wrote the state: `target(abstract_state)` is the restore target in that
-    layout (None: not applicable), `convert(abstract_state, restored)` the current state from it."""
-
-    target: Callable[[Any], Any]
-    convert: Callable[[Any, Any], Any]
-
-
-def renamed_field(new: str, old: str, to_old: Callable[[Any], Any], from_old: Callable[[Any], Any]) -> OlderLayout:
-    """The layout in which the state's field `new` was stored as `old`, its tree as `to_old` gives it."""
-    def target(abstract: Any) -> dict:
-        fields = _fields(abstract)
-        return {**{k: v for k, v in fields.items() if k != new}, old: to_old(fields[new])}
-
-    def convert(abstract: Any, restored: dict) -> Any:
-        fields = {k: v for k, v in restored.items() if k != old}
-        return dataclasses.replace(abstract, **fields, **{new: from_old(restored[old])})
-
-    return OlderLayout(target, convert)
-
-
 def _same(tree: Any) -> Any:
     return tree
 
@@ -101,19 +75,6 @@ class StoredLayout:
     target: Callable[[Any], Any] = _same
     load: Callable[[Any], Any] = _same
     load_model: Callable[[Any, Any], tuple] = lambda params, model_state: (params, model_state)
-
-
-def _without_empty(abstract: Any) -> dict | None:
-    fields = _fields(abstract)
-    kept = {k: v for k, v in fields.items() if jax.tree.leaves(v)}
-    return kept if len(kept) < len(fields) else None
-
-
-# Written before a state field that holds no arrays existed (e.g. a model without model state, by a
-# version that had no such field): restore the other fields and keep that field's empty value.
-WITHOUT_EMPTY_FIELDS = OlderLayout(
-    _without_empty, lambda abstract, restored: dataclasses.replace(
-        abstract, **restored, **{k: v for k, v in _fields(abstract).items() if not jax.tree.leaves(v)}))
 
 
 class Checkpointer:
@@ -251,21 +212,19 @@ class Checkpointer:
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def restore_latest(self, abstract_state: Any, older: Sequence[OlderLayout] = ()) -> Restored | None:
+    def restore_latest(self, abstract_state: Any) -> Restored | None:
         """The newest step that reads back intact into `abstract_state`'s shardings, or None.
 
         Args:
           abstract_state: a dataclass pytree (the TrainState) of `jax.ShapeDtypeStruct` with
             `sharding` set: the target layout (any mesh, any device count), as in memory (the
             stored one is `self.layout.target` of it).
-          older: layouts in which earlier versions wrote the state, tried in order when a step does
-            not read in the current one (after them, the layout without the fields that hold no arrays).
         """
-        unusable, layouts = [], (*older, WITHOUT_EMPTY_FIELDS)
+        unusable = []
         abstract_state = self.layout.target(abstract_state)  # what the steps hold
         for step in reversed(self.steps()):
             try:
-                out = self._restore(step, abstract_state, layouts)
+                out = self._restore(step, abstract_state)
                 meta = dict(out["meta"])
                 if checksum_list(out["state"]) != meta.get("checksums"):
                     raise ValueError("array checksums differ from those recorded at save time")
@@ -276,7 +235,7 @@ class Checkpointer:
                     print(f"warning: {line}; resumed from step {step}", file=runlog.console(), flush=True)
                 stored = out["state"]
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: report and fall back
-                moved = self._other_state(step, abstract_state, layouts)
+                moved = self._other_state(step, abstract_state)
                 if moved:  # written by a run of another shape: a config error, not corruption
                     self.close()
                     raise ConfigError(f"checkpoint {os.path.join(self.directory, str(step))} holds a state of "
@@ -292,40 +251,23 @@ class Checkpointer:
                                   "inspect or delete the corrupt-* folders, then rerun: it starts from step 0")
         return None
 
-    def _restore(self, step: int, abstract_state: Any, older: Sequence[OlderLayout]) -> Any:
-        def args(target: Any) -> ocp.args.Composite:
-            return ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+    def _restore(self, step: int, abstract_state: Any) -> Any:
+        return self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+                                                                   meta=ocp.args.JsonRestore()))
 
-        try:
-            return self._manager.restore(step, args=args(abstract_state))
-        except ValueError as current:  # a structure mismatch: maybe a layout an earlier version wrote
-            for layout in older:
-                target = layout.target(abstract_state)
-                if target is None:
-                    continue
-                try:
-                    out = self._manager.restore(step, args=args(target))
-                except ValueError:
-                    continue
-                return {"meta": out["meta"], "state": layout.convert(abstract_state, out["state"])}
-            raise current
-
-    def _other_state(self, step: int, abstract_state: Any, older: Sequence[OlderLayout]) -> str | None:
+    def _other_state(self, step: int, abstract_state: Any) -> str | None:
         """How the arrays stored at `step` (Orbax's metadata: names and shapes, readable once a restore
-        attempt registered the item) differ from the state this config builds, when they fit neither
-        it nor any older layout of it; None when they fit one (the step failed to read: corrupt) or
-        the metadata cannot be read (corrupt too)."""
+        attempt registered the item) differ from the state this config builds; None when they fit it
+        (the step failed to read: corrupt) or the metadata cannot be read (corrupt too)."""
         try:
             stored = self._manager.item_metadata(step)["state"]
         except Exception:  # noqa: BLE001 - unreadable metadata is the corruption case
             return None
         if stored is None:
             return None
-        stored = shapes_by_name(stored)
-        targets = [abstract_state, *(t for t in (layout.target(abstract_state) for layout in older) if t is not None)]
-        if any(shapes_by_name(t) == stored for t in targets):
+        stored, new = shapes_by_name(stored), shapes_by_name(abstract_state)
+        if stored == new:
             return None
-        new = shapes_by_name(abstract_state)
         only = sorted(set(stored) ^ set(new), key=lambda n: (n.count("/"), n))  # params/x before opt_state/.../x
         return first_shape_change(stored, new) or (
             f"{only[0]} is in the {'checkpoint' if only[0] in stored else 'new state'} only" if only else None)

@@ -126,7 +126,7 @@ def check(config: dict, checkpoint_dir: str, abstract_state: Any, run_dir: str,
     if saved_shapes is not None and saved_shapes == state_shapes(abstract_state):
         return step
     # The state differs (or an older checkpoint does not say): name the config key that explains it.
-    # If none does, the restore tries the layouts earlier versions wrote (checkpoint.OlderLayout).
+    # If none does, the restore finds out (`Checkpointer.restore_latest`: a ConfigError naming the array).
     changed = [k for k in new if k in old and _shapes_state(k) and _differs(k, old[k], new[k])]
     if changed:
         key = changed[0]

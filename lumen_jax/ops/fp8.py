@@ -344,26 +344,6 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, recipe: str, history: dict | N
 
 
 # --------------------------------------------------------------------------------------------------
-# Checkpoints written before model state was generic
-# --------------------------------------------------------------------------------------------------
-
-LEGACY_FIELD = "fp8_state"  # the TrainState field that held the histories before `model_state`
-
-
-def to_legacy(tree: dict, key: str) -> dict:
-    """A model-state tree in the layout those checkpoints used: `...attn.{key}.q.x` was
-    `...attn.fp8.history.q.x` (leaves may be arrays or shapes)."""
-    return {("fp8" if k == key else k): ({"history": v} if k == key else to_legacy(v, key))
-            for k, v in tree.items()} if isinstance(tree, dict) else tree
-
-
-def from_legacy(tree: dict, key: str) -> dict:
-    """Inverse of `to_legacy`."""
-    return {(key if k == "fp8" else k): (v["history"] if k == "fp8" else from_legacy(v, key))
-            for k, v in tree.items()} if isinstance(tree, dict) else tree
-
-
-# --------------------------------------------------------------------------------------------------
 # HLO check
 # --------------------------------------------------------------------------------------------------
 
@@ -394,7 +374,7 @@ def fp8_gemms(hlo_text: str) -> list[str]:
 _DEF = re.compile(r"(%?[\w.\-]+) = (\w+)\[")
 
 
-__all__ = ["E4M3", "E5M2", "LEGACY_FIELD", "TILE", "Fp8History", "amax", "compute_scale", "delayed_scale",
+__all__ = ["E4M3", "E5M2", "TILE", "Fp8History", "amax", "compute_scale", "delayed_scale",
            "dequantize", "dequantize_blocks", "dot", "einsum", "fake_quantize_blocks", "fp8_gemms", "fp8_max",
-           "from_legacy", "histories", "layer_mask", "layer_runs", "quantize", "quantize_blocks", "runs_fp8",
-           "to_legacy", "update_history"]
+           "histories", "layer_mask", "layer_runs", "quantize", "quantize_blocks", "runs_fp8",
+           "update_history"]

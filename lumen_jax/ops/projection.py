@@ -281,11 +281,3 @@ def remat_policy(policy: Callable[..., Any]) -> Callable[..., Any]:
         return policy(prim, *avals, **params)
     return adapted
 
-
-def legacy_state_layout() -> tuple[str, Callable[[dict], dict], Callable[[dict], dict]]:
-    """How checkpoints from before the generic model state stored it (b2eea75 and earlier): the
-    TrainState field's old name and the conversions of its tree to and from that layout. They kept
-    the delayed recipe's histories as `TrainState.fp8_state`, under `...attn.fp8.history.q.x` where
-    the model now has `...attn.projections.q.x`."""
-    key = "projections"  # the attribute `model.layers` keeps `projection_state` in
-    return (fp8.LEGACY_FIELD, lambda tree: fp8.to_legacy(tree, key), lambda tree: fp8.from_legacy(tree, key))

@@ -20,7 +20,6 @@ from lumen_jax.checkpoint import manager as checkpoint
 from lumen_jax.config import Config
 from lumen_jax.data import BATCH_KEYS
 from lumen_jax.model import abstract_model, init as init_model
-from lumen_jax.ops import projection
 from lumen_jax.ops.choice import Ops, choose
 from lumen_jax.train.optim import make_optimizer, schedule
 from lumen_jax.parallel import communication as comm, context as context_lib
@@ -40,7 +39,6 @@ class Trainer:
     step_cfg: step_lib.StepConfig
     param_names: dict  # {path: logical axis names}
     ops: Ops  # how the model's ops run (lumen_jax.ops.choice); `ops.note` goes into the start-up line
-    older_layouts: tuple  # checkpoint.OlderLayout: how earlier versions wrote this state (restore_latest)
     # the state in memory <-> on disk (uneven or interleaved stages: the stacks as held <-> real layers)
     stored: checkpoint.StoredLayout
     state_shardings: step_lib.TrainState
@@ -222,8 +220,7 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
                              compiler_options=options)
     grads = jax.jit(traced(lambda p, b: step_lib.loss_and_grads(p, b, 1.0, sc, placement)),
                     in_shardings=(param_sh, batch_shardings), out_shardings=(replicated, grad_sh))
-    older = (checkpoint.renamed_field("model_state", *projection.legacy_state_layout()),)
     stored = _stored_layout(pipe, tx, abstract, state_sh) if pipe is not None and pipe.reorders else checkpoint.StoredLayout()
-    return Trainer(cfg=cfg, mesh=mesh, rules=rules, step_cfg=sc, param_names=names, ops=ops, older_layouts=older,
+    return Trainer(cfg=cfg, mesh=mesh, rules=rules, step_cfg=sc, param_names=names, ops=ops,
                    stored=stored, state_shardings=state_sh, batch_sharding=batch_sh, init=init, step=step, grads=grads,
                    step_and_grads=step_and_grads)

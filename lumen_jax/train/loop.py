@@ -101,7 +101,7 @@ def run(trainer: Trainer, data: Iterator, run_dir: str, spec: RunSpec, stop: Sto
 def _start(trainer: Trainer, data: Iterator, ckpt: Checkpointer, init_from: str) -> tuple[Any, int]:
     """(state, step) to train from: the latest good checkpoint (and its data position), else a fresh
     state, with `train.init_from`'s weights when set (fresh optimizer state, step 0)."""
-    restored = ckpt.restore_latest(trainer.abstract_state(), trainer.older_layouts)
+    restored = ckpt.restore_latest(trainer.abstract_state())
     if restored is not None:
         data.set_state(_own_data_state(restored.meta["data"]))
         return restored.state, restored.step

@@ -119,7 +119,7 @@ def test_a_checkpoint_of_other_shapes_is_a_config_error_and_stays(saved, tmp_pat
     shape, mesh = _mesh()
     other = build(CFG.replace(model=dataclasses.replace(CFG.model, **change), mesh=MeshConfig(**shape)), mesh)
     with pytest.raises(ConfigError) as e:
-        Checkpointer(copy, CheckpointConfig()).restore_latest(other.abstract_state(), other.older_layouts)
+        Checkpointer(copy, CheckpointConfig()).restore_latest(other.abstract_state())
     assert names in str(e.value) and "nothing was moved" in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert sorted(os.listdir(copy)) == ["1"]
 
