@@ -43,6 +43,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 # BlockSizes is part of this module's public API (ops/choice.py uses it).
@@ -317,8 +318,15 @@ def _flash(q, k, v, q_seg, kv_seg, st: Static):
     return _forward(q, k, v, q_seg, kv_seg, st)
 
 
+# The name of the forward's output and log-sum-exp under `jax.checkpoint`: a remat policy that saves
+# it (`save_only_these_names(RESIDUAL_NAME)`) keeps the backward from running the forward kernel again
+# (the other residuals, q, k, v and the segment ids, are the kernel's inputs).
+RESIDUAL_NAME = "flash_attention_residual"
+
+
 def _flash_fwd(q, k, v, q_seg, kv_seg, st):
     o, lse = _forward(q, k, v, q_seg, kv_seg, st)
+    o, lse = checkpoint_name(o, RESIDUAL_NAME), checkpoint_name(lse, RESIDUAL_NAME)
     return (o, lse), (q, k, v, q_seg, kv_seg, o, lse)
 
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lumen_jax.config import ModelConfig
+from lumen_jax.kernels import flash_attention as flash_lib
 from lumen_jax.model.layers import MLP, Block, RMSNorm, _param, rope_frequencies
 from lumen_jax.model.moe import MoE
 from lumen_jax.ops.choice import Ops
@@ -22,12 +23,20 @@ from lumen_jax.ops.projection import Taps, project, remat_policy
 from lumen_jax.ops.state import ModelState, combine_rules
 from lumen_jax.parallel.rules import constrain
 
+# Every policy but `full` also keeps the flash kernel's output and log-sum-exp (on the device) (a few bytes per token
+# and head beside the layer's projections), so no backward runs the attention forward again; `full`
+# keeps nothing, by definition. The reference (xla) attention has no such residual: it is unaffected.
+_KEEP_FLASH = jax.checkpoint_policies.save_only_these_names(flash_lib.RESIDUAL_NAME)
+_OFFLOAD_DOTS = jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "save_attention_out": jax.checkpoint_policies.save_only_these_names("attention_out"),
-    "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+    "dots_saveable": jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.dots_saveable,
+                                                                     _KEEP_FLASH),
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _KEEP_FLASH),
+    "save_attention_out": jax.checkpoint_policies.save_only_these_names("attention_out", flash_lib.RESIDUAL_NAME),
+    "offload_dots": lambda prim, *avals, **params: _KEEP_FLASH(prim, *avals, **params) or _OFFLOAD_DOTS(
+        prim, *avals, **params),
 }
 
 

@@ -64,7 +64,7 @@ def predict_row(row: Published, terms: Efficiency = Efficiency(), overlap: Overl
     recipe = dataclasses.replace(overlap, **(RECIPE_OVERLAP if recipe_overlap is None else recipe_overlap)) \
         if row.comm_overlap else overlap
     return predict(config_of(row), layout_of(row), hardware_of(row, hardware), attention="flash", terms=terms,
-                   overlap=recipe, efficiency=efficiency, context_grads="once")
+                   overlap=recipe, efficiency=efficiency, context_grads="once", kernel_kept=False)
 
 
 # A published run's device holds what its framework's allocator hands out: the capacity CUDA

@@ -334,19 +334,22 @@ def computed_score_fraction(seq_len: int) -> float:
     return layer_residuals("none", seq_len).counts()[("S", "f")] or 1.0
 
 
-def recomputes(remat: str, context: int = 1, context_parallel: str = "ring") -> dict[str, bool]:
+def recomputes(remat: str, context: int = 1, context_parallel: str = "ring", attention: str = "xla") -> dict[str, bool]:
     """Which forward work the backward pass re-runs: `projections` unless the policy saves a
     projection (an F- or KV-wide row), `attention` (QK^T, PV) unless it saves scores (under context
     parallelism: unless it keeps the ring's residuals, whose log-sum-exp is the N-wide row, or the
-    chunk kernels' scores)."""
-    return dict(_recomputes(remat, context, context_parallel))
+    chunk kernels' scores; with the flash kernel outside context parallelism: unless it keeps the
+    kernel's log-sum-exp, the N-wide row, beside its output)."""
+    return dict(_recomputes(remat, context, context_parallel, attention))
 
 
 @functools.lru_cache(maxsize=256)  # the search asks it several times for every candidate
-def _recomputes(remat: str, context: int, context_parallel: str) -> dict[str, bool]:
+def _recomputes(remat: str, context: int, context_parallel: str, attention: str) -> dict[str, bool]:
     kinds = {k for k, _ in layer_residuals(remat, context=context, context_parallel=context_parallel).counts(host=True)}
-    attention = "S" not in kinds and (context == 1 or "N" not in kinds)
-    return {"projections": not kinds & {"F", "KV"}, "attention": attention}
+    again = "S" not in kinds and (context == 1 or "N" not in kinds)
+    if attention == "flash" and context == 1:
+        again = "N" not in {k for k, _ in layer_residuals(remat, attention="flash").counts(host=True)}
+    return {"projections": not kinds & {"F", "KV"}, "attention": again}
 
 
 def working_bytes_per_token(model: ModelConfig, layout: Layout, seq_len: int, remat: str,

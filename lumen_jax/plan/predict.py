@@ -170,11 +170,14 @@ def exposed_seconds(comms: tuple[Collective, ...], compute: Compute, m: int, ove
 def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = None,
             attention: str | None = None, efficiency: float | None = None, memory_fraction: float = MEMORY_FRACTION,
             terms: Efficiency = Efficiency(), overlap: Overlap = Overlap(), moe_backend: str = "gpu",
-            context_grads: str = "per_unit") -> Plan:
+            context_grads: str = "per_unit", kernel_kept: bool = True) -> Plan:
     """Bytes, FLOPs, collectives and a step time for `cfg` on `layout`. `moe_backend`: the MoE
     dispatch's exchange and grouped matmuls as on GPU or as XLA:CPU compiles them (`plan.moe`);
     `context_grads`: the gradients' reduction over context as our step runs it, or "once" per step
-    (`collectives.StepShape.context_grads`).
+    (`collectives.StepShape.context_grads`); `kernel_kept`: the remat policy keeps the flash
+    kernel's output and log-sum-exp, so the backward runs no attention forward again (ours, every
+    policy but full); False plans the forward run again under a policy that saves no scores (the
+    published recipes' programs, as the calibration assumes).
 
     Step time = compute + the communication that does not hide under it (`exposed_seconds`, per
     axis: `overlap`), stretched by the pipeline bubble (`_stretch`: zero_bubble's B and W ticks at
@@ -191,10 +194,11 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     # Under context parallelism the step waits for the busiest device's share of the score square.
     fraction = (context_score_fraction(layout.mesh.context, layout.mesh.context_balance, attention)
                 if layout.mesh.context > 1 else 0.5)
-    hw_per_token = planned_flops_per_token(model, layout, seq, remat, score_fraction=fraction)
+    redo_as = attention if kernel_kept else "xla"  # the reference attention keeps no kernel residuals
+    hw_per_token = planned_flops_per_token(model, layout, seq, remat, score_fraction=fraction, attention=redo_as)
     comms = tuple(collectives(model, layout, hw, seq, micro_batch, remat, moe_backend, context_grads))
     if efficiency is None:
-        redo = recomputes(remat, layout.mesh.context, layout.mesh.context_parallel)
+        redo = recomputes(remat, layout.mesh.context, layout.mesh.context_parallel, redo_as)
         parts = compute_seconds(model, layout, seq, micro_batch, redo, attention, hw, terms, score_fraction=fraction)
     else:  # one rate for every FLOP; the backward is 2/3 of them
         total = hw_per_token * tokens / layout.num_devices / (peak * efficiency)

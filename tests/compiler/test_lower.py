@@ -62,6 +62,19 @@ def test_flash_step_runs_three_kernels_per_layer_and_holds_no_scores(mesh):
     assert s["collectives"] == []
 
 
+@pytest.mark.parametrize("remat, forwards", [("dots_with_no_batch_dims_saveable", LAYERS), ("save_attention_out", LAYERS),
+                                             ("dots_saveable", LAYERS), ("offload_dots", LAYERS),
+                                             ("full", 2 * LAYERS)])
+def test_no_policy_but_full_runs_the_attention_forward_again(remat, forwards):
+    """The policies keep the flash kernel's output and log-sum-exp (named residuals): one forward
+    kernel per layer and step, as without remat (llama3_1b's preset ran 32 for its 16 layers);
+    `full` keeps nothing and runs it again in the backward."""
+    cfg = config("flash")
+    s = lowered_summary(cfg.replace(model=dataclasses.replace(cfg.model, remat=remat)))
+    assert kernels(s) == {"flash_fwd": (1 if forwards == LAYERS else 2, forwards), "flash_bwd_dkv": (1, LAYERS),
+                          "flash_bwd_dq": (1, LAYERS)}, s["custom_calls"]
+
+
 @pytest.mark.heavy
 def test_partitioned_collectives_of_fsdp_count_every_layer():
     """fsdp=8, ZeRO-3: the compiled step gathers every layer's fp32 weights in the forward and again in

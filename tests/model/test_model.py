@@ -226,6 +226,18 @@ def test_remat_policies_same_losses_and_grads(policy, remat_reference):
     assert_same_run(got, remat_reference, f"remat={policy}")
 
 
+@pytest.mark.heavy  # the flash kernels in Pallas's interpreter, twice
+def test_flash_kept_by_the_remat_policy_gives_the_same_losses_and_grads():
+    """dots_with_no_batch_dims_saveable keeps the flash kernel's output and log-sum-exp (the backward
+    no longer runs the forward kernel again: tests/compiler/test_lower.py counts it): the backward
+    reads them as it read the recomputed ones, so losses and gradients are remat=none's."""
+    flash = dataclasses.replace(BASE.model, attention="flash")
+    ref = run(with_mesh(BASE.replace(model=flash)), devices=jax.devices()[:1])
+    got = run(with_mesh(BASE.replace(model=dataclasses.replace(flash, remat="dots_with_no_batch_dims_saveable"))),
+              devices=jax.devices()[:1])
+    assert_same_run(got, ref, "flash, remat=dots_with_no_batch_dims_saveable")
+
+
 def test_tied_embeddings_have_no_lm_head_and_train():
     cfg = BASE.replace(model=dataclasses.replace(BASE.model, tie_embeddings=True))
     _, shapes, _ = param_shapes_and_names(cfg.model)

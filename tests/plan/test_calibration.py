@@ -173,7 +173,7 @@ def test_cli_calibration_and_goodput():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Young-Daly interval" in proc.stdout and "checkpoint.every_steps=" in proc.stdout
     proc = run_plan("--config", "configs/llama3_405b.yaml", "--devices", "16384", "--storage-gbps", "0")
-    assert proc.returncode == 2 and proc.stderr.startswith("error: --storage-gbps=0.0 must be > 0")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --storage-gbps=0.0 must be a positive finite number")
     assert len(proc.stderr.strip().splitlines()) == 1
 
 

@@ -396,6 +396,12 @@ def test_residuals_of_the_policies():
     assert plan.recomputes("full") == {"projections": True, "attention": True}
     assert plan.recomputes("dots_with_no_batch_dims_saveable") == {"projections": False, "attention": True}
     assert plan.layer_residuals("offload_dots").host and plan.recomputes("offload_dots")["projections"] is False
+    # The flash kernel keeps its output and log-sum-exp under every policy but full (its residual
+    # names, model/transformer.py): the backward runs no attention forward again.
+    for remat in ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_attention_out", "offload_dots"):
+        assert plan.recomputes(remat, attention="flash")["attention"] is False, remat
+        assert ("N", "f") in plan.layer_residuals(remat, attention="flash").counts(host=True), remat
+    assert plan.recomputes("full", attention="flash")["attention"] is True
 
 
 def test_context_parallel_residuals_and_work():
