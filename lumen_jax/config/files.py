@@ -98,7 +98,37 @@ def _read_yaml(path: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
 
 
 _GIN_MODULE = "lumen_jax.config"
-_GIN_SEARCH_PATHS: set[str] = set()
+_GIN_SEARCH_PATHS: list[str] = []  # in the order gin searches them, after the working directory
+
+
+def _gin_refuse_code(path: str, seen: frozenset[str] = frozenset()) -> None:
+    """Refuses an `import`/`from` line in the gin file `path` or a file it includes, before gin runs any.
+
+    Gin executes a config file's import lines; a config file is data, so none may run. Includes are
+    found as gin finds them: the working directory, then the search paths in the order they were added.
+    """
+    from gin import config_parser
+
+    class _Placeholders(config_parser.ParserDelegate):  # `@name` and `%name` need no meaning to be scanned
+        def configurable_reference(self, scoped_configurable_name: str, evaluate: bool) -> None:
+            return None
+
+        def macro(self, macro_name: str) -> None:
+            return None
+
+    real = os.path.realpath(path)
+    if real in seen:
+        raise ConfigError(f"config file {path} includes itself; remove an include line")
+    with open(path, encoding="utf-8") as f:
+        for statement in config_parser.ConfigParser(f, _Placeholders()):
+            if isinstance(statement, config_parser.ImportStatement):
+                raise ConfigError(f"{path}:{statement.location.line_num}: `{statement.format()}` would load "
+                                  "code; a config file is data: remove the line")
+            if isinstance(statement, config_parser.IncludeStatement):
+                prefixes = [""] if os.path.isabs(statement.filename) else ["", *_GIN_SEARCH_PATHS]
+                found = [p for p in (os.path.join(x, statement.filename) for x in prefixes) if os.path.isfile(p)]
+                if found:  # gin itself names a missing include
+                    _gin_refuse_code(found[0], seen | {real})
 
 
 def _read_gin(path: str) -> dict[str, Any]:
@@ -115,9 +145,10 @@ def _read_gin(path: str) -> dict[str, Any]:
     folder = os.path.dirname(path)
     if folder not in _GIN_SEARCH_PATHS:  # `include 'x.gin'` relative to this file
         gin.add_config_file_search_path(folder)
-        _GIN_SEARCH_PATHS.add(folder)
+        _GIN_SEARCH_PATHS.append(folder)
     gin.clear_config()
     try:
+        _gin_refuse_code(path)
         gin.parse_config_file(path)
         # Calling the configurable applies the bindings, macros and references included.
         sections = {s: dataclasses.asdict(gin.get_configurable(f"{_GIN_MODULE}.{s}")()) for s in SECTIONS}
@@ -125,6 +156,8 @@ def _read_gin(path: str) -> dict[str, Any]:
             if gin.get_bindings(f"{_GIN_MODULE}.{dotted}"):
                 section, key = dotted.split(".")
                 sections[section][key] = dataclasses.asdict(gin.get_configurable(f"{_GIN_MODULE}.{dotted}")())
+    except ConfigError:
+        raise
     except (ValueError, TypeError, SyntaxError) as e:
         msg = _one_line(e)
         # Gin's own wording (pinned <0.6), turned into ours so both file formats read alike.

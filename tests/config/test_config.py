@@ -132,6 +132,25 @@ def test_gin_errors(tmp_path):
     assert "not valid gin" in msg
 
 
+@pytest.mark.parametrize("line", ["import evilmod", "from evilmod import payload", "import evilmod as e",
+                                  "from __gin__ import dynamic_registration"])
+def test_gin_refuses_code_loading(tmp_path, monkeypatch, line):
+    """A config file is data: an import line (in the file or in one it includes) is refused before it runs."""
+    marker = tmp_path / "ran"
+    write(tmp_path, "evilmod.py", f"open({str(marker)!r}, 'w').close()\npayload = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "evilmod", raising=False)
+    top = write(tmp_path, "evil.gin", f"model.num_layers = 3\n{line}\n")
+    assert error(load_config, top) == (
+        f"{top}:2: `{line}` would load code; a config file is data: remove the line")
+    inner = f"inner_{tmp_path.name}.gin"  # gin searches the folders of earlier loads too: a name of its own
+    write(tmp_path, inner, f"\n\n{line}\n")
+    outer = write(tmp_path, "outer.gin", f"include '{inner}'\nmodel.num_layers = 3\n")
+    assert error(load_config, outer) == (
+        f"{tmp_path / inner}:3: `{line}` would load code; a config file is data: remove the line")
+    assert not marker.exists() and "evilmod" not in sys.modules
+
+
 def test_jax_not_imported():
     code = ("import sys, lumen_jax.config; assert 'lumen_jax.config.files' not in sys.modules; "
             "import lumen_jax.config.files as c; c.load_config('configs/tiny.gin'); assert 'jax' not in sys.modules")
