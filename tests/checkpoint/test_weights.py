@@ -60,6 +60,27 @@ def _flip_middle_byte(run: str, step: int) -> None:
         open(path, "wb").write(data)
 
 
+def _swapped_elements(run: str, step: int) -> None:
+    """Two unequal elements of one parameter trade places: the plain sum of the bits stays, their order does not."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from lumen_jax.runtime.checksums import checksum_list
+
+    checkpointer = ocp.StandardCheckpointer()
+    tree = jax.tree.map(np.asarray, checkpointer.restore(_state(run, step)))
+    name, table = next((k, v) for k, v in tree["params"].items() if getattr(v, "ndim", 0) >= 1)
+    flat = table.reshape(-1).copy()
+    j = int(np.flatnonzero(flat != flat[0])[0])
+    flat[[0, j]] = flat[[j, 0]]
+    before, after = checksum_list(tree["params"][name]), checksum_list(flat.reshape(table.shape))
+    assert before[0][0] == after[0][0] and before[0][1] != after[0][1], (before, after)
+    tree["params"][name] = flat.reshape(table.shape)
+    shutil.rmtree(_state(run, step))
+    checkpointer.save(_state(run, step), tree)
+    checkpointer.wait_until_finished()
+
+
 def _truncated_sharding(run: str, step: int) -> None:
     path = os.path.join(_state(run, step), "_sharding")
     text = open(path).read()
@@ -68,6 +89,7 @@ def _truncated_sharding(run: str, step: int) -> None:
 
 DAMAGE = {  # how: what the one line names
     "other arrays": (_other_arrays, "differs from the checksum recorded when it was saved"),
+    "swapped elements": (_swapped_elements, "differs from the checksum recorded when it was saved"),
     "every 97th byte": (_every_97th_byte, "is damaged (ZSTD_decompressStream() failed"),
     "flipped bytes": (_flip_middle_byte, "/checkpoints/2/state"),
     "truncated _sharding": (_truncated_sharding, "/checkpoints/2/state/_sharding is damaged"),
