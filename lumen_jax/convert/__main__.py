@@ -25,10 +25,8 @@ import numpy as np
 
 from lumen_jax.config import ConfigError
 from lumen_jax.convert import hf, hf_moe
-from lumen_jax.convert.hf_dir import INDEX, read_hf, read_hf_config
+from lumen_jax.convert.hf_dir import INDEX, read_hf, read_hf_config, tokenizer_files
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "generation_config.json")
 def from_hf(hf_dir: str, out: str) -> str:
     if os.path.exists(out) and os.listdir(out):
         raise hf.ConvertError(f"--out={out!r} exists and is not empty; choose a new run directory")
@@ -50,7 +48,7 @@ def from_hf(hf_dir: str, out: str) -> str:
 
 
 def _copy_tokenizer(src: str, dst: str) -> list[str]:
-    names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
+    names = tokenizer_files(src)  # each a checked regular file inside `src`
     if names:
         os.makedirs(dst, exist_ok=True)
     for n in names:

@@ -15,8 +15,47 @@ import numpy as np
 
 from lumen_jax.config import Config, DataConfig
 from lumen_jax.convert import hf, hf_moe
+from lumen_jax.runtime.paths import escape
 
 INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "generation_config.json")
+
+
+def member(hf_dir: str, name: Any, named_by: str | None = None) -> str:
+    """`hf_dir/name`, refused (ConvertError) unless it is a regular file inside `hf_dir` or missing.
+
+    A link may point into the Hugging Face cache's `blobs/` when `hf_dir` is one of its snapshots
+    (`.../snapshots/<revision>`), as `huggingface_hub` writes them; any other link out is refused, so a
+    crafted directory cannot have us read (and copy into a run, then an export) a file from elsewhere.
+    """
+    real = os.path.realpath(hf_dir)
+    roots = [os.path.join(os.path.dirname(os.path.dirname(real)), "blobs")] if (
+        os.path.basename(os.path.dirname(real)) == "snapshots") else []
+    why = escape(hf_dir, name, roots)
+    if why is not None:
+        where = f"{os.path.join(hf_dir, named_by)} names {name!r}, which" if named_by else os.path.join(hf_dir, name)
+        raise hf.ConvertError(f"{where} {why}; put the file itself in {hf_dir} and name it there")
+    return os.path.join(hf_dir, name)
+
+
+def tokenizer_files(hf_dir: str) -> list[str]:
+    """The names of TOKENIZER_FILES that `hf_dir` holds, each checked (`member`; the JSON ones parse,
+    tokenizer.json as a Hugging Face tokenizer) before anything is copied."""
+    names = [n for n in TOKENIZER_FILES if os.path.lexists(os.path.join(hf_dir, n))]
+    for n in names:
+        path = member(hf_dir, n)
+        if n == "tokenizer.json":
+            import tokenizers  # only a model with a tokenizer needs it
+
+            try:
+                tokenizers.Tokenizer.from_file(path)
+            except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on bad JSON
+                raise hf.ConvertError(f"{path} is not a Hugging Face tokenizers JSON file ({str(e)[:120]}); "
+                                      "put the model's own tokenizer.json there") from None
+        elif n.endswith(".json") and not isinstance(_read_json(path), dict):
+            raise hf.ConvertError(f"{path} is not a JSON object; put the model's own {n} there")
+    return names
 
 
 def _read_json(path: str) -> dict:
@@ -31,13 +70,13 @@ def _read_json(path: str) -> dict:
 
 def _tensor_files(hf_dir: str) -> dict[str, str]:
     """{tensor name: safetensors file} from the index or the single model.safetensors."""
-    index = os.path.join(hf_dir, INDEX)
-    if os.path.isfile(index):
+    index = member(hf_dir, INDEX)
+    if os.path.lexists(index):
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise hf.ConvertError(f"{index} has no weight_map; the index is damaged")
-        return {name: os.path.join(hf_dir, f) for name, f in weight_map.items()}
-    single = os.path.join(hf_dir, "model.safetensors")
+        return {name: member(hf_dir, f, INDEX) for name, f in weight_map.items()}
+    single = member(hf_dir, "model.safetensors")
     if not os.path.isfile(single):
         raise hf.ConvertError(f"--hf-dir={hf_dir!r} has neither model.safetensors nor {INDEX}; "
                               "from-hf reads safetensors checkpoints (save with safe_serialization=True)")
@@ -63,7 +102,7 @@ def read_hf_config(hf_dir: str) -> tuple[Config, dict[str, str], dict]:
     `hf_dir`; no tensor is read. `data.tokenizer` is its tokenizer.json when it has one."""
     if not os.path.isdir(hf_dir):
         raise hf.ConvertError(f"--hf-dir={hf_dir!r} is not a directory; give a Hugging Face model directory")
-    config = _read_json(os.path.join(hf_dir, "config.json"))
+    config = _read_json(member(hf_dir, "config.json"))
     files = _tensor_files(hf_dir)
     for path in sorted(set(files.values())):
         if not os.path.isfile(path):
@@ -80,7 +119,8 @@ def read_hf_config(hf_dir: str) -> tuple[Config, dict[str, str], dict]:
     else:
         m = hf.model_config(config, hf.DTYPES[dtype])
     tokenizer = os.path.join(hf_dir, "tokenizer.json")
-    data = DataConfig(tokenizer=os.path.abspath(tokenizer)) if os.path.isfile(tokenizer) else DataConfig()
+    data = DataConfig(tokenizer=os.path.abspath(tokenizer)) if "tokenizer.json" in tokenizer_files(hf_dir) else (
+        DataConfig())
     name = os.path.basename(os.path.normpath(hf_dir)) or "imported"
     return Config(model=m, data=data, name=name), files, config
 

@@ -148,6 +148,38 @@ def _truncate(src: str, dst: str) -> str:
     return dst
 
 
+def _index_naming(src: str, dst: str, name: str) -> str:
+    """`src`'s weights moved outside `dst` and named from `dst`'s index by `name` (relative to `dst`, or absolute)."""
+    shutil.copytree(src, dst)
+    target = os.path.normpath(os.path.join(dst, name))
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    shutil.move(os.path.join(dst, "model.safetensors"), target)
+    from safetensors import safe_open
+
+    with safe_open(target, framework="numpy") as f:
+        weight_map = {k: name for k in f.keys()}
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return dst
+
+
+def _tokenizer_link_to_a_secret(src: str, dst: str) -> str:
+    shutil.copytree(src, dst)
+    secret = dst + "-secret.txt"
+    with open(secret, "w") as f:
+        f.write("API_KEY=do-not-leak\n")
+    os.chmod(secret, 0o600)
+    os.symlink(secret, os.path.join(dst, "tokenizer.json"))
+    return dst
+
+
+def _tokenizer_not_a_tokenizer(src: str, dst: str) -> str:
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "tokenizer.json"), "w") as f:
+        json.dump({"api_key": "do-not-leak"}, f)
+    return dst
+
+
 BAD_HF = {
     "mistral": (lambda s, d: _edit_config(s, d, model_type="mistral"), "model_type='mistral'"),
     "bias": (lambda s, d: _edit_config(s, d, attention_bias=True), "attention_bias=True"),
@@ -161,6 +193,12 @@ BAD_HF = {
     "no weights": (lambda s, d: shutil.copytree(s, d, ignore=shutil.ignore_patterns("*.safetensors")),
                    "neither model.safetensors"),
     "truncated": (_truncate, "model.safetensors is not a readable safetensors file"),
+    "weight_map ..": (lambda s, d: _index_naming(s, d, "../elsewhere/model.safetensors"),
+                      "names '../elsewhere/model.safetensors', which leaves the folder"),
+    "weight_map absolute": (lambda s, d: _index_naming(s, d, d + "-elsewhere/model.safetensors"),
+                            "-elsewhere/model.safetensors', which is an absolute path"),
+    "tokenizer link out": (_tokenizer_link_to_a_secret, "tokenizer.json is a link to"),
+    "not a tokenizer": (_tokenizer_not_a_tokenizer, "tokenizer.json is not a Hugging Face tokenizers JSON file"),
 }
 
 
@@ -173,6 +211,26 @@ def test_from_hf_bad_input_exits_2_with_one_line(hf_dirs, tmp_path, capsys, case
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expected in err, err
     assert not os.path.exists(out)
+
+
+def test_from_hf_reads_a_hugging_face_cache_snapshot_whose_files_are_links_into_blobs(hf_dirs, tmp_path):
+    """huggingface_hub's cache: snapshots/<rev>/<file> -> ../../blobs/<hash>; those links are followed."""
+    from helpers.hf import add_tokenizer
+
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    src = str(tmp_path / "src")
+    shutil.copytree(hf_dirs["untied"], src)
+    add_tokenizer(src)
+    for i, name in enumerate(sorted(os.listdir(src))):
+        shutil.copyfile(os.path.join(src, name), repo / "blobs" / f"blob{i}")
+        os.symlink(f"../../blobs/blob{i}", snapshot / name)
+    run_dir = str(tmp_path / "run")
+    assert convert(["from-hf", "--hf-dir", str(snapshot), "--out", run_dir]) == 0
+    copied = os.path.join(run_dir, "tokenizer", "tokenizer.json")
+    assert not os.path.islink(copied) and open(copied).read() == open(os.path.join(src, "tokenizer.json")).read()
 
 
 def test_without_a_tokenizer_from_hf_warns_and_to_hf_refuses_a_shard_size_of_0(hf_dirs, tmp_path, capsys):
