@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from lumen_jax.data.errors import DataError
+from lumen_jax.runtime.paths import escape
 
 FORMAT = "lumen_jax prepared data"
 VERSION = 1
@@ -75,13 +76,23 @@ def read_json(path: str, what: str) -> dict:
 
 
 class _Shard:
-    """One shard's token file and offsets, mapped on first use (in each process or grain worker)."""
+    """One shard's token file and offsets, mapped on first use (in each process or grain worker).
 
-    def __init__(self, directory: str, info: dict, dtype: str):
+    Opening checks what a damaged or crafted manifest could make us read: the shard's name stays inside
+    its directory, the file sizes are the manifest's, the offsets start at 0, increase and end at the
+    token count. A read checks its ids against the tokenizer's vocabulary (`ids`)."""
+
+    def __init__(self, directory: str, info: dict, dtype: str, vocab_size: int):
+        fix = "run the same python -m lumen_jax.data.prepare command again: it redoes damaged shards"
+        for ext in (".bin", ".idx"):
+            why = escape(directory, info["name"] + ext if isinstance(info["name"], str) else info["name"])
+            if why is not None:
+                raise DataError(f"{os.path.join(directory, MANIFEST)} names shard {info['name']!r}, which {why}; "
+                                f"prepare {directory} again")
         self.bin = os.path.join(directory, info["name"] + ".bin")
         self.idx = os.path.join(directory, info["name"] + ".idx")
         self.documents, self.tokens, self.dtype = int(info["documents"]), int(info["tokens"]), dtype
-        fix = "run the same python -m lumen_jax.data.prepare command again: it redoes damaged shards"
+        self.vocab_size, self.directory = vocab_size, directory
         for path, want in ((self.bin, self.tokens * np.dtype(dtype).itemsize), (self.idx, 8 * (self.documents + 1))):
             try:
                 size = os.path.getsize(path)
@@ -89,7 +100,24 @@ class _Shard:
                 raise DataError(f"prepared shard {path}: cannot read ({e.strerror}); {fix}") from None
             if size != want:
                 raise DataError(f"prepared shard {path} has {size} bytes, its manifest says {want}; {fix}")
+        idx = np.fromfile(self.idx, "<i8")
+        if idx[0] != 0:
+            raise DataError(f"prepared shard {self.idx}: the first offset is {idx[0]}, not 0; {fix}")
+        bad = np.flatnonzero((idx[1:] <= idx[:-1]) | (idx[1:] > self.tokens))
+        if bad.size or idx[-1] != self.tokens:
+            i = int(bad[0]) if bad.size else self.documents - 1
+            raise DataError(f"prepared shard {self.idx}: document {i} ends at token {idx[i + 1]} (starts at "
+                            f"{idx[i]}, the shard holds {self.tokens}): the offsets must increase up to the "
+                            f"token count; {fix}")
         self._maps: tuple[np.ndarray, np.ndarray] | None = None
+
+    def ids(self, tokens: np.ndarray) -> np.ndarray:
+        """`tokens` (read from this shard) as int32, refused when one lies past the vocabulary."""
+        if tokens.size and int(tokens.max()) >= self.vocab_size:
+            raise DataError(f"prepared shard {self.bin} holds token id {int(tokens.max())}, past the vocabulary of "
+                            f"its tokenizer ({self.vocab_size} ids): the shard is damaged; prepare "
+                            f"{self.directory} again")
+        return np.asarray(tokens, np.int32)
 
     def __getstate__(self) -> dict:  # grain workers map the files themselves
         return {**self.__dict__, "_maps": None}
@@ -132,7 +160,17 @@ class PreparedDocuments:
                                 f"tokenizer {d} was prepared with ({tok['name']}, sha256 {tok['sha256'][:12]}); "
                                 f"set data.tokenizer to that tokenizer or prepare {d} again with --tokenizer "
                                 f"{tokenizer_spec}")
-            self.shards += [_Shard(d, s, m["dtype"]) for s in m["shards"] if s["documents"]]
+            if m.get("dtype") not in ("uint16", "uint32"):
+                raise DataError(f"{manifest}: dtype={m.get('dtype')!r} is not uint16 or uint32; prepare {d} again")
+            for k, s in enumerate(m["shards"]):
+                try:
+                    if int(s["documents"]):
+                        self.shards.append(_Shard(d, s, m["dtype"], tokenizer.vocab_size))
+                except DataError:
+                    raise
+                except (KeyError, TypeError, ValueError) as e:  # a field missing or not a number
+                    raise DataError(f"{manifest}: shard {k} is damaged ({type(e).__name__}: {str(e)[:80]}); "
+                                    f"prepare {d} again") from None
         self.directories = tuple(directories)
         self.doc_offsets = np.cumsum([0] + [s.documents for s in self.shards])
         self.token_offsets = np.cumsum([0] + [s.tokens for s in self.shards])
@@ -168,7 +206,7 @@ class PreparedDocuments:
         k = int(np.searchsorted(self.doc_offsets, index, side="right")) - 1
         tokens, idx = self.shards[k].maps
         i = int(index - self.doc_offsets[k])
-        return np.asarray(tokens[idx[i]:idx[i + 1]], np.int32)
+        return self.shards[k].ids(tokens[idx[i]:idx[i + 1]])
 
     def span(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """(tokens int32 [stop-start], starts bool [stop-start]: a document begins at that token) of the
@@ -179,7 +217,7 @@ class PreparedDocuments:
             shard, base = self.shards[k], int(self.token_offsets[k])
             tok, idx = shard.maps
             lo, hi = start - base, min(stop - base, shard.tokens)
-            tokens.append(np.asarray(tok[lo:hi], np.int32))
+            tokens.append(shard.ids(tok[lo:hi]))
             first, last = np.searchsorted(idx, [lo, hi], side="left")
             begin = np.zeros(hi - lo, bool)
             begin[np.asarray(idx[first:last]) - lo] = True

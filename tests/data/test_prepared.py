@@ -173,3 +173,85 @@ def test_a_damaged_shard_names_the_file_and_the_fix(corpus, tmp_path):
     with pytest.raises(DataError, match=rf"prepared shard {copy}/shard-00001.bin has 4 bytes, its manifest says "
                                         r"\d+; run the same python -m lumen_jax.data.prepare command again"):
         TrainData(prepared_cfg(corpus, paths=(str(copy),)), seed=0)
+
+
+def _edit_idx(copy, k: int, value: int) -> None:
+    idx = np.fromfile(copy / "shard-00000.idx", "<i8")
+    idx[k] = value
+    idx.tofile(copy / "shard-00000.idx")  # the same size: the manifest's byte counts still hold
+
+
+def _edit_manifest(copy, **changes) -> None:
+    m = json.loads((copy / "manifest.json").read_text())
+    m["shards"][0].update(changes)
+    (copy / "manifest.json").write_text(json.dumps(m))
+
+
+def _shard_outside(copy, name: str) -> None:
+    """shard-00000 moved to `name` (relative to the folder or absolute) and the manifest naming it there."""
+    import os
+    import shutil
+
+    target = os.path.normpath(os.path.join(copy, name))
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    for ext in (".bin", ".idx"):
+        shutil.move(copy / f"shard-00000{ext}", target + ext)
+    _edit_manifest(copy, name=name)
+
+
+CORRUPT = {  # how: what the one line says
+    "offset 10**12": (lambda c: _edit_idx(c, 1, 10**12), "shard-00000.idx: document 0 ends at token 1000000000000"),
+    "offset -5": (lambda c: _edit_idx(c, 2, -5), "shard-00000.idx: document 1 ends at token -5"),
+    "first offset": (lambda c: _edit_idx(c, 0, 3), "shard-00000.idx: the first offset is 3, not 0"),
+    "name ..": (lambda c: _shard_outside(c, "../elsewhere/shard-00000"),
+                "names shard '../elsewhere/shard-00000', which leaves the folder"),
+    "name absolute": (lambda c: _shard_outside(c, str(c) + "-elsewhere/shard-00000"),
+                      "-elsewhere/shard-00000', which is an absolute path"),
+    "documents abc": (lambda c: _edit_manifest(c, documents="abc"), "manifest.json: shard 0 is damaged"),
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPT))
+def test_a_corrupt_manifest_or_offset_is_refused_when_the_shard_is_opened(corpus, tmp_path, case):
+    import shutil
+
+    copy = tmp_path / "web"
+    shutil.copytree(corpus["dir"], copy)
+    how, says = CORRUPT[case]
+    how(copy)
+    with pytest.raises(DataError) as e:
+        TrainData(prepared_cfg(corpus, paths=(str(copy),)), seed=0)
+    assert "\n" not in str(e.value) and says in str(e.value), str(e.value)
+
+
+def _id_past_the_vocabulary(corpus, tmp_path):
+    """A copy of the prepared data whose shard 0 holds id 4235, which the byte tokenizer (259 ids) never gives."""
+    import shutil
+
+    copy = tmp_path / "web"
+    shutil.copytree(corpus["dir"], copy)
+    tokens = np.fromfile(copy / "shard-00000.bin", "<u2")
+    tokens[5] = 4235
+    tokens.tofile(copy / "shard-00000.bin")
+    return copy
+
+
+@pytest.mark.parametrize("order", ["documents", "windows"])
+def test_a_token_id_past_the_vocabulary_is_refused(corpus, tmp_path, order):
+    """One line naming the shard and the id, never a NaN loss."""
+    copy = _id_past_the_vocabulary(corpus, tmp_path)
+    with pytest.raises(DataError) as e:
+        take(TrainData(prepared_cfg(corpus, paths=(str(copy),), order=order, shuffle=False), seed=0), 3)
+    assert str(e.value) == (f"prepared shard {copy}/shard-00000.bin holds token id 4235, past the vocabulary of "
+                            f"its tokenizer (259 ids): the shard is damaged; prepare {copy} again")
+
+
+def test_training_on_a_token_id_past_the_vocabulary_exits_2_in_one_line(corpus, tmp_path, capsys):
+    from helpers.faults import args
+    from lumen_jax.train import cli as train_cli
+
+    copy = _id_past_the_vocabulary(corpus, tmp_path)
+    rc = train_cli.main(args(str(tmp_path / "run"), "data.source=prepared", f"data.paths=[{copy}]", "data.shuffle=false"))
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: prepared shard {copy}/shard-00000.bin holds token id 4235"), err
