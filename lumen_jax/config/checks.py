@@ -12,6 +12,7 @@ import functools
 import math
 import os
 import re
+import struct
 from typing import Any, Callable, Iterator
 
 from lumen_jax.config import Config, ConfigError, MeshConfig, from_dict, show, to_dict
@@ -61,6 +62,14 @@ def _floats(cfg: Any, prefix: str = "") -> list[tuple[str, float]]:
         elif isinstance(value, float):
             out.append((f"{prefix}{f.name}", value))
     return out
+
+
+def _in_float32(value: float) -> float:
+    """`value` as float32 holds it (the dtype the step computes in): rounded, or +-inf past its range."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 def _divisors(n: int, limit: int) -> str:
@@ -340,11 +349,19 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
     for key, value in _floats(cfg):  # inf or NaN can only train to NaN (optim.lr=1e999 reads as inf)
         if not math.isfinite(value):
             raise ConfigError(f"{key}={show(value)} is not a finite number; set {key} to a finite value")
+        if not math.isfinite(_in_float32(value)):  # optim.lr=1e308: finite here, inf in the step
+            raise ConfigError(f"{key}={show(value)} overflows float32 (largest 3.4e+38), the dtype the step uses; "
+                              f"set {key} to a smaller value")
     for key, op, bound in _BOUNDS:
         value = functools.reduce(getattr, key.split("."), cfg)  # model.fp8.amax_history: two levels
         if not _COMPARE[op](value, bound):
             raise ConfigError(f"{key}={show(value)} must be {op} {show(bound)}; "
                               f"set {key} to a value {op} {show(bound)}")
+        rounded = _in_float32(value) if isinstance(value, float) else value
+        if not _COMPARE[op](rounded, bound):  # optim.eps=1e-50 is 0 in float32, optim.b2=1-1e-12 is 1
+            raise ConfigError(f"{key}={show(value)} rounds to {show(rounded)} in float32, the dtype the step uses, "
+                              f"and must be {op} {show(bound)}; set {key} to a value {op} {show(bound)} that "
+                              "float32 holds")
     if num_devices < 1:
         raise ConfigError(f"num_devices={num_devices} must be >= 1; no devices were found")
     shape = cfg.mesh.shape(num_devices)

@@ -193,6 +193,8 @@ def _parse_override(text: str) -> tuple[str, str, Any]:
         value = raw
     if typ is str and not isinstance(value, str):
         value = raw  # train.run_dir=2024 or data.tokenizer=null mean the text itself
+    elif typ is float and isinstance(value, str) and raw.lower().lstrip("+-") in ("inf", "infinity", "nan"):
+        value = float(raw)  # optim.lr=inf: YAML spells it .inf; validation names it as not finite
     elif typing.get_origin(typ) is tuple and isinstance(value, (str, *typing.get_args(typ)[:1])):
         value = [value]  # data.paths=corpus/*.txt, distributed.local_device_ids=0: one item
     return section, key, value

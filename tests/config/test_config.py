@@ -403,6 +403,19 @@ def test_bounds(key, value, fragment):
     assert msg.startswith(fragment) and f"set {key} to a value" in msg
 
 
+@pytest.mark.parametrize("override,expected", [
+    ("optim.lr=1e308", "optim.lr=1e+308 overflows float32 (largest 3.4e+38), the dtype the step uses; "
+                       "set optim.lr to a smaller value"),
+    ("optim.lr=inf", "optim.lr=inf is not a finite number; set optim.lr to a finite value"),
+    ("optim.eps=1e-50", "optim.eps=1e-50 rounds to 0.0 in float32, the dtype the step uses, and must be > 0; "
+                        "set optim.eps to a value > 0 that float32 holds"),
+    ("optim.loss_scale_init=-1e39", "optim.loss_scale_init=-1e+39 overflows float32"),
+])
+def test_floats_are_checked_in_float32(override, expected):
+    """A float is checked as the step uses it: 1e308 is finite in float64 and inf in float32."""
+    assert error(validate, load_config(None, [override]), 8).startswith(expected)
+
+
 def test_data_source_and_tokenizer(tmp_path):
     msg = error(validate, with_(TINY, data=dict(source="files")), 8)
     assert "data.source='files'" in msg and "data.paths" in msg
