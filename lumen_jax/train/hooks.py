@@ -140,10 +140,11 @@ class Events:
 
 class NonFiniteGuard:
     """Counts the steps whose update was skipped (non-finite loss, gradient norm or update) and raises
-    Diverged after `max_in_a_row` of them in a row.
+    Diverged after `max_in_a_row` of them in a row, or at the last step when every step of the run was
+    skipped (a run shorter than `max_in_a_row` would otherwise end "done" having trained nothing).
 
     Each step's metrics are checked one step late (`after_step`), when they are ready: the host
-    never waits for the device for the guard.
+    never waits for the device for the guard, but at the last step, before the checkpoint is saved.
     """
 
     def __init__(self, max_in_a_row: int, checkpoint_dir: str, last_checkpoint: Callable[[], str] | None = None):
@@ -153,12 +154,14 @@ class NonFiniteGuard:
         self.last_checkpoint = last_checkpoint or (lambda: f"the last checkpoint in {checkpoint_dir} is intact")
         self.in_a_row = 0
         self.skipped_total = 0  # skipped steps among those checked so far
+        self.checked = 0
         self._pending: tuple[int, Any] | None = None
 
     def after_step(self, step: int, step_metrics: Any) -> None:
         """Checks the previous step's metrics, then keeps `step`'s (with its `skipped` flag)."""
         if self._pending is not None:
             done_step, done_metrics = self._pending
+            self.checked += 1
             if int(done_metrics["skipped"]):
                 self.in_a_row, self.skipped_total = self.in_a_row + 1, self.skipped_total + 1
                 if self.in_a_row >= self.max_in_a_row:
@@ -173,6 +176,13 @@ class NonFiniteGuard:
 
     def __call__(self, info: StepInfo) -> None:
         self.after_step(info.step, info.metrics)
+        if info.last:
+            self.after_step(info.step, None)  # the last step's own metrics, now
+            if self.skipped_total == self.checked:
+                raise Diverged(
+                    f"every step of this run ({self.checked}, up to step {info.step}) had a non-finite loss, "
+                    f"gradient norm or update: updates were skipped, nothing was trained and "
+                    f"{self.last_checkpoint()}; lower optim.lr or check the data, then rerun")
 
 
 class SdcCheck:

@@ -296,6 +296,22 @@ def test_nonfinite_guard_counts_one_step_late_and_raises_in_a_row():
         guard.after_step(8, {"skipped": np.int32(0)})
 
 
+def test_nonfinite_guard_refuses_a_run_whose_every_step_was_skipped():
+    """Fewer steps than max_nonfinite_steps, all skipped: the last step is checked at once and the run is
+    not "done" (nor its state saved: the guard runs before the checkpoint hook)."""
+    def run(skips: list[int]) -> NonFiniteGuard:
+        guard = NonFiniteGuard(20, "/ckpts")
+        for step, skipped in enumerate(skips, start=1):
+            guard(StepInfo(step=step, last=step == len(skips), state=None, metrics={"skipped": np.int32(skipped)},
+                           data_state={}))
+        return guard
+
+    with pytest.raises(Diverged, match=r"every step of this run \(3, up to step 3\).*nothing was trained"):
+        run([1, 1, 1])
+    assert run([1, 1, 0]).skipped_total == 2  # one update is enough to be a run
+    assert run([0, 1, 1]).skipped_total == 2
+
+
 def test_fault_hooks_only_with_the_variable(tmp_path, monkeypatch):
     monkeypatch.delenv("LUMEN_FAULT_SIGKILL_AFTER_STEPS", raising=False)
     monkeypatch.delenv("LUMEN_FAULT_PROCESS", raising=False)

@@ -152,6 +152,19 @@ def test_an_overflowing_update_is_a_skipped_step(one_device_trainer):
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def test_a_run_whose_every_step_was_skipped_is_not_done(tmp_path, capfd):
+    """optim.lr=1e38 (finite in float32) overflows every update: RUN_STEPS steps, fewer than
+    train.max_nonfinite_steps, all skipped. Not "done": the divergence exit, one line, no checkpoint."""
+    run = str(tmp_path / "run")
+    capfd.readouterr()
+    rc = train_cli.main(args(run, "optim.lr=1e38"))
+    out, err = capfd.readouterr()
+    assert rc == train_cli.EXIT_DIVERGED and "done:" not in out, out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and f"every step of this run ({RUN_STEPS}, up to step {RUN_STEPS})" in lines[0], lines
+    assert not glob.glob(os.path.join(run, "checkpoints", "[0-9]*"))
+
+
 def test_a_nonfinite_state_is_never_saved_nor_restored(one_device_trainer, tmp_path, capsys):
     state = one_device_trainer.init()
     poisoned = state.replace(params={**state.params, "lm_head": state.params["lm_head"] * np.nan})
