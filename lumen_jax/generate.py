@@ -274,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model_cfg = dataclasses.replace(loaded.cfg.model, compute_dtype=args.dtype)
             loaded = dataclasses.replace(loaded, cfg=loaded.cfg.replace(model=model_cfg),
                                          model=abstract_model(model_cfg))
-        tokenizer = build_tokenizer(loaded.cfg.data.tokenizer)
+        tokenizer = build_tokenizer(loaded.cfg.data.tokenizer, loaded.cfg.data.tokenizer_sha256)
         if args.prompt_ids is None and tokenizer.vocab_size > loaded.cfg.model.vocab_size:
             raise ConfigError(f"the run's tokenizer ({loaded.cfg.data.tokenizer!r}, {tokenizer.vocab_size} ids) is "
                               f"larger than model.vocab_size={loaded.cfg.model.vocab_size}; use --prompt-ids")

@@ -203,3 +203,34 @@ def test_a_terminal_shows_the_progress_of_a_batch(run, tmp_path):
     assert code == 0, terminal[-3000:]
     assert re.search(r"generate: +\d+%\|.*\| +\d+/40 \[", terminal) and "tok" in terminal, terminal[-3000:]
     assert (tmp_path / "out.txt").read_text().startswith("def main(")
+
+
+def test_the_runs_tokenizer_is_recorded_by_absolute_path_and_hash(tmp_path, monkeypatch, capsys):
+    """Trained with data.tokenizer=tok.json (relative), generate and evaluate from another folder that
+    has its own tok.json use the run's; a run's tokenizer changed since training is refused in one line."""
+    import hashlib
+
+    from helpers.data import write_bpe_tokenizer
+    from helpers.faults import RUN_STEPS, args
+    from lumen_jax.train import cli as train_cli
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    mine = write_bpe_tokenizer(a / "tok.json", ["the cat sat on the mat", "def main(): return 0"], vocab_size=300)
+    other = write_bpe_tokenizer(b / "tok.json", ["zebras quickly vexed", "jumping quartz"], vocab_size=300)
+    run = str(tmp_path / "run")
+    monkeypatch.chdir(a)
+    assert train_cli.main(args(run, "data.tokenizer=tok.json")) == 0
+    data = weights.read_config(run, RUN_STEPS).data
+    assert (data.tokenizer, data.tokenizer_sha256) == (mine, hashlib.sha256(open(mine, "rb").read()).hexdigest())
+    monkeypatch.chdir(b)
+    assert generate(["--run-dir", run, "--prompt", "the cat", "--max-new-tokens", "2"]) == 0
+    capsys.readouterr()
+    os.replace(other, mine)  # the run's tokenizer file now holds other ids
+    for command, argv in ((generate, ["--prompt", "the cat", "--max-new-tokens", "2"]),
+                          (evaluate_cli, ["--data", "train", "--batches", "1"])):
+        assert command(["--run-dir", run, *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"error: data.tokenizer={mine!r} has sha256 "), err
+        assert "not the tokenizer the run recorded" in err, err

@@ -8,6 +8,7 @@ import here either.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import re
 import typing
@@ -15,7 +16,8 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from lumen_jax.config import NESTED, SECTIONS, Config, ConfigError, check_key, from_dict, show, unknown_section
+from lumen_jax.config import (NESTED, SECTIONS, Config, ConfigError, DataConfig, check_key, from_dict, show,
+                              unknown_section)
 
 
 class _Loader(yaml.SafeLoader):
@@ -231,7 +233,26 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
         name = os.path.splitext(os.path.basename(path))[0]
     raw = apply_overrides(raw, overrides)
     raw["name"] = name
-    return from_dict(raw)
+    cfg = from_dict(raw)
+    return cfg.replace(data=pin_tokenizer(cfg.data))
+
+
+def pin_tokenizer(data: DataConfig) -> DataConfig:
+    """`data` with its tokenizer file named by absolute path and its sha256, so that a run records which
+    file it used wherever a later command runs; a `tokenizer_sha256` already set must match the file.
+    `byte` and a missing file (validation names it) are left as they are."""
+    if data.tokenizer == "byte":
+        return data
+    path = os.path.abspath(os.path.expanduser(data.tokenizer))
+    if not os.path.isfile(path):
+        return data
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    if data.tokenizer_sha256 and data.tokenizer_sha256 != digest:
+        raise ConfigError(f"data.tokenizer={path!r} has sha256 {digest[:12]}, not data.tokenizer_sha256="
+                          f"{data.tokenizer_sha256[:12]}...; give the tokenizer file with that hash, or clear "
+                          "data.tokenizer_sha256 to take this file's")
+    return dataclasses.replace(data, tokenizer=path, tokenizer_sha256=digest)
 
 
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
@@ -247,4 +268,6 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
                 break
         else:
             body[key] = value
+            if (section, key) == ("data", "tokenizer"):  # another file: its hash is taken anew
+                body.pop("tokenizer_sha256", None)
     return raw

@@ -238,7 +238,8 @@ class DataConfig:
     mixture: tuple[MixtureSource, ...] = ()  # instead of paths: sources with weights (files or prepared)
     order: str = "documents"  # documents (shuffle documents, pack per row) | windows (prepared: shuffle windows)
     text_field: str = "text"  # field holding the text in jsonl / parquet rows
-    tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizers JSON file
+    tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizers JSON file (made absolute on load)
+    tokenizer_sha256: str = ""  # what that file must hold; "": taken from it on load (a run records both)
     seq_len: int = 128
     global_batch_size: int = 16
     builtin_max_bytes: int = 4_000_000  # cap on the builtin corpus (bytes of source text)

@@ -14,6 +14,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from lumen_jax.config import Config, DataConfig
+from lumen_jax.config.files import pin_tokenizer
 from lumen_jax.convert import hf, hf_moe
 from lumen_jax.runtime.paths import escape
 
@@ -119,7 +120,7 @@ def read_hf_config(hf_dir: str) -> tuple[Config, dict[str, str], dict]:
     else:
         m = hf.model_config(config, hf.DTYPES[dtype])
     tokenizer = os.path.join(hf_dir, "tokenizer.json")
-    data = DataConfig(tokenizer=os.path.abspath(tokenizer)) if "tokenizer.json" in tokenizer_files(hf_dir) else (
+    data = pin_tokenizer(DataConfig(tokenizer=tokenizer)) if "tokenizer.json" in tokenizer_files(hf_dir) else (
         DataConfig())
     name = os.path.basename(os.path.normpath(hf_dir)) or "imported"
     return Config(model=m, data=data, name=name), files, config

@@ -170,7 +170,7 @@ def _open(source: str, paths: tuple[str, ...], cfg: DataConfig, key: str) -> Any
     if source == "builtin":
         return builtin_documents(cfg.builtin_max_bytes)
     if source == "prepared":
-        return PreparedDocuments(paths, cfg.tokenizer, build_tokenizer(cfg.tokenizer), key)
+        return PreparedDocuments(paths, cfg.tokenizer, build_tokenizer(cfg.tokenizer, cfg.tokenizer_sha256), key)
     return file_documents(paths, cfg.text_field)
 
 
@@ -242,7 +242,7 @@ class TrainData:
         self.cfg, self.seed = cfg, seed
         self.process_index, self.process_count = process_index, process_count
         self.local_batch_size = cfg.global_batch_size // process_count
-        self.tokenizer = build_tokenizer(cfg.tokenizer)
+        self.tokenizer = build_tokenizer(cfg.tokenizer, cfg.tokenizer_sha256)
         self.split = split
         self.sources = sources(cfg, split)
         self.documents = self.sources[0].documents if len(self.sources) == 1 else None
@@ -359,7 +359,9 @@ class TrainData:
 
     def check_state(self, state: dict) -> None:
         """Raises DataError when `get_state()` output was written by another data pipeline."""
-        saved, now = state.get("config", {}), self._fingerprint()
+        saved, now = dict(state.get("config", {})), self._fingerprint()
+        if saved.get("tokenizer", "byte") != "byte" and isinstance(saved["tokenizer"], str):
+            saved["tokenizer"] = os.path.abspath(saved["tokenizer"])  # recorded before paths were made absolute
         diff = [f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in now.items() if saved.get(k) != v]
         diff += [f"{k}: saved {v!r}, now absent" for k, v in saved.items() if k not in now]
         if diff:

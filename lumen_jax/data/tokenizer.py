@@ -6,6 +6,7 @@ path of a Hugging Face `tokenizers` JSON file (`tokenizer.json` of Llama, Mistra
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Protocol, Sequence
 
@@ -91,6 +92,17 @@ class HFTokenizer:
         return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size})"
 
 
-def build_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
-    """`'byte'` or the path of a Hugging Face tokenizers JSON file."""
-    return ByteTokenizer() if spec == "byte" else HFTokenizer(os.path.expanduser(spec))
+def build_tokenizer(spec: str, sha256: str = "") -> ByteTokenizer | HFTokenizer:
+    """`'byte'` or the path of a Hugging Face tokenizers JSON file; with `sha256` (what a run recorded,
+    `data.tokenizer_sha256`) the file must still hold exactly that, else one-line DataError."""
+    if spec == "byte":
+        return ByteTokenizer()
+    path = os.path.expanduser(spec)
+    if sha256 and os.path.isfile(path):
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        if digest != sha256:
+            raise DataError(f"data.tokenizer={spec!r} has sha256 {digest[:12]}, not the tokenizer the run recorded "
+                            f"(sha256 {sha256[:12]}): the file changed since; put the run's tokenizer back at "
+                            "that path (or pass data.tokenizer=PATH of a copy of it)")
+    return HFTokenizer(path)

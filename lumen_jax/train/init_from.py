@@ -13,6 +13,7 @@ import jax
 
 from lumen_jax.checkpoint import weights
 from lumen_jax.config import Config, ConfigError
+from lumen_jax.config.files import pin_tokenizer
 from lumen_jax.convert.hf_dir import read_hf, read_hf_config
 
 
@@ -86,7 +87,7 @@ def defined_by_init_from(cfg: Config, run_dir: str) -> tuple[Config, list[str]]:
     data = cfg.data
     if tokenizer is not None and tokenizer != data.tokenizer:
         changed.append(f"data.tokenizer={tokenizer} (the config had {data.tokenizer})")
-        data = dataclasses.replace(data, tokenizer=tokenizer)
+        data = pin_tokenizer(dataclasses.replace(data, tokenizer=tokenizer, tokenizer_sha256=""))
     elif tokenizer is None and data.tokenizer == "byte":
         notes.append(f"warning: train.init_from={cfg.train.init_from} names no tokenizer (no tokenizer.json): training "
                      "with data.tokenizer=byte, which is not the model's unless it was trained on bytes; give "

@@ -416,6 +416,21 @@ def test_floats_are_checked_in_float32(override, expected):
     assert error(validate, load_config(None, [override]), 8).startswith(expected)
 
 
+def test_the_tokenizer_is_pinned_by_absolute_path_and_sha256_on_load(tmp_path, monkeypatch):
+    import hashlib
+
+    (tmp_path / "tok.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    data = load_config(None, ["data.tokenizer=tok.json"]).data
+    digest = hashlib.sha256(b"{}").hexdigest()
+    assert (data.tokenizer, data.tokenizer_sha256) == (str(tmp_path / "tok.json"), digest)
+    assert load_config(None, ["data.tokenizer=tok.json", f"data.tokenizer_sha256={digest}"]).data == data
+    msg = error(load_config, None, ["data.tokenizer=tok.json", "data.tokenizer_sha256=" + "0" * 64])
+    assert msg.startswith(f"data.tokenizer={str(tmp_path / 'tok.json')!r} has sha256 {digest[:12]}, not "
+                          "data.tokenizer_sha256=000000000000..."), msg
+    assert load_config(None, []).data.tokenizer == "byte"
+
+
 def test_data_source_and_tokenizer(tmp_path):
     msg = error(validate, with_(TINY, data=dict(source="files")), 8)
     assert "data.source='files'" in msg and "data.paths" in msg
