@@ -158,7 +158,7 @@ class MeshConfig:
     # the FLOPs/MFU metrics) but no step time. Ignored with one stage; checkpoints hold the real layers only.
     pipeline_layers: tuple[int, ...] = ()
 
-    # The mesh axes, the one list of their names, outermost to innermost (Llama 3's order: see README).
+    # The mesh axes, the one list of their names, outermost to innermost (Llama 3's order: docs/PARALLELISM.md).
     AXES: typing.ClassVar[tuple[str, ...]] = ("data", "fsdp", "pipeline", "expert", "context", "tensor")
 
     def shape(self, num_devices: int) -> dict[str, int]:

@@ -98,7 +98,7 @@ def resolve(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> dic
     if missing:
         raise ConfigError(f"a multi-process run needs {', '.join(missing)}; got coordinator={coordinator!r}, "
                           f"num_processes={num}, process_id={pid}: set them in the config or the environment, "
-                          "or launch with launch/local.py, srun, or a JobSet (see README, Multi-host)")
+                          "or launch with launch/local.py, srun, or a JobSet (see docs/CLUSTERS.md)")
     if not 0 <= pid < num:
         raise ConfigError(f"process_id={pid} must be in [0, num_processes={num}); number the processes "
                           f"0..{num - 1}")

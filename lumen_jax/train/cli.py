@@ -12,7 +12,7 @@ A run directory with checkpoints resumes from its latest good one. Exit codes:
 75    preempted: SIGTERM/SIGINT, the current step finished and a checkpoint was written
 ====  ==========================================================================================
 
-With several processes (README, "Multi-host") every process runs this same command; a process that
+With several processes (docs/CLUSTERS.md) every process runs this same command; a process that
 stops with an error leaves at once and the others stop within `distributed.heartbeat_timeout_s`.
 """
 

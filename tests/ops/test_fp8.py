@@ -321,7 +321,7 @@ def test_300_steps_with_each_recipe_end_within_2_percent_of_bf16(text_batches):
         assert abs(final(losses) - final(ref)) <= 0.02 * final(ref), (recipe, final(losses), final(ref))
         # fp8 really ran: E4M3 forward and E5M2 gradient operands in the program.
         assert "f8e4m3fn" in hlo and "f8e5m2" in hlo, recipe
-        if recipe == "blockwise":  # quantized per block, multiplied dequantized (README): no fp8 dot
+        if recipe == "blockwise":  # quantized per block, multiplied dequantized (docs/KERNELS.md): no fp8 dot
             assert fp8.fp8_gemms(hlo) == [], recipe
         else:  # the layer body (scanned: once) has 7 projections, each a forward, dgrad and wgrad dot
             assert len(fp8.fp8_gemms(hlo)) == 7 * 3, (recipe, len(fp8.fp8_gemms(hlo)))

@@ -118,7 +118,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, name):
 
 
 def test_mesh_error_names_the_axis_that_was_set():
-    # An actionable error names the key the user set (`mesh.tensor=3 ...`, README's example); in-process.
+    # An actionable error names the key the user set (`mesh.tensor=3 ...`, docs/CONFIGURATION.md's example); in-process.
     cfg = load_config(os.path.join(REPO, "configs/tiny.yaml"), ["mesh.tensor=3"])
     with pytest.raises(ConfigError) as e:
         validate(cfg, 8)
