@@ -27,6 +27,7 @@ from lumen_jax.model.loss import token_objective, token_objective_vocab_sharded
 from lumen_jax.model.transformer import embedding_lookup, merge
 from lumen_jax.ops import state as state_lib
 from lumen_jax.ops.projection import Taps
+from lumen_jax.parallel.micro_batches import split_micro_batches, total_tokens
 from lumen_jax.parallel.pipeline import executor as pipeline_step
 
 Batch = dict[str, jax.Array]
@@ -73,9 +74,10 @@ def init_state(params: dict, tx: optax.GradientTransformation, loss_scale: float
                       good_steps=jnp.zeros((), jnp.int32), model_state=model_state or {})
 
 
-def _micro_loss(params: dict, model_state: dict, mb: Batch, total_tokens: jax.Array, scale: jax.Array,
+def _micro_loss(params: dict, model_state: dict, mb: Batch, tokens: jax.Array, scale: jax.Array,
                 sc: StepConfig, pieces: int) -> tuple[jax.Array, tuple[jax.Array, dict]]:
-    """(scaled objective / total_tokens, (summed cross-entropy, the model's aux metrics)) of one micro-batch.
+    """(scaled objective / tokens, (summed cross-entropy, the model's aux metrics)) of one micro-batch;
+    `tokens`: the whole batch's count (`total_tokens`).
 
     The model's auxiliary loss (`model.apply_with_aux`: a mean over the micro-batch) enters the
     objective divided by `pieces`, the micro-batches times the replica groups that each compute one.
@@ -84,7 +86,7 @@ def _micro_loss(params: dict, model_state: dict, mb: Batch, total_tokens: jax.Ar
     logits_btv, aux = apply_with_aux(sc.graphdef, params, mb["inputs"], mb["positions"], mb["segment_ids"],
                                      model_state)
     objective, ce_sum = token_objective(logits_btv, mb["targets"], mb["loss_mask"], sc.z_loss)
-    objective = objective * scale / total_tokens
+    objective = objective * scale / tokens
     if "loss" in aux:
         objective = objective + aux["loss"] * scale / pieces
     return objective, (ce_sum, aux.get("metrics", {}))
@@ -196,14 +198,14 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
             sc.pipeline, stage_fns(sc), weights, batch, scale, cast, placement.replicas, placement.replica_axes,
             model_state)
         return loss, placement.grads(grads), state_new, aux
-    total_tokens = pipeline_step.total_tokens(batch)
+    tokens = total_tokens(batch)
     weights = placement.weights(compute_weights(params, sc))
     grad_fn = jax.grad(_micro_loss, argnums=(0, 1), has_aux=True)
     f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)  # noqa: E731
     m, r = sc.micro_batches, placement.replicas
     if m == 1:
-        (grads, state_new), (ce_sum, aux) = grad_fn(weights, model_state, batch, total_tokens, scale, sc, 1)
-        return ce_sum / total_tokens, placement.grads(f32(grads)), state_new, aux
+        (grads, state_new), (ce_sum, aux) = grad_fn(weights, model_state, batch, tokens, scale, sc, 1)
+        return ce_sum / tokens, placement.grads(f32(grads)), state_new, aux
 
     reduce_dtype = jnp.dtype(sc.reduce_dtype)
 
@@ -217,7 +219,7 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
 
     def accumulate(carry: tuple[dict, jax.Array, dict], mb: Batch) -> tuple[tuple[dict, jax.Array, dict], dict]:
         grads, ce, state_acc = carry
-        (g, new), (c, aux) = replica_grad(weights, model_state, mb, total_tokens, scale, sc, m * r)
+        (g, new), (c, aux) = replica_grad(weights, model_state, mb, tokens, scale, sc, m * r)
         grads = jax.tree.map(lambda a, b: a + b.astype(reduce_dtype), grads, g)
         return (placement.accumulator(grads), ce + c.sum(),
                 state_lib.combine(sc.state_combine, state_acc, new)), jax.tree.map(lambda v: v.mean(0), aux)
@@ -225,11 +227,11 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
     zeros = placement.accumulator(jax.tree.map(lambda w: jnp.zeros((r, *w.shape), reduce_dtype), weights))
     carry = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(lambda s: jnp.zeros((r, *s.shape), s.dtype), model_state))
     micro = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1) if r > 1 else x[:, None],  # [M, R, B/(R M), ...]
-                         pipeline_step.split_micro_batches(batch, m, r))
+                         split_micro_batches(batch, m, r))
     (grads_r, ce_sum, state_r), aux = jax.lax.scan(accumulate, carry, micro)
     grads = placement.grads(f32(jax.tree.map(_sum_replicas, grads_r)))
     state_new = jax.tree.map(_fold, sc.state_combine, state_r)
-    return ce_sum / total_tokens, grads, state_new, jax.tree.map(lambda v: v.mean(0), aux)
+    return ce_sum / tokens, grads, state_new, jax.tree.map(lambda v: v.mean(0), aux)
 
 
 def train_step(state: TrainState, batch: Batch, sc: StepConfig,

@@ -248,13 +248,13 @@ def test_checkpoint_moves_between_pipeline_depths(reference, tmp_path, first, th
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
 def test_planner_reads_mesh_pipeline_and_the_executed_bubble(schedule):
     from lumen_jax import plan
-    from lumen_jax.parallel.pipeline import schedule as pipeline
+    from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 
     cfg = with_mesh(CFG, micro_batches=8, pipeline=4, fsdp=2, pipeline_schedule=schedule)
     cfg = cfg.replace(data=dataclasses.replace(cfg.data, global_batch_size=16))
     layout = plan.layout_from_config(cfg, 8)
     assert (layout.pipeline, layout.mesh.fsdp, layout.num_devices) == (4, 2, 8)
     got = plan.predict(cfg, layout, plan.DEVICES["h100"]).bubble
-    assert got == pytest.approx(pipeline.lockstep(schedule, 4, 8).bubble())
+    assert got == pytest.approx(pipeline_lib.lockstep(schedule, 4, 8).bubble())
     # lock step: 1f1b's (P-1)/(m+P-1); zero_bubble's split program 2(P-1)/(3m+2(P-1)) (W in m ticks)
     assert got == pytest.approx(3 / 11 if schedule == "1f1b" else 6 / 30)

@@ -11,7 +11,7 @@ import pytest
 from helpers.run import BASE, batches, with_mesh
 from lumen_jax.config import MeshConfig
 from lumen_jax.parallel.mesh import make_mesh
-from lumen_jax.parallel.pipeline import schedule as pipeline
+from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.compiler import hlo
 from lumen_jax.train.build import build
 
@@ -46,8 +46,8 @@ def test_executed_work_is_the_schedules(mesh, flat, schedules):
     for name, v in schedules:
         cfg = with_mesh(CFG, micro_batches=M, **mesh, pipeline_schedule=name, pipeline_virtual_stages=v)
         ratios[name] = ratio = matmul_flops(cfg) / unpipelined
-        bound = 1 / (1 - pipeline.lockstep(name, mesh["pipeline"], M, v).bubble())
-        table = 1 / (1 - pipeline.build(name, mesh["pipeline"], M, v).bubble())
+        bound = 1 / (1 - pipeline_lib.lockstep(name, mesh["pipeline"], M, v).bubble())
+        table = 1 / (1 - pipeline_lib.build(name, mesh["pipeline"], M, v).bubble())
         assert ratio <= TIGHT * bound, f"{name} V={v}: executed {ratio:.3f}x the unpipelined step, bound {bound:.3f}"
         assert ratio > 0.95 * bound, f"{name}: {ratio:.3f}x: less work than the schedule needs?"
         assert ratio <= 1.15 * table, f"{name}: {ratio:.3f}x > 1.15 x {table:.3f}"  # the bound
@@ -74,10 +74,10 @@ def test_compositions_do_the_schedules_work(moe, mesh, flat):
     flat_flops = matmul_flops(with_mesh(cfg, micro_batches=M, **flat))
     ratio = {name: matmul_flops(with_mesh(cfg, micro_batches=M, pipeline_schedule=name, **mesh)) / flat_flops
              for name in ("1f1b", "zero_bubble")}
-    bound = {name: 1 / (1 - pipeline.lockstep(name, mesh["pipeline"], M, 1).bubble()) for name in ratio}
+    bound = {name: 1 / (1 - pipeline_lib.lockstep(name, mesh["pipeline"], M, 1).bubble()) for name in ratio}
     assert 0.95 * bound["1f1b"] < ratio["1f1b"] <= TIGHT * bound["1f1b"], f"{mesh}: 1f1b {ratio}, bounds {bound}"
     assert ratio["zero_bubble"] <= min(TIGHT * bound["zero_bubble"], ratio["1f1b"]), f"{mesh}: {ratio}, bounds {bound}"
-    table = 1 / (1 - pipeline.build("zero_bubble", mesh["pipeline"], M, 1).bubble())
+    table = 1 / (1 - pipeline_lib.build("zero_bubble", mesh["pipeline"], M, 1).bubble())
     assert bound["zero_bubble"] <= 1.15 * table
 
 

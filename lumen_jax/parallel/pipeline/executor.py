@@ -59,10 +59,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from lumen_jax.parallel import rules as rules_lib
 from lumen_jax.parallel import shard
-from lumen_jax.parallel.pipeline import schedule as tables
+from lumen_jax.parallel.micro_batches import split_micro_batches, total_tokens
+from lumen_jax.parallel.pipeline.schedule import Cell, HeadCell, Lockstep, Segment, lockstep
 
 AXIS = "pipeline"
-BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +96,7 @@ class Pipeline:
     """What the pipelined step needs besides the step's own config (hashable: closed over by jit)."""
 
     mesh: Mesh
-    program: tables.Lockstep
+    program: Lockstep
     d_model: int
     compute_dtype: str
     stacks: tuple[str, ...] = ("blocks",)  # the top-level parameters stacked along `layers` (cut into stages)
@@ -106,7 +106,7 @@ class Pipeline:
     @classmethod
     def create(cls, mesh: Mesh, d_model: int, compute_dtype: str, schedule: str, micro_batches: int,
                virtual: int = 1, stacks: tuple[str, ...] = ("blocks",), layers: tuple[int, ...] = ()) -> "Pipeline":
-        return cls(mesh=mesh, program=tables.lockstep(schedule, mesh.shape[AXIS], micro_batches, virtual),
+        return cls(mesh=mesh, program=lockstep(schedule, mesh.shape[AXIS], micro_batches, virtual),
                    d_model=d_model, compute_dtype=compute_dtype, stacks=stacks,
                    layers=tuple(layers) if len(set(layers)) > 1 else ())
 
@@ -184,20 +184,6 @@ class Pipeline:
         return jax.tree.map(lambda a: a.reshape(p, v, -1, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape), blocks)
 
 
-def split_micro_batches(batch: dict, micro_batches: int, replicas: int = 1) -> dict:
-    """[B, ...] -> [M, B/M, ...] (R = 1) or [R, M, B/(R M), ...]: micro-batch i takes rows i, i+M,
-    ... of each replica group's rows, so each device's slice of the batch stays on that device."""
-    m, r = micro_batches, replicas
-    if r == 1:
-        return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1), batch)
-    return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(r, x.shape[0] // (r * m), m, *x.shape[1:]), 1, 2), batch)
-
-
-def total_tokens(batch: dict) -> jax.Array:
-    """The token count every micro-batch's objective is divided by (at least 1)."""
-    return jnp.maximum(batch["loss_mask"].astype(jnp.float32).sum(), 1.0)
-
-
 def _varying(fn: Callable, weights: tuple, varying: tuple) -> tuple[list[bool], list[Any]]:
     """Per output leaf of `fn(*weights, *varying)`: whether it depends on `varying` (a walk of the
     jaxpr: an equation's outputs depend on what any of its inputs depends on), and its shape and dtype."""
@@ -250,6 +236,22 @@ class _Carry(NamedTuple):
     ce: jax.Array  # the summed cross-entropy of this device's share of the head's tokens
     state: dict  # [V, Lc, ...]: the model state's next value (ops/state.py)
     metrics: dict  # the model's aux metrics, summed over real forwards
+
+
+class _TickCells(NamedTuple):
+    """The lock-step program's tables as the ticks' scan reads them: each a `Cell` of [ticks, P]
+    int32 arrays (`head` a `HeadCell` of [ticks]); inside a tick, that tick's [P] (`head`: scalars)."""
+
+    fwd: Cell
+    bwd: Cell
+    head: HeadCell
+    wgt: Cell  # the weight-gradient units (split backward; else the backwards', never read)
+
+    @classmethod
+    def of(cls, prog: Lockstep) -> "_TickCells":
+        columns = lambda table, kind: kind(*np.moveaxis(np.asarray(table, np.int32), -1, 0))  # noqa: E731
+        return cls(fwd=columns(prog.fwd, Cell), bwd=columns(prog.bwd, Cell), head=columns(prog.head, HeadCell),
+                   wgt=columns(prog.wgt if prog.split else prog.bwd, Cell))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,16 +370,15 @@ class _Device:
                                          pin(groups(d_rows), None, None, None))
         return table(summed)
 
-    def forward(self, c: _Carry, row: jax.Array, mbs: dict) -> tuple[_Carry, jax.Array]:
-        """The row's forward on the activation received; its residuals into the stash slot."""
-        valid, i, chunk, slot = (row[self.s, k] for k in range(4))
-        v = chunk * self.pipe.program.stages + self.s
-        mb = jax.tree.map(lambda a: a[i], mbs)
-        y, vjp, metrics = self.residuals(self.chunk(self.stacked, chunk), self.other, self.chunk(self.state, chunk),
-                                         self.stage_input(c.x_recv, mb, v), mb, v)
+    def forward(self, c: _Carry, f: Cell, mbs: dict) -> tuple[_Carry, jax.Array]:
+        """This stage's forward `f` on the activation received; its residuals into the stash slot."""
+        v = f.chunk * self.pipe.program.stages + self.s
+        mb = jax.tree.map(lambda a: a[f.mb], mbs)
+        y, vjp, metrics = self.residuals(self.chunk(self.stacked, f.chunk), self.other,
+                                         self.chunk(self.state, f.chunk), self.stage_input(c.x_recv, mb, v), mb, v)
         kept = iter([leaf for leaf, keep in zip(jax.tree.leaves(vjp), self.stashed) if keep])
-        stash = [buf.at[slot].set(next(kept)) for buf in c.stash]
-        weight = valid.astype(jnp.float32)
+        stash = [buf.at[f.slot].set(next(kept)) for buf in c.stash]
+        weight = f.valid.astype(jnp.float32)
         if self.pipe.layers:  # a chunk's metrics are its layers' mean: weighted by its share of the layers
             layers = np.asarray(self.pipe.layers)
             weight = weight * jnp.asarray(layers * len(layers) / layers.sum(), jnp.float32)[v]
@@ -394,28 +395,27 @@ class _Device:
                                 _strided(mb["loss_mask"], p, self.s))
         return obj * self.scale / self.tokens, ce
 
-    def head(self, c: _Carry, row: jax.Array, f_row: jax.Array, y: jax.Array, mbs: dict) -> _Carry:
-        """The loss of this tick's last-virtual-stage output and its cotangent, into that forward's slot."""
+    def head(self, c: _Carry, h: HeadCell, f: Cell, y: jax.Array, mbs: dict) -> _Carry:
+        """The loss of this tick's last-virtual-stage output (`h`) and its cotangent, into the slot of
+        this stage's forward `f`, which made it on the last stage."""
         prog = self.pipe.program
-        valid, i = row[0], row[1]
-        f_chunk, f_slot = f_row[self.s, 2], f_row[self.s, 3]
-        mb = jax.tree.map(lambda a: a[i], mbs)
-        y_last = jnp.where((self.s == prog.stages - 1) & (f_chunk == prog.virtual - 1), y, jnp.zeros_like(y))
+        mb = jax.tree.map(lambda a: a[h.mb], mbs)
+        y_last = jnp.where((self.s == prog.stages - 1) & (f.chunk == prog.virtual - 1), y, jnp.zeros_like(y))
         (_, ce), head_vjp = jax.vjp(lambda o, yl: self.head_loss(o, yl, mb), self.other, y_last)
-        h = valid.astype(jnp.float32)
-        d_other, dy = head_vjp((h, jnp.zeros((), jnp.float32)))
-        return c._replace(d_other=jax.tree.map(_add, c.d_other, d_other), ce=c.ce + h * ce,
-                          g_stash=c.g_stash.at[f_slot].set(dy.astype(self.act_dtype)))  # read by the last stage's backward
+        real = h.valid.astype(jnp.float32)
+        d_other, dy = head_vjp((real, jnp.zeros((), jnp.float32)))
+        return c._replace(d_other=jax.tree.map(_add, c.d_other, d_other), ce=c.ce + real * ce,
+                          g_stash=c.g_stash.at[f.slot].set(dy.astype(self.act_dtype)))  # read by the last stage's backward
 
-    def backward(self, c: _Carry, row: jax.Array, zeros_act: jax.Array, zero_mb: dict,
+    def backward(self, c: _Carry, b: Cell, zeros_act: jax.Array, zero_mb: dict,
                  mbs: dict) -> tuple[_Carry, jax.Array]:
-        """The row's backward from its stashed residuals and the cotangent received (the loss's on
+        """This stage's backward `b` from its stashed residuals and the cotangent received (the loss's on
         the last virtual stage): gradients summed into the chunk's, the input's cotangent returned
         (on virtual stage 0, the embedding's: summed into the table's gradient, zeros sent).
         Split: the tapped projections' weight gradients are left to `weight`, their inputs and
         output cotangents go to its stash slot."""
         prog = self.pipe.program
-        valid, i, chunk, slot, wslot = (row[self.s, k] for k in range(5))
+        valid, i, chunk, slot = b.valid, b.mb, b.chunk, b.slot
         v = chunk * prog.stages + self.s
         chunk_state = self.chunk(self.state, chunk)
         # its structure and weight residuals
@@ -430,7 +430,7 @@ class _Device:
         d_chunk, d_other, d_state, dx, *d_taps = jax.tree.map(lambda d: jnp.where(valid > 0, d, jnp.zeros_like(d)),
                                                               vjp((g, d_aux)))
         if d_taps:
-            c = c._replace(w_stash=[buf.at[wslot].set(d) for buf, d in zip(c.w_stash, jax.tree.leaves(d_taps[0]))])
+            c = c._replace(w_stash=[buf.at[b.wslot].set(d) for buf, d in zip(c.w_stash, jax.tree.leaves(d_taps[0]))])
         d_stacked = jax.tree.map(lambda a, d: a.at[chunk].add(d.astype(a.dtype)), c.d_stacked, d_chunk)
         d_other = jax.tree.map(_add, c.d_other, d_other)
         merged = self.fns.combine_state(self.chunk(c.state, chunk), d_state)
@@ -440,14 +440,13 @@ class _Device:
         return (c._replace(d_stacked=d_stacked, d_other=d_other, d_table=d_table, state=state),
                 jnp.where(first, jnp.zeros_like(dx), dx))
 
-    def weight(self, c: _Carry, row: jax.Array) -> _Carry:
-        """The row's weight unit (split backward): the tapped projections' weight gradients, one
+    def weight(self, c: _Carry, w: Cell) -> _Carry:
+        """This stage's weight unit `w` (split backward): the tapped projections' weight gradients, one
         einsum each, from the inputs and output cotangents its backward stashed."""
-        valid, chunk, wslot = row[self.s, 0], row[self.s, 2], row[self.s, 4]
-        cts = jax.tree.unflatten(self.w_tree, [buf[wslot] for buf in c.w_stash])
-        d_w = self.taps.weight_grads(lambda p: self.cast({**self.other, **p}), self.chunk(self.stacked, chunk), cts)
-        d_w = jax.tree.map(lambda d: jnp.where(valid > 0, d, jnp.zeros_like(d)), d_w)
-        return c._replace(d_stacked={k: jax.tree.map(lambda a, d: a.at[chunk].add(d.astype(a.dtype)), a, d_w[k])
+        cts = jax.tree.unflatten(self.w_tree, [buf[w.wslot] for buf in c.w_stash])
+        d_w = self.taps.weight_grads(lambda p: self.cast({**self.other, **p}), self.chunk(self.stacked, w.chunk), cts)
+        d_w = jax.tree.map(lambda d: jnp.where(w.valid > 0, d, jnp.zeros_like(d)), d_w)
+        return c._replace(d_stacked={k: jax.tree.map(lambda a, d: a.at[w.chunk].add(d.astype(a.dtype)), a, d_w[k])
                                      if k in d_w else a
                                      for k, a in c.d_stacked.items()})
 
@@ -460,20 +459,37 @@ class _Device:
             c = c._replace(g_recv=jax.lax.ppermute(dx.astype(self.act_dtype), AXIS, [(i, (i - 1) % p) for i in range(p)]))
         return c
 
-    def tick(self, seg: tables.Segment, c: _Carry, rows: tuple, mbs: dict, zeros_act: jax.Array,
+    def tick(self, seg: Segment, c: _Carry, cells: _TickCells, mbs: dict, zeros_act: jax.Array,
              zero_mb: dict) -> tuple[_Carry, None]:
-        """One tick of segment `seg`: its kinds of work on this stage's rows, then the sends."""
-        f_row, b_row, h_row, w_row = rows
+        """One tick of segment `seg`: its kinds of work in this stage's cells, then the sends."""
+        mine = lambda cell: Cell(*(a[self.s] for a in cell))  # noqa: E731
+        f, b, w = mine(cells.fwd), mine(cells.bwd), mine(cells.wgt)
         y = dx = None
         if seg.forward:
-            c, y = self.forward(c, f_row, mbs)
+            c, y = self.forward(c, f, mbs)
         if seg.head:
-            c = self.head(c, h_row, f_row, y, mbs)
+            c = self.head(c, cells.head, f, y, mbs)
         if seg.backward:
-            c, dx = self.backward(c, b_row, zeros_act, zero_mb, mbs)
+            c, dx = self.backward(c, b, zeros_act, zero_mb, mbs)
         if seg.weight and self.taps is not None:
-            c = self.weight(c, w_row)
+            c = self.weight(c, w)
         return self.send(c, y, dx), None
+
+    def run(self, c: _Carry, mbs: dict, zeros_act: jax.Array, zero_mb: dict, r: int,
+            replica_axes: tuple[str, ...]) -> _Carry:
+        """Every tick of the program: one `lax.scan` per segment (ticks that run the same kinds of
+        work), under a `vmap` over the R replica groups when r > 1 (each its own carry [R, ...])."""
+        cells = _TickCells.of(self.pipe.program)
+        for seg in self.pipe.program.segments:
+            rows = jax.tree.map(lambda a: jnp.asarray(a[seg.start:seg.stop]), cells)
+            tick = functools.partial(self.tick, seg, zeros_act=zeros_act, zero_mb=zero_mb)
+            if r == 1:
+                body = lambda c, rw, tick=tick: tick(c, rw, mbs)  # noqa: E731
+            else:
+                per_replica = jax.vmap(tick, in_axes=(0, None, 0), spmd_axis_name=replica_axes)
+                body = lambda c, rw, per_replica=per_replica: per_replica(c, rw, mbs)  # noqa: E731
+            c, _ = jax.lax.scan(body, c, rows)
+        return c
 
 
 def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, scale: jax.Array,
@@ -496,65 +512,20 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
     The model's auxiliary loss (a chunk's sum over its layers) enters the objective divided by
     the micro-batches times the replica groups, as in the unpipelined step.
     """
-    prog = pipe.program
-    p, v_count, m, r = prog.stages, prog.virtual, prog.micro_batches, replicas
+    prog, r = pipe.program, replicas
     tokens = total_tokens(batch)
-    mbs = split_micro_batches(batch, m, r)
-    dt = jnp.dtype(pipe.compute_dtype)
-    b, t = batch["inputs"].shape[0] // (m * r), batch["inputs"].shape[1]
+    mbs = split_micro_batches(batch, prog.micro_batches, r)
     model_state = model_state or {}
     stacks = {k: params[k] for k in pipe.stacks}
     others = {k: val for k, val in params.items() if k not in pipe.stacks}
     if set(model_state) - set(pipe.stacks):  # no such model: fp8's and MoE's state live in the layers
         raise ValueError(f"model state outside the layer stacks {sorted(set(model_state) - set(pipe.stacks))} "
                          "does not run in pipeline stages")
-    groups = _row_groups(b, t)
-    rows_all = (np.asarray(prog.fwd, np.int32), np.asarray(prog.bwd, np.int32),  # [ticks, P, 5]
-                np.asarray(prog.head, np.int32),  # [ticks, 2]
-                np.asarray(prog.wgt if prog.split else prog.bwd, np.int32))  # W units (unused unless split)
-
-    def local(stacked: dict, other: dict, state: dict, mbs: dict, tokens: jax.Array, scale: jax.Array):
-        by_chunk = lambda tree: jax.tree.map(lambda a: a.reshape(v_count, -1, *a.shape[1:]), tree)  # noqa: E731
-        chunk0 = jax.tree.map(lambda a: a[0], by_chunk(stacked))
-        # gathered once, for every tick (chunk 0 only completes the tree `cast` reads)
-        table, table_vjp = jax.vjp(lambda o: fns.table(cast({**o, **jax.lax.stop_gradient(chunk0)})), other)
-        dev = _Device(pipe=pipe, fns=fns, cast=cast, s=jax.lax.axis_index(AXIS), stacked=by_chunk(stacked),
-                      other=other, state=by_chunk(state), tokens=tokens, scale=scale, aux_share=1.0 / (m * r),
-                      table=table, groups=groups)
-        zeros_act = jnp.zeros((b, t, pipe.d_model), dt)
-        zero_mb = jax.tree.map(jnp.zeros_like, jax.tree.map(lambda a: a[0, 0] if r > 1 else a[0], mbs))
-        dev, carry = dev.start(chunk0, zeros_act, zero_mb, r, replica_axes)
-        # Every device runs the token count's all-reduce (over the batch axes) before the first tick:
-        # the first activation received is zeros times it (XLA keeps a float product with 0, which
-        # is not 0 for inf or NaN). Else an emulated CPU device could run the fill's collectives
-        # while another runs the all-reduce, and each would wait for the other forever
-        # (docs/PLATFORM.md, rendezvous).
-        carry = carry._replace(x_recv=carry.x_recv * tokens.astype(dt))
-        for seg in prog.segments:
-            rows = tuple(jnp.asarray(a[seg.start:seg.stop]) for a in rows_all)
-            tick = functools.partial(dev.tick, seg, zeros_act=zeros_act, zero_mb=zero_mb)
-            if r == 1:
-                body = lambda c, rw, tick=tick: tick(c, rw, mbs)  # noqa: E731
-            else:
-                per_replica = jax.vmap(tick, in_axes=(0, None, 0), spmd_axis_name=replica_axes)
-                body = lambda c, rw, per_replica=per_replica: per_replica(c, rw, mbs)  # noqa: E731
-            carry, _ = jax.lax.scan(body, carry, rows)
-        d_stacked, d_other, ce, state_new, metrics = carry.d_stacked, carry.d_other, carry.ce, carry.state, carry.metrics
-        d_table = carry.d_table
-        if r > 1:  # the replica groups' sums added: the step's one reduction over the replica axes
-            d_stacked, d_other, d_table, ce, metrics = jax.tree.map(lambda a: a.sum(0),
-                                                                    (d_stacked, d_other, d_table, ce, metrics))
-            state_new = fns.fold_state(state_new)
-        # The row groups' table gradients added (the step's one reduction of them), through the
-        # table's cast and gather into the embedding's gradient.
-        d_other = jax.tree.map(_add, d_other, table_vjp(d_table.sum((0, 1)).astype(table.dtype))[0])
-        flat = lambda tree: jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), tree)  # noqa: E731
-        metrics = jax.tree.map(lambda a: jax.lax.psum(a, AXIS) / (p * v_count * m * r), metrics)
-        return jax.lax.psum(ce, AXIS), flat(d_stacked), jax.lax.psum(d_other, AXIS), flat(state_new), metrics
-
+    b, t = batch["inputs"].shape[0] // (prog.micro_batches * r), batch["inputs"].shape[1]
+    stage = functools.partial(_stage, pipe, fns, cast, r, replica_axes, (b, t), _row_groups(b, t))
     stage_spec = lambda tree: jax.tree.map(lambda _: P(AXIS), tree)  # noqa: E731
     same_spec = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
-    run = jax.shard_map(local, mesh=pipe.mesh,
+    run = jax.shard_map(stage, mesh=pipe.mesh,
                         in_specs=(stage_spec(stacks), same_spec(others), stage_spec(model_state), same_spec(mbs),
                                   P(), P()),
                         out_specs=(P(), stage_spec(stacks), same_spec(others), stage_spec(model_state), P()),
@@ -563,3 +534,53 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
     ce, d_stacked, d_other, state_new, metrics = run(stacks, others, model_state, mbs, tokens,
                                                      jnp.asarray(scale, jnp.float32))
     return ce / tokens, {**d_other, **d_stacked}, state_new, metrics
+
+
+def _stage(pipe: Pipeline, fns: StageFns, cast: Callable[[dict], dict], r: int, replica_axes: tuple[str, ...],
+           rows_tokens: tuple[int, int], groups: tuple[int, int], stacked: dict, other: dict, state: dict,
+           mbs: dict, tokens: jax.Array, scale: jax.Array) -> tuple[jax.Array, dict, dict, dict, dict]:
+    """What each device along `pipeline` runs inside the `shard_map` (`loss_and_grads`), with its
+    stage's slice of the stacks and of the model state: the lock-step program's ticks, then its sums
+    reduced (`_reduced`). `rows_tokens`: (B, T) of a micro-batch; `groups`: `_row_groups` of them."""
+    prog = pipe.program
+    dt = jnp.dtype(pipe.compute_dtype)
+    by_chunk = lambda tree: jax.tree.map(lambda a: a.reshape(prog.virtual, -1, *a.shape[1:]), tree)  # noqa: E731
+    chunk0 = jax.tree.map(lambda a: a[0], by_chunk(stacked))
+    # gathered once, for every tick (chunk 0 only completes the tree `cast` reads)
+    table, table_vjp = jax.vjp(lambda o: fns.table(cast({**o, **jax.lax.stop_gradient(chunk0)})), other)
+    dev = _Device(pipe=pipe, fns=fns, cast=cast, s=jax.lax.axis_index(AXIS), stacked=by_chunk(stacked),
+                  other=other, state=by_chunk(state), tokens=tokens, scale=scale,
+                  aux_share=1.0 / (prog.micro_batches * r), table=table, groups=groups)
+    zeros_act = jnp.zeros((*rows_tokens, pipe.d_model), dt)
+    zero_mb = jax.tree.map(jnp.zeros_like, jax.tree.map(lambda a: a[0, 0] if r > 1 else a[0], mbs))
+    dev, carry = dev.start(chunk0, zeros_act, zero_mb, r, replica_axes)
+    # Every device runs the token count's all-reduce (over the batch axes) before the first tick:
+    # the first activation received is zeros times it (XLA keeps a float product with 0, which
+    # is not 0 for inf or NaN). Else an emulated CPU device could run the fill's collectives
+    # while another runs the all-reduce, and each would wait for the other forever
+    # (docs/PLATFORM.md, rendezvous).
+    carry = carry._replace(x_recv=carry.x_recv * tokens.astype(dt))
+    carry = dev.run(carry, mbs, zeros_act, zero_mb, r, replica_axes)
+    return _reduced(pipe, fns, carry, table, table_vjp, r)
+
+
+def _reduced(pipe: Pipeline, fns: StageFns, carry: _Carry, table: jax.Array, table_vjp: Callable,
+             r: int) -> tuple[jax.Array, dict, dict, dict, dict]:
+    """A device's sums after the last tick, each reduced once: over the R replica groups, over the
+    row groups (the table's gradient, through its cast and gather into the embedding's), over
+    `pipeline` (the replicated parameters', the cross-entropy, the metrics' mean): (cross-entropy,
+    d_stacked [V*Lc, ...], d_other, the model state's next value [V*Lc, ...], metrics)."""
+    prog = pipe.program
+    d_stacked, d_other, ce, state_new, metrics = carry.d_stacked, carry.d_other, carry.ce, carry.state, carry.metrics
+    d_table = carry.d_table
+    if r > 1:  # the replica groups' sums added: the step's one reduction over the replica axes
+        d_stacked, d_other, d_table, ce, metrics = jax.tree.map(lambda a: a.sum(0),
+                                                                (d_stacked, d_other, d_table, ce, metrics))
+        state_new = fns.fold_state(state_new)
+    # The row groups' table gradients added (the step's one reduction of them), through the
+    # table's cast and gather into the embedding's gradient.
+    d_other = jax.tree.map(_add, d_other, table_vjp(d_table.sum((0, 1)).astype(table.dtype))[0])
+    flat = lambda tree: jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), tree)  # noqa: E731
+    metrics = jax.tree.map(lambda a: jax.lax.psum(a, AXIS) / (prog.stages * prog.virtual * prog.micro_batches * r),
+                           metrics)
+    return jax.lax.psum(ce, AXIS), flat(d_stacked), jax.lax.psum(d_other, AXIS), flat(state_new), metrics

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 F, B, W = "F", "B", "W"
@@ -277,10 +277,22 @@ def render(schedule: Schedule) -> str:
 # What the executor runs: the schedule in lock step, every tick the same kinds of work on every stage
 # --------------------------------------------------------------------------------------------------
 
-# Columns of `Lockstep.fwd`, `.bwd` and `.wgt`: whether the action is real (a stage in the fill or the
-# drain computes on zeros and keeps nothing), its micro-batch, its chunk, the stash slot of its
-# forward's residuals, and (split backward) the slot of what its weight-gradient unit reads.
-LOCKSTEP_COLUMNS = ("valid", "mb", "chunk", "slot", "wslot")
+class Cell(NamedTuple):
+    """One stage's work of one kind in one tick: an entry of `Lockstep.fwd`, `.bwd` or `.wgt`.
+    The executor scans each table as one `Cell` of [ticks, P] arrays."""
+
+    valid: int  # 1: real work; 0: a stage in the fill or the drain, computing on zeros and keeping nothing
+    mb: int  # its micro-batch
+    chunk: int  # which of the device's V chunks (virtual stage chunk * P + stage)
+    slot: int  # the stash slot of its forward's residuals (and of the loss's cotangent)
+    wslot: int  # split backward: the slot of what its weight-gradient unit reads
+
+
+class HeadCell(NamedTuple):
+    """An entry of `Lockstep.head`: the last virtual stage's forward in that tick, whose loss it runs."""
+
+    valid: int
+    mb: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,12 +334,12 @@ class Lockstep:
     stages: int
     micro_batches: int
     virtual: int
-    fwd: tuple  # [ticks][stages] of LOCKSTEP_COLUMNS
+    fwd: tuple  # [ticks][stages] of Cell
     bwd: tuple
-    head: tuple  # [ticks]: (valid, micro-batch) of the last virtual stage's forward in that tick
+    head: tuple  # [ticks] of HeadCell
     segments: tuple[Segment, ...]
     slots: int
-    wgt: tuple = ()  # [ticks][stages] of LOCKSTEP_COLUMNS: the weight-gradient units (split only)
+    wgt: tuple = ()  # [ticks][stages] of Cell: the weight-gradient units (split only)
     wslots: int = 0
 
     @property
@@ -373,9 +385,9 @@ def lockstep(name: str, stages: int, micro_batches: int, virtual: int = 1) -> Lo
     split = name == "zero_bubble"
     w_tick = {(i, w): b_tick[(i, 0)] for i in range(m) for w in range(p * v)} if split else {}
     ticks = max(b_tick.values()) + 1
-    empty = (0, 0, 0, 0, 0)
+    empty = Cell(0, 0, 0, 0, 0)
     fwd, bwd, wgt = ([[empty] * p for _ in range(ticks)] for _ in range(3))
-    head = [(0, 0)] * ticks
+    head = [HeadCell(0, 0)] * ticks
     slots = wslots = 0
     for s in range(p):
         keys = [(i, c * p + s) for i in range(m) for c in range(v)]
@@ -387,18 +399,18 @@ def lockstep(name: str, stages: int, micro_batches: int, virtual: int = 1) -> Lo
         wslots = max(wslots, used)
         for key in keys:
             i, w = key
-            row = (1, i, w // p, slot_of[key], wslot_of.get(key, 0))
-            fwd[f_tick[key]][s], bwd[b_tick[key]][s] = row, row
+            cell = Cell(valid=1, mb=i, chunk=w // p, slot=slot_of[key], wslot=wslot_of.get(key, 0))
+            fwd[f_tick[key]][s], bwd[b_tick[key]][s] = cell, cell
             if split:
-                wgt[w_tick[key]][s] = row
+                wgt[w_tick[key]][s] = cell
             if w == last:
-                head[f_tick[key]] = (1, i)
-    scratch = (0, 0, 0, slots, wslots)  # a stage with nothing to do writes and reads the scratch slots
-    fwd, bwd, wgt = ([[a if a[0] else scratch for a in row] for row in table] for table in (fwd, bwd, wgt))
-    has_f = [any(a[0] for a in row) for row in fwd]
-    has_b = [any(a[0] for a in row) for row in bwd]
-    has_w = [any(a[0] for a in row) for row in wgt]
-    heads = [t for t in range(ticks) if head[t][0]]
+                head[f_tick[key]] = HeadCell(valid=1, mb=i)
+    scratch = Cell(0, 0, 0, slots, wslots)  # a stage with nothing to do writes and reads the scratch slots
+    fwd, bwd, wgt = ([[a if a.valid else scratch for a in row] for row in table] for table in (fwd, bwd, wgt))
+    has_f = [any(a.valid for a in row) for row in fwd]
+    has_b = [any(a.valid for a in row) for row in bwd]
+    has_w = [any(a.valid for a in row) for row in wgt]
+    heads = [t for t in range(ticks) if head[t].valid]
     has_h = [has_f[t] and heads[0] <= t <= heads[-1] for t in range(ticks)]  # V > 1: every tick between
     kinds = lambda t: (has_f[t], has_h[t], has_b[t], has_w[t])  # noqa: E731
     segments, start = [], 0
@@ -446,12 +458,12 @@ def validate_lockstep(prog: Lockstep) -> list[str]:
             for table, at in ((prog.fwd, at_f), (prog.bwd, at_b), (prog.wgt, at_w)):
                 if not table:
                     continue
-                valid, i, c, slot, wslot = table[t][s]
-                if valid:
-                    key = (i, c * p + s)
+                cell = table[t][s]
+                if cell.valid:
+                    key = (cell.mb, cell.chunk * p + s)
                     if key in at:
-                        problems.append(f"micro-batch {i} virtual stage {key[1]} twice")
-                    at[key] = (t, wslot if table is prog.wgt else slot, s)
+                        problems.append(f"micro-batch {cell.mb} virtual stage {key[1]} twice")
+                    at[key] = (t, cell.wslot if table is prog.wgt else cell.slot, s)
     for i in range(m):
         for w in range(last + 1):
             if (i, w) not in at_f or (i, w) not in at_b:
@@ -465,22 +477,22 @@ def validate_lockstep(prog: Lockstep) -> list[str]:
                 problems.append(f"micro-batch {i} virtual stage {w}: forward at {tf} not the tick after its input")
             if w < last and at_b.get((i, w + 1), (None,))[0] != tb - 1:
                 problems.append(f"micro-batch {i} virtual stage {w}: backward at {tb} not the tick after its cotangent")
-            if w == last and tb == tf and not prog.head[tf][0]:
+            if w == last and tb == tf and not prog.head[tf].valid:
                 problems.append(f"micro-batch {i}: no loss in the tick of its last forward")
             if prog.split:
                 tw, sw, dw = at_w.get((i, w), (None, None, None))
-                if tw is None or tw < tb or dw != at_b[(i, w)][2] or sw != prog.bwd[tb][dw][4]:
+                if tw is None or tw < tb or dw != at_b[(i, w)][2] or sw != prog.bwd[tb][dw].wslot:
                     problems.append(f"micro-batch {i} virtual stage {w}: weight unit at {tw} (slot {sw}) "
                                     f"before or apart from its backward at {tb}")
-    writes = [(prog.fwd, 3, at_b)] + ([(prog.bwd, 4, at_w)] if prog.split else [])
-    for table, column, until in writes:
+    writes = [(prog.fwd, "slot", at_b)] + ([(prog.bwd, "wslot", at_w)] if prog.split else [])
+    for table, field, until in writes:
         for s in range(p):
             held: dict[int, tuple[int, int]] = {}
             for t in range(prog.ticks):
-                valid, i, c = table[t][s][:3]
-                slot = table[t][s][column]
-                if valid:
+                cell = table[t][s]
+                slot = getattr(cell, field)
+                if cell.valid:
                     if slot in held and held[slot][1] >= t:
                         problems.append(f"stage {s} tick {t}: slot {slot} still held for micro-batch {held[slot][0]}")
-                    held[slot] = (i, until.get((i, c * p + s), (t,))[0])
+                    held[slot] = (cell.mb, until.get((cell.mb, cell.chunk * p + s), (t,))[0])
     return problems
