@@ -6,9 +6,10 @@
 from-hf reads `config.json` and `model.safetensors` (or the shards named by
 `model.safetensors.index.json`) with the `safetensors` package, writes the weights as step 0 of a
 run directory (weights.py; any mesh restores it) and copies the tokenizer files to
-`RUN_DIR/tokenizer/`, which becomes `data.tokenizer`. It reads LlamaForCausalLM, MixtralForCausalLM,
-Qwen2MoeForCausalLM and Qwen3MoeForCausalLM (hf.py, hf_moe.py); to-hf writes what their
-`from_pretrained` loads (a mixture of experts as the family that expresses it, hf_moe.family_of). Bad input: one line, exit 2, nothing written.
+`RUN_DIR/tokenizer/`, which becomes `data.tokenizer`. It reads LlamaForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM (hf.py), MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM (hf_moe.py); to-hf
+writes what their `from_pretrained` loads (a model as the family that expresses it, hf.family_of and
+hf_moe.family_of). Bad input: one line, exit 2, nothing written.
 """
 
 from __future__ import annotations
@@ -72,8 +73,7 @@ def to_hf(run_dir: str, step: int | None, out: str, max_shard_bytes: float) -> s
 
     def load(s: int) -> tuple:
         cfg = weights.read_config(run_dir, s)
-        if cfg.model.moe.enabled:
-            hf_moe.family_of(cfg.model)  # one line before anything is read when no architecture fits
+        (hf_moe if cfg.model.moe.enabled else hf).family_of(cfg.model)  # one line before any read when none fits
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu),
                               abstract_model(cfg.model).params)
         return cfg, weights.to_numpy(weights.load_params(run_dir, s, target))
@@ -124,7 +124,8 @@ def _one_mode(folder: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lumen_jax.convert", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("from-hf", help="a Hugging Face directory (Llama, Mixtral, Qwen2-MoE, Qwen3-MoE) -> a run directory")
+    a = sub.add_parser("from-hf", help="a Hugging Face directory (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, "
+                       "Qwen3-MoE) -> a run directory")
     a.add_argument("--hf-dir", required=True)
     a.add_argument("--out", required=True, help="the new run directory")
     b = sub.add_parser("to-hf", help="a run directory's checkpoint -> a Hugging Face directory")

@@ -1,4 +1,7 @@
-"""The Hugging Face Llama layout <-> ours: config fields and tensors, both ways (pure numpy, no I/O).
+"""The Hugging Face dense decoders <-> ours: Llama, Qwen2, Qwen3 (pure numpy, no I/O).
+
+`FAMILIES` names each by its `model_type`; config fields and tensors go both ways, and the tensor table
+(`Row`, `KINDS`) is the one hf_moe.py builds its mixtures of experts from.
 
 Tensors. HF stores each layer's projections as torch Linear weights [out, in]; ours are einsum
 weights [in, ...] stacked on a leading `layers` axis:
@@ -12,6 +15,12 @@ weights [in, ...] stacked on a leading `layers` axis:
     model.layers.{l}.post_attention_layernorm.weight    ->  blocks/mlp_norm/scale  [L, D]
     model.embed_tokens.weight [V, D] -> embed [V, D];  model.norm.weight -> final_norm/scale;
     lm_head.weight [V, D] -> lm_head [D, V] (absent when tie_word_embeddings).
+    Qwen2 (model.qkv_bias): self_attn.{q,k,v}_proj.bias [N*H | K*H] -> blocks/attn/bq [L, N, H], bk, bv [L, K, H]
+    Qwen3 (model.qk_norm):  self_attn.{q,k}_norm.weight [H] -> blocks/attn/q_norm/scale, k_norm/scale [L, H]
+
+Both Qwen configs carry sliding-window fields (`use_sliding_window`, `sliding_window`,
+`max_window_layers`, `layer_types`); transformers uses `sliding_window` only when `use_sliding_window`
+is true, so an import takes them while every layer is full attention and refuses them otherwise.
 
 Rotary layout: HF Llama's `rotate_half` pairs dimension i with i + H/2 of each head, and so does
 our `apply_rope` (half-split), so q/k need no permutation (the logits test checks it).
@@ -19,6 +28,7 @@ our `apply_rope` (half-split), so q/k need no permutation (the logits test check
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import numpy as np
@@ -36,7 +46,28 @@ HARMLESS = frozenset({
     "hidden_act", "attention_bias", "attention_dropout", "mlp_bias",
 })
 # Fields we support only at one value: (field, required value).
-FIXED = (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("attention_dropout", 0.0))
+FIXED = (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("attention_dropout", 0.0),
+         ("use_sliding_window", False))
+# The Qwen configs' sliding-window fields (harmless while use_sliding_window is false and every layer is
+# full attention; base_fields checks both).
+SLIDING = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    """One transformers dense decoder: what it adds to Llama's attention."""
+
+    architecture: str
+    qkv_bias: bool  # q/k/v projection biases (Qwen2)
+    qk_norm: bool  # per-head q/k RMSNorm (Qwen3)
+    fields: frozenset  # config.json fields it adds to HARMLESS that the import reads or checks
+
+
+FAMILIES = {
+    "llama": Dense("LlamaForCausalLM", False, False, frozenset()),
+    "qwen2": Dense("Qwen2ForCausalLM", True, False, SLIDING),
+    "qwen3": Dense("Qwen3ForCausalLM", False, True, SLIDING),
+}
 
 
 class ConvertError(ConfigError):
@@ -56,12 +87,21 @@ def _rope(hf: dict) -> dict:
 
 
 def model_config(hf: dict, dtype: str) -> ModelConfig:
-    """Our ModelConfig for the HF Llama `config.json` dict `hf`; ConvertError for anything we would not honour."""
-    arch = hf.get("architectures") or ["LlamaForCausalLM"]
-    if hf.get("model_type", "llama") != "llama" or arch != ["LlamaForCausalLM"]:
-        raise ConvertError(f"config.json: model_type={hf.get('model_type')!r} architectures={arch} is not "
-                           "supported; from-hf reads Llama checkpoints (model_type 'llama', LlamaForCausalLM)")
-    return ModelConfig(**base_fields(hf, HARMLESS, FIXED), compute_dtype=dtype)
+    """Our ModelConfig for the HF dense `config.json` dict `hf` (model_type in FAMILIES, llama when it has
+    none); ConvertError for anything we would not honour."""
+    kind = hf.get("model_type", "llama")
+    fam = FAMILIES[kind]
+    check_architecture(hf, kind, fam.architecture)
+    return ModelConfig(**base_fields(hf, HARMLESS | fam.fields, FIXED), qkv_bias=fam.qkv_bias,
+                       qk_norm=fam.qk_norm, compute_dtype=dtype)
+
+
+def check_architecture(hf: dict, kind: str, architecture: str) -> None:
+    """ConvertError unless `hf`'s architectures are [architecture] (or absent)."""
+    arch = hf.get("architectures") or [architecture]
+    if arch != [architecture]:
+        raise ConvertError(f"config.json: model_type={kind!r} with architectures={arch} is not supported; "
+                           f"from-hf reads model_type {kind!r} as [{architecture!r}]")
 
 
 def base_fields(hf: dict, harmless: frozenset, fixed: tuple) -> dict[str, Any]:
@@ -74,6 +114,10 @@ def base_fields(hf: dict, harmless: frozenset, fixed: tuple) -> dict[str, Any]:
     for field, value in fixed:
         if field in hf and hf[field] != value:
             raise ConvertError(f"config.json {field}={hf[field]!r} is not supported (only {value!r})")
+    layer_types = hf.get("layer_types")
+    if layer_types is not None and set(layer_types) != {"full_attention"}:
+        raise ConvertError(f"config.json layer_types={sorted(set(layer_types))} is not supported (only "
+                           "full_attention: no sliding-window layers)")
     for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if not isinstance(hf.get(field), int):
             raise ConvertError(f"config.json has no integer {field} (got {hf.get(field)!r})")
@@ -106,79 +150,150 @@ def base_fields(hf: dict, harmless: frozenset, fixed: tuple) -> dict[str, Any]:
         rope_theta=float(rope["rope_theta"]), tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **scaling)
 
 
-def hf_config(m: ModelConfig, dtype: str) -> dict:
-    """A transformers `config.json` for the Llama `m` (rope written both as 4.x `rope_scaling` and 5.x
-    `rope_parameters`); hf_moe.hf_config adds a mixture of experts' fields to it."""
+def family_of(m: ModelConfig) -> str:
+    """The model_type that expresses our dense model `m`; ConvertError naming what none of them has."""
+    if m.qkv_bias and m.qk_norm:
+        raise ConvertError("model.qkv_bias=true with model.qk_norm=true has no place in LlamaForCausalLM, "
+                           "Qwen2ForCausalLM (q/k/v biases) or Qwen3ForCausalLM (q/k norms); to-hf cannot export "
+                           "this dense model")
+    return "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
+
+
+def common_config(m: ModelConfig, dtype: str) -> dict:
+    """The `config.json` fields every family here writes alike (rope both as 4.x `rope_scaling` and 5.x
+    `rope_parameters`); hf_config and hf_moe.hf_config add the family's."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
     if m.rope_scaling == "llama3":
         rope.update(rope_type="llama3", factor=m.rope_scaling_factor, low_freq_factor=m.rope_low_freq_factor,
                     high_freq_factor=m.rope_high_freq_factor,
                     original_max_position_embeddings=m.rope_original_max_len)
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": m.d_model, "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
-        "num_key_value_heads": m.num_kv_heads, "head_dim": m.resolved_head_dim, "intermediate_size": m.ffn_dim,
-        "vocab_size": m.vocab_size, "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
-        "rope_scaling": rope if m.rope_scaling == "llama3" else None, "rope_parameters": rope,
-        "tie_word_embeddings": m.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+        "hidden_act": "silu", "hidden_size": m.d_model, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.resolved_head_dim,
+        "intermediate_size": m.ffn_dim, "vocab_size": m.vocab_size, "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta, "rope_scaling": rope if m.rope_scaling == "llama3" else None,
+        "rope_parameters": rope, "tie_word_embeddings": m.tie_embeddings, "attention_bias": False,
         "max_position_embeddings": max(m.rope_original_max_len, 8192), "torch_dtype": dtype, "dtype": dtype,
     }
 
 
-def _layer_tensors(m: ModelConfig) -> dict[str, tuple[tuple[str, str], tuple[int, ...]]]:
-    """HF layer-tensor suffix -> ((our group, our name), HF shape)."""
-    d, n, k, h, f = m.d_model, m.num_heads, m.num_kv_heads, m.resolved_head_dim, m.ffn_dim
-    return {
-        "self_attn.q_proj.weight": (("attn", "wq"), (n * h, d)),
-        "self_attn.k_proj.weight": (("attn", "wk"), (k * h, d)),
-        "self_attn.v_proj.weight": (("attn", "wv"), (k * h, d)),
-        "self_attn.o_proj.weight": (("attn", "wo"), (d, n * h)),
-        "mlp.gate_proj.weight": (("mlp", "w_gate"), (f, d)),
-        "mlp.up_proj.weight": (("mlp", "w_up"), (f, d)),
-        "mlp.down_proj.weight": (("mlp", "w_down"), (d, f)),
-        "input_layernorm.weight": (("attn_norm", "scale"), (d,)),
-        "post_attention_layernorm.weight": (("mlp_norm", "scale"), (d,)),
-    }
-
-
-def expected_tensors(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name of `m` and its shape."""
-    out = {"model.embed_tokens.weight": (m.vocab_size, m.d_model), "model.norm.weight": (m.d_model,)}
-    if not m.tie_embeddings:
-        out["lm_head.weight"] = (m.vocab_size, m.d_model)
-    for layer in range(m.num_layers):
-        out.update({f"model.layers.{layer}.{s}": shape for s, (_, shape) in _layer_tensors(m).items()})
+def hf_config(m: ModelConfig, dtype: str) -> dict:
+    """A transformers `config.json` for the dense model `m`, of the family `family_of(m)`."""
+    kind = family_of(m)
+    out = common_config(m, dtype)
+    out.update(architectures=[FAMILIES[kind].architecture], model_type=kind)
+    if kind == "llama":
+        out["mlp_bias"] = False
+    else:
+        out.update(use_sliding_window=False, sliding_window=None)
+    if kind == "qwen2":
+        out.pop("attention_bias")  # its q/k/v biases are not a setting
     return out
 
 
-def _to_ours(suffix: str, w: np.ndarray, m: ModelConfig) -> np.ndarray:
-    d, n, k, h = m.d_model, m.num_heads, m.num_kv_heads, m.resolved_head_dim
-    if suffix.endswith("norm.weight"):
-        return w
-    if suffix == "self_attn.q_proj.weight":
-        return w.T.reshape(d, n, h)
-    if suffix in ("self_attn.k_proj.weight", "self_attn.v_proj.weight"):
-        return w.T.reshape(d, k, h)
-    if suffix == "self_attn.o_proj.weight":
-        return w.T.reshape(n, h, d)
-    return w.T  # gate/up [F, D] -> [D, F]; down [D, F] -> [F, D]
+# --------------------------------------------------------------------------------------------------
+# Tensors: one table of rows (HF name, our path, index in our stack, kind, our shape of one slice)
+# that both directions read; hf_moe.py builds its tables from the same rows.
+# --------------------------------------------------------------------------------------------------
+
+Row = tuple[str, tuple[str, ...], tuple[int, ...], str, tuple[int, ...]]
+
+# kind -> (HF -> ours, ours -> HF, our shape -> HF shape) of one tensor (one layer, one expert); `s`
+# is our shape of the slice. HF stores torch Linear weights [out, in]; ours are einsum weights [in, ...].
+KINDS: dict[str, tuple[Callable, Callable, Callable]] = {
+    "q": (lambda w, s: w.T.reshape(s), lambda w, s: w.reshape(s[0], -1).T, lambda s: (s[1] * s[2], s[0])),
+    "o": (lambda w, s: w.T.reshape(s), lambda w, s: w.reshape(-1, s[2]).T, lambda s: (s[2], s[0] * s[1])),
+    "linear": (lambda w, s: w.T, lambda w, s: w.T, lambda s: (s[1], s[0])),
+    "vector": (lambda w, s: w, lambda w, s: w, lambda s: s),
+    "bias": (lambda w, s: w.reshape(s), lambda w, s: w.reshape(-1), lambda s: (s[0] * s[1],)),
+    "row": (lambda w, s: w[0], lambda w, s: w[None], lambda s: (1, s[0])),
+}
+
+
+def outer_rows(m: ModelConfig) -> list[Row]:
+    """The embedding, the final norm and (untied) the output head."""
+    rows = [("model.embed_tokens.weight", ("embed",), (), "vector", (m.vocab_size, m.d_model)),
+            ("model.norm.weight", ("final_norm", "scale"), (), "vector", (m.d_model,))]
+    if not m.tie_embeddings:
+        rows.append(("lm_head.weight", ("lm_head",), (), "linear", (m.d_model, m.vocab_size)))
+    return rows
+
+
+def attention_rows(m: ModelConfig, layer: int, stack: str, i: int, qkv_bias: bool, qk_norm: bool) -> list[Row]:
+    """HF layer `layer`'s attention and its two norms, at index `i` of our `stack` (`blocks`, `moe_blocks`)."""
+    d, n, kv, h = m.d_model, m.num_heads, m.num_kv_heads, m.resolved_head_dim
+    pre, at = f"model.layers.{layer}.", (stack, "attn")
+    rows = [(pre + "self_attn.q_proj.weight", (*at, "wq"), (i,), "q", (d, n, h)),
+            (pre + "self_attn.k_proj.weight", (*at, "wk"), (i,), "q", (d, kv, h)),
+            (pre + "self_attn.v_proj.weight", (*at, "wv"), (i,), "q", (d, kv, h)),
+            (pre + "self_attn.o_proj.weight", (*at, "wo"), (i,), "o", (n, h, d))]
+    if qkv_bias:
+        rows += [(pre + "self_attn.q_proj.bias", (*at, "bq"), (i,), "bias", (n, h)),
+                 (pre + "self_attn.k_proj.bias", (*at, "bk"), (i,), "bias", (kv, h)),
+                 (pre + "self_attn.v_proj.bias", (*at, "bv"), (i,), "bias", (kv, h))]
+    if qk_norm:
+        rows += [(pre + "self_attn.q_norm.weight", (*at, "q_norm", "scale"), (i,), "vector", (h,)),
+                 (pre + "self_attn.k_norm.weight", (*at, "k_norm", "scale"), (i,), "vector", (h,))]
+    return rows + [(pre + "input_layernorm.weight", (stack, "attn_norm", "scale"), (i,), "vector", (d,)),
+                   (pre + "post_attention_layernorm.weight", (stack, "mlp_norm", "scale"), (i,), "vector", (d,))]
+
+
+def mlp_rows(name: str, path: tuple[str, ...], index: tuple[int, ...], d: int, f: int,
+             projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> list[Row]:
+    """A gated MLP of width `f` whose HF module is `name` (its gate, up, down `projections`) at `path`/`index`."""
+    gate, up, down = projections
+    return [(f"{name}.{gate}.weight", (*path, "w_gate"), index, "linear", (d, f)),
+            (f"{name}.{up}.weight", (*path, "w_up"), index, "linear", (d, f)),
+            (f"{name}.{down}.weight", (*path, "w_down"), index, "linear", (f, d))]
+
+
+def table(m: ModelConfig) -> list[Row]:
+    """Every tensor of the dense model `m` (its biases and q/k norms as `m` has them)."""
+    rows = outer_rows(m)
+    for layer in range(m.num_layers):
+        rows += attention_rows(m, layer, "blocks", layer, m.qkv_bias, m.qk_norm)
+        rows += mlp_rows(f"model.layers.{layer}.mlp", ("blocks", "mlp"), (layer,), m.d_model, m.ffn_dim)
+    return rows
+
+
+def shapes(rows: list[Row]) -> dict[str, tuple[int, ...]]:
+    """{HF name: HF shape} of `rows`."""
+    return {name: tuple(KINDS[k][2](shape)) for name, _, _, k, shape in rows}
+
+
+def expected_tensors(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name of the dense model `m` and its shape."""
+    return shapes(table(m))
+
+
+def params_from_rows(rows: list[Row], read: Callable[[str], np.ndarray]) -> dict:
+    """Our float32 parameter tree from the HF tensors `read(name)` returns (checked by the caller)."""
+    slices: dict[tuple[str, ...], dict[tuple[int, ...], np.ndarray]] = {}
+    for name, path, index, k, shape in rows:
+        slices.setdefault(path, {})[index] = KINDS[k][0](read(name), shape)
+    params: dict = {}
+    for path, parts in slices.items():
+        node = params
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = _stack(parts)
+    return params
+
+
+def _stack(parts: dict[tuple[int, ...], np.ndarray]) -> np.ndarray:
+    """The array whose slice at each index tuple is `parts[index]` (indices dense from 0)."""
+    if () in parts:
+        return parts[()]
+    heads = sorted({i[0] for i in parts})
+    return np.stack([_stack({i[1:]: a for i, a in parts.items() if i[0] == h}) for h in heads])
 
 
 def params_from_hf(get: Callable[[str], np.ndarray], names: set[str], m: ModelConfig) -> dict:
-    """Our float32 parameter tree from HF tensors (`get(name)` reads one; `names`: all in the checkpoint).
-
-    Raises ConvertError naming the first missing, misshapen or unexpected tensor.
-    """
-    read = checked_reader(get, names, expected_tensors(m), m.tie_embeddings, "a Llama model")
-    blocks: dict[str, dict[str, np.ndarray]] = {}
-    for suffix, ((group, leaf), _) in _layer_tensors(m).items():
-        stacked = [_to_ours(suffix, read(f"model.layers.{i}.{suffix}"), m) for i in range(m.num_layers)]
-        blocks.setdefault(group, {})[leaf] = np.stack(stacked)
-    params = {"blocks": blocks, "embed": read("model.embed_tokens.weight"),
-              "final_norm": {"scale": read("model.norm.weight")}}
-    if not m.tie_embeddings:
-        params["lm_head"] = read("lm_head.weight").T
-    return params
+    """Our float32 parameter tree of the dense model `m` from HF tensors (`get(name)` reads one; `names`:
+    all in the checkpoint). Raises ConvertError naming the first missing, misshapen or unexpected tensor."""
+    read = checked_reader(get, names, expected_tensors(m), m.tie_embeddings,
+                          f"a {FAMILIES[family_of(m)].architecture}")
+    return params_from_rows(table(m), read)
 
 
 def checked_reader(get: Callable[[str], np.ndarray], names: set[str], want: dict[str, tuple[int, ...]],
@@ -203,22 +318,20 @@ def checked_reader(get: Callable[[str], np.ndarray], names: set[str], want: dict
     return read
 
 
+def hf_from_rows(rows: list[Row], params: dict, dtype: Any) -> dict[str, np.ndarray]:
+    """HF tensors {name: array of `dtype`} of `rows` from our parameter tree (numpy); q/k/v biases the
+    tree lacks are written as zeros (Qwen2-MoE always has them)."""
+    out = {}
+    for name, path, index, k, shape in rows:
+        node: Any = params
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        w = np.zeros(shape, np.float32) if node is None and path[-1] in ("bq", "bk", "bv") else np.asarray(node)[index]
+        out[name] = np.ascontiguousarray(KINDS[k][1](w, shape).astype(dtype))
+    return out
+
+
 def hf_from_params(params: dict, m: ModelConfig, dtype: Any) -> dict[str, np.ndarray]:
-    """HF tensors {name: array of `dtype`} from our parameter tree (numpy)."""
-    if m.qkv_bias or m.qk_norm:
-        raise ConvertError(f"model.{'qkv_bias' if m.qkv_bias else 'qk_norm'}=true has no place in LlamaForCausalLM; "
-                           "to-hf cannot export this dense model")
-    d = m.d_model
-    out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]["scale"]}
-    if not m.tie_embeddings:
-        out["lm_head.weight"] = params["lm_head"].T
-    for suffix, ((group, leaf), shape) in _layer_tensors(m).items():
-        stacked = params["blocks"][group][leaf]
-        for i in range(m.num_layers):
-            w = stacked[i]
-            if suffix == "self_attn.o_proj.weight":
-                w = w.reshape(-1, d).T
-            elif not suffix.endswith("norm.weight"):
-                w = w.reshape(d, -1).T if suffix != "mlp.down_proj.weight" else w.T
-            out[f"model.layers.{i}.{suffix}"] = w
-    return {k: np.ascontiguousarray(np.asarray(v).astype(dtype)) for k, v in out.items()}
+    """HF tensors {name: array of `dtype`} of the dense model `m` (`family_of(m)`) from our parameter tree."""
+    family_of(m)
+    return hf_from_rows(table(m), params, dtype)

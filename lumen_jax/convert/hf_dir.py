@@ -1,7 +1,8 @@
 """A Hugging Face directory read into our config and parameters: `config.json` and
 `model.safetensors` (or the shards its index names). Used by `convert from-hf` and by
 `train.init_from` of a Hugging Face directory (checkpoint/weights.py); the name and shape
-mapping is hf.py's (Llama) or hf_moe.py's (Mixtral, Qwen2-MoE, Qwen3-MoE), chosen by `model_type`.
+mapping is hf.py's (Llama, Qwen2, Qwen3) or hf_moe.py's (Mixtral, Qwen2-MoE, Qwen3-MoE), chosen by
+`model_type`.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def _opened(path: str) -> Iterator[Any]:
 
 
 def read_hf_config(hf_dir: str) -> tuple[Config, dict[str, str], dict]:
-    """(the run config, {tensor name: safetensors file}, the raw config.json) of the HF Llama directory
+    """(the run config, {tensor name: safetensors file}, the raw config.json) of the HF directory
     `hf_dir`; no tensor is read. `data.tokenizer` is its tokenizer.json when it has one."""
     if not os.path.isdir(hf_dir):
         raise hf.ConvertError(f"--hf-dir={hf_dir!r} is not a directory; give a Hugging Face model directory")
@@ -115,10 +116,15 @@ def read_hf_config(hf_dir: str) -> tuple[Config, dict[str, str], dict]:
         dtype = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(stored, stored)
     if dtype not in hf.DTYPES:
         raise hf.ConvertError(f"config.json dtype={dtype!r} is not supported; use float32, bfloat16 or float16")
-    if config.get("model_type") in hf_moe.FAMILIES:
+    kind = config.get("model_type", "llama")
+    if kind in hf_moe.FAMILIES:
         m = hf_moe.model_config(config, hf.DTYPES[dtype])
-    else:
+    elif kind in hf.FAMILIES:
         m = hf.model_config(config, hf.DTYPES[dtype])
+    else:
+        known = ", ".join(f.architecture for f in (*hf.FAMILIES.values(), *hf_moe.FAMILIES.values()))
+        raise hf.ConvertError(f"config.json: model_type={kind!r} architectures={config.get('architectures')} is "
+                              f"not supported; from-hf reads {known}")
     tokenizer = os.path.join(hf_dir, "tokenizer.json")
     data = pin_tokenizer(DataConfig(tokenizer=tokenizer)) if "tokenizer.json" in tokenizer_files(hf_dir) else (
         DataConfig())
@@ -127,7 +133,7 @@ def read_hf_config(hf_dir: str) -> tuple[Config, dict[str, str], dict]:
 
 
 def read_hf(hf_dir: str) -> tuple[Config, dict]:
-    """(the run config, our float32 parameter tree) of the HF Llama directory `hf_dir`."""
+    """(the run config, our float32 parameter tree) of the HF directory `hf_dir`."""
     cfg, files, raw = read_hf_config(hf_dir)
     with contextlib.ExitStack() as stack:
         handles: dict[str, Any] = {}

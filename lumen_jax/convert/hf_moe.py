@@ -50,10 +50,9 @@ class Family:
     fields: frozenset  # config.json fields it adds to Llama's that the import reads or checks
 
 
-_QWEN_FIELDS = frozenset({"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-                          "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef",
-                          "output_router_logits", "use_sliding_window", "sliding_window", "max_window_layers",
-                          "layer_types"})
+_QWEN_FIELDS = hf.SLIDING | {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                             "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef",
+                             "output_router_logits"}
 FAMILIES = {
     "mixtral": Family("MixtralForCausalLM", "block_sparse_moe", ("w1", "w3", "w2"), False, False, False,
                       frozenset({"num_local_experts", "num_experts", "num_experts_per_tok", "router_aux_loss_coef",
@@ -76,19 +75,12 @@ def model_config(raw: dict, dtype: str) -> ModelConfig:
     """Our ModelConfig for the HF MoE `config.json` dict `raw` (model_type in FAMILIES)."""
     kind = raw.get("model_type")
     fam = FAMILIES[kind]
-    arch = raw.get("architectures") or [fam.architecture]
-    if arch != [fam.architecture]:
-        raise ConvertError(f"config.json: model_type={kind!r} with architectures={arch}; expected "
-                           f"[{fam.architecture!r}]")
-    fixed = [*hf.FIXED, ("router_jitter_noise", 0.0), ("use_sliding_window", False), ("mlp_only_layers", [])]
+    hf.check_architecture(raw, kind, fam.architecture)
+    fixed = [*hf.FIXED, ("router_jitter_noise", 0.0), ("mlp_only_layers", [])]
     if kind == "mixtral":
         fixed.append(("sliding_window", None))
     if kind == "qwen2_moe" and raw.get("qkv_bias", True) is not True:
         raise ConvertError(f"config.json qkv_bias={raw['qkv_bias']!r} is not supported (Qwen2-MoE: only true)")
-    layer_types = raw.get("layer_types")
-    if layer_types is not None and set(layer_types) != {"full_attention"}:
-        raise ConvertError(f"config.json layer_types={sorted(set(layer_types))} is not supported (only "
-                           "full_attention: no sliding-window layers)")
     base = hf.base_fields(raw, hf.HARMLESS | fam.fields, tuple(fixed))
     experts, top_k = _int(raw, "num_experts", "num_local_experts"), _int(raw, "num_experts_per_tok")
     every = raw.get("decoder_sparse_step", 1) if kind != "mixtral" else 1
@@ -147,8 +139,7 @@ def hf_config(m: ModelConfig, dtype: str) -> dict:
     """A transformers `config.json` for the MoE model `m` (`family_of(m)`)."""
     kind = family_of(m)
     moe = m.moe
-    out = hf.hf_config(m, dtype)
-    out.pop("mlp_bias")
+    out = hf.common_config(m, dtype)
     layers = m.num_layers // moe.every_n_layers
     out.update(architectures=[FAMILIES[kind].architecture], model_type=kind, num_experts_per_tok=moe.top_k,
                router_aux_loss_coef=moe.aux_loss_weight * layers / moe.top_k, output_router_logits=False)
@@ -165,104 +156,45 @@ def hf_config(m: ModelConfig, dtype: str) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
-# Tensors: one table of (HF name, our path, index in our stack, kind) both directions read
+# Tensors: hf.py's rows, with the MoE layers' router, experts and shared expert
 # --------------------------------------------------------------------------------------------------
 
-# kind -> (HF -> ours, ours -> HF, our shape -> HF shape) of one tensor (one layer, one expert); `s`
-# is our shape of the slice. HF stores torch Linear weights [out, in]; ours are einsum weights [in, ...].
-_KINDS: dict[str, tuple[Callable, Callable, Callable]] = {
-    "q": (lambda w, s: w.T.reshape(s), lambda w, s: w.reshape(s[0], -1).T, lambda s: (s[1] * s[2], s[0])),
-    "o": (lambda w, s: w.T.reshape(s), lambda w, s: w.reshape(-1, s[2]).T, lambda s: (s[2], s[0] * s[1])),
-    "linear": (lambda w, s: w.T, lambda w, s: w.T, lambda s: (s[1], s[0])),
-    "vector": (lambda w, s: w, lambda w, s: w, lambda s: s),
-    "bias": (lambda w, s: w.reshape(s), lambda w, s: w.reshape(-1), lambda s: (s[0] * s[1],)),
-    "row": (lambda w, s: w[0], lambda w, s: w[None], lambda s: (1, s[0])),
-}
 
-
-def _table(m: ModelConfig, kind: str) -> list[tuple[str, tuple[str, ...], tuple[int, ...], str, tuple[int, ...]]]:
-    """(HF name, our path, index into our stacked array, kind, our shape of one slice) of every tensor."""
+def _table(m: ModelConfig, kind: str) -> list[hf.Row]:
+    """hf.Row of every tensor of the MoE model `m` as the family `kind` names them."""
     fam, moe = FAMILIES[kind], m.moe
-    d, n, kv, h, e = m.d_model, m.num_heads, m.num_kv_heads, m.resolved_head_dim, moe.num_experts
-    f, fe, every = m.ffn_dim, m.expert_ffn_dim, moe.every_n_layers
-    rows = [("model.embed_tokens.weight", ("embed",), (), "vector", (m.vocab_size, d)),
-            ("model.norm.weight", ("final_norm", "scale"), (), "vector", (d,))]
-    if not m.tie_embeddings:
-        rows.append(("lm_head.weight", ("lm_head",), (), "linear", (d, m.vocab_size)))
+    d, e, every = m.d_model, moe.num_experts, moe.every_n_layers
+    rows = hf.outer_rows(m)
     for layer in range(m.num_layers):
         is_moe = (layer + 1) % every == 0
         stack, i = ("moe_blocks", layer // every) if is_moe else ("blocks", layer - (layer + 1) // every)
         pre = f"model.layers.{layer}."
-        add = lambda name, path, kind_, shape, idx=(i,): rows.append((pre + name, (stack, *path), idx, kind_, shape))  # noqa: E731
-        add("self_attn.q_proj.weight", ("attn", "wq"), "q", (d, n, h))
-        add("self_attn.k_proj.weight", ("attn", "wk"), "q", (d, kv, h))
-        add("self_attn.v_proj.weight", ("attn", "wv"), "q", (d, kv, h))
-        add("self_attn.o_proj.weight", ("attn", "wo"), "o", (n, h, d))
-        if fam.qkv_bias:
-            add("self_attn.q_proj.bias", ("attn", "bq"), "bias", (n, h))
-            add("self_attn.k_proj.bias", ("attn", "bk"), "bias", (kv, h))
-            add("self_attn.v_proj.bias", ("attn", "bv"), "bias", (kv, h))
-        if fam.qk_norm:
-            add("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), "vector", (h,))
-            add("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), "vector", (h,))
-        add("input_layernorm.weight", ("attn_norm", "scale"), "vector", (d,))
-        add("post_attention_layernorm.weight", ("mlp_norm", "scale"), "vector", (d,))
+        rows += hf.attention_rows(m, layer, stack, i, fam.qkv_bias, fam.qk_norm)
         if not is_moe:
-            add("mlp.gate_proj.weight", ("mlp", "w_gate"), "linear", (d, f))
-            add("mlp.up_proj.weight", ("mlp", "w_up"), "linear", (d, f))
-            add("mlp.down_proj.weight", ("mlp", "w_down"), "linear", (f, d))
+            rows += hf.mlp_rows(pre + "mlp", (stack, "mlp"), (i,), d, m.ffn_dim)
             continue
-        add(f"{fam.moe}.gate.weight", ("mlp", "router"), "linear", (d, e))
-        gate, up, down = fam.expert_names
+        rows.append((f"{pre}{fam.moe}.gate.weight", (stack, "mlp", "router"), (i,), "linear", (d, e)))
         for x in range(e):
-            add(f"{fam.moe}.experts.{x}.{gate}.weight", ("mlp", "w_gate"), "linear", (d, fe), (i, x))
-            add(f"{fam.moe}.experts.{x}.{up}.weight", ("mlp", "w_up"), "linear", (d, fe), (i, x))
-            add(f"{fam.moe}.experts.{x}.{down}.weight", ("mlp", "w_down"), "linear", (fe, d), (i, x))
+            rows += hf.mlp_rows(f"{pre}{fam.moe}.experts.{x}", (stack, "mlp"), (i, x), d, m.expert_ffn_dim,
+                                fam.expert_names)
         if fam.shared and moe.shared_experts:
-            fs = moe.shared_experts * fe
-            add("mlp.shared_expert.gate_proj.weight", ("mlp", "shared", "w_gate"), "linear", (d, fs))
-            add("mlp.shared_expert.up_proj.weight", ("mlp", "shared", "w_up"), "linear", (d, fs))
-            add("mlp.shared_expert.down_proj.weight", ("mlp", "shared", "w_down"), "linear", (fs, d))
-            add("mlp.shared_expert_gate.weight", ("mlp", "shared_gate"), "row", (d,))
+            rows += hf.mlp_rows(pre + "mlp.shared_expert", (stack, "mlp", "shared"), (i,), d,
+                                moe.shared_experts * m.expert_ffn_dim)
+            rows.append((pre + "mlp.shared_expert_gate.weight", (stack, "mlp", "shared_gate"), (i,), "row", (d,)))
     return rows
 
 
 def expected_tensors(m: ModelConfig, kind: str) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name of the MoE model `m` (of family `kind`) and its shape."""
-    return {name: tuple(_KINDS[k][2](shape)) for name, _, _, k, shape in _table(m, kind)}
+    return hf.shapes(_table(m, kind))
 
 
 def params_from_hf(read: Callable[[str], np.ndarray], m: ModelConfig, kind: str) -> dict:
     """Our float32 parameter tree from the HF tensors `read(name)` returns (checked by the caller)."""
-    slices: dict[tuple[str, ...], dict[tuple[int, ...], np.ndarray]] = {}
-    for name, path, index, k, shape in _table(m, kind):
-        slices.setdefault(path, {})[index] = _KINDS[k][0](read(name), shape)
-    params: dict = {}
-    for path, parts in slices.items():
-        node = params
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = _stack(parts)
-    return params
-
-
-def _stack(parts: dict[tuple[int, ...], np.ndarray]) -> np.ndarray:
-    """The array whose slice at each index tuple is `parts[index]` (indices dense from 0)."""
-    if () in parts:
-        return parts[()]
-    heads = sorted({i[0] for i in parts})
-    return np.stack([_stack({i[1:]: a for i, a in parts.items() if i[0] == h}) for h in heads])
+    return hf.params_from_rows(_table(m, kind), read)
 
 
 def hf_from_params(params: dict, m: ModelConfig, dtype: Any) -> dict[str, np.ndarray]:
     """HF tensors {name: array of `dtype`} of the MoE model `m` from our parameter tree (numpy); q/k/v
     biases are written as zeros when `m` has none (Qwen2-MoE always has them)."""
-    kind = family_of(m)
-    out = {}
-    for name, path, index, k, shape in _table(m, kind):
-        node: Any = params
-        for key in path:
-            node = node.get(key) if isinstance(node, dict) else None
-        w = np.zeros(shape, np.float32) if node is None and path[-1] in ("bq", "bk", "bv") else np.asarray(node)[index]
-        out[name] = np.ascontiguousarray(_KINDS[k][1](w, shape).astype(dtype))
-    return out
+    return hf.hf_from_rows(_table(m, family_of(m)), params, dtype)

@@ -12,7 +12,7 @@ import shutil
 import numpy as np
 import pytest
 
-from helpers.hf import HF_KW, TOKENS, hf_logits, make_hf, our_logits
+from helpers.hf import HF_KW, TOKENS, hf_logits, make_hf, our_logits, tensors
 from helpers.tolerances import FP32_RTOL
 from lumen_jax.checkpoint import weights
 from lumen_jax.convert.__main__ import main as convert
@@ -30,8 +30,6 @@ def assert_logits_close(ours: np.ndarray, ref: np.ndarray) -> None:
 
 @pytest.mark.parametrize("layout", ["untied", "tied_sharded"])
 def test_from_hf_logits_match_transformers_and_to_hf_round_trips(hf_dirs, tmp_path, layout):
-    from safetensors.numpy import load_file
-
     hf_dir = hf_dirs[layout]
     if layout == "tied_sharded":
         assert os.path.isfile(os.path.join(hf_dir, "model.safetensors.index.json"))
@@ -48,10 +46,6 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(hf_dirs, tmp_pa
     assert os.path.isfile(os.path.join(back, "model.safetensors.index.json")) == (layout == "tied_sharded")
     modes = {f: stat.S_IMODE(os.stat(os.path.join(back, f)).st_mode) for f in os.listdir(back)}
     assert len(set(modes.values())) == 1, modes  # the weights were 0600 beside a 0644 config.json
-
-    def tensors(d: str) -> dict:
-        files = [f for f in os.listdir(d) if f.endswith(".safetensors")]
-        return {k: v for f in files for k, v in load_file(os.path.join(d, f)).items()}
 
     original, exported = tensors(hf_dir), tensors(back)
     assert sorted(exported) == sorted(original)

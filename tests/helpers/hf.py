@@ -1,12 +1,16 @@
-"""Small random Hugging Face models (transformers, CPU torch: Llama, and Mixtral, Qwen2-MoE, Qwen3-MoE)
+"""Small random Hugging Face models (transformers, CPU torch: Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE)
 and a run directory's logits, for the converter and generation tests. torch is imported only inside
 these functions."""
 
+import json
 import os
+import shutil
+from typing import Callable
 
 import jax
 import numpy as np
 
+from helpers.tolerances import FP32_RTOL
 from lumen_jax.checkpoint import weights
 from lumen_jax.model import abstract_model, apply
 
@@ -18,17 +22,44 @@ HF_KW = dict(vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_la
 
 
 def make_hf(path: str, tied: bool, max_shard_size: str | None = None) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    return _save_random(path, "LlamaConfig", "LlamaForCausalLM", {**HF_KW, "tie_word_embeddings": tied}, 1 + tied,
+                        max_shard_size)
 
-    torch.manual_seed(1 + tied)
-    model = LlamaForCausalLM(LlamaConfig(**HF_KW, tie_word_embeddings=tied)).eval()
-    with torch.no_grad():  # norm weights start at 1: randomise them so a misplaced norm shows
+
+def _save_random(path: str, config_cls: str, model_cls: str, kw: dict, seed: int,
+                 max_shard_size: str | None = None) -> str:
+    """A random transformers `model_cls` of `config_cls(**kw)` written with save_pretrained: norms,
+    biases and routers randomised too (norm weights start at 1 and biases at 0, so a misplaced one
+    would not show; a router of near-uniform scores would hide a wrong routing)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kw)).eval()
+    with torch.no_grad():
         for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
-    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(path, **kw)
+            scale = 0.3 if "norm" in name else 1.0 if name.endswith("gate.weight") else 0.05
+            p.add_(torch.randn_like(p) * scale)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return path
+
+
+# Tiny dense Qwen models (2 layers, d_model 64, GQA, plain rope): Qwen3 (q/k norms) with a head_dim
+# that is not d_model / heads, untied and tied; Qwen2 (q/k/v biases).
+DENSE_KW = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=128,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+DENSE_MODELS = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
+    "qwen3_tied": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
+}
+
+
+def make_hf_dense(path: str, kind: str) -> str:
+    """A random `kind` (DENSE_MODELS) written with save_pretrained."""
+    config_cls, model_cls, extra = DENSE_MODELS[kind]
+    return _save_random(path, config_cls, model_cls, {**DENSE_KW, **extra}, 5)
 
 
 # Tiny mixtures of experts: 8 experts, top-2; Qwen2-MoE of 3 layers with two dense ones first
@@ -47,21 +78,9 @@ MOE_MODELS = {
 
 
 def make_hf_moe(path: str, kind: str, max_shard_size: str | None = None) -> str:
-    """A random `kind` (MOE_MODELS) written with save_pretrained: norms, biases and the router
-    randomised too (a router of zeros or near-uniform scores would hide a wrong routing)."""
-    import torch
-    import transformers
-
+    """A random `kind` (MOE_MODELS) written with save_pretrained."""
     config_cls, model_cls, extra = MOE_MODELS[kind]
-    torch.manual_seed(3)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**MOE_KW, **extra})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            scale = 0.3 if "norm" in name else 1.0 if name.endswith("gate.weight") else 0.05
-            p.add_(torch.randn_like(p) * scale)
-    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(path, **kw)
-    return path
+    return _save_random(path, config_cls, model_cls, {**MOE_KW, **extra}, 3, max_shard_size)
 
 
 def imported(root: str, tied: bool, name: str) -> tuple[str, str]:
@@ -71,6 +90,24 @@ def imported(root: str, tied: bool, name: str) -> tuple[str, str]:
     hf_dir = make_hf(os.path.join(root, "hf"), tied=tied)
     assert convert(["from-hf", "--hf-dir", hf_dir, "--out", os.path.join(root, name)]) == 0
     return hf_dir, os.path.join(root, name)
+
+
+def import_each(root: str, make: Callable[[str, str], str], kinds: list[str]) -> dict[str, tuple]:
+    """{kind: (HF dir `make(root/kind, kind)`, the run dir from-hf makes of it, transformers' logits of TOKENS)}."""
+    from lumen_jax.convert.__main__ import main as convert
+
+    out = {}
+    for kind in kinds:
+        hf_dir = make(os.path.join(root, kind), kind)
+        run_dir = os.path.join(root, f"{kind}_run")
+        assert convert(["from-hf", "--hf-dir", hf_dir, "--out", run_dir]) == 0
+        out[kind] = (hf_dir, run_dir, hf_logits(hf_dir, TOKENS))
+    return out
+
+
+def logits_close(ours: np.ndarray, ref: np.ndarray) -> bool:
+    """Equal in float32: FP32_RTOL relative, and FP32_RTOL of the largest |logit| absolute."""
+    return np.allclose(ours, ref, rtol=FP32_RTOL, atol=FP32_RTOL * float(np.abs(ref).max()))
 
 
 def hf_logits(hf_dir: str, tokens: np.ndarray) -> np.ndarray:
@@ -99,6 +136,46 @@ def logits_of(model_cfg, params: dict, tokens: np.ndarray) -> np.ndarray:
 
 def our_logits(run_dir: str, tokens: np.ndarray) -> np.ndarray:
     return logits_of(*our_params(run_dir), tokens)
+
+
+def tensors(folder: str) -> dict[str, np.ndarray]:
+    """Every tensor of the safetensors files in `folder`."""
+    from safetensors.numpy import load_file
+
+    files = [f for f in os.listdir(folder) if f.endswith(".safetensors")]
+    return {k: v for f in files for k, v in load_file(os.path.join(folder, f)).items()}
+
+
+def assert_to_hf_round_trips(hf_dir: str, run_dir: str, ref: np.ndarray, back: str) -> tuple[dict, dict]:
+    """`convert to-hf` of the import `run_dir` into `back` gives every tensor of `hf_dir` bit for bit and
+    its architecture, and transformers' logits of TOKENS from it equal `ref`; returns both config.json."""
+    from lumen_jax.convert.__main__ import main as convert
+
+    assert convert(["to-hf", "--run-dir", run_dir, "--out", back]) == 0
+    original, exported = tensors(hf_dir), tensors(back)
+    assert sorted(exported) == sorted(original)
+    for k in original:
+        np.testing.assert_array_equal(exported[k], original[k], err_msg=k)
+    config, source = (json.load(open(os.path.join(d, "config.json"))) for d in (back, hf_dir))
+    assert (config["architectures"], config["model_type"]) == (source["architectures"], source["model_type"])
+    np.testing.assert_allclose(hf_logits(back, TOKENS), ref, rtol=FP32_RTOL, atol=FP32_RTOL * float(np.abs(ref).max()))
+    return config, source
+
+
+def from_hf_refusal(src: str, root: str, change: dict, capsys) -> str:
+    """The one error line of `convert from-hf` (exit 2, nothing written) of a copy of `src` under `root`
+    whose config.json has `change`."""
+    from lumen_jax.convert.__main__ import main as convert
+
+    hf_dir, out = os.path.join(root, "hf"), os.path.join(root, "run")
+    shutil.copytree(src, hf_dir)
+    raw = json.load(open(os.path.join(hf_dir, "config.json")))
+    json.dump({**raw, **change}, open(os.path.join(hf_dir, "config.json"), "w"))
+    assert convert(["from-hf", "--hf-dir", hf_dir, "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err, err
+    assert not os.path.exists(out)
+    return err
 
 
 def hf_greedy(hf_dir: str, prompt: list[int], new_tokens: int) -> list[int]:

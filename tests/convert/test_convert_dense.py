@@ -1,0 +1,126 @@
+"""Qwen3 and Qwen2 dense import and export against `transformers` itself (CPU torch): logits and a
+swapped-norms / dropped-biases control, greedy generation, the round trip, real models' config.json,
+bad inputs. One small random model per layout (helpers.hf.DENSE_MODELS: Qwen3 untied and tied with
+a head_dim that is not d_model / heads, Qwen2 with q/k/v biases), written with `save_pretrained`."""
+
+import os
+
+import numpy as np
+import pytest
+
+from helpers.hf import (DENSE_MODELS, TOKENS, assert_to_hf_round_trips, from_hf_refusal, hf_greedy, import_each,
+                        logits_close, logits_of, make_hf_dense, our_params)
+from helpers.tolerances import FP32_RTOL
+from lumen_jax.convert import hf
+from lumen_jax.convert.__main__ import main as convert
+from lumen_jax.generate import main as generate
+
+KINDS = list(DENSE_MODELS)
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """{kind: (HF dir, run dir imported with from-hf, transformers' logits of TOKENS)}."""
+    return import_each(str(tmp_path_factory.mktemp("hf_dense")), make_hf_dense, KINDS)
+
+
+def _control(params: dict, kind: str) -> dict:
+    """`params` with what the family adds to Llama misplaced: q_norm and k_norm swapped (Qwen3), the
+    q/k/v biases dropped (Qwen2)."""
+    attn = dict(params["blocks"]["attn"])
+    if kind.startswith("qwen3"):
+        attn["q_norm"], attn["k_norm"] = attn["k_norm"], attn["q_norm"]
+    else:
+        attn.update({b: np.zeros_like(attn[b]) for b in ("bq", "bk", "bv")})
+    return {**params, "blocks": {**params["blocks"], "attn": attn}}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_from_hf_logits_match_transformers_and_a_misplaced_norm_or_bias_does_not(imported, kind):
+    _, run_dir, ref = imported[kind]
+    model, params = our_params(run_dir)
+    assert (model.qk_norm, model.qkv_bias, model.tie_embeddings, model.resolved_head_dim) == {
+        "qwen3": (True, False, False, 32), "qwen3_tied": (True, False, True, 32), "qwen2": (False, True, False, 16)}[kind]
+    ours = logits_of(model, params, TOKENS)
+    np.testing.assert_allclose(ours, ref, rtol=FP32_RTOL, atol=FP32_RTOL * float(np.abs(ref).max()))
+    assert not logits_close(logits_of(model, _control(params, kind), TOKENS), ref)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_generate_equals_transformers(imported, kind, capsys):
+    hf_dir, run_dir, _ = imported[kind]
+    prompt = [5, 17, 60, 3, 88]
+    assert generate(["--run-dir", run_dir, "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "8"]) == 0
+    ours = [int(t) for t in capsys.readouterr().out.split()]
+    assert ours == hf_greedy(hf_dir, prompt, 8)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_to_hf_round_trips_every_tensor_and_transformers_loads_it(imported, kind, tmp_path):
+    assert_to_hf_round_trips(*imported[kind], str(tmp_path / "back"))
+
+
+# Real models' config.json as the hub serves them (transformers 4.x spelling), the ids shortened.
+QWEN25_05B = {
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151643,
+    "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02, "intermediate_size": 4864,
+    "max_position_embeddings": 32768, "max_window_layers": 24, "model_type": "qwen2", "num_attention_heads": 14,
+    "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.40.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+QWEN3_06B = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02,
+    "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def test_real_qwen_configs_map_onto_qkv_bias_and_qk_norm():
+    """Qwen2.5-0.5B and Qwen3-0.6B's config.json (an inactive sliding_window, 4.x rope_theta) convert."""
+    q2, q3 = hf.model_config(QWEN25_05B, "bfloat16"), hf.model_config(QWEN3_06B, "bfloat16")
+    assert (q2.qkv_bias, q2.qk_norm, q2.tie_embeddings, q2.resolved_head_dim, q2.num_kv_heads, q2.rope_theta) == (
+        True, False, True, 64, 2, 1e6)
+    assert (q3.qkv_bias, q3.qk_norm, q3.head_dim, q3.d_model, q3.num_layers, q3.rope_scaling) == (
+        False, True, 128, 1024, 28, "none")
+    assert (hf.family_of(q2), hf.family_of(q3)) == ("qwen2", "qwen3")
+
+
+BAD = {
+    "sliding window": ("qwen2", {"use_sliding_window": True, "sliding_window": 64},
+                       "config.json use_sliding_window=True is not supported (only False)"),
+    "sliding layers": ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]},
+                       "config.json layer_types=['full_attention', 'sliding_attention'] is not supported"),
+    "o_proj bias": ("qwen3", {"attention_bias": True}, "config.json attention_bias=True is not supported"),
+    "unknown field": ("qwen2", {"rope_interleaved": True}, "config.json field rope_interleaved=True is not understood"),
+    "architecture": ("qwen3", {"architectures": ["Qwen3ForSequenceClassification"]},
+                     "model_type='qwen3' with architectures=['Qwen3ForSequenceClassification'] is not supported"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_from_hf_bad_dense_config_exits_2_with_one_line(imported, tmp_path, capsys, case):
+    kind, change, fragment = BAD[case]
+    err = from_hf_refusal(imported[kind][0], str(tmp_path), change, capsys)
+    assert fragment in err, err
+
+
+def test_to_hf_refuses_qk_norm_with_qkv_bias(tmp_path, capsys):
+    """No dense family has both: one line, exit 2, nothing written."""
+    from lumen_jax.checkpoint import weights
+    from lumen_jax.config import Config, ModelConfig
+    from lumen_jax.model import init_params
+
+    cfg = Config(model=ModelConfig(d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, ffn_dim=16, vocab_size=32,
+                                   qkv_bias=True, qk_norm=True))
+    run_dir, back = str(tmp_path / "run"), str(tmp_path / "back")
+    weights.save_weights(run_dir, cfg, init_params(cfg.model, 0))
+    assert convert(["to-hf", "--run-dir", run_dir, "--out", back]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: model.qkv_bias=true with model.qk_norm=true has no place in LlamaForCausalLM") and (
+        "\n" not in err), err
+    assert not os.path.exists(back)
