@@ -1,4 +1,4 @@
-"""What runs after each step: small objects the loop calls in order (`loop.Hooks`), each with one job.
+"""What runs after each step: small objects the loop calls in order (`Hooks`, below), each with one job.
 
     hooks = Hooks()
     hooks.add(DeviceWait(clock))                     # every step: the previous step's wait, timed
@@ -11,8 +11,8 @@
 A hook is a callable `hook(info: StepInfo) -> None`; it may add values to the step's metrics row
 (`info.row`) or raise to stop the run. `Hooks.add(hook, every=N, at_last=True)` calls it after
 steps N, 2N, ... (and after the last step). A new loop feature is a new hook, never an edit of the
-loop. `standard_hooks` (train/cli.py calls it) assembles the trainer's own, each from its config
-section.
+loop. `loop.standard_hooks` (the loop calls it at start-up) assembles the trainer's own, each from
+its config section.
 """
 
 from __future__ import annotations
@@ -98,13 +98,15 @@ class Hooks:
 
 class DeviceWait:
     """Waits for the previous step's metrics, which the non-finite guard reads next: the loop's one
-    wait for the device per step (the host stays one step ahead), timed by the step clock."""
+    wait for the device per step (the host stays one step ahead), timed by the step clock. At the
+    last step it waits for that step too (the guard checks it before the checkpoint is saved), so
+    that wait is counted as the device's time, not the host's (`Stragglers` compares the host's)."""
 
     def __init__(self, clock: StepClock):
         self.clock = clock
 
     def __call__(self, info: StepInfo) -> None:
-        self.clock.wait(info.step - 1)
+        self.clock.wait(info.step if info.last else info.step - 1)
 
     def close(self) -> None:
         self.clock.close()
@@ -144,7 +146,8 @@ class NonFiniteGuard:
     skipped (a run shorter than `max_in_a_row` would otherwise end "done" having trained nothing).
 
     Each step's metrics are checked one step late (`after_step`), when they are ready: the host
-    never waits for the device for the guard, but at the last step, before the checkpoint is saved.
+    never waits for the device for the guard; at the last step, checked before the checkpoint is
+    saved, `DeviceWait` has waited for it.
     """
 
     def __init__(self, max_in_a_row: int, checkpoint_dir: str, last_checkpoint: Callable[[], str] | None = None):
