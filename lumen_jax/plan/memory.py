@@ -488,26 +488,42 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
         # stopped outside the layers' scan, `Taps.stop`, so they are not stashed).
         split = split_backward(model)
         saved += (wslots + 2) * layers * tokens * _bytes(split.rows, widths, c)
-    n_moe = moe_plan.moe_layers(model, layout)
-    if n_moe:
-        shared = dataclasses.replace(model, ffn_dim=model.moe.shared_experts * model.expert_ffn_dim)
-        moe = moe_plan.layer_bytes(model, layout, tokens, moe_backend)
-        kept = moe["saved"] if remat == "none" else 0.0
-        moe_layer = tokens * saved_bytes_per_token(shared, layout, seq_len, remat, attention) + copies + kept
-        # A pipelined stage keeps its chunk's MoE layers' residuals in each of its (slots + 2) sets;
-        # a split backward's W stash (wslots + 2 sets) their dispatched rows: input and output cotangent
-        # D wide, SwiGLU output and gate and up cotangents F/t wide (`ops.grouped.TAP_INPUTS`, ...).
-        sets = (slots + 2) / virtual if pipelined else 1
-        saved += sets * n_moe * (moe_layer + moe["router"] - per_layer)
-        if wslots:
-            rows = moe_plan.dispatch(model, layout, tokens, moe_backend).padded
-            width = 2 * model.d_model + 3 * model.expert_ffn_dim / layout.mesh.tensor
-            saved += (wslots + 2) / virtual * n_moe * rows * width * c
-        parts["moe"] = (moe["working"] if remat == "none" else moe["recomputed"]) / tokens
+    if moe_plan.moe_layers(model, layout):
+        # A pipelined stage keeps its chunk's MoE layers' residuals in each of its (slots + 2) sets,
+        # a split backward's W stash (wslots + 2 sets) their dispatched rows.
+        moe_saved, moe_w_stash, moe_working = _moe_layers(
+            model, layout, seq_len, tokens, remat, attention, moe_backend, per_layer, copies,
+            sets=(slots + 2) / virtual if pipelined else 1, w_sets=(wslots + 2) / virtual if wslots else 0)
+        saved = saved + moe_saved + moe_w_stash
+        parts["moe"] = moe_working / tokens
     return Activations(
         saved=saved, working=tokens * sum(parts.values()),
         phase=max(parts, key=parts.get), buffers=buffers,
         inputs=BATCH_ARRAYS * 4 * tokens * layout.micro_batches, host=layers * tokens * host)
+
+
+def _moe_layers(model: ModelConfig, layout: Layout, seq_len: int, tokens: float, remat: str, attention: str,
+                moe_backend: str, per_layer: float, copies: float, sets: float,
+                w_sets: float) -> tuple[float, float, float]:
+    """The MoE layers' part of `activation_bytes` (`plan.moe`): (what their residuals add to the
+    dense layers' counted for them, in each of `sets` sets; their dispatched rows in each of `w_sets`
+    sets of a split backward's W stash; the working bytes of their backward). An MoE layer saves the
+    layer's other residuals (its shared experts as its MLP), the router's and, without remat, its
+    dispatch's buffers; its backward works on those buffers (with remat, recomputed first). The W
+    stash holds per dispatched row its input and output cotangent D wide, its SwiGLU output and
+    gate and up cotangents F/t wide (`ops.grouped.TAP_INPUTS`, ...)."""
+    c, n_moe = compute_bytes(model), moe_plan.moe_layers(model, layout)
+    shared = dataclasses.replace(model, ffn_dim=model.moe.shared_experts * model.expert_ffn_dim)
+    moe = moe_plan.layer_bytes(model, layout, tokens, moe_backend)
+    kept = moe["saved"] if remat == "none" else 0.0
+    moe_layer = tokens * saved_bytes_per_token(shared, layout, seq_len, remat, attention) + copies + kept
+    residuals = sets * n_moe * (moe_layer + moe["router"] - per_layer)
+    w_stash = 0.0
+    if w_sets:
+        rows = moe_plan.dispatch(model, layout, tokens, moe_backend).padded
+        width = 2 * model.d_model + 3 * model.expert_ffn_dim / layout.mesh.tensor
+        w_stash = w_sets * n_moe * rows * width * c
+    return residuals, w_stash, moe["working"] if remat == "none" else moe["recomputed"]
 
 
 FP8_OPERANDS_PER_MATMUL = 3  # the input, the weight and the output gradient each get a scale

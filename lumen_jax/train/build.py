@@ -141,6 +141,47 @@ def _stored_layout(pipe: Pipeline, tx: optax.GradientTransformation, abstract: s
     return checkpoint.StoredLayout(save=to_disk, target=with_sh, load=from_disk, load_model=model_from_disk)
 
 
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+def _state_shardings(mesh: Mesh, rules: Rules, names: dict, state_names: dict, tx: optax.GradientTransformation,
+                     abstract: step_lib.TrainState) -> step_lib.TrainState:
+    """Where the train state lives: the parameters and the model state by the rules' `params` specs,
+    the optimizer's copies of the parameters by its `optimizer` specs (mesh.zero_stage), the
+    scalars replicated."""
+    named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+    replicated = named(P())
+    opt_param_sh = jax.tree.map(named, rules.tree_specs(names, "optimizer"), is_leaf=_is_spec)
+    opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, abstract.opt_state, opt_param_sh,
+                                   transform_non_params=lambda _: replicated,
+                                   is_leaf=lambda x: isinstance(x, NamedSharding))
+    return step_lib.TrainState(step=replicated, params=jax.tree.map(named, rules.tree_specs(names, "params"),
+                                                                    is_leaf=_is_spec),
+                               opt_state=opt_sh, loss_scale=replicated, good_steps=replicated,
+                               model_state=jax.tree.map(named, rules.tree_specs(state_names, "params"),
+                                                        is_leaf=_is_spec))
+
+
+def _placement(cfg: Config, mesh: Mesh, rules: Rules, names: dict, pipelined: bool) -> step_lib.Placement:
+    """Where the step's intermediate trees live (`step.Placement`): the reduced gradients by the
+    rules' `grads` specs, the compute weights and the replica groups' gradient sums as the
+    communication plan (`communication.gradient_plan`) places them."""
+    # A pipelined step runs its ticks under the replica vmap (one gradient reduction per step) unless
+    # sequence parallelism splits its activations over `tensor`: XLA's SPMD partitioner stops on such
+    # vmapped ticks (jaxlib 0.10.2, a check failure, docs/PLATFORM.md); that step sums its gradients
+    # over the replica axes where XLA places the sum.
+    sp_ticks = pipelined and cfg.mesh.sequence_parallel and mesh.shape["tensor"] > 1
+    plan = comm.gradient_plan(cfg.mesh, cfg.train.micro_batches, mesh, rules, names, pipelined=pipelined,
+                              per_replica=not sp_ticks)
+    pin = lambda specs: functools.partial(  # noqa: E731
+        jax.lax.with_sharding_constraint,
+        shardings=jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=_is_spec))
+    return step_lib.Placement(grads=pin(rules.tree_specs(names, "grads")), weights=pin(plan.weight_specs),
+                              accumulator=pin(plan.accumulator_specs), replicas=plan.replicas,
+                              replica_axes=plan.replica_axes, keep_weights=cfg.mesh.fsdp_regather == "per_step")
+
+
 def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
     """The run of `cfg` on `mesh`. `ops`: how the model's ops run; None chooses them from the mesh's
     devices (`ops.choice.choose`); `python -m lumen_jax.lower` passes the choice for a target GPU."""
@@ -165,12 +206,6 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
                              weight_dtypes=jax.tree.map(lambda n: ops.weight_dtype(n, cfg.model.compute_dtype),
                                                         names, is_leaf=lambda x: isinstance(x, tuple)),
                              reduce_dtype=cfg.mesh.reduce_dtype, pipeline=pipe)
-    named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
-    is_spec = lambda x: isinstance(x, P)  # noqa: E731
-    param_sh = jax.tree.map(named, rules.tree_specs(names, "params"), is_leaf=is_spec)
-    grad_sh = jax.tree.map(named, rules.tree_specs(names, "grads"), is_leaf=is_spec)
-    opt_param_sh = jax.tree.map(named, rules.tree_specs(names, "optimizer"), is_leaf=is_spec)
-    replicated = named(P())
 
     def make_state() -> step_lib.TrainState:
         params, model_state = init_model(cfg.model, cfg.train.seed, ops)
@@ -179,28 +214,13 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
         return step_lib.init_state(params, tx, cfg.optim.loss_scale_init if fp16 else 1.0, model_state)
 
     abstract = jax.eval_shape(make_state)
-    opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, abstract.opt_state, opt_param_sh,
-                                   transform_non_params=lambda _: replicated,
-                                   is_leaf=lambda x: isinstance(x, NamedSharding))
-    state_sh = step_lib.TrainState(step=replicated, params=param_sh, opt_state=opt_sh,
-                                   loss_scale=replicated, good_steps=replicated,
-                                   model_state=jax.tree.map(named, rules.tree_specs(model.state_names, "params"),
-                                                            is_leaf=is_spec))
-    batch_sh = named(rules.spec(BATCH_AXES))
+    state_sh = _state_shardings(mesh, rules, names, model.state_names, tx, abstract)
+    replicated = NamedSharding(mesh, P())
+    grad_sh = jax.tree.map(functools.partial(NamedSharding, mesh), rules.tree_specs(names, "grads"), is_leaf=_is_spec)
+    batch_sh = NamedSharding(mesh, rules.spec(BATCH_AXES))
     batch_shardings = {k: batch_sh for k in BATCH_KEYS}
-    # A pipelined step runs its ticks under the replica vmap (one gradient reduction per step) unless
-    # sequence parallelism splits its activations over `tensor`: XLA's SPMD partitioner stops on such
-    # vmapped ticks (jaxlib 0.10.2, a check failure, docs/PLATFORM.md); that step sums its gradients
-    # over the replica axes where XLA places the sum.
-    sp_ticks = pipe is not None and cfg.mesh.sequence_parallel and mesh.shape["tensor"] > 1
-    plan = comm.gradient_plan(cfg.mesh, cfg.train.micro_batches, mesh, rules, names, pipelined=pipe is not None,
-                              per_replica=not sp_ticks)
-    pin = lambda specs: functools.partial(  # noqa: E731
-        jax.lax.with_sharding_constraint, shardings=jax.tree.map(named, specs, is_leaf=is_spec))
-    placement = step_lib.Placement(grads=pin(rules.tree_specs(names, "grads")), weights=pin(plan.weight_specs),
-                                   accumulator=pin(plan.accumulator_specs), replicas=plan.replicas,
-                                   replica_axes=plan.replica_axes, keep_weights=cfg.mesh.fsdp_regather == "per_step")
-    trace_rules = dataclasses.replace(rules, replica_axes=plan.replica_axes)
+    placement = _placement(cfg, mesh, rules, names, pipelined=pipe is not None)
+    trace_rules = dataclasses.replace(rules, replica_axes=placement.replica_axes)
 
     def traced(fn):  # trace under the rules so `constrain` in the model pins activations
         @functools.wraps(fn)
@@ -219,7 +239,7 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
                              in_shardings=(state_sh, batch_shardings), out_shardings=(state_sh, replicated, grad_sh),
                              compiler_options=options)
     grads = jax.jit(traced(lambda p, b: step_lib.loss_and_grads(p, b, 1.0, sc, placement)),
-                    in_shardings=(param_sh, batch_shardings), out_shardings=(replicated, grad_sh))
+                    in_shardings=(state_sh.params, batch_shardings), out_shardings=(replicated, grad_sh))
     stored = _stored_layout(pipe, tx, abstract, state_sh) if pipe is not None and pipe.reorders else checkpoint.StoredLayout()
     return Trainer(cfg=cfg, mesh=mesh, rules=rules, step_cfg=sc, param_names=names, ops=ops,
                    stored=stored, state_shardings=state_sh, batch_sharding=batch_sh, init=init, step=step, grads=grads,
