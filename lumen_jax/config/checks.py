@@ -30,7 +30,7 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("model.moe.routed_scaling", ">", 0), ("model.moe.groups", ">=", 1), ("model.moe.top_groups", ">=", 1),
     ("model.moe.bias_update_rate", ">=", 0), ("model.moe.sequence_aux_loss_weight", ">=", 0),
     ("optim.lr", ">", 0), ("optim.min_lr_ratio", ">=", 0), ("optim.min_lr_ratio", "<=", 1),
-    ("optim.warmup_steps", ">=", 0), ("optim.decay_steps", ">=", 0),
+    ("model.loss_chunk_tokens", ">=", 0), ("optim.warmup_steps", ">=", 0), ("optim.decay_steps", ">=", 0),
     ("optim.b1", ">=", 0), ("optim.b1", "<", 1), ("optim.b2", ">=", 0), ("optim.b2", "<", 1),
     ("optim.eps", ">", 0), ("optim.weight_decay", ">=", 0), ("optim.grad_clip", ">=", 0),
     ("optim.z_loss", ">=", 0), ("optim.loss_scale_init", ">", 0),

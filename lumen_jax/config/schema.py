@@ -107,6 +107,7 @@ class ModelConfig:
     flash_block_q: int = 0  # flash kernel's query tile (forward, dQ); 0: tuned default
     flash_block_kv: int = 0  # flash kernel's key tile (forward, dK/dV); 0: tuned default
     remat: str = "none"  # one of REMAT_POLICIES
+    loss_chunk_tokens: int = 0  # positions per chunk of the output layer and loss (ops/loss.py); 0: derived
     compute_dtype: str = "bfloat16"  # bfloat16 | float32 | float16; params stay float32
     fp8: Fp8Config = dataclasses.field(default_factory=Fp8Config)
     moe: MoeConfig = dataclasses.field(default_factory=MoeConfig)

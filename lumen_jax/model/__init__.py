@@ -1,7 +1,7 @@
 """Single-device model code: layers speak logical axis names, never mesh axes."""
 
-from lumen_jax.model.transformer import (AbstractModel, Transformer, abstract_model, apply, apply_with_aux, init, init_params,
+from lumen_jax.model.transformer import (AbstractModel, Transformer, abstract_model, apply, apply_objective, init, init_params,
                                          param_shapes_and_names)
 
-__all__ = ["AbstractModel", "Transformer", "abstract_model", "apply", "apply_with_aux", "init", "init_params",
+__all__ = ["AbstractModel", "Transformer", "abstract_model", "apply", "apply_objective", "init", "init_params",
            "param_shapes_and_names"]

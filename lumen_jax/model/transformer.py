@@ -19,6 +19,7 @@ from lumen_jax.kernels import flash_attention as flash_lib
 from lumen_jax.model.layers import MLP, Block, RMSNorm, _param, rope_frequencies
 from lumen_jax.model.moe import MoE
 from lumen_jax.ops.choice import Ops
+from lumen_jax.ops.loss import output_objective
 from lumen_jax.ops.projection import Taps, project, remat_policy
 from lumen_jax.ops.state import ModelState, combine_rules
 from lumen_jax.parallel.rules import constrain
@@ -89,6 +90,13 @@ class Transformer(nnx.Module):
         x_btd, aux = self.run_layers(self.embed_tokens(tokens_bt), positions_bt, segment_ids_bt)
         return self.logits(x_btd), aux
 
+    def forward_objective(self, batch: dict, weight: jax.Array, z_loss: float) -> tuple[jax.Array, jax.Array, dict]:
+        """(weight * objective, cross-entropy sum, aux as in `forward`) of a batch's `inputs`,
+        `positions`, `segment_ids`, `targets` and `loss_mask` [B, T]: the training objective, with
+        no [B, T, V] logits (`objective`)."""
+        x_btd, aux = self.run_layers(self.embed_tokens(batch["inputs"]), batch["positions"], batch["segment_ids"])
+        return (*self.objective(x_btd, batch["targets"], batch["loss_mask"], weight, z_loss), aux)
+
     # The three parts of `forward`, also run one by one when the stack is cut into pipeline stages
     # (the first embeds, each runs its slice of the stacked blocks, the last makes the logits).
 
@@ -145,12 +153,27 @@ class Transformer(nnx.Module):
         return x_btd, {}
 
     def logits(self, x_btd: jax.Array) -> jax.Array:
-        """Final norm and the output projection: logits [B, T, V] float32."""
+        """Final norm and the output projection: logits [B, T, V] float32 (generation, evaluation
+        against other implementations; training uses `objective`)."""
+        x_btd, w_dv = self._head(x_btd)
+        logits = project("btd,dv->btv", x_btd, w_dv, self.ops, out_dtype=jnp.float32)
+        return constrain(logits, ("batch", "seq", "act_vocab"))
+
+    def objective(self, x_btd: jax.Array, targets_bt: jax.Array, loss_mask_bt: jax.Array, weight: jax.Array,
+                  z_loss: float) -> tuple[jax.Array, jax.Array]:
+        """Final norm, the output projection and the token objective of the last layer's output
+        [B, T, D]: (weight * objective sum, cross-entropy sum), in chunks of the sequence and never
+        as [B, T, V] float32 logits (`ops.loss.output_objective`, `model.loss_chunk_tokens`)."""
+        x_btd, w_dv = self._head(x_btd)
+        return output_objective(x_btd, w_dv, targets_bt, loss_mask_bt, weight, z_loss, self.cfg.loss_chunk_tokens)
+
+    def _head(self, x_btd: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The output layer's operands in the compute dtype: the final norm's output [B, T, D] and the
+        projection [D, V] (the embedding table's transpose when tied)."""
         dt = jnp.dtype(self.cfg.compute_dtype)
         x_btd = constrain(self.final_norm(x_btd), ("batch", "seq", "act_embed"))  # SP: gather, as in Block
         w_dv = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-        logits = project("btd,dv->btv", x_btd, w_dv.astype(dt), self.ops, out_dtype=jnp.float32)
-        return constrain(logits, ("batch", "seq", "act_vocab"))
+        return x_btd, w_dv.astype(dt)
 
     def _moe_stack(self, x_btd: jax.Array, make_body, real_layers: jax.Array | None,
                    stack_taps: Callable[[str], dict | None]) -> tuple[jax.Array, dict]:
@@ -241,8 +264,9 @@ def apply(graphdef: nnx.GraphDef, params: dict, tokens_bt: jax.Array, positions_
     return merge(graphdef, params, state)(tokens_bt, positions_bt, segment_ids_bt)
 
 
-def apply_with_aux(graphdef: nnx.GraphDef, params: dict, tokens_bt: jax.Array, positions_bt: jax.Array,
-                   segment_ids_bt: jax.Array | None = None, state: dict | None = None) -> tuple[jax.Array, dict]:
-    """`apply` that also returns the model's auxiliary terms (`Transformer.forward`: {} or
-    {"loss": scalar to add to the objective, "metrics": {name: scalar}})."""
-    return merge(graphdef, params, state).forward(tokens_bt, positions_bt, segment_ids_bt)
+def apply_objective(graphdef: nnx.GraphDef, params: dict, batch: dict, weight: jax.Array, z_loss: float,
+                    state: dict | None = None) -> tuple[jax.Array, jax.Array, dict]:
+    """The training objective of a batch (`Transformer.forward_objective`): (weight * objective
+    sum, cross-entropy sum, the model's auxiliary terms: {} or {"loss": scalar to add to the
+    objective, "metrics": {name: scalar}})."""
+    return merge(graphdef, params, state).forward_objective(batch, weight, z_loss)

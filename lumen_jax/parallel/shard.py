@@ -1,6 +1,7 @@
 """Per-device code over the trainer's mesh, by logical axis names: the one wrapper of `shard_map`
-that ops use (flash attention's kernel per shard, context parallelism's ring; next, pipeline stages
-and expert dispatch).
+that ops use (flash attention's kernel per shard, the output layer and loss per shard of the
+vocabulary, context parallelism's ring), and the collectives such code calls by logical names
+(`psum_over`, `pmax_over`, `index_over`).
 
 A Pallas call, or a schedule of collectives written per device, has no SPMD partitioning rule:
 without `shard_map` XLA would gather its operands onto every device. `per_device(fn, in_axes,
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from lumen_jax.parallel import rules as rules_lib
 
@@ -58,6 +60,36 @@ def per_device(fn: Callable[..., Any], in_axes: Sequence[Names], out_axes: Any) 
         return jax.shard_map(local, mesh=mesh, in_specs=tuple(rules.spec(in_axes[i]) for i in present),
                              out_specs=out_specs, check_vma=False, **extra)(*(args[i] for i in present))
     return run
+
+
+def _mesh_axes(names: Names) -> tuple[str, ...]:
+    """The mesh axes logical `names` map to in the active rules (none outside `rules.activate`)."""
+    active = rules_lib.active()
+    if active is None or active[0].size == 1:
+        return ()
+    out: list[str] = []
+    for axes in active[1].spec(names):
+        out += (axes,) if isinstance(axes, str) else list(axes or ())
+    return tuple(out)
+
+
+def psum_over(x: jax.Array, names: Names) -> jax.Array:
+    """Inside `per_device`: `x` summed over the devices that hold the blocks of logical axes `names`
+    (`x` itself when none are split)."""
+    axes = _mesh_axes(names)
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def pmax_over(x: jax.Array, names: Names) -> jax.Array:
+    """Inside `per_device`: the maximum of `x` over the devices that hold the blocks of `names`."""
+    axes = _mesh_axes(names)
+    return jax.lax.pmax(x, axes) if axes else x
+
+
+def index_over(names: Names) -> jax.Array:
+    """Inside `per_device`: which block of logical axes `names` this device holds (0 when unsplit)."""
+    axes = _mesh_axes(names)
+    return jax.lax.axis_index(axes) if axes else jnp.zeros((), jnp.int32)
 
 
 def mesh_axis_size(axis: str) -> int:

@@ -22,6 +22,7 @@ from lumen_jax.metrics import flops
 from lumen_jax.config import ConfigError, MeshConfig, ModelConfig
 from lumen_jax.model import apply, param_shapes_and_names
 from lumen_jax.ops.choice import Ops
+from lumen_jax.ops.loss import chunk_count
 from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.parallel import rules as rules_lib
 from lumen_jax.parallel.rules import Rules
@@ -272,7 +273,8 @@ CONTEXT_BACKWARD_ROWS: dict[str, tuple[float, float]] = {
     "dots_with_no_batch_dims_saveable": (0.0, 0.55), "save_attention_out": (1.64, 0.0),
 }
 CONTEXT_BACKWARD_ROWS["offload_dots"] = CONTEXT_BACKWARD_ROWS["dots_with_no_batch_dims_saveable"]
-LOGIT_ROWS = 1.74  # fp32 logits (and their gradient) per token, V/t wide, alive with the layer backward
+LOGIT_ROWS = 1.74  # fp32 logits (and their gradient) per token, V/t wide, in one chunk of the loss
+HEAD_WEIGHT_COPIES = 2  # with chunks: float32 D x V/t copies of the output layer beside them (its gradient's sum, ...)
 TP_PARTIAL_SUMS = 3  # row-parallel matmul outputs: full-width partial sums before the all-reduce
 GRAD_ACCUMULATION_COPIES = 2  # micro-batches > 1: the gradient sum carried through the loop + this micro-batch's
 BATCH_ARRAYS = 5  # inputs, targets, segment_ids, positions, loss_mask: 4 bytes each per token
@@ -439,8 +441,8 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     backward reads out; the loss's cotangents in as many slots, and the arriving activation and
     cotangent, [tokens, D] in the compute dtype;
     `working` = tokens x the sum of
-    `working_bytes_per_token`'s parts (`phase` names the largest; with a pipeline the last stage's
-    logits are gathered over the vocabulary). `buffers` = the gradient-accumulation loop's copies of
+    `working_bytes_per_token`'s parts (`phase` names the largest; the logits those of one of the
+    loss's chunks, `ops.loss`). `buffers` = the gradient-accumulation loop's copies of
     the (sharded) gradients when micro-batches > 1 (none with a pipeline, whose gradients sum in the
     carry; there, the float32 sums of the embedding table's gradient).
     `inputs` = the batch arrays of the whole step.
@@ -460,7 +462,14 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     if pipelined:
         prog = pipeline_lib.lockstep(name, layout.pipeline, layout.micro_batches, virtual)
         slots, wslots = prog.slots, prog.split and prog.wslots
-        parts["logits"] *= layout.mesh.tensor  # gathered for the loss: V, not V / t, wide
+    # The loss runs in chunks of the positions (`ops.loss`; a pipeline's head: every P-th token on each
+    # stage): with several, one chunk's logits at a time, V / t wide, beside float32 copies of the
+    # output layer, D x V / t (its gradient's sum over the chunks, ...).
+    vocab = model.vocab_size / layout.mesh.tensor
+    positions = seq_len // layout.mesh.context // (layout.pipeline if pipelined else 1)
+    chunks = chunk_count(micro_batch, max(positions, 1), max(int(vocab), 1), model.loss_chunk_tokens)
+    if chunks > 1:
+        parts["logits"] = parts["logits"] / chunks + HEAD_WEIGHT_COPIES * model.d_model * vocab * F32 / tokens
     counts = flops.param_counts(model)
     # A layer casts its fp32 weights to the compute dtype and may keep the casts for the backward:
     # counted as gathered (split only by tensor parallelism). In fp32 the cast is the weight itself.

@@ -22,8 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from lumen_jax.model import apply_with_aux
-from lumen_jax.model.loss import token_objective, token_objective_vocab_sharded
+from lumen_jax.model import apply_objective
 from lumen_jax.model.transformer import embedding_lookup, merge
 from lumen_jax.ops import state as state_lib
 from lumen_jax.ops.projection import Taps
@@ -79,14 +78,11 @@ def _micro_loss(params: dict, model_state: dict, mb: Batch, tokens: jax.Array, s
     """(scaled objective / tokens, (summed cross-entropy, the model's aux metrics)) of one micro-batch;
     `tokens`: the whole batch's count (`total_tokens`).
 
-    The model's auxiliary loss (`model.apply_with_aux`: a mean over the micro-batch) enters the
+    The model's auxiliary loss (`model.apply_objective`: a mean over the micro-batch) enters the
     objective divided by `pieces`, the micro-batches times the replica groups that each compute one.
     Its gradient with respect to `model_state` is the state's next value (ops/state.py).
     """
-    logits_btv, aux = apply_with_aux(sc.graphdef, params, mb["inputs"], mb["positions"], mb["segment_ids"],
-                                     model_state)
-    objective, ce_sum = token_objective(logits_btv, mb["targets"], mb["loss_mask"], sc.z_loss)
-    objective = objective * scale / tokens
+    objective, ce_sum, aux = apply_objective(sc.graphdef, params, mb, scale / tokens, sc.z_loss, model_state)
     if "loss" in aux:
         objective = objective + aux["loss"] * scale / pieces
     return objective, (ce_sum, aux.get("metrics", {}))
@@ -101,9 +97,8 @@ def stage_fns(sc: StepConfig) -> pipeline_step.StageFns:
         y_btd, aux = model.run_layers(x_btd, mb["positions"], mb["segment_ids"], real_layers, taps, runs)
         return y_btd, aux.get("loss", jnp.zeros((), jnp.float32)), aux.get("metrics", {})
 
-    def head(params: dict, y_btd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array):
-        logits_btv = merge(sc.graphdef, params, sc.fresh_state).logits(y_btd)  # sharded over `vocab` (tensor)
-        return token_objective_vocab_sharded(logits_btv, targets_bt, mask_bt, sc.z_loss)
+    def head(params: dict, y_btd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array, weight: jax.Array):
+        return merge(sc.graphdef, params, sc.fresh_state).objective(y_btd, targets_bt, mask_bt, weight, sc.z_loss)
 
     # The embedding and the head keep no model state (fp8 and MoE state live in the layers: the
     # logits' projection is never fp8): the fresh state only completes the graph.

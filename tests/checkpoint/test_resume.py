@@ -51,6 +51,7 @@ CHANGES = {
     "model.flash_block_q": ("dense", 16, False),
     "model.flash_block_kv": ("dense", 16, False),
     "model.remat": ("dense", "full", False),
+    "model.loss_chunk_tokens": ("dense", 16, False),
     "model.compute_dtype": ("dense", "bfloat16", False),
     "model.fp8.recipe": ("fp8", "current", True),  # drops the amax histories
     "model.fp8.amax_history": ("fp8", 32, True),

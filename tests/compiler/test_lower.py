@@ -57,9 +57,20 @@ def test_flash_step_runs_three_kernels_per_layer_and_holds_no_scores(mesh):
     assert kernels(s) == {k: (1, LAYERS) for k in KERNELS}, s["custom_calls"]
     assert s["score_arrays"] == []
     assert [loop["trip_count"] for loop in s["loops"]] == [LAYERS, LAYERS]
-    # The kernel runs per shard (shard_map): the program states no collective of its own (the
-    # cotangent sums over mesh axes of size 1 that shard_map's transpose adds move nothing).
+    # The kernel runs per shard (shard_map): the program states no collective for it (the cotangent
+    # sums over mesh axes of size 1 that shard_map's transpose adds move nothing).
     assert s["collectives"] == []
+
+
+def test_a_chunked_loss_runs_per_shard():
+    """With chunks the loss runs per shard (ops/loss.py): the program states over the vocabulary's
+    devices the max, the exponentials' sum and the target's logit, in the chunks' loop, and in the
+    transpose the sums of its input's gradient (over the vocabulary's devices) and its weight's
+    (over the tokens'), once."""
+    cfg = config("flash", fsdp=4, tensor=2)
+    s = lowered_summary(cfg.replace(model=dataclasses.replace(cfg.model, loss_chunk_tokens=SEQ // 4)))
+    stated = [(c["kind"], c["instructions"], c["per_step"]) for c in s["collectives"]]
+    assert stated == [("all-reduce", 5, 3 * 4 + 2)], s["collectives"]
 
 
 @pytest.mark.parametrize("remat, forwards", [("dots_with_no_batch_dims_saveable", LAYERS), ("save_attention_out", LAYERS),

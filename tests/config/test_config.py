@@ -387,6 +387,7 @@ def test_settings_that_do_nothing_or_drop_most_tokens_warn():
     ("model.num_heads", 0, "model.num_heads=0 must be >= 1"),
     ("model.vocab_size", 0, "model.vocab_size=0 must be >= 1"),
     ("model.rope_theta", 0.0, "model.rope_theta=0.0 must be > 0"),
+    ("model.loss_chunk_tokens", -1, "model.loss_chunk_tokens=-1 must be >= 0"),
     ("train.steps", 0, "train.steps=0 must be >= 1"),
     ("train.micro_batches", 0, "train.micro_batches=0 must be >= 1"),
     ("optim.lr", 0.0, "optim.lr=0.0 must be > 0"),

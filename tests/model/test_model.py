@@ -393,21 +393,3 @@ def test_z_loss_gradients():
     # And the z-loss term really moves the gradients.
     diff = optax.tree.norm(jax.tree.map(jnp.subtract, grads_z, grads0))
     assert diff > 1e-3 * optax.tree.norm(grads0), diff
-
-
-def test_vocab_sharded_objective_equals_the_gathered_one():
-    """The pipeline head's cross-entropy (reductions over the vocabulary only, so vocab-sharded logits
-    stay sharded) against `token_objective`, in value and in its gradient to the logits."""
-    from lumen_jax.model.loss import token_objective, token_objective_vocab_sharded
-
-    rng = np.random.default_rng(0)
-    logits = jnp.asarray(rng.normal(size=(2, 8, 64)) * 3, jnp.float32)
-    targets = jnp.asarray(rng.integers(0, 64, size=(2, 8)), jnp.int32)
-    mask = jnp.asarray(rng.random((2, 8)) > 0.2)
-    for z in (0.0, 1e-2):
-        want = jax.value_and_grad(lambda x: token_objective(x, targets, mask, z)[0])(logits)
-        got = jax.value_and_grad(lambda x: token_objective_vocab_sharded(x, targets, mask, z)[0])(logits)
-        np.testing.assert_allclose(got[0], want[0], rtol=FP32_RTOL)
-        assert_tree_close(got[1], want[1], FP32_RTOL, what=f"z_loss={z} dlogits ")
-        np.testing.assert_allclose(token_objective_vocab_sharded(logits, targets, mask, z)[1],
-                                   token_objective(logits, targets, mask, z)[1], rtol=FP32_RTOL)

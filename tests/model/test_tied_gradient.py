@@ -10,11 +10,10 @@ import numpy as np
 
 from helpers.tolerances import FP32_RTOL, assert_tree_close
 from lumen_jax.config import ModelConfig
-from lumen_jax.model import apply, init_params, param_shapes_and_names
-from lumen_jax.model.loss import token_objective
+from lumen_jax.model import apply_objective, init_params, param_shapes_and_names
 
 UNTIED = ModelConfig(d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64, vocab_size=64,
-                     compute_dtype="float32")
+                     compute_dtype="float32", loss_chunk_tokens=4)  # the training objective, in 4 chunks
 TIED = dataclasses.replace(UNTIED, tie_embeddings=True)
 
 
@@ -22,9 +21,11 @@ def _loss_and_grads(cfg: ModelConfig, params: dict, tokens_bt: jax.Array, target
     graphdef = param_shapes_and_names(cfg)[0]
     positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
 
+    batch = {"inputs": tokens_bt, "positions": positions_bt, "segment_ids": None, "targets": targets_bt,
+             "loss_mask": jnp.ones_like(targets_bt)}
+
     def loss(p: dict) -> jax.Array:
-        logits_btv = apply(graphdef, p, tokens_bt, positions_bt)
-        return token_objective(logits_btv, targets_bt, jnp.ones_like(targets_bt), 0.0)[0] / targets_bt.size
+        return apply_objective(graphdef, p, batch, 1.0 / targets_bt.size, 0.0)[0]
     return jax.value_and_grad(loss)(params)
 
 

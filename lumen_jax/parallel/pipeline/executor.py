@@ -81,8 +81,9 @@ class StageFns:
     # -> (y [B, T, D], the chunk's auxiliary loss (a scalar added to the objective; 0 without one),
     # its metrics {name: scalar, the mean over its real layers})
     layers: Callable[..., tuple[jax.Array, jax.Array, dict]]
-    head: Callable[[dict, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
-    # head: (params, y [B, T', D], targets [B, T'], mask [B, T']) -> (summed objective, summed cross-entropy)
+    head: Callable[[dict, jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+    # head: (params, y [B, T', D], targets [B, T'], mask [B, T'], weight) -> (weight * summed objective,
+    # summed cross-entropy)
     # The model state's next values: two micro-batches' merged (earlier, later), and [R, ...] -> one.
     combine_state: Callable[[dict, dict], dict] = lambda earlier, later: later
     fold_state: Callable[[dict], dict] = lambda state_r: jax.tree.map(lambda a: a[-1], state_r)
@@ -391,9 +392,8 @@ class _Device:
         p = self.pipe.program.stages
         y_all = jax.lax.psum(y_last, AXIS)
         w = self.cast({**other, **jax.lax.stop_gradient(self.chunk(self.stacked, 0))})
-        obj, ce = self.fns.head(w, _strided(y_all, p, self.s), _strided(mb["targets"], p, self.s),
-                                _strided(mb["loss_mask"], p, self.s))
-        return obj * self.scale / self.tokens, ce
+        return self.fns.head(w, _strided(y_all, p, self.s), _strided(mb["targets"], p, self.s),
+                             _strided(mb["loss_mask"], p, self.s), self.scale / self.tokens)
 
     def head(self, c: _Carry, h: HeadCell, f: Cell, y: jax.Array, mbs: dict) -> _Carry:
         """The loss of this tick's last-virtual-stage output (`h`) and its cotangent, into the slot of
