@@ -7,6 +7,7 @@ import functools
 
 from lumen_jax.metrics import flops
 from lumen_jax.config import ModelConfig
+from lumen_jax.ops.loss import chunk_count
 from lumen_jax.parallel import context as context_lib
 from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.plan import moe as moe_plan
@@ -181,7 +182,8 @@ def compiled_flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, 
         # An MoE stack scans groups of every_n_layers layers (dense ones, then the MoE one): one group counted.
         body = model.moe.every_n_layers if model.moe.enabled else 1
         return (flops_per_device(model, layout, seq_len, micro_batch, causal=False, layers=body, elementwise=True)
-                + _counted_experts(model, layout, micro_batch * seq_len / (mesh.data * mesh.fsdp * mesh.expert)))
+                + _counted_experts(model, layout, micro_batch * seq_len / (mesh.data * mesh.fsdp * mesh.expert))
+                - _uncounted_loss_chunks(model, layout, seq_len, micro_batch))
     hops = mesh.context if mesh.context_parallel == "ring" else 1
     total = flops_per_device(model, layout, seq_len, micro_batch, causal=False, layers=1, elementwise=True,
                              score_fraction=hops / mesh.context)
@@ -189,7 +191,18 @@ def compiled_flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, 
     pairs = hops * context_lib.Layout(mesh.context, mesh.context_balance).chunks_per_device
     local_tokens = micro_batch * seq_len / (mesh.data * mesh.fsdp * mesh.context)
     out_width = model.num_heads * model.resolved_head_dim / mesh.tensor
-    return total + ELEMENTWISE_OPS["pair"] * pairs * out_width * local_tokens
+    return (total + ELEMENTWISE_OPS["pair"] * pairs * out_width * local_tokens
+            - _uncounted_loss_chunks(model, layout, seq_len, micro_batch))
+
+
+def _uncounted_loss_chunks(model: ModelConfig, layout: Layout, seq_len: int, micro_batch: int) -> float:
+    """The output layer's matmul FLOPs `cost_analysis` leaves out when the loss runs in C chunks
+    (`ops.loss`: a loop whose body, one chunk, it counts once): (1 - 1/C) of them."""
+    mesh = layout.mesh
+    rows = max(1, micro_batch // (mesh.data * mesh.fsdp * mesh.expert))
+    vocab = max(1, model.vocab_size // mesh.tensor)
+    chunks = chunk_count(rows, max(1, seq_len // mesh.context), vocab, model.loss_chunk_tokens)
+    return (1 - 1 / chunks) * 6 * model.d_model * vocab * rows * seq_len / mesh.context
 
 
 def _counted_experts(model: ModelConfig, layout: Layout, tokens: float) -> float:
