@@ -228,6 +228,9 @@ class Checkpointer:
                 meta = dict(out["meta"])
                 if checksum_list(out["state"]) != meta.get("checksums"):
                     raise ValueError("array checksums differ from those recorded at save time")
+                held = _held_step(out["state"])
+                if held is not None and held != step:  # a folder renamed or copied over: trust the content
+                    raise ValueError(f"the folder is step {step} but its state is step {held}")
                 bad = nonfinite_paths(out["state"])
                 if bad:  # written before saves were checked: not a state to train from
                     raise ValueError(f"{bad[0]} holds inf or NaN")
@@ -274,9 +277,8 @@ class Checkpointer:
 
     def _quarantine(self, step: int, error: Exception) -> str:
         src = os.path.join(self.directory, str(step))
-        dst = os.path.join(self.directory, f"corrupt-{step}")
+        dst = _free_name(os.path.join(self.directory, f"corrupt-{step}"))  # an earlier corrupt-N is kept too
         if jax.process_index() == 0 and os.path.isdir(src):
-            shutil.rmtree(dst, ignore_errors=True)
             os.rename(src, dst)  # kept for inspection, out of the way of the next save of `step`
         reason = " ".join(str(error).split())[:300]
         self._manager.close()
@@ -285,6 +287,21 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def _held_step(state: Any) -> int | None:
+    """The step a restored state records (`TrainState.step`: the steps trained), None if it has none."""
+    step = getattr(state, "step", None)
+    return None if step is None else int(np.asarray(step.addressable_data(0)))
+
+
+def _free_name(path: str) -> str:
+    """`path`, or `path.1`, `path.2`, ...: the first that does not exist."""
+    n, out = 0, path
+    while os.path.exists(out):
+        n += 1
+        out = f"{path}.{n}"
+    return out
 
 
 _ENVIRONMENT_REASONS = ("No space left on device", "Disk quota exceeded", "Read-only file system",

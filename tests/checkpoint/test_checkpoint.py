@@ -85,6 +85,21 @@ def test_corrupted_file_falls_back_to_previous_step(saved, tmp_path):
     assert sorted(os.listdir(copy)) == ["1", "corrupt-2"]
 
 
+def test_a_step_folder_holding_another_step_is_not_trusted_and_earlier_corrupt_folders_stay(saved, tmp_path):
+    """Step 1's folder copied as step 2: its content says step 1, so it is set aside (not resumed as
+    step 2) and step 1 restored; a corrupt-2 already there is kept beside it."""
+    directory, _ = saved
+    copy = str(tmp_path / "ckpt")
+    shutil.copytree(directory, copy)
+    shutil.copytree(os.path.join(copy, "1"), os.path.join(copy, "2"))
+    os.makedirs(os.path.join(copy, "corrupt-2"))
+    open(os.path.join(copy, "corrupt-2", "earlier"), "w").close()
+    restored = Checkpointer(copy, CheckpointConfig()).restore_latest(_trainer(fsdp=8).abstract_state())
+    assert restored.step == 1
+    assert sorted(os.listdir(copy)) == ["1", "corrupt-2", "corrupt-2.1"]
+    assert os.listdir(os.path.join(copy, "corrupt-2")) == ["earlier"]
+
+
 def test_missing_file_falls_back_and_half_written_save_is_ignored(saved, tmp_path):
     directory, _ = saved
     copy = str(tmp_path / "ckpt")

@@ -285,6 +285,7 @@ def test_checkpoint_reshards_across_expert_meshes(tmp_path):
 
     source = trainer(expert=4, data=2)
     state = source.init()
+    state = state.replace(step=state.step + 1)  # a checkpoint's step is the state's (the restore checks)
     ckpt = Checkpointer(str(tmp_path), CheckpointConfig())
     ckpt.save(1, state, {})
     ckpt.wait()

@@ -167,7 +167,9 @@ def test_a_run_whose_every_step_was_skipped_is_not_done(tmp_path, capfd):
 
 def test_a_nonfinite_state_is_never_saved_nor_restored(one_device_trainer, tmp_path, capsys):
     state = one_device_trainer.init()
-    poisoned = state.replace(params={**state.params, "lm_head": state.params["lm_head"] * np.nan})
+    state = state.replace(step=state.step + 1)  # a checkpoint's step is the state's (the restore checks)
+    poisoned = state.replace(step=state.step + 1,
+                             params={**state.params, "lm_head": state.params["lm_head"] * np.nan})
     ckpt = Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig())
     ckpt.save(1, state, {})
     with pytest.raises(NonFiniteState, match=r"after step 2 holds inf or NaN in \.params\['lm_head'\].*step 1 in"):
