@@ -23,6 +23,7 @@ from lumen_jax.runtime.process import prepare_cpu_backend  # noqa: E402
 
 prepare_cpu_backend()
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -63,7 +64,8 @@ def main() -> None:
         stalls, written = [], []
         for step in range(1, args.saves + 1):
             t0 = time.perf_counter()
-            stalls.append(ckpt.save(step, state, {"data": {}}))
+            at_step = state.replace(step=jax.device_put(np.int32(step), state.step.sharding))  # restore checks it
+            stalls.append(ckpt.save(step, at_step, {"data": {}}))
             ckpt.wait()
             written.append(time.perf_counter() - t0)
         ckpt.close()
