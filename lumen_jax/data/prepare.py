@@ -200,6 +200,13 @@ def join(out: str, plan: dict) -> tuple[dict | None, list[str]]:
             infos.append({k: info[k] for k in ("name", "files", "documents", "tokens", "bad_records")})
     if missing:
         return None, missing
+    if not sum(i["documents"] for i in infos):  # nothing to train on: no manifest, exit 2
+        bad = sum(i["bad_records"] for i in infos)
+        first = next((b for shard in plan["shards"] for b in _finished(out, shard["name"], plan["dtype"])["bad"]),
+                     None)
+        raise DataError(f"{out}: the inputs gave 0 documents ({bad} bad records skipped"
+                        + (f"; the first: {first}" if first else "") + "); no manifest.json written; check --input "
+                        "and --text-field, then rerun")
     manifest = {**plan, "shards": infos, "documents": sum(i["documents"] for i in infos),
                 "tokens": sum(i["tokens"] for i in infos), "bad_records": sum(i["bad_records"] for i in infos)}
     _write_json(os.path.join(out, prepared.MANIFEST), manifest)

@@ -103,6 +103,21 @@ def test_corrupt_input_lines_are_reported_with_file_and_line(corpus, tmp_path):
     assert [bytes(docs[i][1:-1].astype(np.uint8)).decode() for i in range(len(docs))] == ["one", "five"]
 
 
+@pytest.mark.parametrize("lines, reason", [
+    ('{"body": "x"}\n{"body": "y"}\n', "(2 bad records skipped; the first: data file {bad} line 1: no field 'text'"),
+    ("", "(0 bad records skipped); no manifest.json written"),
+])
+def test_inputs_that_give_no_document_exit_2_without_a_manifest(tmp_path, lines, reason):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(lines)
+    out = tmp_path / "out"
+    proc = prepare("--input", str(bad), "--tokenizer", "byte", "--out", str(out), "--workers", "0")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith(f"error: {out}: the inputs gave 0 documents {reason.format(bad=bad)}"), last
+    assert "check --input and --text-field" in last and not (out / "manifest.json").exists()
+
+
 @pytest.mark.parametrize("case, message", [
     ("slice", "error: --shard 2 --num-shards 2: need 0 <= --shard < --num-shards"),
     ("tokenizer", "error: data.tokenizer='missing.json': no such file"),
