@@ -153,12 +153,14 @@ def reported_exit(events: Sequence[dict], attempt_id: str, returncode: int) -> i
 
 
 def committed_steps(run_dir: str) -> list[int]:
-    """The checkpoint steps committed on disk (Orbax renames a step's folder once it is whole)."""
+    """The checkpoint steps committed on disk (Orbax renames a step's folder once it is whole, with its
+    `_CHECKPOINT_METADATA` written: lumen_jax/checkpoint/layout.py's `committed_steps`)."""
+    folder = os.path.join(run_dir, "checkpoints")
     try:
-        names = os.listdir(os.path.join(run_dir, "checkpoints"))
+        names = os.listdir(folder)
     except OSError:
         return []
-    return sorted(int(n) for n in names if n.isdigit())
+    return sorted(int(n) for n in names if n.isdigit() and os.path.isfile(os.path.join(folder, n, "_CHECKPOINT_METADATA")))
 
 
 def account(attempts: Sequence[Attempt], events: Sequence[dict]) -> tuple[list[Interruption], float]:

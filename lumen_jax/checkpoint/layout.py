@@ -3,8 +3,9 @@
     <run_dir>/checkpoints/<step>/state/...       the arrays (an Orbax PyTree item)
     <run_dir>/checkpoints/<step>/meta/metadata   JSON: config, data position, checksums, state shapes
 
-A step's folder is committed once Orbax renames it from `<step>.orbax-checkpoint-tmp-*`. Reading
-this layout needs no Orbax (resume.py decides on JSON alone).
+A step's folder is committed once Orbax renames it from `<step>.orbax-checkpoint-tmp-*`, after
+writing its `_CHECKPOINT_METADATA` into it: a numbered folder without that file (an empty one a user
+made, a copy cut short) is no step. Reading this layout needs no Orbax (resume.py decides on JSON alone).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 
 STATE, META = "state", "meta"
+COMMITTED = "_CHECKPOINT_METADATA"  # written by Orbax's finalize, before the rename that commits a step
 
 
 def checkpoints_dir(run_dir: str) -> str:
@@ -27,8 +29,8 @@ def committed_steps(checkpoint_dir: str, item: str | None = None) -> list[int]:
         names = os.listdir(checkpoint_dir)
     except OSError:
         return []
-    return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(
-        os.path.join(checkpoint_dir, n, *((item,) if item else ()))))
+    return sorted(int(n) for n in names if n.isdigit() and os.path.isfile(os.path.join(checkpoint_dir, n, COMMITTED))
+                  and os.path.isdir(os.path.join(checkpoint_dir, n, *((item,) if item else ()))))
 
 
 def item_dir(checkpoint_dir: str, step: int, item: str) -> str:

@@ -100,6 +100,19 @@ def test_a_step_folder_holding_another_step_is_not_trusted_and_earlier_corrupt_f
     assert os.listdir(os.path.join(copy, "corrupt-2")) == ["earlier"]
 
 
+def test_an_empty_numbered_folder_is_no_step(saved, tmp_path):
+    """A folder named like a step but never committed by Orbax (empty, a huge number) neither
+    counts as the run's last step nor blocks the resume: set aside, and step 1 restored."""
+    from lumen_jax.checkpoint.layout import committed_steps
+    directory, _ = saved
+    copy = str(tmp_path / "ckpt")
+    shutil.copytree(directory, copy)
+    os.makedirs(os.path.join(copy, "99999999999999999999999"))
+    assert committed_steps(copy) == [1]
+    restored = Checkpointer(copy, CheckpointConfig()).restore_latest(_trainer(fsdp=8).abstract_state())
+    assert restored.step == 1
+
+
 def test_missing_file_falls_back_and_half_written_save_is_ignored(saved, tmp_path):
     directory, _ = saved
     copy = str(tmp_path / "ckpt")

@@ -16,7 +16,7 @@ import pytest
 
 from helpers.meshes import one_device_mesh
 from lumen_jax.checkpoint import resume
-from lumen_jax.checkpoint.layout import meta_path
+from lumen_jax.checkpoint.layout import COMMITTED, meta_path
 from lumen_jax.config import Config, ConfigError, Fp8Config, ModelConfig, MoeConfig, to_dict
 from lumen_jax.train.build import build
 
@@ -111,6 +111,7 @@ def checkpoints(tmp_path_factory):
         with open(meta_path(directory, STEP), "w") as f:
             json.dump({"config": to_dict(Config(model=model)),
                        "state_shapes": resume.state_shapes(abstract_state(model))}, f)
+        open(os.path.join(directory, str(STEP), COMMITTED), "w").close()  # as Orbax commits a step
         out[name] = directory
     return out
 
