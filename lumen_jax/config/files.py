@@ -73,6 +73,9 @@ def _read_yaml(path: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
             data = yaml.load(f, Loader=_Loader)
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                          f"{e.start}); pass a YAML file") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {_one_line(e)}") from None
     except _DuplicateKey as e:

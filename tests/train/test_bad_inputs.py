@@ -62,6 +62,7 @@ FIXED = {
     "all-empty jsonl": (["data.source=files", "data.paths=[{empty_jsonl}]"], ["{empty_jsonl}", "2 empty documents"]),
     "yaml duplicate key": (["--config={dup}"], ["{dup}", "d_model twice (lines 3 and 5)"]),
     "config is a directory": (["--config={tmp}"], ["{tmp} is a directory"]),
+    "binary config": (["--config={binary}"], ["{binary} is not UTF-8 text", "a YAML file"]),
     "unknown flag": (["--steps", "20"], ["--steps", "train.steps=20"]),
 }
 ALREADY_GOOD = {
@@ -107,7 +108,10 @@ def places(tmp_path_factory):
          "empty_jsonl": _write(tmp, "ej/e.jsonl", '{"text": ""}\n\n{"text": ""}\n'),
          "dup": _write(tmp, "dup.yaml", "base: " + os.path.join(REPO, "configs", "base.yaml") + "\nmodel:\n"
                        "  d_model: 64\n  num_layers: 2\n  d_model: 128\n"),
-         "notes": _write(tmp, "notes.txt", "x"), "broken": _write(tmp, "broken.yaml", "model: [1, 2\n")}
+         "notes": _write(tmp, "notes.txt", "x"), "broken": _write(tmp, "broken.yaml", "model: [1, 2\n"),
+         "binary": _write(tmp, "binary.yaml", "")}
+    with open(p["binary"], "wb") as f:
+        f.write(bytes(range(128, 256)))
     with tmpfs(os.path.join(tmp, "ro"), 1 << 16, read_only=True) as ro, \
             tmpfs(os.path.join(tmp, "full"), 1 << 16) as full:
         if full:
