@@ -109,8 +109,8 @@ def _unchunked(a_cbt: jax.Array) -> jax.Array:
 def _chunk(x_btd: jax.Array, w_dv: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array, weight: jax.Array,
            offset: jax.Array, z_loss: float, vocab: tuple[str, ...], grads: bool) -> tuple[jax.Array, ...]:
     """One chunk on one device: (objective sum, cross-entropy sum), and with `grads` the weighted
-    gradients (float32) with respect to its input [B, Tc, D] (this device's columns' share) and
-    to the device's columns of the weight [D, V]."""
+    gradients (float32) with respect to the device's columns of the weight [D, V] and to its input
+    [B, Tc, D] (this device's columns' share)."""
     logits_btv = jnp.einsum("btd,dv->btv", x_btd, w_dv, preferred_element_type=jnp.float32)
     max_bt = shard.pmax_over(jax.lax.stop_gradient(logits_btv.max(-1)), vocab)
     log_z_bt = max_bt + jnp.log(shard.psum_over(jnp.exp(logits_btv - max_bt[..., None]).sum(-1), vocab))
@@ -127,7 +127,7 @@ def _chunk(x_btd: jax.Array, w_dv: jax.Array, targets_bt: jax.Array, mask_bt: ja
     dlogits_btv = dlogits_btv.astype(x_btd.dtype)
     dx_btd = jnp.einsum("btv,dv->btd", dlogits_btv, w_dv, preferred_element_type=jnp.float32)
     dw_dv = jnp.einsum("btd,btv->dv", x_btd, dlogits_btv, preferred_element_type=jnp.float32)
-    return objective, ce_sum, dx_btd, dw_dv
+    return objective, ce_sum, dw_dv, dx_btd
 
 
 def _scan(x_btd, w_dv, targets_bt, mask_bt, weight, offset, z_loss, chunks, vocab, grads):
@@ -136,12 +136,11 @@ def _scan(x_btd, w_dv, targets_bt, mask_bt, weight, offset, z_loss, chunks, voca
     def body(carry, xs):
         x_btd, targets_bt, mask_bt = xs
         out = _chunk(x_btd, w_dv, targets_bt, mask_bt, weight, offset, z_loss, vocab, grads)
-        sums = (carry[0] + out[0], carry[1] + out[1])
-        return ((*sums, carry[2] + out[3]), out[2]) if grads else (sums, None)
+        n = len(carry)  # the sums (objective, cross-entropy[, the weight's gradient]); then the input's gradient
+        return tuple(a + b for a, b in zip(carry, out[:n])), out[n] if grads else None
 
     if chunks == 1:  # no loop around one chunk
-        out = _chunk(x_btd, w_dv, targets_bt, mask_bt, weight, offset, z_loss, vocab, grads)
-        return (out[0], out[1], out[3], out[2]) if grads else out
+        return _chunk(x_btd, w_dv, targets_bt, mask_bt, weight, offset, z_loss, vocab, grads)
     zero = jnp.zeros((), jnp.float32)
     init = (zero, zero, jnp.zeros(w_dv.shape, jnp.float32)) if grads else (zero, zero)
     carry, dx_cbtd = jax.lax.scan(body, init, (_chunked(x_btd, chunks), _chunked(targets_bt, chunks),
@@ -149,24 +148,30 @@ def _scan(x_btd, w_dv, targets_bt, mask_bt, weight, offset, z_loss, chunks, voca
     return (*carry, _unchunked(dx_cbtd)) if grads else carry
 
 
-# This device's share of the sums over all devices: the devices that split a chunk's vocabulary
-# compute the same sums (after their max and sums cross), so the first of them reports them and the
-# others report 0; the sum over devices counts each token once. The backward gives every device,
-# for the cotangent g of that sum, its columns' part of the gradients: the weight's columns it
-# holds, and its columns' share of the input's gradient (the transpose of `per_device` sums those
-# over the vocabulary's devices, and the weight's over the token's devices).
+def _reported(offset: jax.Array, weight: jax.Array, objective: jax.Array, ce_sum: jax.Array):
+    """This device's share of the sums over all devices: the devices that split a chunk's vocabulary
+    compute the same sums (after their max and sums cross), so the first of them reports them and
+    the others report 0; the sum over devices counts each token once."""
+    first = offset == 0
+    return jnp.where(first, weight * objective, 0.0), jnp.where(first, ce_sum, 0.0)
+
+
+# `_scan` with a custom VJP: its sums as `_reported`, its gradients made in the forward pass. The
+# backward gives every device, for the cotangent g of the sum over devices, its columns' part of the
+# gradients: the weight's columns it holds, and its columns' share of the input's gradient (the
+# transpose of `per_device` sums those over the vocabulary's devices, and the weight's over the
+# token's devices).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def _objective(x_btd, w_dv, targets_bt, mask_bt, weight, offset, z_loss, chunks, vocab):
     objective, ce_sum = _scan(x_btd, w_dv, targets_bt, mask_bt, weight, offset, z_loss, chunks, vocab, grads=False)
-    return jnp.where(offset == 0, weight * objective, 0.0), jnp.where(offset == 0, ce_sum, 0.0)
+    return _reported(offset, weight, objective, ce_sum)
 
 
 def _objective_fwd(x_btd, w_dv, targets_bt, mask_bt, weight, offset, z_loss, chunks, vocab):
     objective, ce_sum, dw_dv, dx_btd = _scan(x_btd, w_dv, targets_bt, mask_bt, weight, offset, z_loss, chunks,
                                              vocab, grads=True)
     dtypes = (jnp.zeros((), x_btd.dtype), jnp.zeros((), w_dv.dtype))  # what the gradients are cast to
-    sums = jnp.where(offset == 0, weight * objective, 0.0), jnp.where(offset == 0, ce_sum, 0.0)
-    return sums, (dx_btd, dw_dv, dtypes, jnp.zeros_like(weight))
+    return _reported(offset, weight, objective, ce_sum), (dx_btd, dw_dv, dtypes, jnp.zeros_like(weight))
 
 
 def _objective_bwd(z_loss, chunks, vocab, residuals, cotangents):

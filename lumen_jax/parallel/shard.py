@@ -13,6 +13,7 @@ untouched.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -102,11 +103,4 @@ def axes_size(names: Names) -> int:
     """How many blocks an array whose axes carry logical `names` is split into over the active
     mesh (1 outside `rules.activate`)."""
     active = rules_lib.active()
-    if active is None:
-        return 1
-    mesh, rules = active
-    size = 1
-    for axes in rules.spec(names):
-        for axis in (axes,) if isinstance(axes, str) else axes or ():
-            size *= mesh.shape[axis]
-    return size
+    return math.prod(active[0].shape[a] for a in _mesh_axes(names)) if active else 1

@@ -7,12 +7,12 @@ import functools
 
 from lumen_jax.metrics import flops
 from lumen_jax.config import ModelConfig
-from lumen_jax.ops.loss import chunk_count
 from lumen_jax.parallel import context as context_lib
 from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.plan import moe as moe_plan
 from lumen_jax.plan.hardware import Layout
-from lumen_jax.plan.memory import STATE_BYTES, computed_score_fraction, recomputes, split_backward, state_bytes
+from lumen_jax.plan.memory import (STATE_BYTES, computed_score_fraction, loss_chunks, recomputes, split_backward,
+                                   state_bytes)
 
 # Elementwise work XLA's cost_analysis counts besides the matmuls (ops per element, a non-negative
 # least-squares fit to XLA's CPU counts of our step): softmax and masking per computed score, norms,
@@ -200,9 +200,8 @@ def _uncounted_loss_chunks(model: ModelConfig, layout: Layout, seq_len: int, mic
     (`ops.loss`: a loop whose body, one chunk, it counts once): (1 - 1/C) of them."""
     mesh = layout.mesh
     rows = max(1, micro_batch // (mesh.data * mesh.fsdp * mesh.expert))
-    vocab = max(1, model.vocab_size // mesh.tensor)
-    chunks = chunk_count(rows, max(1, seq_len // mesh.context), vocab, model.loss_chunk_tokens)
-    return (1 - 1 / chunks) * 6 * model.d_model * vocab * rows * seq_len / mesh.context
+    chunks = loss_chunks(model, layout, rows, seq_len)
+    return (1 - 1 / chunks) * 6 * model.d_model * model.vocab_size / mesh.tensor * rows * seq_len / mesh.context
 
 
 def _counted_experts(model: ModelConfig, layout: Layout, tokens: float) -> float:

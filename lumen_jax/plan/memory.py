@@ -429,6 +429,15 @@ def split_backward(model: ModelConfig) -> SplitBackward:
     return SplitBackward(params=params, rows=rows, experts=experts, routed=routed)
 
 
+def loss_chunks(model: ModelConfig, layout: Layout, rows: int, seq_len: int) -> int:
+    """The chunks `ops.loss` cuts a device's [rows, positions] of the loss into: the positions are the
+    sequence over `context` (and, with a pipeline, every P-th token on each stage), the vocabulary
+    over `tensor`."""
+    positions = seq_len // layout.mesh.context // layout.pipeline
+    return chunk_count(max(rows, 1), max(positions, 1), max(model.vocab_size // layout.mesh.tensor, 1),
+                       model.loss_chunk_tokens)
+
+
 def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_batch: int,
                      remat: str | None = None, attention: str = "xla", moe_backend: str = "gpu") -> Activations:
     """Activation memory of one device for micro-batches of `micro_batch` sequences per device.
@@ -466,8 +475,7 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     # stage): with several, one chunk's logits at a time, V / t wide, beside float32 copies of the
     # output layer, D x V / t (its gradient's sum over the chunks, ...).
     vocab = model.vocab_size / layout.mesh.tensor
-    positions = seq_len // layout.mesh.context // (layout.pipeline if pipelined else 1)
-    chunks = chunk_count(micro_batch, max(positions, 1), max(int(vocab), 1), model.loss_chunk_tokens)
+    chunks = loss_chunks(model, layout, micro_batch, seq_len)
     if chunks > 1:
         parts["logits"] = parts["logits"] / chunks + HEAD_WEIGHT_COPIES * model.d_model * vocab * F32 / tokens
     counts = flops.param_counts(model)
