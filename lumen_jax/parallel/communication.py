@@ -3,10 +3,12 @@
 
 With gradient accumulation the step keeps one gradient sum per replica group, unreduced, and
 reduces the sums once after the last micro-batch. A replica group is the set of devices with one
-index along the replica axes: always `data` (its gradients need nothing before the optimizer), and
+index along the replica axes: always `data` (its gradients need nothing before the optimizer),
 `fsdp` too under `fsdp_grad_reduce=once` (then each device accumulates full-size gradients; under
 `every_micro_batch` each micro-batch's gradients are reduce-scattered over `fsdp` into a sharded
-accumulator). The step computes with weights cast to the compute dtype while still sharded, so the
+accumulator), and `context`, whose devices hold the weights whole and each make partial gradients
+of their chunk of the sequence (Megatron reduces them with `data`'s, once). `data` and `fsdp` groups
+take rows of the batch; `context` groups take chunks of every row's tokens (`replica_seq`). The step computes with weights cast to the compute dtype while still sharded, so the
 FSDP all-gathers carry compute-dtype bytes; `fsdp_regather=per_step` gathers them once per step,
 before the first micro-batch, and keeps them for the others and for every backward.
 
@@ -33,6 +35,7 @@ class GradientPlan:
 
     replica_axes: tuple[str, ...]  # mesh axes of the replica dimension (empty: no accumulation)
     replicas: int  # R, their product
+    replica_seq: int  # C: the groups among the R that split each row's tokens (`context`'s size, or 1)
     weight_specs: Any  # {path: PartitionSpec} of the compute-dtype weights the micro-batches use
     accumulator_specs: Any  # {path: PartitionSpec} of the [R, ...] gradient sums
 
@@ -61,7 +64,7 @@ def gradient_plan(cfg: MeshConfig, micro_batches: int, mesh: Mesh, rules: Rules,
       per_replica: whether the step may run under the replica vmap (not a pipelined step with
         sequence parallelism, `train/build.py`); if not, there are no replica axes.
     """
-    candidates = ("data", "fsdp") if cfg.fsdp_grad_reduce == "once" else ("data",)
+    candidates = ("data", "fsdp", "context") if cfg.fsdp_grad_reduce == "once" else ("data", "context")
     accumulates = micro_batches > 1 or pipelined
     axes = tuple(a for a in candidates if mesh.shape[a] > 1) if accumulates and per_replica else ()
     is_names = lambda x: isinstance(x, tuple)  # noqa: E731
@@ -70,4 +73,5 @@ def gradient_plan(cfg: MeshConfig, micro_batches: int, mesh: Mesh, rules: Rules,
     accumulators = jax.tree.map(lambda n: P(axes or None, *_without(rules.spec(n, "grads"), axes)), names,
                                 is_leaf=is_names)
     return GradientPlan(replica_axes=axes, replicas=math.prod(mesh.shape[a] for a in axes),
+                        replica_seq=mesh.shape["context"] if "context" in axes else 1,
                         weight_specs=weights, accumulator_specs=accumulators)

@@ -53,12 +53,15 @@ class Rules:
     context_parallel: str = "ring"  # ring | allgather
     context_balance: str = "zigzag"  # zigzag | contiguous
     # Batch axes taken by the train step's vmapped replica dimension (step.Placement: micro-batch
-    # gradients summed per replica group, reduced once per step). Inside it `batch` maps to the rest.
+    # gradients summed per replica group, reduced once per step). Inside it `batch` maps to the rest,
+    # and `seq` to nothing when `context` is among them (each group holds one chunk of the tokens).
     replica_axes: tuple[str, ...] = ()
 
     def _table(self, kind: str) -> dict[str, MeshAxes]:
         embed_sharded = {"params": self.zero_stage >= 3, "grads": self.zero_stage >= 2,
                          "optimizer": self.zero_stage >= 1, "activations": False}[kind]
+        context = None if "context" in self.replica_axes else "context"
+        sp_seq = tuple(a for a in (context, "tensor") if a)
         return {
             # parameter axes
             "vocab": "tensor",
@@ -72,8 +75,8 @@ class Rules:
             "layers": "pipeline",
             # activation axes
             "batch": tuple(a for a in ("data", "fsdp", "expert") if a not in self.replica_axes) or None,
-            "seq": "context",
-            "act_seq": ("context", "tensor") if self.sequence_parallel else "context",
+            "seq": context,
+            "act_seq": (sp_seq if len(sp_seq) > 1 else sp_seq[0]) if self.sequence_parallel else context,
             "act_embed": None,
             "act_heads": "tensor",
             "act_kv_heads": "tensor",

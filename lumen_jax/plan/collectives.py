@@ -101,6 +101,23 @@ class StepShape:
         return state_bytes(self.model, self.layout)["grads"] * _reduce_bytes(self.layout) / F32_BYTES
 
     @property
+    def context_replicas(self) -> bool:
+        """Our step keeps each context device's partial gradients unreduced and reduces them once,
+        with the data axis's (`parallel/communication.py`): with context > 1 in a step that
+        accumulates (micro-batches or a pipeline), unless a pipeline's ticks split activations over
+        tensor (sequence parallelism: no replica vmap)."""
+        mesh, pipelined = self.layout.mesh, self.layout.pipeline > 1
+        accumulates = self.m > 1 or pipelined
+        sp_ticks = pipelined and mesh.sequence_parallel and mesh.tensor > 1
+        return self.context_grads == "per_unit" and mesh.context > 1 and accumulates and not sp_ticks
+
+    def replica_group(self, *axes: str) -> str:
+        """The mesh axes of the step's one gradient reduction: `axes`, with `context` when it is a
+        replica axis (`context_replicas`), as the compiled program names them (axes of one device left out)."""
+        axes += ("context",) if self.context_replicas else ()
+        return "+".join(a for a in axes if self.layout.size(a) > 1) or axes[0]
+
+    @property
     def redo(self) -> bool:  # the backward recomputes the projections
         return recomputes(self.remat, self.layout.mesh.context, self.layout.mesh.context_parallel)["projections"]
 
@@ -189,7 +206,7 @@ def _weights_and_gradients(s: StepShape, add: Add) -> None:
                 (weights - layer_weights) * gather / F32_BYTES, 1, True)
     joint = mesh.fsdp_grad_reduce == "once" and m > 1 and mesh.data > 1 and mesh.fsdp > 1
     if joint:  # the step's one reduction spans both batch axes: full-size sums over data x fsdp
-        add("data+fsdp", "all-reduce", f"{red_dt} gradients, once per step", weights * red / F32_BYTES, 1, True)
+        add(s.replica_group("data", "fsdp"), "all-reduce", f"{red_dt} gradients, once per step", weights * red / F32_BYTES, 1, True)
     elif mesh.zero_stage >= 3 and layout.pipeline > 1 and grad_calls > 1:
         _pipelined_gradients(s, add, weights, red)
     elif mesh.zero_stage >= 3:
@@ -200,7 +217,7 @@ def _weights_and_gradients(s: StepShape, add: Add) -> None:
             add("fsdp", kind, f"{red_dt} gradients", weights * red / F32_BYTES, grad_calls, True)
         add("fsdp", "all-gather", "updated fp32 weights", weights, 1, True)
     if not joint:
-        add("data", "all-reduce", f"{red_dt} gradients, once per step", s.grads, 1, True)
+        add(s.replica_group("data"), "all-reduce", f"{red_dt} gradients, once per step", s.grads, 1, True)
 
 
 def _pipelined_gradients(s: StepShape, add: Add, weights: float, red: int, axis: str = "fsdp",
@@ -269,9 +286,10 @@ def _context(s: StepShape, add: Add) -> None:
     (again in the backward) and dK/dV reduce-scattered, exposed. Under a pipeline
     per layer of each tick that runs it (fill and drain included), as `_pipelined_tensor` counts.
     The weights are replicated over context and each device's gradients are partial sums of its
-    tokens: XLA all-reduces them (float32, measured) where they are made, every micro-batch (in a
-    pipeline: each unit its own, in its tick), not once per step as over `data`; a pipelined step's
-    embedding gradient, summed per device, once."""
+    tokens: where the step accumulates (`StepShape.context_replicas`) they are summed per device and
+    reduced once per step with `data`'s; else (one micro-batch; a pipeline whose ticks run sequence
+    parallelism) XLA all-reduces them (float32, measured) where they are made (in such a pipeline:
+    each unit its own, in its tick; its embedding gradient, summed per device, once)."""
     model, layout, m, layers, c = s.model, s.layout, s.m, s.layers, s.c
     mesh = layout.mesh
     cp, hops = mesh.context_parallel, mesh.context - 1
@@ -293,6 +311,8 @@ def _context(s: StepShape, add: Add) -> None:
         add("context", "all-gather", "K/V per layer (again in the backward: measured with remat none as with full)",
             kv, forwards + backwards, False)
         add("context", "reduce-scatter", "dK/dV per layer", kv, backwards, False)
+    if s.context_replicas:  # reduced once per step with data's (`_weights_and_gradients`)
+        return
     weights = s.weights
     shards = _fsdp_shards(mesh)
     if s.context_grads == "once":
@@ -362,11 +382,15 @@ def _pipelined_embedding_gradient(s: StepShape, add: Add) -> None:
     """Each device of a pipelined step sums the embedding gradient of its own rows of every
     micro-batch (`executor._Device.embedding_grad`) in float32; the fsdp row groups' sums are
     all-reduced once, after the last tick, whatever `fsdp_regather` (with `fsdp_grad_reduce=once`
-    the replica groups' one reduction carries them)."""
+    the replica groups' one reduction carries them; context replica groups add theirs before)."""
     model, mesh = s.model, s.layout.mesh
     if mesh.fsdp_grad_reduce != "once":
-        add("fsdp", "all-reduce", "fp32 embedding table gradient of the fsdp row groups, once per step",
-            model.vocab_size * model.d_model / mesh.tensor * F32_BYTES, 1, True)
+        table = model.vocab_size * model.d_model / mesh.tensor * F32_BYTES
+        add("fsdp", "all-reduce", "fp32 embedding table gradient of the fsdp row groups, once per step", table, 1, True)
+        if s.context_replicas and mesh.fsdp > 1:  # measured on pipeline=2 context=2 fsdp=2: context's groups
+            # add theirs first (with fsdp=1 the step's one reduction carries them)
+            add("context", "all-reduce", "fp32 embedding table gradient of the context groups (1/fsdp), once per step",
+                table / mesh.fsdp, 1, True)
 
 
 def _pipelined_tensor(s: StepShape, add: Add) -> None:

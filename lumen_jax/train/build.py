@@ -179,7 +179,7 @@ def _placement(cfg: Config, mesh: Mesh, rules: Rules, names: dict, pipelined: bo
         shardings=jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=_is_spec))
     return step_lib.Placement(grads=pin(rules.tree_specs(names, "grads")), weights=pin(plan.weight_specs),
                               accumulator=pin(plan.accumulator_specs), replicas=plan.replicas,
-                              replica_axes=plan.replica_axes, keep_weights=cfg.mesh.fsdp_regather == "per_step")
+                              replica_axes=plan.replica_axes, replica_seq=plan.replica_seq, keep_weights=cfg.mesh.fsdp_regather == "per_step")
 
 
 def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:

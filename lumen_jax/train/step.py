@@ -123,6 +123,7 @@ class Placement:
     accumulator: Callable[[Any], Any] = _identity  # the [R, ...] gradient sums of the replica groups
     replicas: int = 1  # R: replica groups whose micro-batch gradients are summed without a reduction
     replica_axes: tuple[str, ...] = ()  # the mesh axes of R (`jax.vmap`'s spmd_axis_name)
+    replica_seq: int = 1  # C: the groups among R that split each row's tokens (`context`), not its rows
     keep_weights: bool = False  # a pipelined step computes with `weights` made once (fsdp_regather=per_step)
 
 
@@ -174,8 +175,8 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
 
     One micro-batch: the gradients are reduced where XLA puts the reduction. Several
     (`sc.micro_batches` = M): the batch is cut into `placement.replicas` = R replica groups (the
-    devices of one index along `placement.replica_axes`) and each group's micro-batch gradients are
-    summed locally, in `sc.reduce_dtype`, in an [R, ...] accumulator (`placement.accumulator`);
+    devices of one index along `placement.replica_axes`; `context`'s groups take chunks of the
+    tokens, the others rows) and each group's micro-batch gradients are summed locally, in `sc.reduce_dtype`, in an [R, ...] accumulator (`placement.accumulator`);
     the R sums are reduced once, after the last micro-batch ("the all-reduce only needs to run
     once, at the end"). Micro-batch m of replica r takes rows m, m+M, ... of that replica's rows,
     so each device's slice of the batch stays on that device. The model state's next values
@@ -191,7 +192,7 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
             weights, cast = params, lambda w: compute_weights(w, sc)
         loss, grads, state_new, aux = pipeline_step.loss_and_grads(
             sc.pipeline, stage_fns(sc), weights, batch, scale, cast, placement.replicas, placement.replica_axes,
-            model_state)
+            model_state, placement.replica_seq)
         return loss, placement.grads(grads), state_new, aux
     tokens = total_tokens(batch)
     weights = placement.weights(compute_weights(params, sc))
@@ -222,7 +223,7 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
     zeros = placement.accumulator(jax.tree.map(lambda w: jnp.zeros((r, *w.shape), reduce_dtype), weights))
     carry = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(lambda s: jnp.zeros((r, *s.shape), s.dtype), model_state))
     micro = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1) if r > 1 else x[:, None],  # [M, R, B/(R M), ...]
-                         split_micro_batches(batch, m, r))
+                         split_micro_batches(batch, m, r, placement.replica_seq))
     (grads_r, ce_sum, state_r), aux = jax.lax.scan(accumulate, carry, micro)
     grads = placement.grads(f32(jax.tree.map(_sum_replicas, grads_r)))
     state_new = jax.tree.map(_fold, sc.state_combine, state_r)

@@ -48,6 +48,17 @@ def test_data_parallel_gradients_cross_once_per_step():
 
 
 @pytest.mark.heavy
+def test_context_gradients_cross_once_per_step():
+    """data=4 x context=2: every context device's gradients are partial sums of its tokens. With 4
+    micro-batches they are summed per device and reduced once per step, with data's (before: 4 x
+    the m=1 bytes over context, one all-reduce per micro-batch), in the accumulator's dtype."""
+    context_bytes = lambda m: _bytes(_collectives(_cfg(m, data=4, context=2)), "context", ("all-reduce",))  # noqa: E731
+    one, four = context_bytes(1), context_bytes(4)
+    assert one > 0
+    assert abs(four - one) <= 0.05 * one, f"gradient reduction bytes over context per step: m=1 {one}, m=4 {four}"
+
+
+@pytest.mark.heavy
 def test_moe_gradients_cross_data_once_per_step():
     """8 experts, top-2 on expert=4 x data=2: with 4 micro-batches the gradients cross `data` once
     per step, as with 1 (the experts' grouped matmuls run under the replica vmap, ops/grouped.py;
@@ -63,19 +74,24 @@ def test_moe_gradients_cross_data_once_per_step():
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("schedule,moe", [("1f1b", False), ("zero_bubble", False), ("1f1b", True)],
-                         ids=["1f1b", "zero_bubble", "moe-expert2-1f1b"])
-def test_pipelined_data_parallel_gradients_cross_once_per_step(schedule, moe):
+@pytest.mark.parametrize("schedule,moe,axis", [("1f1b", False, "data"), ("zero_bubble", False, "data"),
+                                               ("1f1b", True, "data"), ("zero_bubble", False, "context")],
+                         ids=["1f1b", "zero_bubble", "moe-expert2-1f1b", "context2-zero_bubble"])
+def test_pipelined_data_parallel_gradients_cross_once_per_step(schedule, moe, axis):
     """pipeline=2 x data=4, 4 micro-batches: the data-axis gradient reduction of the compiled step is
     one reduction of a device's gradients (its stage's blocks and the replicated embedding, norm and
     output), not one per tick (1f1b has 10 ticks here; before: 7.7 times the gradient bytes per step,
     zero_bubble 10 times). MoE on pipeline=2 x expert=2 x data=2 too (before its stages ran without
-    the replica vmap: every tick's gradients crossed `data`)."""
+    the replica vmap: every tick's gradients crossed `data`). pipeline=2 x data=2 x context=2: the
+    context devices' partial gradients too, in the same one reduction (before: every unit's, in its
+    tick, 3.3 times the gradient bytes)."""
     from lumen_jax.train.build import build
     from lumen_jax.parallel.mesh import make_mesh
     from lumen_jax.compiler.compiled import abstract_step_args
 
     cfg = _cfg(4, data=4, pipeline=2, pipeline_schedule=schedule)
+    if axis == "context":
+        cfg = _cfg(4, data=2, context=2, pipeline=2, pipeline_schedule=schedule)
     if moe:
         cfg = dataclasses.replace(_cfg(4, data=2, expert=2, pipeline=2, pipeline_schedule=schedule),
                                   model=dataclasses.replace(BASE32.model, moe=MoeConfig(num_experts=4, top_k=2,
@@ -83,11 +99,11 @@ def test_pipelined_data_parallel_gradients_cross_once_per_step(schedule, moe):
     shape = {a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}
     trainer = build(cfg, make_mesh(shape))
     compiled = trainer.step.lower(*abstract_step_args(trainer, cfg)).compile()
-    got = _bytes(hlo.on_mesh(hlo.parse(compiled.as_text()), shape), "data")
+    got = _bytes(hlo.on_mesh(hlo.parse(compiled.as_text()), shape), axis)
     params = jax.eval_shape(trainer.init).params
     grads = sum(int(np.prod(sh.shard_shape(p.shape))) * p.dtype.itemsize
                 for p, sh in zip(jax.tree.leaves(params), jax.tree.leaves(trainer.state_shardings.params)))
-    assert abs(got - grads) <= 0.05 * grads, f"{schedule}: data reduction bytes per step {got}, gradients {grads}"
+    assert abs(got - grads) <= 0.05 * grads, f"{schedule}: {axis} reduction bytes per step {got}, gradients {grads}"
 
 
 @pytest.mark.heavy
@@ -174,12 +190,16 @@ def _compiled_and_partitioned(cfg, tmp_path):
     return trainer, hlo.parse(compiled.as_text()), hlo.on_mesh(partitioned, shape)
 
 
-@pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])
-def test_reduce_dtype_sets_the_accumulators_and_the_reduction(reduce_dtype, tmp_path):
+@pytest.mark.parametrize("reduce_dtype,mesh", [("float32", dict(data=2)), ("bfloat16", dict(data=2)),
+                                                ("bfloat16", dict(data=2, context=2))],
+                         ids=["float32", "bfloat16", "bfloat16-context2"])
+def test_reduce_dtype_sets_the_accumulators_and_the_reduction(reduce_dtype, mesh, tmp_path):
     """bfloat16 compute, data=2, 2 micro-batches: the micro-batch loop carries one gradient sum per
     parameter in `mesh.reduce_dtype` (norm scales too), and the step's one gradient reduction over
-    `data` moves 4 bytes per parameter in float32, 2 in bfloat16 (as partitioned for the mesh)."""
-    cfg = _cfg(2, "bfloat16", data=2, reduce_dtype=reduce_dtype)
+    `data` moves 4 bytes per parameter in float32, 2 in bfloat16 (as partitioned for the mesh).
+    With context=2 too, that one reduction spans data x context (the context devices' partial sums
+    of their tokens are accumulated as `data`'s are), in bfloat16."""
+    cfg = _cfg(2, "bfloat16", reduce_dtype=reduce_dtype, **mesh)
     trainer, compiled, collectives = _compiled_and_partitioned(cfg, tmp_path)
     params = jax.tree.leaves(jax.eval_shape(trainer.init).params)
     carried = [a for i in compiled.where("while") for a in i.arrays]
@@ -190,7 +210,7 @@ def test_reduce_dtype_sets_the_accumulators_and_the_reduction(reduce_dtype, tmp_
     count = sum(int(np.prod(p.shape)) for p in params)
     reduced = {}
     for c in collectives:
-        if c.axes == ("data",) and c.kind == "all-reduce" and c.bytes > 8:  # not the loss's scalars
+        if c.axes == tuple(mesh) and c.kind == "all-reduce" and c.bytes > 8:  # not the loss's scalars
             reduced[c.dtype] = reduced.get(c.dtype, 0) + c.total
     assert reduced == {want: count * {"f32": 4, "bf16": 2}[want]}, reduced
 

@@ -495,7 +495,7 @@ class _Device:
 def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, scale: jax.Array,
                    cast: Callable[[dict], dict] = lambda w: w, replicas: int = 1,
                    replica_axes: tuple[str, ...] = (),
-                   model_state: dict | None = None) -> tuple[jax.Array, dict, dict, dict]:
+                   model_state: dict | None = None, replica_seq: int = 1) -> tuple[jax.Array, dict, dict, dict]:
     """(mean token cross-entropy of `batch`, float32 gradients of the scaled objective, the model
     state's next value, the model's aux metrics averaged over layers and micro-batches), pipelined.
 
@@ -503,8 +503,9 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
     to a stage's float32 slice where it is used; or the identity, when `params` are those weights
     already (cast and gathered once for the step: `mesh.fsdp_regather=per_step`). The gradient
     sums are float32 either way.
-    `replicas`, `replica_axes`: the replica groups of the communication plan (`step.Placement`).
-    With R > 1 the ticks run under `jax.vmap` over R (`spmd_axis_name=replica_axes`): each group
+    `replicas`, `replica_axes`, `replica_seq`: the replica groups of the communication plan
+    (`step.Placement`; `replica_seq` of them split each row's tokens: `context`). With R > 1 the
+    ticks run under `jax.vmap` over R (`spmd_axis_name=replica_axes`): each group
     keeps its own stash and gradient sums and the R sums are added once, after the last tick.
     `model_state`: non-parameter model state (ops/state.py), stacked along `layers` like the blocks
     it belongs to and cut into the same stages; each micro-batch's next value is the backward's
@@ -514,14 +515,15 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
     """
     prog, r = pipe.program, replicas
     tokens = total_tokens(batch)
-    mbs = split_micro_batches(batch, prog.micro_batches, r)
+    mbs = split_micro_batches(batch, prog.micro_batches, r, replica_seq)
     model_state = model_state or {}
     stacks = {k: params[k] for k in pipe.stacks}
     others = {k: val for k, val in params.items() if k not in pipe.stacks}
     if set(model_state) - set(pipe.stacks):  # no such model: fp8's and MoE's state live in the layers
         raise ValueError(f"model state outside the layer stacks {sorted(set(model_state) - set(pipe.stacks))} "
                          "does not run in pipeline stages")
-    b, t = batch["inputs"].shape[0] // (prog.micro_batches * r), batch["inputs"].shape[1]
+    b = batch["inputs"].shape[0] // (prog.micro_batches * r // replica_seq)
+    t = batch["inputs"].shape[1] // replica_seq
     stage = functools.partial(_stage, pipe, fns, cast, r, replica_axes, (b, t), _row_groups(b, t))
     stage_spec = lambda tree: jax.tree.map(lambda _: P(AXIS), tree)  # noqa: E731
     same_spec = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
