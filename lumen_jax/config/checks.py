@@ -202,9 +202,6 @@ def _pipeline(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
     yield (p == 1 or mesh.pipeline_schedule != "interleaved" or m % p == 0,
            f"mesh.pipeline_schedule=interleaved needs train.micro_batches={m} divisible by mesh.pipeline={p} "
            f"(micro-batches go through the chunks in groups of {p}); use a multiple of {p}")
-    yield (p == 1 or cfg.data.seq_len % p == 0,
-           f"data.seq_len={cfg.data.seq_len} is not divisible by mesh.pipeline={p} (the stages share the "
-           f"loss of the last stage's output, every {p}th token each); use a multiple of {p}")
     moe = cfg.model.moe
     groups = layers // moe.every_n_layers if moe.enabled else chunks
     yield (p == 1 or uneven or groups % chunks == 0,  # uneven: whole groups per stage, checked above

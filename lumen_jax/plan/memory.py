@@ -433,7 +433,7 @@ def loss_chunks(model: ModelConfig, layout: Layout, rows: int, seq_len: int) -> 
     """The chunks `ops.loss` cuts a device's [rows, positions] of the loss into: the positions are the
     sequence over `context` (and, with a pipeline, every P-th token on each stage), the vocabulary
     over `tensor`."""
-    positions = seq_len // layout.mesh.context // layout.pipeline
+    positions = -(-seq_len // layout.mesh.context // layout.pipeline)  # padded to a multiple of P (`executor._strided`)
     return chunk_count(max(rows, 1), max(positions, 1), max(model.vocab_size // layout.mesh.tensor, 1),
                        model.loss_chunk_tokens)
 

@@ -217,10 +217,17 @@ def _add(total: jax.Array, d: jax.Array) -> jax.Array:
     return total + d.astype(total.dtype)
 
 
-def _strided(x: jax.Array, p: int, s: jax.Array) -> jax.Array:
-    """Tokens s, s+P, s+2P, ... of [B, T, ...] (T a multiple of P)."""
-    b, t = x.shape[:2]
-    return jax.lax.dynamic_index_in_dim(x.reshape(b, t // p, p, *x.shape[2:]), s, axis=2, keepdims=False)
+def _strided(x: jax.Array, p: int, s: jax.Array, pieces: int = 1) -> jax.Array:
+    """Tokens s, s+P, s+2P, ... of each of the `pieces` equal runs of [B, T, ...] (a device's tokens
+    along `context` each, so nothing moves between devices), each run padded with zeros to a
+    multiple of P first (any T: a padded position's loss mask is 0): [B, pieces * ceil(T/pieces/P), ...].
+    Where the runs divide by P these are the tokens s, s+P, ... of the whole sequence, in order."""
+    b, t, rest = x.shape[0], x.shape[1], x.shape[2:]
+    n = t // pieces
+    per = -(-n // p)
+    runs = jnp.pad(x.reshape(b, pieces, n, *rest), [(0, 0), (0, 0), (0, per * p - n)] + [(0, 0)] * len(rest))
+    picked = jax.lax.dynamic_index_in_dim(runs.reshape(b, pieces, per, p, *rest), s, axis=3, keepdims=False)
+    return picked.reshape(b, pieces * per, *rest)
 
 
 class _Carry(NamedTuple):
@@ -388,12 +395,13 @@ class _Device:
 
     def head_loss(self, other: dict, y_last: jax.Array, mb: dict) -> tuple[jax.Array, jax.Array]:
         """The loss of the last virtual stage's output (zeros elsewhere), each stage taking every
-        P-th token: (scaled objective, cross-entropy) of this stage's tokens."""
+        P-th token of each context device's run (`_strided`: any sequence length): (scaled
+        objective, cross-entropy) of this stage's tokens."""
         p = self.pipe.program.stages
         y_all = jax.lax.psum(y_last, AXIS)
         w = self.cast({**other, **jax.lax.stop_gradient(self.chunk(self.stacked, 0))})
-        return self.fns.head(w, _strided(y_all, p, self.s), _strided(mb["targets"], p, self.s),
-                             _strided(mb["loss_mask"], p, self.s), self.scale / self.tokens)
+        pick = functools.partial(_strided, p=p, s=self.s, pieces=self.groups[1])
+        return self.fns.head(w, pick(y_all), pick(mb["targets"]), pick(mb["loss_mask"]), self.scale / self.tokens)
 
     def head(self, c: _Carry, h: HeadCell, f: Cell, y: jax.Array, mbs: dict) -> _Carry:
         """The loss of this tick's last-virtual-stage output (`h`) and its cotangent, into the slot of
