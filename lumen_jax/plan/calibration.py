@@ -58,9 +58,7 @@ def predict_row(row: Published, terms: Efficiency = Efficiency(), overlap: Overl
                 efficiency: float | None = None) -> Plan:
     """Our program's plan for the row's model, layout and hardware, with the recipe's overlap and its
     gradients' reduction over context (once per step: Megatron folds context into the data-parallel
-    group, as our step does too except in a pipeline whose ticks run sequence parallelism, where it
-    reduces them where they are made, `collectives._context`: at NeMo's 405B layout, CP2 PP9 VP7 with
-    TP8 and sequence parallelism, 0.33x the measured tokens/s); `efficiency`: one fraction of the peak for
+    group, as our step does too, `collectives._context`); `efficiency`: one fraction of the peak for
     every FLOP instead of `terms` (`predict`)."""
     recipe = dataclasses.replace(overlap, **(RECIPE_OVERLAP if recipe_overlap is None else recipe_overlap)) \
         if row.comm_overlap else overlap

@@ -287,9 +287,9 @@ def _context(s: StepShape, add: Add) -> None:
     per layer of each tick that runs it (fill and drain included), as `_pipelined_tensor` counts.
     The weights are replicated over context and each device's gradients are partial sums of its
     tokens: where the step accumulates (`StepShape.context_replicas`) they are summed per device and
-    reduced once per step with `data`'s; else (one micro-batch; a pipeline whose ticks run sequence
-    parallelism) XLA all-reduces them (float32, measured) where they are made (in such a pipeline:
-    each unit its own, in its tick; its embedding gradient, summed per device, once)."""
+    reduced once per step with `data`'s; in a pipeline whose ticks run sequence parallelism (no
+    replica vmap) `context` is manual in the stages and they are reduced once, after the last tick;
+    with one micro-batch XLA all-reduces them (float32, measured) where they are made, once."""
     model, layout, m, layers, c = s.model, s.layout, s.m, s.layers, s.c
     mesh = layout.mesh
     cp, hops = mesh.context_parallel, mesh.context - 1
@@ -315,12 +315,9 @@ def _context(s: StepShape, add: Add) -> None:
         return
     weights = s.weights
     shards = _fsdp_shards(mesh)
-    if s.context_grads == "once":
-        add("context", "all-reduce", "gradients, once per step (with the data-parallel reduction)", s.grads, 1, True)
-    elif layout.pipeline > 1:
-        _pipelined_gradients(s, add, weights, F32_BYTES, "context", "all-reduce", shards=shards)
-        add("context", "all-reduce", "fp32 embedding table gradient of the context row groups, once per step",
-            model.vocab_size * model.d_model / mesh.tensor * F32_BYTES, 1, True)
+    if s.context_grads == "once" or layout.pipeline > 1:  # our pipeline: `context` manual in the stages
+        after = "with the data-parallel reduction" if s.context_grads == "once" else "after the last tick"
+        add("context", "all-reduce", f"gradients, once per step ({after})", s.grads, 1, True)
     else:
         add("context", "all-reduce", "fp32 gradients of each micro-batch (partial sums of its tokens)",
             weights / shards, m, True)

@@ -63,6 +63,7 @@ from lumen_jax.parallel.micro_batches import split_micro_batches, total_tokens
 from lumen_jax.parallel.pipeline.schedule import Cell, HeadCell, Lockstep, Segment, lockstep
 
 AXIS = "pipeline"
+CONTEXT = "context"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -530,16 +531,22 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
     if set(model_state) - set(pipe.stacks):  # no such model: fp8's and MoE's state live in the layers
         raise ValueError(f"model state outside the layer stacks {sorted(set(model_state) - set(pipe.stacks))} "
                          "does not run in pipeline stages")
+    # Context devices' partial gradients stay apart until the end: as replica groups (the vmap's
+    # `replica_seq`), or, where the ticks cannot run under the replica vmap (sequence parallelism),
+    # with `context` manual in the stages' shard_map, each device ticking on its own run of tokens.
+    manual = CONTEXT if pipe.mesh.shape[CONTEXT] > 1 and CONTEXT not in replica_axes else None
+    seq_split = replica_seq * (pipe.mesh.shape[CONTEXT] if manual else 1)
     b = batch["inputs"].shape[0] // (prog.micro_batches * r // replica_seq)
-    t = batch["inputs"].shape[1] // replica_seq
-    stage = functools.partial(_stage, pipe, fns, cast, r, replica_axes, (b, t), _row_groups(b, t))
+    t = batch["inputs"].shape[1] // seq_split
+    stage = functools.partial(_stage, pipe, fns, cast, r, replica_axes, manual, (b, t))
     stage_spec = lambda tree: jax.tree.map(lambda _: P(AXIS), tree)  # noqa: E731
     same_spec = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+    # [M, (R,) B, T]: the tokens over `context` where it is manual
+    mb_spec = jax.tree.map(lambda _: P(*([None] * (3 if r > 1 else 2)), manual), mbs)
     run = jax.shard_map(stage, mesh=pipe.mesh,
-                        in_specs=(stage_spec(stacks), same_spec(others), stage_spec(model_state), same_spec(mbs),
-                                  P(), P()),
+                        in_specs=(stage_spec(stacks), same_spec(others), stage_spec(model_state), mb_spec, P(), P()),
                         out_specs=(P(), stage_spec(stacks), same_spec(others), stage_spec(model_state), P()),
-                        axis_names={AXIS}, check_vma=False)
+                        axis_names={AXIS, manual} - {None}, check_vma=False)
     # The stacks are held device-major (`Pipeline.pad`), as the stages read them: nothing moves here.
     ce, d_stacked, d_other, state_new, metrics = run(stacks, others, model_state, mbs, tokens,
                                                      jnp.asarray(scale, jnp.float32))
@@ -547,11 +554,36 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
 
 
 def _stage(pipe: Pipeline, fns: StageFns, cast: Callable[[dict], dict], r: int, replica_axes: tuple[str, ...],
-           rows_tokens: tuple[int, int], groups: tuple[int, int], stacked: dict, other: dict, state: dict,
+           manual: str | None, rows_tokens: tuple[int, int], stacked: dict, other: dict, state: dict,
            mbs: dict, tokens: jax.Array, scale: jax.Array) -> tuple[jax.Array, dict, dict, dict, dict]:
     """What each device along `pipeline` runs inside the `shard_map` (`loss_and_grads`), with its
     stage's slice of the stacks and of the model state: the lock-step program's ticks, then its sums
-    reduced (`_reduced`). `rows_tokens`: (B, T) of a micro-batch; `groups`: `_row_groups` of them."""
+    reduced (`_reduced`). `rows_tokens`: (B, T) of a micro-batch on this device; `manual`: `context`
+    when it is manual here (the model's `seq` then maps to no mesh axis: each device holds its run)."""
+    if manual is None:
+        return _ticks(pipe, fns, cast, r, replica_axes, rows_tokens, stacked, other, state, mbs, tokens, scale)
+    mesh, rules = rules_lib.active()
+    with rules_lib.activate(mesh, dataclasses.replace(rules, replica_axes=(*rules.replica_axes, manual))):
+        ce, d_stacked, d_other, state_new, metrics = _ticks(pipe, fns, cast, r, replica_axes, rows_tokens, stacked,
+                                                            other, state, mbs, tokens, scale)
+    # the step's one reduction over context: every sum, once; the model state's next values folded
+    ce, d_stacked, d_other, metrics = jax.lax.psum((ce, d_stacked, d_other, metrics), manual)
+    metrics = jax.tree.map(lambda a: a / pipe.mesh.shape[manual], metrics)
+    return ce, d_stacked, d_other, _fold_over(fns, state_new, manual), metrics
+
+
+def _fold_over(fns: StageFns, state: dict, axis: str) -> dict:
+    """The model state's next values of the devices along `axis`, merged by their rules."""
+    if not state:
+        return state
+    return fns.fold_state(jax.lax.all_gather(state, axis))
+
+
+def _ticks(pipe: Pipeline, fns: StageFns, cast: Callable[[dict], dict], r: int, replica_axes: tuple[str, ...],
+           rows_tokens: tuple[int, int], stacked: dict, other: dict, state: dict,
+           mbs: dict, tokens: jax.Array, scale: jax.Array) -> tuple[jax.Array, dict, dict, dict, dict]:
+    """`_stage`'s ticks and their sums, reduced over the replica groups and `pipeline`."""
+    groups = _row_groups(*rows_tokens)
     prog = pipe.program
     dt = jnp.dtype(pipe.compute_dtype)
     by_chunk = lambda tree: jax.tree.map(lambda a: a.reshape(prog.virtual, -1, *a.shape[1:]), tree)  # noqa: E731
