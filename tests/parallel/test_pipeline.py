@@ -13,7 +13,7 @@ import pytest
 
 from helpers.metrics import read_metrics
 from helpers.paths import REPO
-from helpers.run import BASE, batches, devices_for, run, assert_same_run, with_mesh
+from helpers.run import BASE, batches, devices_for, moe_config, run, assert_same_run, with_mesh
 from helpers.tolerances import FP32_RTOL
 from lumen_jax.metrics import flops
 from lumen_jax.train.build import build
@@ -119,6 +119,21 @@ def test_pipeline_composes_with_the_other_axes(reference, mesh):
     with sequence parallelism: `context` manual in the stages' shard_map (no replica vmap there)."""
     cfg = with_mesh(CFG, micro_batches=M, **{"pipeline": 2, "pipeline_schedule": "1f1b", **mesh})
     assert_same_run(run(cfg, jax.devices()), reference, f"pipeline=2 {mesh}")
+
+
+@pytest.mark.heavy
+def test_moe_with_context_manual_in_the_stages():
+    """A mixture of experts (bias balancing, its loads the model state) in a pipeline with sequence
+    parallelism and context: `context` is manual in the stages and each device computes the
+    auxiliary terms of its own run of tokens, each taking a share of them as a replica group does,
+    so the first step's loss and gradient norm equal one device's (measured 2.4e-7; planted: every
+    run taking the whole share, 2.2e-5 apart). Not each gradient: a balancing loss of a run is not
+    the whole sequence's (the embedding's gradients 3e-4 apart, docs/LONG_CONTEXT.md)."""
+    cfg = moe_config(2, 1)
+    got = run(with_mesh(cfg, micro_batches=M, pipeline=2, context=2, tensor=2, sequence_parallel=True))
+    ref = run(with_mesh(cfg, micro_batches=M), jax.devices()[:1])
+    np.testing.assert_allclose(got["losses"][0], ref["losses"][0], rtol=FP32_RTOL)
+    np.testing.assert_allclose(got["grad_norms"][0], ref["grad_norms"][0], rtol=FP32_RTOL)
 
 
 def _check(**changes):

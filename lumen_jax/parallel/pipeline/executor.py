@@ -565,7 +565,8 @@ def _stage(pipe: Pipeline, fns: StageFns, cast: Callable[[dict], dict], r: int, 
     mesh, rules = rules_lib.active()
     with rules_lib.activate(mesh, dataclasses.replace(rules, replica_axes=(*rules.replica_axes, manual))):
         ce, d_stacked, d_other, state_new, metrics = _ticks(pipe, fns, cast, r, replica_axes, rows_tokens, stacked,
-                                                            other, state, mbs, tokens, scale)
+                                                            other, state, mbs, tokens, scale,
+                                                            runs=pipe.mesh.shape[manual])
     # the step's one reduction over context: every sum, once; the model state's next values folded
     ce, d_stacked, d_other, metrics = jax.lax.psum((ce, d_stacked, d_other, metrics), manual)
     metrics = jax.tree.map(lambda a: a / pipe.mesh.shape[manual], metrics)
@@ -581,8 +582,10 @@ def _fold_over(fns: StageFns, state: dict, axis: str) -> dict:
 
 def _ticks(pipe: Pipeline, fns: StageFns, cast: Callable[[dict], dict], r: int, replica_axes: tuple[str, ...],
            rows_tokens: tuple[int, int], stacked: dict, other: dict, state: dict,
-           mbs: dict, tokens: jax.Array, scale: jax.Array) -> tuple[jax.Array, dict, dict, dict, dict]:
-    """`_stage`'s ticks and their sums, reduced over the replica groups and `pipeline`."""
+           mbs: dict, tokens: jax.Array, scale: jax.Array, runs: int = 1) -> tuple[jax.Array, dict, dict, dict, dict]:
+    """`_stage`'s ticks and their sums, reduced over the replica groups and `pipeline`. `runs`: the
+    devices a micro-batch's tokens are cut into outside the model's view (manual `context`), each
+    computing the auxiliary loss of its own run: like replica groups, a share of it each."""
     groups = _row_groups(*rows_tokens)
     prog = pipe.program
     dt = jnp.dtype(pipe.compute_dtype)
@@ -592,7 +595,7 @@ def _ticks(pipe: Pipeline, fns: StageFns, cast: Callable[[dict], dict], r: int, 
     table, table_vjp = jax.vjp(lambda o: fns.table(cast({**o, **jax.lax.stop_gradient(chunk0)})), other)
     dev = _Device(pipe=pipe, fns=fns, cast=cast, s=jax.lax.axis_index(AXIS), stacked=by_chunk(stacked),
                   other=other, state=by_chunk(state), tokens=tokens, scale=scale,
-                  aux_share=1.0 / (prog.micro_batches * r), table=table, groups=groups)
+                  aux_share=1.0 / (prog.micro_batches * r * runs), table=table, groups=groups)
     zeros_act = jnp.zeros((*rows_tokens, pipe.d_model), dt)
     zero_mb = jax.tree.map(jnp.zeros_like, jax.tree.map(lambda a: a[0, 0] if r > 1 else a[0], mbs))
     dev, carry = dev.start(chunk0, zeros_act, zero_mb, r, replica_axes)
