@@ -94,13 +94,21 @@ def recipe_memory_of(row: Published, plan: Plan) -> recipe_memory.RecipeMemory:
     return recipe_memory.recipe_memory(row.family, model_of(row), layout, row.remat)
 
 
+def plan_ours(row: Published, terms: Efficiency = Efficiency()) -> Plan:
+    """Our program as it runs, in the row's layout, model, batch and hardware: our overlap (none on
+    tensor and pipeline), our gradients' reduction over context, our flash kernel's kept residuals.
+    "What would lumen_jax do here", beside what the row's own program did (`predict_row`)."""
+    return predict(config_of(row), layout_of(row), hardware_of(row), attention="flash", terms=terms)
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     published: Published
-    plan: Plan  # our program's plan for the row (throughput, and our memory)
+    plan: Plan  # the row's program, planned (throughput; memory at the recipe's recompute)
     measured: float  # tokens/s per GPU
     memory: recipe_memory.RecipeMemory  # the recipe's own memory, by term
     usable: float  # bytes its allocator can hold
+    ours: Plan | None = None  # our program in the row's layout (`plan_ours`)
 
     @property
     def fits(self) -> bool:
@@ -115,10 +123,20 @@ class Row:
     def ratio(self) -> float:
         return self.predicted / self.measured
 
+    @property
+    def ours_per_gpu(self) -> float:
+        return self.ours.tokens_per_s / self.ours.layout.num_devices
+
+    @property
+    def ours_ratio(self) -> float:
+        """Our program's planned tokens/s over the row's measured: >= 1 where we would be as fast."""
+        return self.ours_per_gpu / self.measured
+
 
 def row_of(r: Published, **kwargs) -> Row:
     plan = predict_row(r, **kwargs)
-    return Row(r, plan, measured_tokens_per_gpu(r), recipe_memory_of(r, plan), recipe_usable_bytes(r))
+    return Row(r, plan, measured_tokens_per_gpu(r), recipe_memory_of(r, plan), recipe_usable_bytes(r),
+               plan_ours(r, kwargs.get("terms", Efficiency())))
 
 
 def rows(table: Iterable[Published] = TABLE, **kwargs) -> list[Row]:
@@ -134,23 +152,24 @@ def statistics(found: list[Row]) -> dict[str, float]:
             "worst": math.exp(max(abs(x) for x in logs)), "rows": len(logs)}
 
 
-def format_calibration(found: list[Row]) -> str:
+def format_calibration(found: list[Row], source: str = "lumen_jax/plan/published.py") -> str:
     """The table `--calibration` prints: measured vs predicted tokens/s per GPU, the ratio, the
     recipe's predicted memory per device (its framework's, `recipe_memory`) against what its
-    allocator can hold, whether it fits, our program's memory for the same layout, and the statistics."""
+    allocator can hold, whether it fits; then our program in the same layout (`plan_ours`): its
+    tokens/s per GPU, that over the measured, its memory per device; and the statistics."""
     head = (f"{'run':42s}{'layout':36s}{'measured':>10s}{'predicted':>11s}{'ratio':>7s}{'recipe GB':>11s}"
-            f"{'usable':>8s}  fits  {'ours GB':>8s}")
+            f"{'usable':>8s}  fits  {'ours':>8s}{'ours/meas':>10s}{'ours GB':>9s}")
     lines = [head]
     for r in found:
         lines.append(f"{r.published.name:42s}{r.published.layout:36s}{r.measured:10,.0f}{r.predicted:11,.0f}"
                      f"{r.ratio:7.2f}{r.memory.total / 1e9:11.1f}{r.usable / 1e9:8.1f}  {'yes ' if r.fits else 'NO  '}"
-                     f"{r.plan.bytes_per_device['total'] / 1e9:8.1f}")
+                     f"{r.ours_per_gpu:8,.0f}{r.ours_ratio:10.2f}{r.ours.bytes_per_device['total'] / 1e9:9.1f}")
     s = statistics(found)
     lines += ["", f"{s['rows']} published runs: geometric-mean ratio {s['mean_ratio']:.3f}, typical error "
               f"x{s['typical_error']:.3f}, worst x{s['worst']:.3f}; every row fits: "
               f"{all(r.fits for r in found)} (recipe memory: {', '.join(sorted({r.memory.family for r in found}))}; "
               "lumen_jax/plan/recipe_memory.py)",
-              "sources, FLOP conventions and assumptions: lumen_jax/plan/published.py"]
+              f"sources, FLOP conventions and assumptions: {source}"]
     return "\n".join(lines)
 
 
@@ -160,6 +179,7 @@ def to_json(found: list[Row]) -> dict:
                       r.measured, "predicted_tokens_per_gpu": r.predicted, "ratio": r.ratio, "fits": r.fits,
                       "family": r.memory.family, "recipe_bytes_per_device": r.memory.total,
                       "recipe_bytes_by_term": r.memory.terms, "recipe_stage": r.memory.stage,
-                      "usable_bytes": r.usable, "our_bytes_per_device": r.plan.bytes_per_device["total"],
-                      "our_plan_fits": r.plan.fits} for r in found],
+                      "usable_bytes": r.usable, "our_bytes_per_device": r.ours.bytes_per_device["total"],
+                      "our_plan_fits": r.ours.fits, "our_tokens_per_gpu": r.ours_per_gpu,
+                      "our_ratio": r.ours_ratio} for r in found],
             "statistics": statistics(found)}

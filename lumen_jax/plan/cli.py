@@ -127,9 +127,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help=f"aggregate checkpoint write bandwidth in GB/s (default {goodput_lib.STORAGE_GBPS:g})")
     p.add_argument("--restart-s", type=float, default=goodput_lib.RESTART_S,
                    help=f"seconds from a failure to training again (default {goodput_lib.RESTART_S:g})")
-    p.add_argument("--calibration", action="store_true",
-                   help="print the published H100 runs of lumen_jax/plan/published.py next to the planner's "
-                        "predictions, and the statistics (no --config or --devices needed)")
+    p.add_argument("--calibration", nargs="?", const="", default=None, metavar="FILE",
+                   help="print published H100 runs next to the planner's predictions and our program's in the "
+                        "same layout, and the statistics (no --config or --devices needed): those of "
+                        "lumen_jax/plan/published.py, or of FILE (YAML or CSV, docs/PLANNING.md)")
     p.add_argument("--search", action="store_true", help="rank fitting meshes x remat x micro-batch sizes")
     p.add_argument("--top", type=int, default=5, help="candidates --search lists")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -150,11 +151,13 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(argv)
-        if args.calibration:
-            from lumen_jax.plan import calibration
+        if args.calibration is not None:
+            from lumen_jax.plan import calibration, published_file
 
-            found = calibration.rows()
-            print(json.dumps(calibration.to_json(found), indent=2) if args.json else calibration.format_calibration(found))
+            found = calibration.rows(published_file.read_table(args.calibration) if args.calibration
+                                     else published_file.TABLE)
+            print(json.dumps(calibration.to_json(found), indent=2) if args.json
+                  else calibration.format_calibration(found, args.calibration or "lumen_jax/plan/published.py"))
             return 0
         if args.devices is None:
             raise ConfigError("--devices is required: the devices the run will use (or --calibration)")

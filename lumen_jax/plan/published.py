@@ -17,6 +17,8 @@ LLAMA3_8B = dict(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_
 LLAMA3_70B = dict(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_dim=28672, vocab_size=128256)
 LLAMA3_405B = dict(d_model=16384, num_layers=126, num_heads=128, num_kv_heads=8, ffn_dim=53248, vocab_size=128256)
 LLAMA2_7B = dict(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32, ffn_dim=11008, vocab_size=32000)
+# The shapes a table file (`plan.published_file`) may name instead of spelling one out.
+MODELS = {"llama3_8b": LLAMA3_8B, "llama3_70b": LLAMA3_70B, "llama3_405b": LLAMA3_405B, "llama2_7b": LLAMA2_7B}
 
 # Where a source measured: `Hardware` fields over the H100 80GB SXM defaults (plan.hardware.DEVICES).
 HARDWARE = {
@@ -58,11 +60,12 @@ class Published:
     comm_overlap: bool = False  # the recipe overlaps its tensor-parallel collectives with the matmuls and its
     # pipeline sends with the next micro-batch (Megatron's tp_comm_overlap / overlap_p2p_comm, torchtitan's async TP)
     notes: str = ""
+    program: str = ""  # the framework that ran it (`plan.recipe_memory.FAMILIES`); "": by the name's prefix
 
     @property
     def family(self) -> str:
         """The framework whose memory model stands for the run (`plan.recipe_memory.FAMILIES`)."""
-        return next(f for prefix, f in FAMILY_OF_NAME.items() if self.name.startswith(prefix))
+        return self.program or next((f for prefix, f in FAMILY_OF_NAME.items() if self.name.startswith(prefix)), "")
 
 
 # Which program ran each row: its memory is that program's (`plan.recipe_memory`), not ours.

@@ -191,3 +191,103 @@ def test_search_varies_the_depth_the_reduce_dtype_and_the_remat(capsys):
     assert {r["layout"]["pipeline"] for r in ranked} >= {1, 2}
     assert {r["layout"]["mesh"]["reduce_dtype"] for r in ranked} == {"float32", "bfloat16"}
     assert len({r["remat"] for r in ranked}) == 4
+
+
+# --------------------------------------------------------------------------------------------------
+# Our program in the published layouts, and published runs read from a file (issue 44 part 5)
+# --------------------------------------------------------------------------------------------------
+
+def test_our_program_beside_each_row(found):
+    """`ours`: our program in the row's layout. Where the row's program is ours in every planned
+    respect (torchtitan's FSDP rows: no overlap the recipe has and we lack, no context) the two
+    plans are the same; where the recipe overlaps its tensor collectives (async TP), ours is slower
+    by that overlap alone."""
+    plain = by_name(found, "torchtitan llama3.1-8b 8 GPUs")
+    assert plain.ours_per_gpu == pytest.approx(plain.predicted, rel=1e-12)
+    sync, overlapped = by_name(found, "torchtitan llama3-8b 64 GPUs TP"), by_name(found, "torchtitan llama3-8b 64 GPUs async TP")
+    assert overlapped.ours_per_gpu == pytest.approx(sync.predicted, rel=1e-12)
+    assert overlapped.ours_per_gpu < overlapped.predicted
+    assert all(r.ours_ratio == pytest.approx(r.ours_per_gpu / r.measured) for r in found)
+
+
+def _as_file(rows, path, fmt: str) -> None:
+    """`rows` written as a user would: YAML mappings, or CSV with model names and key=value meshes."""
+    import csv
+
+    import yaml
+
+    from lumen_jax.plan.published import MODELS
+
+    out = []
+    for r in rows:
+        d = dataclasses.asdict(r)
+        d["program"] = r.family
+        if fmt == "csv":
+            d["model"] = next(k for k, v in MODELS.items() if v == r.model)
+            d["ours"] = " ".join(f"{k}={v}" for k, v in r.ours.items())
+        out.append(d)
+    with open(path, "w", newline="") as f:
+        if fmt == "csv":
+            writer = csv.DictWriter(f, fieldnames=list(out[0]))
+            writer.writeheader()
+            writer.writerows(out)
+        else:
+            yaml.safe_dump({"runs": out}, f)
+
+
+@pytest.mark.parametrize("fmt", ["yaml", "csv"])
+def test_a_table_file_plans_as_the_built_in_rows(found, tmp_path, fmt):
+    """Three built-in rows (NeMo's 405B pipeline, MaxText on A3, torchtitan on 500 W hosts) written to
+    a file and read back plan exactly as the table's."""
+    from lumen_jax.plan.published_file import read_table
+
+    names = ("NeMo llama3.1-405b 576 GPUs", "MaxText llama2-7b 16 GPUs", "torchtitan llama3-70b 256 GPUs async TP")
+    path = tmp_path / f"runs.{fmt}"
+    _as_file([by_name(found, n).published for n in names], path, fmt)
+    got = calibration.rows(read_table(str(path)))
+    for row, name in zip(got, names):
+        want = by_name(found, name)
+        assert (row.predicted, row.ours_per_gpu, row.memory.total) == (want.predicted, want.ours_per_gpu,
+                                                                        want.memory.total), name
+    proc = run_plan("--calibration", str(path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "3 published runs" in proc.stdout and str(path) in proc.stdout
+
+
+GOOD = dict(name="mine", model="llama3_8b", gpus=8, hardware="dgx-h100", layout="FSDP8", seq_len=8192,
+            global_batch=16, micro_batches=1, remat="dots_saveable", ours={"fsdp": 8}, measured=7000.0,
+            unit="tokens/s", convention="tokens", source="my cluster", program="torchtitan")
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(colour="red"), "run 1 (mine): unknown field 'colour'"),
+    (dict(gpus=None), "run 1 (mine): field 'gpus' is missing"),
+    (dict(hardware="tpu"), "hardware='tpu'; use one of dgx-h100"),
+    (dict(ours={"fsdp": 4}), "spans 4 devices, not gpus=8"),
+    (dict(ours={"fsdq": 8}), "run 1 (mine): "),
+    (dict(model="llama9"), "model='llama9' a model name must be one of llama3_8b"),
+    (dict(measured=float("nan")), "measured=nan must be a positive number"),
+    (dict(program="deepspeed"), "program='deepspeed'; name the framework"),
+    (dict(seq_len="long"), "seq_len='long'"),
+], ids=["unknown", "missing", "hardware", "devices", "mesh-field", "model", "nan", "program", "text"])
+def test_a_bad_table_file_is_one_line(tmp_path, change, message):
+    import yaml
+
+    path = tmp_path / "runs.yaml"
+    with open(path, "w") as f:
+        yaml.safe_dump([{k: v for k, v in {**GOOD, **change}.items() if v is not None}], f)
+    proc = run_plan("--calibration", str(path))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"--calibration {path}" in lines[0] and message in lines[0], lines
+
+
+def test_a_table_file_that_is_not_one(tmp_path):
+    binary, empty = tmp_path / "runs.yaml", tmp_path / "empty.csv"
+    binary.write_bytes(b"\xff\xfe\x00runs")
+    empty.write_text("")
+    for path, message in ((binary, "is not a YAML or CSV table"), (empty, "must hold a list of runs"),
+                          (tmp_path / "absent.yaml", "cannot read it")):
+        proc = run_plan("--calibration", str(path))
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert message in proc.stderr, proc.stderr
