@@ -24,7 +24,7 @@ CONFIGS = os.path.join(ROOT, "configs")
 
 # Device counts each shipped file is sized for (see the comment at the top of each file).
 DEVICES = {"base": 8, "tiny": 8, "llama3_1b": 64, "llama3_8b": 64, "llama3_70b": 512, "llama3_405b": 16384,
-           "tiny_moe": 8, "mixtral_8x7b": 64, "qwen3_30b_a3b": 64}
+           "tiny_moe": 8, "mixtral_8x7b": 64, "qwen3_30b_a3b": 64, "qwen3_8b": 64, "tiny_qwen3": 8}
 
 
 def cfg_path(name: str) -> str:
@@ -96,6 +96,20 @@ def test_llama_presets_shapes():
         assert m.resolved_head_dim == 128 if name != "llama3_1b" else m.resolved_head_dim == 64
     one_b = load_config(cfg_path("llama3_1b.yaml")).model
     assert one_b.tie_embeddings and one_b.rope_scaling_factor == 32.0
+
+
+def test_qwen3_presets():
+    """Qwen3-8B's shape (8.19B parameters with its untied head, as published: 8.2B) and its tiny
+    sibling: the same layer options on tiny.yaml's shape."""
+    from lumen_jax.metrics import flops
+
+    m = load_config(cfg_path("qwen3_8b.yaml")).model
+    assert (m.d_model, m.num_layers, m.num_heads, m.num_kv_heads, m.resolved_head_dim, m.ffn_dim, m.vocab_size) == (
+        4096, 36, 32, 8, 128, 12288, 151936)
+    assert m.qk_norm and not m.tie_embeddings and m.rope_theta == 1e6 and m.norm_eps == 1e-6
+    assert abs(flops.param_counts(m)["total"] - 8.19e9) <= 0.01e9
+    tiny = load_config(cfg_path("tiny_qwen3.yaml")).model
+    assert tiny.qk_norm and not tiny.tie_embeddings and tiny.resolved_head_dim == 32 and tiny.d_model == TINY.model.d_model
 
 
 def test_gin_equals_yaml_for_tiny():
