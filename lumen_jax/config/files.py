@@ -47,6 +47,27 @@ _Loader.add_implicit_resolver(
     list("-+0123456789"))
 
 
+# A YAML alias is the same object again, so a 1 kB file of aliases of aliases loads at once but is
+# 10^10 values to anything that walks it (merging, checking, quoting it in an error message).
+MAX_VALUES = 100_000
+
+
+def _expands_past(data: Any, limit: int) -> bool:
+    """Whether `data`, its aliases expanded, holds more than `limit` values (stops counting there)."""
+    stack, seen = [data], 0
+    while stack:
+        x = stack.pop()
+        seen += 1
+        if seen > limit:
+            return True
+        if isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return False
+
+
 def _one_line(text: Any) -> str:
     return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
 
@@ -84,6 +105,9 @@ def _read_yaml(path: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
                           "keep one: YAML would silently use the last") from None
     if data is None:
         data = {}
+    if _expands_past(data, MAX_VALUES):
+        raise ConfigError(f"config file {path} expands to more than {MAX_VALUES:,} values (YAML aliases that "
+                          "repeat aliases?); write the values out: a config is a few hundred")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must be a mapping of sections ({', '.join(SECTIONS)}); "
                           f"got {type(data).__name__}")

@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import itertools
 import re
+import reprlib
 import types
 import typing
 from typing import Any, Mapping, Sequence
@@ -419,7 +420,22 @@ def show(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, tuple):
         value = list(value)
-    return repr(value)
+    text = _SHOWN.repr(value)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text):,} characters)"
+
+
+def _shown() -> reprlib.Repr:
+    """What an error message quotes of a value: enough to recognise it, never the whole of a huge
+    one (a list of 10^8 paths, nested 9 deep)."""
+    r = reprlib.Repr()
+    r.maxlist = r.maxdict = r.maxtuple = r.maxset = 20
+    r.maxstring = r.maxother = r.maxlong = SHOWN_CHARS
+    r.maxlevel = 4
+    return r
+
+
+SHOWN_CHARS = 200
+_SHOWN = _shown()
 
 
 def _close(word: Any, candidates: Sequence[str], cutoff: float = 0.6) -> str | None:

@@ -16,7 +16,7 @@ import yaml
 
 from helpers.paths import REPO as ROOT
 from lumen_jax import config as C
-from lumen_jax.config import Config, ConfigError, from_dict, to_dict
+from lumen_jax.config import Config, ConfigError, from_dict, show, to_dict
 from lumen_jax.config.checks import validate
 from lumen_jax.config.files import load_config
 
@@ -110,6 +110,14 @@ def test_qwen3_presets():
     assert abs(flops.param_counts(m)["total"] - 8.19e9) <= 0.01e9
     tiny = load_config(cfg_path("tiny_qwen3.yaml")).model
     assert tiny.qk_norm and not tiny.tie_embeddings and tiny.resolved_head_dim == 32 and tiny.d_model == TINY.model.d_model
+
+
+def test_an_error_quotes_a_huge_value_in_brief():
+    """A value of 5,000 paths in a one-line error is cut to what recognises it (before: the whole
+    value, 2 GB for a YAML alias bomb of 10^8 paths)."""
+    text = show(["path/to/shard"] * 5000)
+    assert text.startswith("['path/to/shard', 'path/to/shard'") and len(text) < 300, text
+    assert show(64) == "64" and show("abc") == "'abc'" and show((1, 2)) == "[1, 2]" and show(True) == "true"
 
 
 def test_gin_equals_yaml_for_tiny():

@@ -32,6 +32,13 @@ def _write(tmp, name, text):
     return path
 
 
+def _alias_bomb(depth: int = 9) -> str:
+    """A YAML file whose data.paths is 10^depth strings through `depth` levels of 10 aliases each."""
+    lines = ["a0: &a0 [" + ", ".join(["x"] * 10) + "]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, depth)]
+    return "\n".join(lines + [f"data: {{paths: *a{depth - 1}}}"]) + "\n"
+
+
 def _a_file(tmp):
     return _write(tmp, "afile", "not a directory\n")
 
@@ -63,6 +70,8 @@ FIXED = {
     "yaml duplicate key": (["--config={dup}"], ["{dup}", "d_model twice (lines 3 and 5)"]),
     "config is a directory": (["--config={tmp}"], ["{tmp} is a directory"]),
     "binary config": (["--config={binary}"], ["{binary} is not UTF-8 text", "a YAML file"]),
+    # 1.1 kB of aliases of aliases: 10^9 values once expanded (before: a hang, then gigabytes of message)
+    "yaml alias bomb": (["--config={bomb}"], ["{bomb} expands to more than 100,000 values", "write the values out"]),
     "unknown flag": (["--steps", "20"], ["--steps", "train.steps=20"]),
 }
 ALREADY_GOOD = {
@@ -109,7 +118,7 @@ def places(tmp_path_factory):
          "dup": _write(tmp, "dup.yaml", "base: " + os.path.join(REPO, "configs", "base.yaml") + "\nmodel:\n"
                        "  d_model: 64\n  num_layers: 2\n  d_model: 128\n"),
          "notes": _write(tmp, "notes.txt", "x"), "broken": _write(tmp, "broken.yaml", "model: [1, 2\n"),
-         "binary": _write(tmp, "binary.yaml", "")}
+         "binary": _write(tmp, "binary.yaml", ""), "bomb": _write(tmp, "bomb.yaml", _alias_bomb())}
     with open(p["binary"], "wb") as f:
         f.write(bytes(range(128, 256)))
     with tmpfs(os.path.join(tmp, "ro"), 1 << 16, read_only=True) as ro, \
