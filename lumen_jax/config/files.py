@@ -52,7 +52,7 @@ _Loader.add_implicit_resolver(
 MAX_VALUES = 100_000
 
 
-def _expands_past(data: Any, limit: int) -> bool:
+def expands_past(data: Any, limit: int) -> bool:
     """Whether `data`, its aliases expanded, holds more than `limit` values (stops counting there)."""
     stack, seen = [data], 0
     while stack:
@@ -105,7 +105,7 @@ def _read_yaml(path: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
                           "keep one: YAML would silently use the last") from None
     if data is None:
         data = {}
-    if _expands_past(data, MAX_VALUES):
+    if expands_past(data, MAX_VALUES):
         raise ConfigError(f"config file {path} expands to more than {MAX_VALUES:,} values (YAML aliases that "
                           "repeat aliases?); write the values out: a config is a few hundred")
     if not isinstance(data, dict):

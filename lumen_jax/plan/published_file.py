@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from lumen_jax.config import ConfigError, MeshConfig, ModelConfig
+from lumen_jax.config.files import MAX_VALUES, expands_past
 from lumen_jax.plan.recipe_memory import FAMILIES
 from lumen_jax.plan.published import CONVENTIONS, HARDWARE, MODELS, TABLE, Published  # noqa: F401 (TABLE: the default)
 
@@ -46,6 +47,9 @@ def read_table(path: str) -> tuple[Published, ...]:
         raise ConfigError(f"--calibration {path}: cannot read it: {e.strerror}") from None
     except (UnicodeDecodeError, yaml.YAMLError, csv.Error) as e:
         raise ConfigError(f"--calibration {path} is not a YAML or CSV table: {' '.join(str(e).split())[:200]}") from None
+    if expands_past(raw, MAX_VALUES):
+        raise ConfigError(f"--calibration {path} expands to more than {MAX_VALUES:,} values (YAML aliases that "
+                          "repeat aliases?); write the runs out")
     if isinstance(raw, dict) and set(raw) == {"runs"}:
         raw = raw["runs"]
     if not isinstance(raw, list) or not raw or not all(isinstance(r, dict) for r in raw):

@@ -283,11 +283,13 @@ def test_a_bad_table_file_is_one_line(tmp_path, change, message):
 
 
 def test_a_table_file_that_is_not_one(tmp_path):
-    binary, empty = tmp_path / "runs.yaml", tmp_path / "empty.csv"
+    binary, empty, bomb = tmp_path / "runs.yaml", tmp_path / "empty.csv", tmp_path / "bomb.yaml"
     binary.write_bytes(b"\xff\xfe\x00runs")
     empty.write_text("")
+    bomb.write_text("a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 9)) + "runs: *a8\n")
     for path, message in ((binary, "is not a YAML or CSV table"), (empty, "must hold a list of runs"),
-                          (tmp_path / "absent.yaml", "cannot read it")):
+                          (tmp_path / "absent.yaml", "cannot read it"), (bomb, "expands to more than 100,000")):
         proc = run_plan("--calibration", str(path))
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert message in proc.stderr, proc.stderr
