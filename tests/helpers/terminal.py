@@ -11,10 +11,11 @@ import termios
 from helpers.paths import REPO
 
 
-def run_in_pty(args: list[str], timeout_s: float = 300, stdout=None) -> tuple[int, str]:
-    """(exit code, everything the process wrote to its terminal); `stdout`: a file for its stdout instead."""
+def run_in_pty(args: list[str], timeout_s: float = 300, stdout=None, columns: int = 120) -> tuple[int, str]:
+    """(exit code, everything the process wrote to its terminal); `stdout`: a file for its stdout instead;
+    `columns`: the terminal's width (0: one that reports none, as some CI terminals do)."""
     leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a 120-column terminal
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
     proc = subprocess.Popen(args, stdin=follower, stdout=stdout or follower, stderr=follower, cwd=REPO,
                             close_fds=True)
     os.close(follower)
