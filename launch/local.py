@@ -37,10 +37,11 @@ sys.path.insert(0, REPO)  # run as a script from anywhere: lumen_jax.config (no 
 
 from lumen_jax.config import ConfigError  # noqa: E402
 from lumen_jax.config.commands import CommandParser  # noqa: E402
+from lumen_jax.config.checks import MAX_CPU_DEVICES  # noqa: E402
 from lumen_jax.config.files import load_config  # noqa: E402
 from lumen_jax.train.cli import parse_args as parse_train_args, run_dir_for  # noqa: E402
 
-MAX_DEVICES_PER_PROCESS = 256  # emulated CPU devices: XLA starts a thread pool per device
+MAX_DEVICES_PER_PROCESS = MAX_CPU_DEVICES  # emulated CPU devices: XLA starts a thread pool per device
 
 
 def free_port() -> int:

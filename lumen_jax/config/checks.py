@@ -18,6 +18,10 @@ from typing import Any, Callable, Iterator
 from lumen_jax.config import Config, ConfigError, MeshConfig, from_dict, show, to_dict
 
 # (key, comparison, bound): the range each number must lie in, checked before anything divides by it.
+# Emulated CPU devices one process may start: XLA starts a thread pool per device (100,000 hung
+# start-up, deaf to SIGTERM); launch/local.py holds --devices-per-process to it too.
+MAX_CPU_DEVICES = 256
+
 _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("model.d_model", ">=", 1), ("model.num_layers", ">=", 1), ("model.num_heads", ">=", 1),
     ("model.num_kv_heads", ">=", 1), ("model.head_dim", ">=", 0), ("model.ffn_dim", ">=", 1),
@@ -43,7 +47,7 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("checkpoint.every_steps", ">=", 0), ("checkpoint.every_minutes", ">=", 0), ("checkpoint.keep", ">=", 1),
     ("checkpoint.keep_every", ">=", 0),
     ("log.every_steps", ">=", 1),
-    ("runtime.cpu_devices", ">=", 0),
+    ("runtime.cpu_devices", ">=", 0), ("runtime.cpu_devices", "<=", MAX_CPU_DEVICES),
     ("distributed.num_processes", ">=", 0), ("distributed.process_id", ">=", -1),
     ("distributed.heartbeat_timeout_s", ">=", 1), ("distributed.initialization_timeout_s", ">=", 1),
     *((f"distributed.across_nodes_{a}", ">=", 1) for a in MeshConfig.AXES),

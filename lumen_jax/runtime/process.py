@@ -7,6 +7,7 @@ import os
 from typing import Any, Sequence
 
 from lumen_jax.config import ConfigError, MeshConfig, ModelConfig, RuntimeConfig
+from lumen_jax.config.checks import MAX_CPU_DEVICES
 from lumen_jax.metrics.flops import param_counts
 
 # XLA:CPU's concurrency-optimized scheduler lets one emulated device run two independent
@@ -166,7 +167,11 @@ def configure(rc: RuntimeConfig) -> None:
     options, `step_compile_options`, each checked against this jaxlib, not XLA_FLAGS.)
 
     Call before anything creates a JAX array: the backend reads these once, at start-up.
+
+    Raises:
+      ConfigError: more emulated CPU devices than one process may start (`MAX_CPU_DEVICES`).
     """
+    _check_cpu_devices(rc.cpu_devices)
     prepare_cpu_backend(max(rc.cpu_devices, 1))
     if rc.malloc == "reuse" and (rc.platform == "cpu" or rc.cpu_devices > 0):  # a CPU run
         keep_freed_memory()
@@ -183,6 +188,13 @@ def configure(rc: RuntimeConfig) -> None:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def _check_cpu_devices(n: int) -> None:
+    """Before the backend starts (the config's bounds are checked later, against the devices)."""
+    if n > MAX_CPU_DEVICES:
+        raise ConfigError(f"runtime.cpu_devices={n} must be <= {MAX_CPU_DEVICES} (XLA starts threads for every "
+                          f"emulated device); set runtime.cpu_devices to at most {MAX_CPU_DEVICES}")
+
+
 def apply_cpu_devices(overrides: Sequence[str]) -> list[str]:
     """Applies a `runtime.cpu_devices=N` among `overrides` (emulated CPU devices for a command that reads
     a run, e.g. generate with mesh.tensor=2 on a CPU machine) before the backend starts; returns the others."""
@@ -196,6 +208,7 @@ def apply_cpu_devices(overrides: Sequence[str]) -> list[str]:
         n = from_dict(apply_overrides({}, cpu[-1:])).runtime.cpu_devices
         if n < 1:
             raise ConfigError(f"runtime.cpu_devices={n} must be >= 1 here")
+        _check_cpu_devices(n)
         jax.config.update("jax_num_cpu_devices", n)
     return [o for o in overrides if o not in cpu]
 

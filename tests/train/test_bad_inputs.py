@@ -70,6 +70,8 @@ FIXED = {
     "yaml duplicate key": (["--config={dup}"], ["{dup}", "d_model twice (lines 3 and 5)"]),
     "config is a directory": (["--config={tmp}"], ["{tmp} is a directory"]),
     "binary config": (["--config={binary}"], ["{binary} is not UTF-8 text", "a YAML file"]),
+    # before: start-up hung starting threads for 100,000 devices, deaf to SIGTERM
+    "cpu devices": (["runtime.cpu_devices=100000"], ["runtime.cpu_devices=100000 must be <= 256"]),
     # 1.1 kB of aliases of aliases: 10^9 values once expanded (before: a hang, then gigabytes of message)
     "yaml alias bomb": (["--config={bomb}"], ["{bomb} expands to more than 100,000 values", "write the values out"]),
     "unknown flag": (["--steps", "20"], ["--steps", "train.steps=20"]),
