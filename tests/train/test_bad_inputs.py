@@ -246,3 +246,39 @@ def test_slurm_tasks_without_a_task_id_is_one_line(shared, capfd, monkeypatch):
     monkeypatch.setenv("JAX_NUM_PROCESSES", "1")  # said on purpose: one process
     assert train_cli.main(args(shared)) == 0
 
+
+def test_changed_data_files_are_named_on_resume(tmp_path, capfd):
+    """A resume on data files whose content changed, the document count kept (a .txt file is one
+    document), is refused naming the file and the key that restarts the data; that key resumes the model
+    on the data from its first batch. A checkpoint written before files were fingerprinted resumes."""
+    import glob
+    import json
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(3):
+        (data / f"d{i}.txt").write_text(f"document {i} " * 40)
+    run = str(tmp_path / "run")
+    files = ["data.source=files", f"data.paths=[{data}/*.txt]"]
+    assert train_cli.main(args(run, *files)) == 0
+    with open(data / "d1.txt", "a") as f:
+        f.write("more text")
+    before = snapshot(run)
+    capfd.readouterr()
+    assert train_cli.main(args(run, *files)) == train_cli.EXIT_BAD_INPUT
+    [line] = capfd.readouterr().err.strip().splitlines()
+    assert f"{data}/d1.txt changed (440 bytes, now 449)" in line and "data.on_change=restart" in line, line
+    assert snapshot(run) == before
+    # a checkpoint of before the fingerprint: its settings alone are compared
+    [meta] = glob.glob(os.path.join(run, "checkpoints", "*", "meta", "metadata"))
+    with open(meta) as f:
+        saved = json.load(f)
+    files_fp = saved["data"]["config"].pop("files")
+    with open(meta, "w") as f:
+        json.dump(saved, f)
+    assert train_cli.main(args(run, *files)) == 0, capfd.readouterr().err
+    saved["data"]["config"]["files"] = files_fp
+    with open(meta, "w") as f:
+        json.dump(saved, f)
+    capfd.readouterr()
+    assert train_cli.main(args(run, *files, f"train.steps={RUN_STEPS + 1}", "data.on_change=restart")) == 0
+    assert "the data starts again from its first batch" in capfd.readouterr().err
