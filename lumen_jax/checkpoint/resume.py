@@ -22,6 +22,7 @@ import jax
 
 from lumen_jax.checkpoint.layout import committed_steps, meta_path
 from lumen_jax.config import ConfigError, TrainConfig, show
+from lumen_jax.data.errors import DataError
 
 # Model keys that change numerics only, never the state's arrays.
 _NUMERIC_MODEL_KEYS = frozenset({
@@ -104,7 +105,7 @@ def check(config: dict, checkpoint_dir: str, abstract_state: Any, run_dir: str,
       abstract_state: the state the config builds (shapes and dtypes; `Trainer.abstract_state()`).
       run_dir: named in the messages.
       check_data: raises DataError when the checkpoint's data state does not fit the new data
-        pipeline (`TrainData.check_state`).
+        pipeline or its files changed (`TrainData.check_state`); the error is given the run and step.
 
     Returns:
       The newest committed step (None: no checkpoint, a fresh start).
@@ -122,7 +123,10 @@ def check(config: dict, checkpoint_dir: str, abstract_state: Any, run_dir: str,
     old, new = _flat(meta["config"]), _flat(config)
     data_state = meta.get("data")
     if check_data is not None and isinstance(data_state, dict) and "config" in data_state:
-        check_data(data_state)
+        try:
+            check_data(data_state)
+        except DataError as e:  # which checkpoint the data is compared with
+            raise DataError(f"train.run_dir={run_dir} (step {step}): {e}") from None
     saved_shapes = meta.get("state_shapes")
     if saved_shapes is not None and saved_shapes == state_shapes(abstract_state):
         return step

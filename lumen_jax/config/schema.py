@@ -250,6 +250,7 @@ class DataConfig:
     prefetch: int = 0  # batches made ahead in the background (a thread; with num_workers, per worker)
     eval_paths: tuple[str, ...] = ()  # globs of held-out files for evaluation (same formats as paths)
     eval_share: float = 0.0  # without eval_paths: this share of the documents is held out of training
+    on_change: str = "refuse"  # resuming on other data than the checkpoint's: refuse | restart (the data from its start)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,6 +359,7 @@ ZERO_STAGES = (1, 2, 3)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")  # lumen_jax.parallel.pipeline.schedule.SCHEDULES
 DATA_SOURCES = ("builtin", "files", "prepared")
 DATA_ORDERS = ("documents", "windows")
+DATA_ON_CHANGE = ("refuse", "restart")
 PLATFORMS = ("", "cpu", "gpu", "cuda", "rocm", "tpu")
 
 # Enum-like fields: the allowed values, checked on load and in `validate`.
@@ -381,6 +383,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "mesh.pipeline_schedule": PIPELINE_SCHEDULES,
     "data.source": DATA_SOURCES,
     "data.order": DATA_ORDERS,
+    "data.on_change": DATA_ON_CHANGE,
     "runtime.platform": PLATFORMS,
     "runtime.malloc": ("reuse", "default"),
 }

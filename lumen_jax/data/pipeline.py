@@ -62,7 +62,7 @@ from lumen_jax.config import DataConfig, MixtureSource
 from lumen_jax.data import mixture
 from lumen_jax.data.errors import DataError
 from lumen_jax.data.prepared import MANIFEST, PreparedDocuments
-from lumen_jax.data.sources import HeldOut, builtin_documents, file_documents
+from lumen_jax.data.sources import HeldOut, builtin_documents, data_files, file_documents, file_fingerprint
 from lumen_jax.data.tokenizer import build_tokenizer
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -216,6 +216,23 @@ def _tuples(state: Any) -> Any:
     return state
 
 
+SHOWN_FILES = 3  # changed data files named in a resume's refusal
+
+
+def _changed_files(saved: list, now: list) -> list[str]:
+    """What differs between two lists of `file_fingerprint`s, in order: each changed file by name (at
+    most SHOWN_FILES, then a count). Files are matched by position, so a moved copy is the same data."""
+    out = []
+    for old, new in zip(saved, now):
+        if list(old[1:]) != list(new[1:]):
+            how = (f"{old[1]} bytes, now {new[1]}" if old[1] != new[1] else "same size, other bytes")
+            out.append(f"{new[0]} changed ({how})")
+    out += [f"{f[0]} is new" for f in now[len(saved):]] + [f"{f[0]} is gone" for f in saved[len(now):]]
+    if len(out) > SHOWN_FILES:
+        out = out[:SHOWN_FILES] + [f"{len(out) - SHOWN_FILES} more files changed"]
+    return out
+
+
 class TrainData:
     """Iterator of this process's rows of each global batch, forever, resumable.
 
@@ -257,6 +274,7 @@ class TrainData:
         self.streams = range(first, first + self.local_batch_size)
         self._batches = 0  # batches handed out (the windows' position, the mixture's token counts)
         self._holder: list = []
+        self._files: list | None = None  # the data files' fingerprints, taken on first use
         self._finalizer = weakref.finalize(self, _close_iterator, self._holder)
         self._start(0)
 
@@ -338,6 +356,10 @@ class TrainData:
               **({"split": self.split, "eval_share": c.eval_share} if c.eval_share else {})}
         if len(self.sources) > 1:
             fp["mixture"] = [[s.name, s.weight, len(s.documents)] for s in self.sources]
+        if self._files is None and not (c.source == "builtin" and not (self.split == "eval" and c.eval_paths)):
+            self._files = [file_fingerprint(p) for s in self.sources for p in data_files(s.documents)]
+        if self._files is not None:  # the files the position points into: size and sampled hash
+            fp["files"] = self._files
         if self.windows:  # batches are random access: any worker count, any process count
             del fp["num_workers"]
             fp["order"] = "windows"
@@ -357,20 +379,35 @@ class TrainData:
             return {**state, "workers": json.loads(json.dumps(grain_state))}
         return {**state, "streams": {str(r): s for r, s in zip(self.streams, grain_state["parents"])}}
 
-    def check_state(self, state: dict) -> None:
-        """Raises DataError when `get_state()` output was written by another data pipeline."""
+    def check_state(self, state: dict) -> bool:
+        """Whether `get_state()` output was written on this data with these settings: False when not and
+        data.on_change=restart (the data starts from its first batch), else a DataError naming what
+        changed. A state written before files were fingerprinted is compared by its settings only."""
         saved, now = dict(state.get("config", {})), self._fingerprint()
         if saved.get("tokenizer", "byte") != "byte" and isinstance(saved["tokenizer"], str):
             saved["tokenizer"] = os.path.abspath(saved["tokenizer"])  # recorded before paths were made absolute
-        diff = [f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in now.items() if saved.get(k) != v]
-        diff += [f"{k}: saved {v!r}, now absent" for k, v in saved.items() if k not in now]
-        if diff:
-            raise DataError("data state does not match this data pipeline (" + "; ".join(diff)
-                            + "); resume with the same data settings or start the data from scratch")
+        diff = [f"{k}: saved {saved.get(k)!r}, now {v!r}" for k, v in now.items()
+                if k != "files" and saved.get(k) != v]
+        diff += [f"{k}: saved {v!r}, now absent" for k, v in saved.items() if k not in now and k != "files"]
+        if "files" in saved and "files" in now:
+            diff += _changed_files(saved["files"], now["files"])
+        if not diff:
+            return True
+        if self.cfg.on_change == "restart":
+            return False
+        raise DataError("the data differs from the checkpoint's (" + "; ".join(diff) + "); resume with the data "
+                        "and data settings it was written with, or set data.on_change=restart to keep the "
+                        "trained model and start the data again from its first batch")
 
     def set_state(self, state: dict) -> None:
-        """Resume from `get_state()` output (after a JSON round trip is fine); raises DataError on mismatch."""
-        self.check_state(state)
+        """Resume from `get_state()` output (after a JSON round trip is fine); raises DataError on mismatch
+        (data.on_change=restart: the data starts from its first batch instead, said on stderr)."""
+        if not self.check_state(state):
+            if self.process_index == 0:
+                from lumen_jax.runtime.logs import console
+                print("note: the data differs from the checkpoint's; data.on_change=restart: the model resumes, "
+                      "the data starts again from its first batch", file=console(), flush=True)
+            return
         if self.windows:
             self._start(state["batches"])
         elif self.cfg.num_workers > 0:

@@ -31,6 +31,7 @@ from lumen_jax.data import prepared
 from lumen_jax.data.errors import DataError
 from lumen_jax.data.sources import decode_record, list_files, open_file
 from lumen_jax.data.tokenizer import build_tokenizer
+from lumen_jax.runtime.lock import Busy, Lock
 
 EXIT_BAD_INPUT = 2
 CHUNK_RECORDS = 256  # records per task sent to a worker
@@ -221,6 +222,26 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = build_tokenizer(args.tokenizer)
     plan = make_plan(args.input, args.text_field, args.tokenizer, tokenizer)
     out = args.out
+    if args.join:
+        return _prepare(args, plan, out)
+    os.makedirs(out, exist_ok=True)
+    # One process per slice: slices of one --out run side by side, the same slice twice would race.
+    lock = Lock(os.path.join(out, f"prepare-{args.shard}-of-{args.num_shards}.lock"))
+    try:
+        lock.acquire()
+    except Busy as e:
+        raise DataError(f"--out={out} is being prepared by another data.prepare of the same slice (--shard "
+                        f"{args.shard} --num-shards {args.num_shards}; {e}); wait for it to end or stop it, "
+                        "then rerun: finished shards are kept") from None
+    if lock.note:
+        print(f"warning: {lock.note}", file=sys.stderr, flush=True)
+    try:
+        return _prepare(args, plan, out)
+    finally:
+        lock.release()
+
+
+def _prepare(args: argparse.Namespace, plan: dict, out: str) -> int:
     fix_plan(out, plan)
     if not args.join:
         mine = [s for k, s in enumerate(plan["shards"]) if k % args.num_shards == args.shard]

@@ -172,6 +172,9 @@ class PreparedDocuments:
                     raise DataError(f"{manifest}: shard {k} is damaged ({type(e).__name__}: {str(e)[:80]}); "
                                     f"prepare {d} again") from None
         self.directories = tuple(directories)
+        # what a resume fingerprints (sources.data_files): the manifests and every shard's files
+        self.paths = [os.path.join(os.path.expanduser(d), MANIFEST) for d in directories] + [
+            p for s in self.shards for p in (s.bin, s.idx)]
         self.doc_offsets = np.cumsum([0] + [s.documents for s in self.shards])
         self.token_offsets = np.cumsum([0] + [s.tokens for s in self.shards])
         if not len(self):

@@ -16,6 +16,7 @@ Parquet columns are loaded whole on first use and kept (per process / worker): m
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import mmap
 import os
@@ -309,6 +310,28 @@ def list_files(patterns: tuple[str, ...] | list[str], key: str = "data.paths") -
             if p not in paths:
                 paths.append(p)
     return paths
+
+
+FINGERPRINT_BYTES = 1 << 16  # hashed at each end of a data file: a resume reads little, even of a large corpus
+
+
+def file_fingerprint(path: str) -> list:
+    """[path, size, sha256 of its first and last FINGERPRINT_BYTES]: cheap evidence that a file changed
+    (appended, truncated, replaced), which a resume compares with the checkpoint's."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        digest.update(f.read(FINGERPRINT_BYTES))
+        if size > FINGERPRINT_BYTES:
+            f.seek(max(size - FINGERPRINT_BYTES, FINGERPRINT_BYTES))
+            digest.update(f.read())
+    return [path, size, digest.hexdigest()[:16]]
+
+
+def data_files(docs: object) -> list[str]:
+    """The files a source's documents are read from (a held-out share: its source's)."""
+    docs = docs.docs if isinstance(docs, HeldOut) else docs
+    return list(docs.paths) if hasattr(docs, "paths") else [f.path for f in docs.files]
 
 
 def open_file(path: str, text_field: str) -> _TextFile | _JsonlFile | _ParquetFile | None:

@@ -81,6 +81,11 @@ def resolve(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> dic
     ids: list[int] | None = list(cfg.local_device_ids) or None
     if ids is None and env.get("JAX_LOCAL_DEVICE_IDS"):
         ids = [int(i) for i in env["JAX_LOCAL_DEVICE_IDS"].split(",")]
+    if not num and env.get("SLURM_NTASKS", "1").strip() != "1" and "SLURM_PROCID" not in env:
+        # Not one of srun's tasks (SLURM sets SLURM_PROCID in each): training alone would be a silent 1/N.
+        raise ConfigError(f"SLURM_NTASKS={env['SLURM_NTASKS'][:20]} but SLURM_PROCID is not set: this process is "
+                          "not one of the job's tasks; start every task with srun (srun python -m lumen_jax.train "
+                          "...), or set distributed.num_processes=1 to train as one process")
     if slurm:
         num = num or int(env["SLURM_NTASKS"])
         pid = pid if pid >= 0 else int(env["SLURM_PROCID"])

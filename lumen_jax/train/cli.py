@@ -89,30 +89,31 @@ def train(cfg: Config, stop=None) -> dict:
     if jax.process_index() == 0:
         for line in [*notes, *(f"warning: {w}" for w in warnings(cfg))]:
             print(line, file=sys.stderr, flush=True)
-        rundir.prepare(run_dir)  # a file in its place, read-only, full: exit 2 before compiling
-    trainer = build(cfg, make_mesh(mesh_shape, across_nodes=distributed.across_nodes(
-        cfg.distributed, mesh_shape, jax.devices())))
-    local = [d for d in trainer.mesh.devices.flat if d.process_index == jax.process_index()]  # addressable only
-    planned = startup.at_start(cfg, dict(trainer.mesh.shape), trainer.ops, (local[0].memory_stats() or {}).get(
-        "bytes_limit"), plan_bytes=jax.process_index() == 0)  # memory_stats: None on CPU
-    share, shares = distributed.batch_share(trainer.batch_sharding, cfg.data.global_batch_size, cfg.data.seq_len)
-    data = TrainData(cfg.data, seed=cfg.train.seed, process_index=share, process_count=shares)
-    if data.tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                          f"vocabulary ({data.tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer!r}); "
-                          f"set model.vocab_size>={data.tokenizer.vocab_size}")
-    # Before anything in the run directory changes: does its checkpoint fit this config?
-    config = to_dict(cfg)
-    resume.check(config, os.path.join(run_dir, "checkpoints"), trainer.stored_abstract_state(), run_dir,
-                 data.check_state)
-    if jax.process_index() == 0:
-        rundir.write_json(run_dir, "config.json", config)
-    spec = loop.RunSpec(train=cfg.train, checkpoint=cfg.checkpoint, log=cfg.log, config=config,
-                        param_count=param_counts(cfg.model)["total"],
-                        throughput=Throughput.of(cfg.model, cfg.data.seq_len, cfg.data.global_batch_size,
-                                                 jax.devices()),
-                        planned_bytes=planned.bytes_per_device, planned_error=planned.error)
-    return loop.run(trainer, data, run_dir, spec, stop, during_training(cfg.data, cfg.train, trainer, share, shares))
+    # one trainer per run directory; a file in its place, read-only, full: exit 2 before compiling
+    with rundir.claimed(run_dir):
+        trainer = build(cfg, make_mesh(mesh_shape, across_nodes=distributed.across_nodes(
+            cfg.distributed, mesh_shape, jax.devices())))
+        local = [d for d in trainer.mesh.devices.flat if d.process_index == jax.process_index()]  # addressable only
+        planned = startup.at_start(cfg, dict(trainer.mesh.shape), trainer.ops, (local[0].memory_stats() or {}).get(
+            "bytes_limit"), plan_bytes=jax.process_index() == 0)  # memory_stats: None on CPU
+        share, shares = distributed.batch_share(trainer.batch_sharding, cfg.data.global_batch_size, cfg.data.seq_len)
+        data = TrainData(cfg.data, seed=cfg.train.seed, process_index=share, process_count=shares)
+        if data.tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                              f"vocabulary ({data.tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer!r}); "
+                              f"set model.vocab_size>={data.tokenizer.vocab_size}")
+        # Before anything in the run directory changes: does its checkpoint fit this config?
+        config = to_dict(cfg)
+        resume.check(config, os.path.join(run_dir, "checkpoints"), trainer.stored_abstract_state(), run_dir,
+                     data.check_state)
+        if jax.process_index() == 0:
+            rundir.write_json(run_dir, "config.json", config)
+        spec = loop.RunSpec(train=cfg.train, checkpoint=cfg.checkpoint, log=cfg.log, config=config,
+                            param_count=param_counts(cfg.model)["total"],
+                            throughput=Throughput.of(cfg.model, cfg.data.seq_len, cfg.data.global_batch_size,
+                                                     jax.devices()),
+                            planned_bytes=planned.bytes_per_device, planned_error=planned.error)
+        return loop.run(trainer, data, run_dir, spec, stop, during_training(cfg.data, cfg.train, trainer, share, shares))
 
 
 def _leave(cfg: Config | None, code: int) -> int:
@@ -165,7 +166,8 @@ def _main(cfg: Config, no_config_file: bool, stop) -> int:
         last = train(cfg, stop)
     except tuple(codes) as e:
         print(f"{'stopped' if isinstance(e, Preempted) else 'error'}: {e}", file=sys.stderr, flush=True)
-        return _leave(cfg, next(code for kind, code in codes.items() if isinstance(e, kind)))
+        from lumen_jax.runtime.rundir import RunDirBusy  # another trainer's run directory: no event written there
+        return _leave(None if isinstance(e, RunDirBusy) else cfg, next(code for kind, code in codes.items() if isinstance(e, kind)))
     except OSError as e:  # a metrics or events write on a full disk: the environment, not a bug
         from lumen_jax.runtime.rundir import ENVIRONMENT_ERRNOS
         if e.errno not in ENVIRONMENT_ERRNOS:

@@ -141,3 +141,25 @@ def test_another_corpus_into_the_same_directory_is_refused(corpus, tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith(f"error: {out} was prepared from other tokenizer than this command's")
     assert snapshot(str(out)) == before
+
+
+def test_one_prepare_per_slice_of_an_out_directory(corpus, tmp_path):
+    """A second data.prepare of the slice a live one prepares is refused naming the holder; another slice
+    of the same --out runs beside it; once the holder is gone, the rerun prepares."""
+    import socket
+    from lumen_jax.runtime.lock import Lock
+    out = tmp_path / "out"
+    out.mkdir()
+    with Lock(str(out / "prepare-0-of-1.lock")), Lock(str(out / "prepare-1-of-2.lock")):
+        before = snapshot(str(out))
+        proc = run_prepare(corpus, out, "--workers", "0")
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith(f"error: --out={out} is being prepared by another data.prepare of the same "
+                                      "slice (--shard 0 --num-shards 1;")
+        assert f"host {socket.gethostname()}, pid {os.getpid()}, started " in proc.stderr
+        assert snapshot(str(out)) == before
+        other = run_prepare(corpus, out, "--workers", "0", "--shard", "0", "--num-shards", "2")
+        assert other.returncode == 0, other.stderr
+    proc = run_prepare(corpus, out, "--workers", "0")
+    assert proc.returncode == 0 and (out / "manifest.json").exists(), proc.stderr
+    assert not [n for n in os.listdir(out) if n.endswith(".lock")]

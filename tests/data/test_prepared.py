@@ -255,3 +255,27 @@ def test_training_on_a_token_id_past_the_vocabulary_exits_2_in_one_line(corpus, 
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1, err
     assert err.startswith(f"error: prepared shard {copy}/shard-00000.bin holds token id 4235"), err
+
+
+def test_a_changed_shard_is_named_on_resume_and_restart_starts_the_data_again(corpus, tmp_path):
+    """The resume check fingerprints the shards (size, sampled sha256): a shard rewritten in place, same
+    size and document count, is refused by name; data.on_change=restart starts from the first batch."""
+    import shutil
+    web = str(tmp_path / "web")
+    shutil.copytree(corpus["dir"], web)
+    cfg = prepared_cfg({"dir": web})
+    data = TrainData(cfg, seed=0)
+    take(data, 3)
+    state = json.loads(json.dumps(data.get_state()))
+    TrainData(cfg, seed=0).set_state(state)  # unchanged: resumes
+    with open(f"{web}/shard-00000.bin", "r+b") as f:  # the last token, another id, same size
+        f.seek(-2, 2)
+        last = int.from_bytes(f.read(2), "little")
+        f.seek(-2, 2)
+        f.write(((last + 1) % 200).to_bytes(2, "little"))
+    with pytest.raises(DataError, match=r"shard-00000.bin changed \(same size, other bytes\).*data.on_change=restart"):
+        TrainData(cfg, seed=0).set_state(state)
+    restart = dataclasses.replace(cfg, on_change="restart")
+    resumed = TrainData(restart, seed=0)
+    resumed.set_state(state)
+    assert_same(take(resumed, 2), take(TrainData(restart, seed=0), 2))

@@ -75,6 +75,12 @@ FIXED = {
     # 1.1 kB of aliases of aliases: 10^9 values once expanded (before: a hang, then gigabytes of message)
     "yaml alias bomb": (["--config={bomb}"], ["{bomb} expands to more than 100,000 values", "write the values out"]),
     "unknown flag": (["--steps", "20"], ["--steps", "train.steps=20"]),
+    "run dir is a folder of the user's": (["train.run_dir={mine}"], ["train.run_dir={mine} is not empty and is not a run "
+                                                                     "directory", "notes.txt"]),
+    "run dir holds a Hugging Face config.json": (["train.run_dir={hf}"], ["train.run_dir={hf} holds a config.json "
+                                                                          "that lumen_jax did not write"]),
+    "symlinked metrics.jsonl": (["train.run_dir={linked}"], ["train.run_dir={linked}: metrics.jsonl is a symbolic link",
+                                                             "{afile}"]),
 }
 ALREADY_GOOD = {
     "unknown key": (["model.d_modle=1"], ["model.d_modle", "did you mean model.d_model"]),
@@ -112,7 +118,7 @@ CASES = {**FIXED, **ALREADY_GOOD, **DIAGNOSTICS}
 
 
 @pytest.fixture(scope="module")
-def places(tmp_path_factory):
+def places(tmp_path_factory, shared):
     """The files and filesystems the cases name; a read-only and a full tmpfs where mounting works."""
     tmp = str(tmp_path_factory.mktemp("inputs"))
     p = {"tmp": tmp, "afile": _a_file(tmp), "empty_txt": _write(tmp, "empty/e.txt", ""),
@@ -120,7 +126,11 @@ def places(tmp_path_factory):
          "dup": _write(tmp, "dup.yaml", "base: " + os.path.join(REPO, "configs", "base.yaml") + "\nmodel:\n"
                        "  d_model: 64\n  num_layers: 2\n  d_model: 128\n"),
          "notes": _write(tmp, "notes.txt", "x"), "broken": _write(tmp, "broken.yaml", "model: [1, 2\n"),
-         "binary": _write(tmp, "binary.yaml", ""), "bomb": _write(tmp, "bomb.yaml", _alias_bomb())}
+         "binary": _write(tmp, "binary.yaml", ""), "bomb": _write(tmp, "bomb.yaml", _alias_bomb()),
+         "mine": os.path.dirname(_write(tmp, "mine/notes.txt", "mine\n")),
+         "hf": os.path.dirname(_write(tmp, "hf/config.json", '{"model_type": "llama", "hidden_size": 64}\n')),
+         "linked": os.path.dirname(_write(tmp, "linked/config.json", open(os.path.join(shared, "config.json")).read()))}
+    os.symlink(p["afile"], os.path.join(p["linked"], "metrics.jsonl"))
     with open(p["binary"], "wb") as f:
         f.write(bytes(range(128, 256)))
     with tmpfs(os.path.join(tmp, "ro"), 1 << 16, read_only=True) as ro, \
@@ -157,7 +167,7 @@ def test_bad_input_is_one_line_exit_2_nothing_changed(name, shared, places, capf
     overrides = [o.format(**fmt) for o in overrides]
     config = next((o.split("=", 1)[1] for o in overrides if o.startswith("--config=")), "configs/tiny.yaml")
     overrides = [o for o in overrides if not o.startswith("--config=")]
-    before, before_file = snapshot(shared), snapshot(places["afile"])
+    before, before_file, before_tmp = snapshot(shared), snapshot(places["afile"]), snapshot(places["tmp"])
     capfd.readouterr()
     rc = train_cli.main(args(shared, *overrides, config=config))
     err = capfd.readouterr().err
@@ -168,6 +178,7 @@ def test_bad_input_is_one_line_exit_2_nothing_changed(name, shared, places, capf
         assert fragment.format(**fmt) in lines[0], (fragment, lines[0])
     assert snapshot(shared) == before, "the run directory changed"
     assert snapshot(places["afile"]) == before_file
+    assert snapshot(places["tmp"]) == before_tmp, "a file of the user's changed"
     for key in ("ro", "full"):
         assert not os.path.exists(os.path.join(places[key], "run")), "a folder was left behind"
 
@@ -208,3 +219,78 @@ def test_some_empty_documents_are_skipped_with_a_count(tmp_path, capsys):
     assert [docs[i] for i in range(len(docs))] == ["text", "more"]
     [line] = capsys.readouterr().err.strip().splitlines()
     assert "skipped 2 empty documents" in line and "other 2" in line
+
+
+def test_a_run_directory_has_one_trainer(shared, capfd):
+    """A second trainer on a run directory a live one holds is refused, naming the holder (host, pid,
+    start), and writes nothing there; once the holder is gone (killed: its lock goes with it), a
+    restart trains."""
+    import signal
+    import socket
+    from lumen_jax.runtime import rundir
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from lumen_jax.runtime.rundir import claim; "
+                               f"claim({shared!r}); print('held', flush=True); time.sleep(120)"],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = snapshot(shared)
+        capfd.readouterr()
+        assert train_cli.main(args(shared)) == train_cli.EXIT_BAD_INPUT
+        [line] = capfd.readouterr().err.strip().splitlines()
+        assert line.startswith(f"error: train.run_dir={shared} is in use by another trainer"), line
+        assert f"host {socket.gethostname()}, pid {holder.pid}, started " in line, line
+        assert snapshot(shared) == before
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert os.path.exists(os.path.join(shared, rundir.LOCK))  # a killed holder leaves its file: stale, not held
+    assert train_cli.main(args(shared)) == 0, capfd.readouterr().err
+    assert not os.path.exists(os.path.join(shared, rundir.LOCK))  # given back at the end
+
+
+def test_slurm_tasks_without_a_task_id_is_one_line(shared, capfd, monkeypatch):
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    capfd.readouterr()
+    assert train_cli.main(args(shared)) == train_cli.EXIT_BAD_INPUT
+    [line] = capfd.readouterr().err.strip().splitlines()
+    assert "SLURM_NTASKS=4 but SLURM_PROCID is not set" in line and "distributed.num_processes=1" in line, line
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "1")  # said on purpose: one process
+    assert train_cli.main(args(shared)) == 0
+
+
+def test_changed_data_files_are_named_on_resume(tmp_path, capfd):
+    """A resume on data files whose content changed, the document count kept (a .txt file is one
+    document), is refused naming the file and the key that restarts the data; that key resumes the model
+    on the data from its first batch. A checkpoint written before files were fingerprinted resumes."""
+    import glob
+    import json
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(3):
+        (data / f"d{i}.txt").write_text(f"document {i} " * 40)
+    run = str(tmp_path / "run")
+    files = ["data.source=files", f"data.paths=[{data}/*.txt]"]
+    assert train_cli.main(args(run, *files)) == 0
+    with open(data / "d1.txt", "a") as f:
+        f.write("more text")
+    before = snapshot(run)
+    capfd.readouterr()
+    assert train_cli.main(args(run, *files)) == train_cli.EXIT_BAD_INPUT
+    [line] = capfd.readouterr().err.strip().splitlines()
+    assert f"{data}/d1.txt changed (440 bytes, now 449)" in line and "data.on_change=restart" in line, line
+    assert snapshot(run) == before
+    # a checkpoint of before the fingerprint: its settings alone are compared
+    [meta] = glob.glob(os.path.join(run, "checkpoints", "*", "meta", "metadata"))
+    with open(meta) as f:
+        saved = json.load(f)
+    files_fp = saved["data"]["config"].pop("files")
+    with open(meta, "w") as f:
+        json.dump(saved, f)
+    assert train_cli.main(args(run, *files)) == 0, capfd.readouterr().err
+    saved["data"]["config"]["files"] = files_fp
+    with open(meta, "w") as f:
+        json.dump(saved, f)
+    capfd.readouterr()
+    assert train_cli.main(args(run, *files, f"train.steps={RUN_STEPS + 1}", "data.on_change=restart")) == 0
+    assert "the data starts again from its first batch" in capfd.readouterr().err
