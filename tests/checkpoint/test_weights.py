@@ -53,10 +53,13 @@ def _every_97th_byte(run: str, step: int) -> None:
         open(path, "wb").write(data)
 
 
-def _flip_middle_byte(run: str, step: int) -> None:
+def _flip_bytes(run: str, step: int) -> None:
+    """One byte flipped in every 4 kB page of the data files: every array over 4 kB is damaged. (Its
+    middle byte alone hit whichever array OCDBT wrote mid-file, an optimizer moment when two saves'
+    writes interleaved under load: generate, which reads the parameters only, then saw no damage.)"""
     for path in _data_chunks(run, step):
         data = bytearray(open(path, "rb").read())
-        data[len(data) // 2] ^= 0xFF
+        data[2048::4096] = bytes(b ^ 0xFF for b in data[2048::4096])
         open(path, "wb").write(data)
 
 
@@ -91,7 +94,7 @@ DAMAGE = {  # how: what the one line names
     "other arrays": (_other_arrays, "differs from the checksum recorded when it was saved"),
     "swapped elements": (_swapped_elements, "differs from the checksum recorded when it was saved"),
     "every 97th byte": (_every_97th_byte, "is damaged (ZSTD_decompressStream() failed"),
-    "flipped bytes": (_flip_middle_byte, "/checkpoints/2/state"),
+    "flipped bytes": (_flip_bytes, "/checkpoints/2/state"),
     "truncated _sharding": (_truncated_sharding, "/checkpoints/2/state/_sharding is damaged"),
 }
 
@@ -130,7 +133,7 @@ def test_the_latest_damaged_step_is_named_and_the_one_before_used(trained, tmp_p
     """What a person sees: `generate` on a run whose newest checkpoint is damaged."""
     run = str(tmp_path / "run")
     shutil.copytree(trained, run)
-    _flip_middle_byte(run, 2)
+    _flip_bytes(run, 2)
     before = snapshot(run)
     proc = subprocess.run([sys.executable, "-m", "lumen_jax.generate", "--run-dir", run, "--prompt-ids", "5,17,60",
                            "--max-new-tokens", "4"], cwd=REPO, capture_output=True, text=True, timeout=300)
