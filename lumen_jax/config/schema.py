@@ -306,6 +306,9 @@ class RuntimeConfig:
     # (latency-hiding scheduler, async and pipelined collectives, combine thresholds from the config) |
     # none (XLA's defaults) | any other string: literal flags. CPU runs ignore it.
     xla_gpu_flags: str = "overlap"
+    # refuse: a run the planner puts over plan.startup.OVER_MEMORY times the device's (CPU: the host's)
+    # memory stops in one line before compiling | off: compile it anyway
+    memory_check: str = "refuse"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,6 +389,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "data.on_change": DATA_ON_CHANGE,
     "runtime.platform": PLATFORMS,
     "runtime.malloc": ("reuse", "default"),
+    "runtime.memory_check": ("refuse", "off"),
 }
 
 SECTIONS: dict[str, type] = {

@@ -276,32 +276,39 @@ class Fp8History(ModelState):
     combine = staticmethod(jnp.maximum)
 
 
+def _kept(cfg: Fp8Config, num_layers: int) -> set[int]:
+    """The layers `keep_bf16` holds in the compute dtype (first and/or last)."""
+    return ({0} if "first" in cfg.keep_bf16 else set()) | ({num_layers - 1} if "last" in cfg.keep_bf16 else set())
+
+
 def layer_mask(cfg: Fp8Config, num_layers: int) -> tuple[bool, ...]:
     """Per layer, whether its chosen matmuls run in fp8 (`keep_bf16` holds first and/or last)."""
     if cfg.recipe == "none":
         return (False,) * num_layers
-    kept = {0} if "first" in cfg.keep_bf16 else set()
-    kept |= {num_layers - 1} if "last" in cfg.keep_bf16 else set()
+    kept = _kept(cfg, num_layers)
     return tuple(i not in kept for i in range(num_layers))
 
 
 def layer_runs(cfg: Fp8Config, num_layers: int) -> list[tuple[int, int, bool]]:
     """The layers as runs [start, stop) of equal `layer_mask` value: (0, 1, False), (1, L-1, True),
     (L-1, L, False) with the first and last layers kept in bf16. The model scans each run with its
-    setting fixed (`ops.choice.Ops.layer_runs`), so no layer needs a per-layer `lax.cond`."""
-    mask = layer_mask(cfg, num_layers)
+    setting fixed (`ops.choice.Ops.layer_runs`), so no layer needs a per-layer `lax.cond`. Computed
+    from the kept layers' edges, not layer by layer (a user's layer count is not a loop bound)."""
+    kept = _kept(cfg, num_layers)
+    edges = sorted({0, num_layers} | {e for k in kept for e in (k, k + 1) if 0 <= e <= num_layers})
     runs: list[tuple[int, int, bool]] = []
-    for i, on in enumerate(mask):
+    for a, b in zip(edges, edges[1:]):
+        on = cfg.recipe != "none" and a not in kept
         if runs and runs[-1][2] == on:
-            runs[-1] = (runs[-1][0], i + 1, on)
+            runs[-1] = (runs[-1][0], b, on)
         else:
-            runs.append((i, i + 1, on))
+            runs.append((a, b, on))
     return runs
 
 
 def runs_fp8(cfg: Fp8Config, num_layers: int, layer_type: str) -> bool:
     """Whether any layer runs the projections of `layer_type` (attention | mlp) in fp8."""
-    return layer_type in cfg.layers and any(layer_mask(cfg, num_layers))
+    return layer_type in cfg.layers and cfg.recipe != "none" and num_layers > len(_kept(cfg, num_layers))
 
 
 def histories(cfg: Fp8Config, projections: tuple[str, ...]) -> nnx.Dict:

@@ -227,20 +227,23 @@ def device_count(rc: RuntimeConfig) -> int:
                           "set runtime.platform=cpu, or leave it empty to let JAX choose") from None
 
 
-def device_memory(devices: Sequence[Any]) -> tuple[float, str] | None:
-    """(bytes one of `devices` can hold, what that is): a GPU's `bytes_limit`; on CPU the host's available
-    memory shared by its devices of `devices`; None when unknown."""
+def device_memory(devices: Sequence[Any], host: str = "available") -> tuple[float, str] | None:
+    """(bytes one of `devices` can hold, what that is): a GPU's `bytes_limit`; on CPU the host's memory
+    shared by its devices of `devices`: `host`=available (free now) or physical (all of it, whatever
+    other processes use now); None when unknown."""
     stats = devices[0].memory_stats() or {}
     if stats.get("bytes_limit"):
         return float(stats["bytes_limit"]), f"the {devices[0].device_kind} memory"
     if devices[0].platform != "cpu":
         return None
     try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        pages = os.sysconf("SC_AVPHYS_PAGES" if host == "available" else "SC_PHYS_PAGES")
+        memory = pages * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return None
     local = sum(d.process_index == devices[0].process_index for d in devices)
-    return available / local, f"the host's available memory shared by {local} CPU device(s)"
+    what = "available memory" if host == "available" else "memory"
+    return memory / local, f"the host's {what} shared by {local} CPU device(s)"
 
 
 def check_fits(compiled: Any, devices: Sequence[Any], what: str, fix: str) -> None:

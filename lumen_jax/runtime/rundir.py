@@ -142,12 +142,14 @@ def claim(run_dir: str) -> Lock:
 def claimed(run_dir: str) -> Iterator[None]:
     """The block runs as the run directory's one writer: process 0 of the job checks, creates and locks
     it (`claim`) and every process raises the ConfigError process 0 met, so none of them waits for a
-    process 0 that has left. The lock is given back when the block ends."""
+    process 0 that has left. The lock is given back when the block ends (and the folder removed if
+    this claim created it and it is still empty)."""
     import jax
 
     from lumen_jax.runtime import distributed
 
     lock, error = None, None
+    created = jax.process_index() == 0 and not os.path.isdir(run_dir)
     if jax.process_index() == 0:
         try:
             lock = claim(run_dir)
@@ -164,6 +166,8 @@ def claimed(run_dir: str) -> Iterator[None]:
     finally:
         if lock is not None:
             lock.release()
+        if created:  # a run refused before it wrote anything leaves no empty folder
+            _remove(run_dir, os.rmdir)
 
 
 def _remove(path: str, how=os.remove) -> None:

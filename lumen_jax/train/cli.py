@@ -95,7 +95,9 @@ def train(cfg: Config, stop=None) -> dict:
             cfg.distributed, mesh_shape, jax.devices())))
         local = [d for d in trainer.mesh.devices.flat if d.process_index == jax.process_index()]  # addressable only
         planned = startup.at_start(cfg, dict(trainer.mesh.shape), trainer.ops, (local[0].memory_stats() or {}).get(
-            "bytes_limit"), plan_bytes=jax.process_index() == 0)  # memory_stats: None on CPU
+            "bytes_limit"))  # memory_stats: None on CPU
+        # far past the memory: one line now, not a compile that allocates until it dies
+        startup.refuse_oversized(planned, runtime.device_memory(local, host="physical"), cfg.runtime.memory_check)
         share, shares = distributed.batch_share(trainer.batch_sharding, cfg.data.global_batch_size, cfg.data.seq_len)
         data = TrainData(cfg.data, seed=cfg.train.seed, process_index=share, process_count=shares)
         if data.tokenizer.vocab_size > cfg.model.vocab_size:

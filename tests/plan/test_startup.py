@@ -46,3 +46,15 @@ def test_kept_weights_beyond_the_device_are_refused_and_a_planner_failure_is_rep
     monkeypatch.setattr(startup, "predict", limited)
     got = startup.at_start(cfg, shape, Ops(), device_bytes=None)
     assert got == startup.AtStart(None, "NotImplementedError: no model of this layout")
+
+
+def test_a_run_planned_far_past_the_memory_is_refused_unless_the_check_is_off():
+    planned = startup.AtStart({"params": 3 * 2**30, "activations": 2**30, "total": 4 * 2**30})
+    gpu = (1.5 * 2**30, "the H100 memory")
+    with pytest.raises(ConfigError, match=r"puts this run at 4 GiB per device \(state 3 \+ activations 1\), over "
+                                          r"2x the H100 memory \(1.5 GiB\).*runtime.memory_check=off"):
+        startup.refuse_oversized(planned, gpu, "refuse")
+    startup.refuse_oversized(planned, gpu, "off")
+    startup.refuse_oversized(planned, (2 * 2**30, "the H100 memory"), "refuse")  # within 2x: the compile decides
+    startup.refuse_oversized(startup.AtStart(None, "no plan"), gpu, "refuse")
+    startup.refuse_oversized(planned, None, "refuse")  # memory unknown

@@ -79,6 +79,11 @@ FIXED = {
                                                                      "directory", "notes.txt"]),
     "run dir holds a Hugging Face config.json": (["train.run_dir={hf}"], ["train.run_dir={hf} holds a config.json "
                                                                           "that lumen_jax did not write"]),
+    "model far too big for the machine": (["model.num_layers=1000000000", "train.run_dir={tmp}/big"],
+                                          ["the planner puts this run at", "GiB per device",
+                                           "runtime.memory_check=off"]),
+    "sequence far too long for the machine": (["data.seq_len=1000000", "train.run_dir={tmp}/long"],
+                                              ["the planner puts this run at", "data.seq_len"]),
     "symlinked metrics.jsonl": (["train.run_dir={linked}"], ["train.run_dir={linked}: metrics.jsonl is a symbolic link",
                                                              "{afile}"]),
 }
@@ -181,6 +186,7 @@ def test_bad_input_is_one_line_exit_2_nothing_changed(name, shared, places, capf
     assert snapshot(places["tmp"]) == before_tmp, "a file of the user's changed"
     for key in ("ro", "full"):
         assert not os.path.exists(os.path.join(places[key], "run")), "a folder was left behind"
+    assert not {"big", "long"} & set(os.listdir(places["tmp"])), "a folder was left behind"
 
 
 def test_platform_this_machine_lacks_is_one_line(shared):
