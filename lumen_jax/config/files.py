@@ -1,8 +1,8 @@
 """Reading config files: YAML (with `base:`), gin, and dotted command-line overrides.
 
-`load_config` is the entry point. This module holds the file formats and imports the schema, the
-conversion and the validation from lumen_jax/config/schema.py (which does not import this module). No JAX
-import here either.
+`load_config` is the entry point. This module holds the file formats and imports the schema
+(lumen_jax/config/schema.py) and the conversion of a mapping into it (conversion.py), neither of
+which imports this module. No JAX import here either.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ class Transformer(nnx.Module):
         them): (residual stream, aux as in `forward`).
 
         `real_layers`: how many of the held layers are real (uneven pipeline stages pad a stage's
-        stack with zero layers after its own, `parallel/pipeline/executor.Pipeline.pad`); None: all.
+        stack with zero layers after its own, `parallel/pipeline/layout.Pipeline.pad`); None: all.
         A zero layer is the identity, but a zero MoE router still routes, so the MoE groups past the
         real ones add no auxiliary loss and no metrics.
         `taps`: the projections' taps of a split backward (`ops.projection.Taps`: per stack [L, ...],

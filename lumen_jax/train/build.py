@@ -23,7 +23,7 @@ from lumen_jax.model import abstract_model, init as init_model
 from lumen_jax.ops.choice import Ops, choose
 from lumen_jax.train.optim import make_optimizer, schedule
 from lumen_jax.parallel import communication as comm, context as context_lib
-from lumen_jax.parallel.pipeline.executor import Pipeline
+from lumen_jax.parallel.pipeline.layout import Pipeline
 from lumen_jax.parallel.rules import Rules, activate
 from lumen_jax.runtime import process
 from lumen_jax.train import step as step_lib

@@ -28,6 +28,7 @@ from lumen_jax.ops import state as state_lib
 from lumen_jax.ops.projection import Taps
 from lumen_jax.parallel.micro_batches import split_micro_batches, total_tokens
 from lumen_jax.parallel.pipeline import executor as pipeline_step
+from lumen_jax.parallel.pipeline.layout import Pipeline
 
 Batch = dict[str, jax.Array]
 
@@ -63,7 +64,7 @@ class StepConfig:
     weight_dtypes: dict = dataclasses.field(default_factory=dict, compare=False)
     reduce_dtype: str = "float32"  # micro-batch gradient sums and their once-per-step reduction
     # mesh.pipeline > 1: the stages and schedule (parallel/pipeline/executor.py); None: no pipeline
-    pipeline: pipeline_step.Pipeline | None = None
+    pipeline: Pipeline | None = None
 
 
 def init_state(params: dict, tx: optax.GradientTransformation, loss_scale: float,

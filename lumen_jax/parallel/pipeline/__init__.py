@@ -1,2 +1,2 @@
-"""Pipeline parallelism: the schedules as static tables (schedule.py) and the pipelined step that
-runs them under shard_map (executor.py)."""
+"""Pipeline parallelism: the schedules as static tables (schedule.py), the stages' layout of the
+layer stacks (layout.py) and the pipelined step that runs them under shard_map (executor.py)."""
