@@ -16,6 +16,14 @@
   log-sum-exp, but its gradient is dropped) and takes no merged output, so context parallelism,
   which merges chunk pairs by their log-sum-exp, never runs cuDNN (`ops.choice`).
 
+- Under the remat policies the backward runs cuDNN's forward again (two forwards a layer under
+  dots_with_no_batch_dims_saveable, the llama presets'): its residuals (output, log-sum-exp) are
+  made inside jax's custom VJP, where no `checkpoint_name` reaches them. Naming the residuals of a
+  `jax.vjp` taken inside our own custom VJP's forward did not stop the recomputation (tried: a
+  scan of checkpointed layers still ran the forward twice); calling jax's private forward and
+  backward rules directly would, at the price of more private API. cuDNN stays the faster choice
+  with the extra forward (2.1x ours forward+backward at 8k; a forward is about a quarter of that).
+
 `check_supported` is the rule `ops.choice` applies before anything is traced; it mirrors jax's own
 checks (`check_layout`, `check_is_flash_attention`) so that a shape cuDNN refuses is a config error
 or an `auto` fallback rather than a NotImplementedError at trace time.
@@ -25,6 +33,7 @@ Shape letters: B batch, T queries, S keys, N query heads, K kv heads, H head dim
 from __future__ import annotations
 
 import contextlib
+import inspect
 import types
 from typing import Callable, Iterator
 
@@ -42,8 +51,12 @@ MAX_DOCUMENTS = 64  # documents per row the packed layout is built for (cuDNN la
 
 
 def packed_layout_available() -> bool:
-    """Whether this jax exposes cuDNN's packed (ragged-offset) layout."""
-    return _fused is not None and hasattr(_fused, "dot_product_attention") and hasattr(_fused, "MaskType")
+    """Whether this jax exposes cuDNN's packed (ragged-offset) layout as `attention` calls it (a
+    private module: another jax may move it; then packed documents run flash, `ops.choice`)."""
+    if _fused is None or not hasattr(_fused, "MaskType") or not hasattr(_fused, "dot_product_attention"):
+        return False
+    names = inspect.signature(_fused.dot_product_attention).parameters
+    return {"q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "scale", "mask_type"} <= set(names)
 
 
 @contextlib.contextmanager

@@ -143,3 +143,13 @@ def test_the_cuda_program_calls_cudnn_forward_and_backward_in_the_packed_layout(
     assert set(re.findall(r'mask_type\W+(\w+)', packed)) == {"PADDING_CAUSAL"}
     assert set(re.findall(r'max_seg_per_batch\W+(\d+)', packed)) == {"32"}  # min(MAX_DOCUMENTS, T)
     assert "flash_fwd" in packed and "flash_fwd" not in whole  # the fallback's branch
+
+
+def test_a_jax_without_the_packed_layout_runs_packed_documents_through_flash(monkeypatch):
+    """The packed layout is reached through jax's private module; where its call differs, auto says so
+    and takes our kernel (an explicit cudnn is a config error) rather than failing at trace time."""
+    monkeypatch.setattr(cudnn._fused, "dot_product_attention", lambda q, k, v, bias=None, mask=None: q)
+    ops = choose(model("auto"), HOPPER)
+    assert ops.attention == "flash" and "does not expose cuDNN's packed layout" in ops.note
+    with pytest.raises(ConfigError, match="does not expose cuDNN's packed layout"):
+        choose(model("cudnn"), HOPPER)
