@@ -184,17 +184,23 @@ def main() -> None:
     print(f"total {time.perf_counter() - start:.0f} s")
 
 
+def sweep_variants() -> tuple[list[dict], list[dict]]:
+    """The flash tiles a sweep tries: (forward changes, backward changes) to `BlockSizes`."""
+    fwd = [dict(block_q=bq, block_kv=bk, num_warps=w, num_stages=s)
+           for bq, bk in ((128, 64), (128, 128), (64, 64), (64, 128)) for w in (4, 8) for s in (2, 3)]
+    bwd = [dict(block_q_dkv=a_, block_kv_dkv=b_, block_q_dq=c_, block_kv_dq=d_, num_warps_bwd=w)
+           for a_, b_, c_, d_ in ((32, 128, 128, 32), (64, 128, 128, 64), (64, 64, 64, 64), (32, 64, 64, 32))
+           for w in (4, 8)]
+    return fwd, bwd
+
+
 def sweep(a, dtype, start) -> None:
     """Alternative flash tiles at L=8k causal (forward tiles, then backward tiles)."""
     length = 8192
     b = max(1, a.tokens // length)
     q, k, v, do = inputs(b, length, a.heads, a.kv_heads, a.head_dim, dtype)
     base = fa.BlockSizes.default(a.head_dim)
-    fwd = [dict(block_q=bq, block_kv=bk, num_warps=w, num_stages=s)
-           for bq, bk in ((128, 64), (128, 128), (64, 64), (64, 128)) for w in (4, 8) for s in (2, 3)]
-    bwd = [dict(block_q_dkv=a_, block_kv_dkv=b_, block_q_dq=c_, block_kv_dq=d_, num_warps_bwd=w)
-           for a_, b_, c_, d_ in ((32, 128, 128, 32), (64, 128, 128, 64), (64, 64, 64, 64), (32, 64, 64, 32))
-           for w in (4, 8)]
+    fwd, bwd = sweep_variants()
     print(f"\nsweep at L={length} causal (default {base})")
     for mode, variants in (("fwd", fwd), ("fwd+bwd", bwd)):
         for changes in variants:

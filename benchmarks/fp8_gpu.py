@@ -57,9 +57,12 @@ def hlo_fp8_gemms(trainer, state, batch) -> tuple[int, int]:
     return gemm_counts(lowered, lowered.compile())
 
 
-def run_recipe(args: argparse.Namespace, recipe: str, compiler_options: dict | None = None):
+def run_recipe(args: argparse.Namespace, recipe: str, compiler_options: dict | None = None,
+               profile_dir: str | None = None, profile_steps: int = 2):
     """One recipe's figures. `compiler_options`: XLA options for this compile only (gpu_check.py
-    passes the overlap flags here: XLA_FLAGS are read once per process)."""
+    passes the overlap flags here: XLA_FLAGS are read once per process). `profile_dir`: after the
+    timed steps, a jax.profiler trace of `profile_steps` more there, and the compiled step's HLO
+    text in `profile_dir`/step.hlo.txt (gpu_profile.py turns the two into a per-op table)."""
     import jax
     import numpy as np
 
@@ -104,6 +107,15 @@ def run_recipe(args: argparse.Namespace, recipe: str, compiler_options: dict | N
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
+    if profile_dir:
+        os.makedirs(profile_dir, exist_ok=True)
+        with open(os.path.join(profile_dir, "step.hlo.txt"), "w") as f:
+            f.write(step.as_text())
+        with jax.profiler.trace(profile_dir):
+            for i in range(profile_steps):
+                with jax.profiler.StepTraceAnnotation("train", step_num=i):
+                    state, m = step(state, batch)
+                    jax.block_until_ready(m["loss"])
     fp8 = recipe != "none"
     devices = jax.devices()[:1]
     peak = metrics.peak_flops_per_device(devices, "fp8" if fp8 else cfg.model.compute_dtype)[0]

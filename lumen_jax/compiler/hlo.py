@@ -42,6 +42,23 @@ _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _KERNEL_NAME = re.compile(r'\bname = "([^"]+)"')
 
 
+def target_of(line: str) -> str:
+    """A custom call's target ("" for other instructions)."""
+    m = _TARGET.search(line)
+    return m.group(1) if m else ""
+
+
+def kernel_of(line: str) -> str:
+    """A Pallas/Triton custom call's kernel name (its backend_config `name`; "" for others)."""
+    m = _KERNEL_NAME.search(line)
+    return m.group(1) if m else ""
+
+
+def dtypes_in(text: str) -> set[str]:
+    """The element types of the arrays `text` spells out (e.g. an instruction's typed operands)."""
+    return {t for t, _ in _ARRAY.findall(text)}
+
+
 def element_bytes(dtype: str) -> int:
     return ELEMENT_BYTES.get(dtype, 1 if dtype.startswith("f8") else 4)
 
@@ -221,12 +238,10 @@ def custom_calls(module: Module, skip: Iterable[str] = ("Sharding", "SPMDFullToS
     Shardy's `xla.sdy.*`)."""
     seen: dict[tuple[str, str], list[int]] = {}
     for i in module.where("custom-call"):
-        m = _TARGET.search(i.line)
-        target = m.group(1) if m else "?"
+        target = target_of(i.line) or "?"
         if target in skip or target.startswith("xla.sdy."):
             continue
-        k = _KERNEL_NAME.search(i.line)
-        key = (target, k.group(1) if k else "")
+        key = (target, kernel_of(i.line))
         n = seen.setdefault(key, [0, 0])
         n[0] += 1
         n[1] += module.executions(i)

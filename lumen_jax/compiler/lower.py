@@ -104,6 +104,7 @@ def lower_step(cfg: Config, platform: str, devices: Sequence[Any], compute_capab
     get. `flash_forward`: override `BlockSizes.forward` (triton | mosaic) of the flash kernels.
     """
     from lumen_jax.train.build import build
+    from lumen_jax.ops import cudnn as cudnn_lib
     from lumen_jax.ops.choice import choose
     from lumen_jax.parallel.mesh import make_mesh
     from lumen_jax.compiler.compiled import abstract_step_args
@@ -117,7 +118,7 @@ def lower_step(cfg: Config, platform: str, devices: Sequence[Any], compute_capab
                               f"attention={ops.attention}; set model.attention=flash")
         ops = dataclasses.replace(ops, flash_blocks=dataclasses.replace(ops.flash_blocks, forward=flash_forward))
     trainer = build(cfg, make_mesh(shape, devices), ops=ops)
-    with mosaic_without_cuda():
+    with mosaic_without_cuda(), cudnn_lib.lowering_without_gpu(compute_capability):
         lowered = trainer.step.trace(*abstract_step_args(trainer, cfg)).lower(lowering_platforms=(platform,))
     return lowered, ops
 

@@ -28,7 +28,7 @@ class ConfigError(ValueError):
 # Components
 # --------------------------------------------------------------------------------------------------
 
-ATTENTION_IMPLS = ("xla", "flash", "auto")
+ATTENTION_IMPLS = ("xla", "flash", "cudnn", "auto")
 CONTEXT_PARALLEL = ("ring", "allgather")  # how attention crosses the `context` axis
 CONTEXT_BALANCE = ("zigzag", "contiguous")  # which sequence chunks each context device holds
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
@@ -102,7 +102,7 @@ class ModelConfig:
     qkv_bias: bool = False  # learned biases on the query, key and value projections (Qwen2, Qwen2-MoE)
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding (Qwen3, Qwen3-MoE)
     init_std: float = 0.02
-    attention: str = "xla"  # xla | flash | auto (auto: flash on GPU, xla on CPU)
+    attention: str = "xla"  # xla | flash | cudnn | auto (auto: cudnn or flash on GPU, xla on CPU)
     flash_block_q: int = 0  # flash kernel's query tile (forward, dQ); 0: tuned default
     flash_block_kv: int = 0  # flash kernel's key tile (forward, dK/dV); 0: tuned default
     remat: str = "none"  # one of REMAT_POLICIES

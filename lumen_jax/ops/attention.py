@@ -11,6 +11,9 @@
   through Triton on GPU; Pallas's interpreter on CPU (`Ops.interpret`: correct, slow, for tests).
   On a multi-device mesh the kernel runs per shard (`parallel.shard.per_device`: batch over
   data/fsdp, heads over tensor).
+- `cudnn`: cuDNN's fused attention (`ops.cudnn`), per shard like flash; packed documents through
+  cuDNN's packed layout, a row with more documents than it holds through flash (or the reference
+  where flash cannot take the shape).
 
 When the trainer's mesh splits sequences (`Ops.context`) the call goes to context parallelism
 (`lumen_jax.parallel.context`: ring or all-gather, load-balanced), which runs the chosen
@@ -26,6 +29,7 @@ import jax.numpy as jnp
 
 from lumen_jax.kernels import flash_attention as flash_lib
 from lumen_jax.ops import cpu
+from lumen_jax.ops import cudnn as cudnn_lib
 from lumen_jax.ops.choice import Ops
 from lumen_jax.ops.reference import reference, reference_bwd
 from lumen_jax.parallel import context as context_lib
@@ -51,8 +55,31 @@ def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
                             out_axes=_Q_AXES)(q_btnh, k_bskh, v_bskh, segment_ids_bt)
 
 
+def cudnn_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
+                    segment_ids_bt: jax.Array | None = None, causal: bool = True,
+                    scale: float | None = None, ops: Ops = Ops(attention="cudnn")) -> jax.Array:
+    """cuDNN's fused attention (`ops.cudnn.attention`) with the reference's signature, per shard of
+    the mesh; its fallback for rows of many documents is flash (`ops.flash_blocks` set) or the
+    reference."""
+    if ops.flash_blocks is not None:
+        kernel = functools.partial(flash_lib.flash_attention, causal=causal, scale=scale,
+                                   block_sizes=ops.flash_blocks, interpret=ops.interpret)
+        fallback = lambda q, k, v, seg: kernel(q, k, v, segment_ids_bt=seg)  # noqa: E731
+    else:
+        fallback = lambda q, k, v, seg: reference(q, k, v, segment_ids_bt=seg, causal=causal, scale=scale)[0]  # noqa: E731
+    local = functools.partial(_cudnn_local, causal=causal, scale=scale, fallback=fallback)
+    return shard.per_device(local, in_axes=(_Q_AXES, _KV_AXES, _KV_AXES, _SEG_AXES),
+                            out_axes=_Q_AXES)(q_btnh, k_bskh, v_bskh, segment_ids_bt)
+
+
+def _cudnn_local(q, k, v, seg, *, causal, scale, fallback):
+    return cudnn_lib.attention(q, k, v, segment_ids_bt=seg, causal=causal, scale=scale, fallback=fallback)
+
+
 def block_kernel(ops: Ops, head_dim: int, *, scale: float | None = None) -> context_lib.BlockKernel:
     """The chunk-pair attention that context parallelism runs: the reference or the flash kernels."""
+    if ops.attention == "cudnn":  # ops.choice runs flash (or xla) there instead
+        raise ValueError("cuDNN's backward drops the log-sum-exp's gradient: context parallelism cannot run it")
     scale = head_dim ** -0.5 if scale is None else scale
     if ops.attention == "xla":
         def ref_fwd(q, k, v, q_seg, kv_seg, causal):
@@ -89,6 +116,9 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
         kernel = block_kernel(ops, q_btnh.shape[-1], scale=scale)
         return context_lib.context_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=segment_ids_bt,
                                              causal=causal, kernel=kernel)[0]
+    if ops.attention == "cudnn":
+        return cudnn_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=segment_ids_bt, causal=causal,
+                               scale=scale, ops=ops)
     if ops.attention == "flash":
         return flash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=segment_ids_bt, causal=causal,
                                scale=scale, ops=ops)

@@ -4,13 +4,22 @@
 receives the `Ops` (a static part of its graph) and hands it to every op it calls, so no op asks at
 trace time where it runs. What is decided:
 
-- `attention`: `xla` (the reference, `ops.attention.reference`) or `flash` (the Pallas kernels).
-  `model.attention=auto` is flash on GPU when the kernel takes the shapes, else xla, and `note`
-  says why (the trainer's start-up line prints it); an explicit `flash` the kernel cannot take is
-  a `ConfigError` before anything compiles. On CPU the kernels run in Pallas's interpreter
-  (`interpret`); the tiles come from the device (`flash_blocks`).
+- `attention`: `xla` (the reference, `ops.attention.reference`), `flash` (our Pallas kernels) or
+  `cudnn` (cuDNN's fused attention, `ops/cudnn.py`). `model.attention=auto` on GPU is cudnn where
+  cuDNN takes the case (bfloat16/float16, head dim a multiple of 8 up to 128, 256 on Hopper; the
+  trainer's packed documents through cuDNN's packed layout, Hopper or later; no context
+  parallelism): measured 2.1x faster than our kernel forward+backward at 8k causal
+  (docs/PERFORMANCE.md). Else flash where the kernel takes the shapes, else xla; off GPU xla.
+  `note` names the choice and why (the trainer's start-up line prints it). An explicit `flash` or
+  `cudnn` that cannot take the case is a `ConfigError` before anything compiles. On CPU the
+  kernels run in Pallas's interpreter (`interpret`); the tiles come from the device
+  (`flash_blocks`, also set under cudnn where flash takes the shapes: cuDNN's fallback for rows of
+  more documents than its packed layout holds).
 - `context`: the mesh splits sequences over `context` (`mesh.context > 1`): attention runs context
   parallelism (`parallel/context.py`: ring or all-gather), each chunk pair by `attention`'s kernel.
+  Merging chunk pairs needs the gradient of each pair's log-sum-exp, which cuDNN's backward
+  drops: under context parallelism `cudnn` (explicit or auto) runs flash (or xla where flash
+  cannot), and `note` says so.
 - `cpu`: the trainer's step on a mesh of one CPU device runs the formulations of `ops/cpu.py`,
   which XLA:CPU runs faster (docs/PERFORMANCE.md, CPU section). Everything else (partitioned
   programs, GPUs, the model traced outside the trainer, e.g. the planner's probe) keeps the plain
@@ -38,6 +47,7 @@ import jax.numpy as jnp
 
 from lumen_jax.config import ConfigError, Fp8Config, ModelConfig
 from lumen_jax.kernels import flash_attention as flash_lib
+from lumen_jax.ops import cudnn as cudnn_lib
 from lumen_jax.ops import fp8 as fp8_lib
 
 LAYER_TYPES = ("attention", "mlp")  # the layer types whose projections `model.fp8.layers` can pick
@@ -47,8 +57,8 @@ LAYER_TYPES = ("attention", "mlp")  # the layer types whose projections `model.f
 class Ops:
     """How the ops of one traced program run (hashable: part of the model's static graph)."""
 
-    attention: str = "xla"  # xla | flash
-    flash_blocks: flash_lib.BlockSizes | None = None  # flash: tiles; None: the kernel's default
+    attention: str = "xla"  # xla | flash | cudnn
+    flash_blocks: flash_lib.BlockSizes | None = None  # flash (and cudnn's fallback): tiles; None: no flash
     interpret: bool = False  # flash: Pallas's interpreter (the only mode on CPU)
     context: bool = False  # sequences split over the `context` mesh axis (context-parallel attention)
     cpu: bool = False  # the ops/cpu.py formulations (the trainer's step on one CPU device)
@@ -66,7 +76,7 @@ class Ops:
     def plain(cls, model: ModelConfig, **changes: Any) -> Ops:
         """The choice without a backend (see the module docstring), with `changes` applied."""
         types = tuple(t for t in LAYER_TYPES if fp8_lib.runs_fp8(model.fp8, model.num_layers, t))
-        attention = "flash" if model.attention == "flash" else "xla"
+        attention = model.attention if model.attention in ("flash", "cudnn") else "xla"
         return cls(**{"attention": attention, "fp8": model.fp8, "fp8_types": types, **changes})
 
     def projection(self, layer_type: str | None) -> str:
@@ -123,26 +133,49 @@ def choose(model: ModelConfig, devices: Sequence[Any], context: int = 1) -> Ops:
     devices (see the module docstring).
 
     Raises:
-      ConfigError: `model.attention=flash` on shapes the kernel cannot take on this backend.
+      ConfigError: `model.attention=flash` or `cudnn` on a case that implementation cannot take on
+        this backend.
     """
-    platform = devices[0].platform
+    device = devices[0]
+    platform = device.platform
     interpret = platform == "cpu"
     h = model.resolved_head_dim
-    problem = flash_lib.check_supported((1, 1, model.num_heads, h), (1, 1, model.num_kv_heads, h),
-                                        interpret=interpret)
-    attention, note = model.attention, ""
-    if attention == "auto":
-        attention = "flash" if platform == "gpu" and problem is None else "xla"
-        note = (f"attention=auto: {attention}" + ("" if attention == "flash" else
-                f" (the flash kernel: {problem})" if platform == "gpu" else f" (flash runs on GPU; this is {platform})"))
-    elif attention == "flash" and problem:
-        raise ConfigError(f"model.attention=flash: {problem}; choose a model shape the kernel takes, "
-                          "or model.attention=xla (or auto: flash where it can)")
+    flash_problem = flash_lib.check_supported((1, 1, model.num_heads, h), (1, 1, model.num_kv_heads, h),
+                                              interpret=interpret)
+    cudnn_problem = cudnn_lib.check_supported(platform, getattr(device, "compute_capability", "0.0"),
+                                              model.compute_dtype, h)
+    attention, note = _attention(model.attention, platform, flash_problem, cudnn_problem, context > 1)
     blocks = None
-    if attention == "flash":
-        blocks = flash_lib.BlockSizes.default(h, devices[0]).with_overrides(model.flash_block_q,
-                                                                          model.flash_block_kv)
+    if attention == "flash" or (attention == "cudnn" and flash_problem is None):
+        blocks = flash_lib.BlockSizes.default(h, device).with_overrides(model.flash_block_q, model.flash_block_kv)
     return Ops.plain(model, attention=attention, flash_blocks=blocks, interpret=interpret, context=context > 1,
                      cpu=platform == "cpu" and len(devices) == 1, note=note,
                      moe_exchange="ragged" if platform == "gpu" else "padded",
                      moe_matmul="ragged" if platform == "gpu" else "blocks")
+
+
+_CONTEXT = "context parallelism merges chunk pairs by their log-sum-exp, whose gradient cuDNN's backward drops"
+
+
+def _attention(asked: str, platform: str, flash_problem: str | None, cudnn_problem: str | None,
+               context: bool) -> tuple[str, str]:
+    """(implementation, note) for `model.attention=asked` (module docstring)."""
+    if asked == "flash" and flash_problem:
+        raise ConfigError(f"model.attention=flash: {flash_problem}; choose a model shape the kernel takes, "
+                          "or model.attention=xla (or auto: the fastest that takes it)")
+    if asked == "cudnn" and cudnn_problem:
+        raise ConfigError(f"model.attention=cudnn: {cudnn_problem}; use model.attention=flash, xla "
+                          "or auto (cuDNN where it takes the case)")
+    on_gpu_flash = "flash" if flash_problem is None and platform == "gpu" else "xla"
+    if asked == "cudnn" and context:
+        return on_gpu_flash, f"attention=cudnn: {on_gpu_flash} ({_CONTEXT})"
+    if asked != "auto":
+        return asked, ""
+    if platform != "gpu":
+        return "xla", f"attention=auto: xla (cudnn and flash run on GPU; this is {platform})"
+    if cudnn_problem is None and not context:
+        return "cudnn", "attention=auto: cudnn (cuDNN takes this dtype, head dim and the packed documents; faster than flash)"
+    why = f"cuDNN: {_CONTEXT if cudnn_problem is None else cudnn_problem}"
+    if flash_problem is None:
+        return "flash", f"attention=auto: flash ({why})"
+    return "xla", f"attention=auto: xla ({why}; the flash kernel: {flash_problem})"

@@ -118,12 +118,13 @@ class Plan:
         }
 
 
-def planned_attention(model: ModelConfig) -> str:
-    """`xla` (S x S scores in memory) or `flash` for `model.attention` on a GPU (`auto`: flash if the
-    trainer has a flash implementation)."""
-    if model.attention == "auto":
+def planned_attention(attention: str) -> str:
+    """`xla` (S x S scores in memory) or `flash` for `model.attention` (or `Ops.attention`) on a GPU:
+    cuDNN's fused attention keeps no scores either and saves the same output and log-sum-exp, so it
+    plans as flash (`auto`: flash if the trainer has a flash implementation)."""
+    if attention == "auto":
         return "flash" if "flash" in ATTENTION_IMPLS else "xla"
-    return "flash" if model.attention == "flash" else "xla"
+    return "flash" if attention in ("flash", "cudnn") else "xla"
 
 
 MEMORY_FRACTION = 0.94  # of device memory the allocator can hand out (docs/PLANNING.md, "Headroom")
@@ -187,7 +188,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     """
     model, seq = cfg.model, cfg.data.seq_len
     remat = model.remat if remat is None else remat
-    attention = planned_attention(model) if attention is None else attention
+    attention = planned_attention(model.attention if attention is None else attention)
     micro_batch, state, fp8, activations = _memory(cfg, layout, remat, attention, moe_backend)
     tokens = cfg.data.global_batch_size * seq
     peak = hw.peak(model.compute_dtype)
@@ -232,7 +233,7 @@ def _fits(cfg: Config, layout: Layout, hw: Hardware, remat: str, attention: str 
           memory_fraction: float = MEMORY_FRACTION, moe_backend: str = "gpu", **_: Any) -> bool:
     """Whether `predict(cfg, layout, hw, remat=remat, ...)` would fit (its `Plan.fits`), from the
     memory side alone: the search skips the time of the nine in ten candidates that do not."""
-    attention = planned_attention(cfg.model) if attention is None else attention
+    attention = planned_attention(cfg.model.attention if attention is None else attention)
     _, state, fp8, activations = _memory(cfg, layout, remat, attention, moe_backend)
     return sum(state.values()) + activations.total + fp8 <= hw.memory_bytes * memory_fraction
 

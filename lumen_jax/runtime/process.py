@@ -25,14 +25,24 @@ CPU_XLA_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
 # in all-gathers, 6 in a loop's all-reduce, each group one device short). PJRT_NPROC sizes the pool
 # (read when the CPU client starts); CPU_THREADS_PER_DEVICE threads per device leave every device
 # one free. 0 of 5 runs aborted with it, and the test ran no slower (64-74 s against 70-80 s).
+# One device waits in no rendezvous: its pool is the cores (4 threads on 2 cores cost one device's
+# step about 10%: 5.9-6.1k tokens/s against 6.5-6.7k with 2, benchmarks/cpu_throughput.py's shape).
 CPU_THREADS_PER_DEVICE = 4
+
+
+def cpu_threads(devices: int, cores: int | None = None) -> int:
+    """The CPU thread pool (`PJRT_NPROC`) for `devices` emulated devices on `cores` cores (default:
+    this machine's): the cores for one device, else CPU_THREADS_PER_DEVICE per device (at least the
+    cores), so every device keeps a thread while others wait in collectives."""
+    cores = cores or os.cpu_count() or 1
+    return cores if devices <= 1 else max(cores, CPU_THREADS_PER_DEVICE * devices)
 
 
 def prepare_cpu_backend(devices: int = 8) -> None:
     """Before the backend starts: CPU_XLA_FLAGS into XLA_FLAGS (the GPU backend ignores them) and a
-    CPU thread pool of CPU_THREADS_PER_DEVICE per emulated device; values the user set win."""
+    CPU thread pool sized by `cpu_threads`; values the user set win."""
     add_xla_flags(CPU_XLA_FLAGS)
-    os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, CPU_THREADS_PER_DEVICE * devices)))
+    os.environ.setdefault("PJRT_NPROC", str(cpu_threads(devices)))
 
 
 # `runtime.xla_gpu_flags: overlap`: what the best GPU recipes set so collectives run under compute.

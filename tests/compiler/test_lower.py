@@ -102,6 +102,21 @@ def test_partitioned_collectives_of_fsdp_count_every_layer():
     assert reduced >= 4 * counts["total"]
 
 
+def test_auto_step_for_hopper_runs_cudnn_per_layer_with_our_kernel_as_fallback():
+    """bfloat16 on sm_90: `auto` is cuDNN's fused attention (forward and backward once per layer, the
+    packed layout for the batch's segment ids), our kernels only in the branch for rows with more
+    documents than that layout holds; no score arrays."""
+    cfg = config("auto")
+    lowered, ops = lower.lower_step(cfg.replace(model=dataclasses.replace(cfg.model, compute_dtype="bfloat16")),
+                                    "cuda", jax.devices()[:1])
+    s = lower.summarize(lowered.as_text(dialect="hlo"), SEQ)
+    calls = {c["target"]: (c["instructions"], c["per_step"]) for c in s["custom_calls"]
+             if c["target"].startswith("__cudnn")}
+    assert ops.attention == "cudnn" and ops.note.startswith("attention=auto: cudnn")
+    assert calls == {"__cudnn$fmhaSoftmax": (1, LAYERS), "__cudnn$fmhaSoftmaxBackward": (1, LAYERS)}, s["custom_calls"]
+    assert set(kernels(s)) == set(KERNELS) and s["score_arrays"] == []
+
+
 def test_xla_step_holds_the_scores_and_no_kernel():
     s = lowered_summary(config("xla"))
     assert kernels(s) == {} and s["fp8_dots"] == {"instructions": 0, "per_step": 0}

@@ -286,14 +286,16 @@ class FakeDevice:  # what `choose` and `BlockSizes.default` read of a device
 
 def test_the_implementation_is_chosen_once_from_the_config_and_the_backend():
     cpu, gpu = jax.devices("cpu")[:1], [FakeDevice("gpu")]
-    auto, flash = ModelConfig(attention="auto"), ModelConfig(attention="flash")
-    assert choose(auto, cpu).attention == "xla" and "flash runs on GPU" in choose(auto, cpu).note
+    # float32: cuDNN's fused attention does not take it (tests/ops/test_attention_choice.py: when auto takes cuDNN).
+    auto, flash = ModelConfig(attention="auto", compute_dtype="float32"), ModelConfig(attention="flash")
+    assert choose(auto, cpu).attention == "xla" and "flash run on GPU" in choose(auto, cpu).note
     on_gpu = choose(auto, gpu)
-    assert on_gpu.attention == "flash" and not on_gpu.interpret and on_gpu.note == "attention=auto: flash"
+    assert on_gpu.attention == "flash" and not on_gpu.interpret
+    assert on_gpu.note == "attention=auto: flash (cuDNN: model.compute_dtype=float32: cuDNN's fused attention takes bfloat16 or float16)"
     assert on_gpu.flash_blocks == BlockSizes.default(16, gpu[0])
     assert choose(flash, cpu).interpret and choose(flash, cpu).note == ""
     # head_dim 48 is not a power of two: auto falls back and says so; an explicit flash is a config error.
-    odd = dict(d_model=192, num_heads=4)
+    odd = dict(d_model=192, num_heads=4, compute_dtype="float32")
     fallback = choose(ModelConfig(attention="auto", **odd), gpu)
     assert fallback.attention == "xla" and "head_dim=48 must be a power of two" in fallback.note
     with pytest.raises(ConfigError, match=r"^model.attention=flash: head_dim=48 must be a power of two"):

@@ -119,7 +119,11 @@ DIAGNOSTICS = {  # issue 30's settings
     "profile window backwards": (["train.profile_steps=[2,1]"], ["train.profile_steps=[2, 1]", "start < stop"]),
     "slow step factor of 1": (["train.slow_step_factor=1"], ["train.slow_step_factor=1.0 must be > 1"]),
 }
-CASES = {**FIXED, **ALREADY_GOOD, **DIAGNOSTICS}
+ATTENTION = {  # issue 43: an implementation named that this backend cannot run
+    "cuDNN attention on CPU": (["model.attention=cudnn"], ["model.attention=cudnn: cuDNN runs on GPU; this is cpu",
+                                                           "model.attention=flash"]),
+}
+CASES = {**FIXED, **ALREADY_GOOD, **DIAGNOSTICS, **ATTENTION}
 
 
 @pytest.fixture(scope="module")

@@ -62,7 +62,7 @@ def test_tiny_yaml_trains(tmp_path, mesh):
     if mesh:
         assert "mesh data=1 fsdp=4 pipeline=1 expert=1 context=1 tensor=2" in proc.stdout
         # auto is resolved once, when the step is built, and the start-up line says how
-        assert "attention=auto: xla (flash runs on GPU; this is cpu)" in proc.stdout, proc.stdout
+        assert "attention=auto: xla (cudnn and flash run on GPU; this is cpu)" in proc.stdout, proc.stdout
     else:
         assert "attention=auto" not in proc.stdout
 
