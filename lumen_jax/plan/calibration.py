@@ -58,12 +58,13 @@ def predict_row(row: Published, terms: Efficiency = Efficiency(), overlap: Overl
                 efficiency: float | None = None) -> Plan:
     """Our program's plan for the row's model, layout and hardware, with the recipe's overlap and its
     gradients' reduction over context (once per step: Megatron folds context into the data-parallel
-    group, as our step does too, `collectives._context`); `efficiency`: one fraction of the peak for
-    every FLOP instead of `terms` (`predict`)."""
+    group, as our step does too, `collectives._context`) and its fused attention (cuDNN's: Transformer
+    Engine, MaxText's cudnn_flash_te; torchtitan's SDPA taken as the same rate), the forward run again
+    in the backward; `efficiency`: one fraction of the peak for every FLOP instead of `terms` (`predict`)."""
     recipe = dataclasses.replace(overlap, **(RECIPE_OVERLAP if recipe_overlap is None else recipe_overlap)) \
         if row.comm_overlap else overlap
     return predict(config_of(row), layout_of(row), hardware_of(row, hardware), attention="flash", terms=terms,
-                   overlap=recipe, efficiency=efficiency, context_grads="once", kernel_kept=False)
+                   overlap=recipe, efficiency=efficiency, context_grads="once", kernel_kept=False, kernel="cudnn")
 
 
 # A published run's device holds what its framework's allocator hands out: the capacity CUDA
@@ -96,9 +97,10 @@ def recipe_memory_of(row: Published, plan: Plan) -> recipe_memory.RecipeMemory:
 
 def plan_ours(row: Published, terms: Efficiency = Efficiency()) -> Plan:
     """Our program as it runs, in the row's layout, model, batch and hardware: our overlap (none on
-    tensor and pipeline), our gradients' reduction over context, our flash kernel's kept residuals.
+    tensor and pipeline), our gradients' reduction over context, the attention `auto` picks on a GPU
+    (cuDNN's, or our flash kernel under context parallelism) with its residuals kept.
     "What would lumen_jax do here", beside what the row's own program did (`predict_row`)."""
-    return predict(config_of(row), layout_of(row), hardware_of(row), attention="flash", terms=terms)
+    return predict(config_of(row), layout_of(row), hardware_of(row), attention="auto", terms=terms)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -111,9 +111,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "(the trainer's stages are mesh.pipeline)")
     p.add_argument("--pipeline-microbatches", type=int, default=0,
                    help="micro-batches per step through the pipeline (default train.micro_batches)")
-    p.add_argument("--attention", choices=("xla", "flash"),
-                   help="xla keeps the S x S scores in memory, flash does not (default: from model.attention, "
-                        "where auto means flash on a GPU when the trainer has it)")
+    p.add_argument("--attention", choices=("xla", "flash", "cudnn", "auto"),
+                   help="xla keeps the S x S scores in memory; flash (ours) and cudnn do not, each at its measured "
+                        "rate (default: model.attention; auto as the trainer picks on a GPU: cudnn where cuDNN takes "
+                        "the case, else flash)")
     p.add_argument("--efficiency", type=float, help="one fraction of peak FLOP/s for every matmul (default: "
                    "each GEMM's efficiency by its shape, fitted to published runs: --calibration)")
     p.add_argument("--memory-fraction", type=float, default=MEMORY_FRACTION,

@@ -44,14 +44,17 @@ def context_score_fraction(context: int, balance: str = "zigzag", attention: str
 
 
 def planned_flops_per_token(model: ModelConfig, layout: Layout, seq_len: int, remat: str, *,
-                            score_fraction: float = 0.5, attention: str = "xla") -> float:
+                            score_fraction: float = 0.5, attention: str = "xla",
+                            redo: dict[str, bool] | None = None) -> float:
     """`flops.hardware_flops_per_token` of a run on `layout`, with what the backward pass re-runs
     read off the model's residuals (`memory.recomputes`: the projections unless the policy saves
     one, the attention core unless it saves scores or, under context parallelism, the ring's
-    residuals; with `attention` flash, the kernel's) instead of assumed per policy. `score_fraction` as there."""
+    residuals; with `attention` flash, the kernel's) instead of assumed per policy, or `redo` where the
+    caller knows it. `score_fraction` as there."""
     mesh = layout.mesh
+    redo = redo or recomputes(remat, mesh.context, mesh.context_parallel, attention)
     return flops.hardware_flops_per_token(model, seq_len, remat, score_fraction=score_fraction, context=mesh.context,
-                                          recomputes=recomputes(remat, mesh.context, mesh.context_parallel, attention))
+                                          recomputes=redo)
 
 
 def flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, *,

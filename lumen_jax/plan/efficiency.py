@@ -11,7 +11,15 @@ import dataclasses
 
 from lumen_jax.config import ModelConfig
 from lumen_jax.metrics import flops
+from lumen_jax.plan import measured
 from lumen_jax.plan.hardware import Hardware, Layout, compute_bytes
+
+# Bytes through HBM per logit (a token's score of one vocabulary entry), by the loss's program.
+# chunked (ours, ops/loss.py): the float32 chunk written and read for its log-sum-exp, read again for
+# the gradient, written in the compute dtype and read by the two backward GEMMs: 4 + 4 + 4 + 2 + 4.
+# float32 (the program measured 2026-12-04): the whole float32 logits, log-softmax, a float32 one-hot
+# written and read, the float32 gradient written and read by the two GEMMs: about twice as much.
+LOGIT_BYTES = {"chunked": 18.0, "float32": 36.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,15 +29,16 @@ class Efficiency:
     A GEMM of [M, K] x [K, N] takes 2MKN / (peak x `matmul`) + its operand and result bytes /
     (HBM bandwidth x `matmul`): an additive roofline, so a large GEMM approaches `matmul` of the
     peak and a thin one (tensor parallelism splitting N or K, few tokens per micro-batch) runs at its
-    memory speed. The flash attention core runs at `attention` of the peak; memory-bound elementwise
-    work (norms, residuals, RoPE, SwiGLU, cross-entropy) moves `elementwise_bytes` bytes per d_model
-    element of each layer per token through HBM.
+    memory speed. A fused attention kernel (ours or cuDNN's) runs at the forward and backward rates
+    measured for it (`plan.measured.kernel_rates`). Memory-bound work moves through HBM: the layers'
+    elementwise work (norms, residuals, RoPE, SwiGLU) `elementwise_bytes` bytes per d_model element
+    of each layer per token; the loss `LOGIT_BYTES` per logit; the optimizer's update its state
+    (`compute_seconds`' `update_bytes`).
     """
 
-    # Fitted 2026-12-01 to the 19 runs of `published.TABLE` (benchmarks/calibrate_planner.py):
-    matmul: float = 0.79
-    attention: float = 0.19
-    elementwise_bytes: float = 33.0
+    # Fitted 2026-12-05 to the 19 runs of `published.TABLE` (benchmarks/calibrate_planner.py):
+    matmul: float = 0.74
+    elementwise_bytes: float = 88.0
 
     def gemm_seconds(self, m: float, k: float, n: float, hw: Hardware, peak: float, itemsize: int = 2) -> float:
         """One [m, k] x [k, n] GEMM in the compute dtype."""
@@ -84,34 +93,50 @@ def layer_gemms(model: ModelConfig, tensor: int) -> list[tuple[float, float]]:
 
 
 def compute_seconds(model: ModelConfig, layout: Layout, seq_len: int, micro_batch: int, redo: dict[str, bool],
-                    attention: str, hw: Hardware, eff: Efficiency, *, score_fraction: float = 0.5) -> Compute:
+                    attention: str, hw: Hardware, eff: Efficiency, *, score_fraction: float = 0.5,
+                    kernel: str = "cudnn", loss: str = "chunked", update_bytes: float = 0.0) -> Compute:
     """One device's compute per step: for each of the m micro-batches, the stage's layers' GEMMs
     (forward 1, backward 2, +1 when the backward recomputes the projections: `redo`), the attention
-    core (forward 1, backward 2, or 2.5 under context parallelism, +1 when recomputed) over
+    core (forward 1, backward 2, or 2.5 under context parallelism, +1 forward when recomputed) over
     `score_fraction` of the square, the logits GEMM (its share: 1/p of it per device) and the
-    memory-bound work."""
+    memory-bound work; once per step the optimizer's update, moving `update_bytes` through HBM.
+
+    `attention`: `flash` runs the core in a fused `kernel` (flash: ours, cudnn: cuDNN's) at its
+    measured rates, `xla` materialises the scores. `loss`: `chunked` (ours) or `float32` (the whole
+    float32 logits, and the output layer's backward GEMMs on float32 operands: TF32)."""
     mesh, peak = layout.mesh, hw.peak(model.compute_dtype)
     c = compute_bytes(model)
     m_tokens = micro_batch * seq_len / mesh.context
     layers = layout.stage_layers(model.num_layers)
     passes = 3.0 + (1.0 if redo["projections"] else 0.0)
     per_layer = sum(eff.gemm_seconds(m_tokens, k, n, hw, peak, c) for k, n in layer_gemms(model, mesh.tensor))
-    logits = 3.0 * eff.gemm_seconds(m_tokens, model.d_model, model.vocab_size / mesh.tensor, hw, peak, c) / layout.pipeline
+    vocab = model.vocab_size / mesh.tensor
+    logit_gemm = eff.gemm_seconds(m_tokens, model.d_model, vocab, hw, peak, c)
+    if loss == "float32":  # the backward's two GEMMs take the float32 gradient of the logits
+        backward_gemms = 2.0 * eff.gemm_seconds(m_tokens, model.d_model, vocab, hw, hw.peak("float32"), 4)
+    else:
+        backward_gemms = 2.0 * logit_gemm
+    logits = (logit_gemm + backward_gemms) / layout.pipeline
     one = dataclasses.replace(model, num_layers=1)
     core = flops.attention_forward_flops_per_token(one, seq_len, causal=False) * score_fraction / mesh.tensor
     backward = 2.0 if mesh.context == 1 else 2.5
-    core_passes = 1.0 + backward + (1.0 if redo["attention"] else 0.0)
+    forwards = 1.0 + (1.0 if redo["attention"] else 0.0)
     if attention == "flash":
-        core_s = core * m_tokens / (peak * eff.attention)
+        forward_rate, backward_rate = measured.kernel_rates(kernel, seq_len // mesh.context)
+        forward_s = core * m_tokens / (peak * forward_rate)
+        backward_s = backward * core * m_tokens / (peak * backward_rate)
     else:  # scores materialised: the two batched GEMMs plus the fp32 score rows through HBM (a few passes)
         scores = model.num_heads / mesh.tensor * seq_len * score_fraction * m_tokens
-        core_s = core * m_tokens / (peak * eff.matmul) + 4 * 4 * scores / hw.hbm_bytes_per_s
+        forward_s = core * m_tokens / (peak * eff.matmul) + 4 * 4 * scores / hw.hbm_bytes_per_s
+        backward_s = backward * forward_s
     width = model.d_model / (mesh.tensor if mesh.sequence_parallel else 1)
     elementwise = layers * m_tokens * width * eff.elementwise_bytes / hw.hbm_bytes_per_s
+    elementwise += LOGIT_BYTES[loss] * m_tokens * vocab / hw.hbm_bytes_per_s / layout.pipeline
     m = layout.micro_batches
     matmul_s = m * (layers * passes * per_layer + logits)
-    attention_s = m * layers * core_passes * core_s
-    backward_share = (layers * (passes - 1) * per_layer + 2 / 3 * logits + layers * (core_passes - 1) * core_s) / (
-        layers * passes * per_layer + logits + layers * core_passes * core_s)
-    return Compute(matmul_s=matmul_s, attention_s=attention_s, elementwise_s=m * elementwise,
-                   backward_share=backward_share)
+    attention_s = m * layers * (forwards * forward_s + backward_s)
+    backward_share = (layers * (passes - 1) * per_layer + backward_gemms / layout.pipeline
+                      + layers * ((forwards - 1) * forward_s + backward_s)) / (
+        layers * passes * per_layer + logits + layers * (forwards * forward_s + backward_s))
+    return Compute(matmul_s=matmul_s, attention_s=attention_s,
+                   elementwise_s=m * elementwise + update_bytes / hw.hbm_bytes_per_s, backward_share=backward_share)

@@ -8,7 +8,7 @@ import math
 from typing import Any, Callable
 
 from lumen_jax.metrics import flops
-from lumen_jax.config import ATTENTION_IMPLS, Config, MeshConfig, ModelConfig
+from lumen_jax.config import Config, MeshConfig, ModelConfig
 from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.plan.collectives import Collective, collectives
 from lumen_jax.plan.cost import context_score_fraction, planned_flops_per_token
@@ -118,13 +118,30 @@ class Plan:
         }
 
 
-def planned_attention(attention: str) -> str:
-    """`xla` (S x S scores in memory) or `flash` for `model.attention` (or `Ops.attention`) on a GPU:
-    cuDNN's fused attention keeps no scores either and saves the same output and log-sum-exp, so it
-    plans as flash (`auto`: flash if the trainer has a flash implementation)."""
-    if attention == "auto":
-        return "flash" if "flash" in ATTENTION_IMPLS else "xla"
-    return "flash" if attention in ("flash", "cudnn") else "xla"
+def planned_attention(attention: str, model: ModelConfig, context: int = 1, hopper: bool = True) -> str:
+    """The attention a GPU runs for `model.attention` (or `Ops.attention`): `xla` (S x S scores in
+    memory), `flash` (our kernel) or `cudnn`, as `ops.choice` picks it for the trainer's packed
+    rows: `auto` is cudnn where cuDNN takes the case (bfloat16/float16, a head dim that is a
+    multiple of 8 up to 256, a `hopper` (sm_90) or later GPU for the packed layout) and no context
+    parallelism (whose chunk pairs need the log-sum-exp's gradient cuDNN drops), else flash; an
+    explicit cudnn runs flash under context parallelism too."""
+    if attention not in ("auto", "cudnn"):
+        return "flash" if attention == "flash" else "xla"
+    head_dim = model.resolved_head_dim
+    takes = attention == "cudnn" or (hopper and model.compute_dtype in ("bfloat16", "float16")
+                                     and head_dim % 8 == 0 and head_dim <= 256)
+    return "cudnn" if takes and context == 1 else "flash"
+
+
+def _hopper(hw: Hardware) -> bool:
+    """Whether cuDNN's packed layout runs on `hw`: of the planner's devices, all but the A100."""
+    return "A100" not in hw.kind
+
+
+def _scores(kernel: str) -> str:
+    """The memory and FLOP side's attention: `xla` keeps scores; ours and cuDNN's kernels do not
+    and keep the same residuals (the output and its log-sum-exp): both plan as `flash`."""
+    return "xla" if kernel == "xla" else "flash"
 
 
 MEMORY_FRACTION = 0.94  # of device memory the allocator can hand out (docs/PLANNING.md, "Headroom")
@@ -171,14 +188,19 @@ def exposed_seconds(comms: tuple[Collective, ...], compute: Compute, m: int, ove
 def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = None,
             attention: str | None = None, efficiency: float | None = None, memory_fraction: float = MEMORY_FRACTION,
             terms: Efficiency = Efficiency(), overlap: Overlap = Overlap(), moe_backend: str = "gpu",
-            context_grads: str = "per_unit", kernel_kept: bool = True) -> Plan:
+            context_grads: str = "per_unit", kernel_kept: bool = True, loss: str = "chunked",
+            kernel: str | None = None) -> Plan:
     """Bytes, FLOPs, collectives and a step time for `cfg` on `layout`. `moe_backend`: the MoE
     dispatch's exchange and grouped matmuls as on GPU or as XLA:CPU compiles them (`plan.moe`);
     `context_grads`: the gradients' reduction over context as our step runs it, or "once" per step
     (`collectives.StepShape.context_grads`); `kernel_kept`: the remat policy keeps the flash
-    kernel's output and log-sum-exp, so the backward runs no attention forward again (ours, every
-    policy but full); False plans the forward run again under a policy that saves no scores (the
-    published recipes' programs, as the calibration assumes).
+    kernel's output and log-sum-exp, so the backward runs no attention forward again (our flash
+    kernel, every policy but full; cuDNN's runs its forward again under every policy but none); False plans the forward run again under a policy that saves no scores (the
+    published recipes' programs, as the calibration assumes); `loss`: `chunked` (ours) or `float32`
+    (the whole [tokens, vocab] logits in float32: our program as measured on 2026-12-04,
+    `plan.measured.STEPS`). `attention` (default `model.attention`) as `planned_attention` resolves
+    it: a fused kernel runs at its measured rates (`plan.measured.kernel_rates`); `kernel` names
+    the fused kernel instead (a published program's: cudnn under context parallelism too).
 
     Step time = compute + the communication that does not hide under it (`exposed_seconds`, per
     axis: `overlap`), stretched by the pipeline bubble (`_stretch`: zero_bubble's B and W ticks at
@@ -188,7 +210,10 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     """
     model, seq = cfg.model, cfg.data.seq_len
     remat = model.remat if remat is None else remat
-    attention = planned_attention(model.attention if attention is None else attention)
+    chosen = planned_attention(model.attention if attention is None else attention, model, layout.mesh.context,
+                               _hopper(hw))
+    kernel = kernel if kernel and chosen != "xla" else chosen
+    attention = _scores(kernel)
     micro_batch, state, fp8, activations = _memory(cfg, layout, remat, attention, moe_backend)
     tokens = cfg.data.global_batch_size * seq
     peak = hw.peak(model.compute_dtype)
@@ -196,11 +221,15 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     fraction = (context_score_fraction(layout.mesh.context, layout.mesh.context_balance, attention)
                 if layout.mesh.context > 1 else 0.5)
     redo_as = attention if kernel_kept else "xla"  # the reference attention keeps no kernel residuals
-    hw_per_token = planned_flops_per_token(model, layout, seq, remat, score_fraction=fraction, attention=redo_as)
+    redo = recomputes(remat, layout.mesh.context, layout.mesh.context_parallel, redo_as)
+    if kernel == "cudnn" and kernel_kept and remat != "none":  # our cuDNN call's residuals are out of reach
+        redo = {**redo, "attention": True}  # of the remat names (ops/cudnn.py); a published program's are not
+    hw_per_token = planned_flops_per_token(model, layout, seq, remat, score_fraction=fraction, redo=redo)
     comms = tuple(collectives(model, layout, hw, seq, micro_batch, remat, moe_backend, context_grads))
     if efficiency is None:
-        redo = recomputes(remat, layout.mesh.context, layout.mesh.context_parallel, redo_as)
-        parts = compute_seconds(model, layout, seq, micro_batch, redo, attention, hw, terms, score_fraction=fraction)
+        update = 2 * state["params"] + state["grads"] + 2 * state["optimizer"]  # read and write, the gradient read
+        parts = compute_seconds(model, layout, seq, micro_batch, redo, attention, hw, terms, score_fraction=fraction,
+                                kernel=kernel, loss=loss, update_bytes=update)
     else:  # one rate for every FLOP; the backward is 2/3 of them
         total = hw_per_token * tokens / layout.num_devices / (peak * efficiency)
         parts = Compute(matmul_s=total, attention_s=0.0, elementwise_s=0.0, backward_share=2 / 3)
@@ -209,7 +238,7 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     busy = compute_s + sum(exposed)
     bubble = _bubble(layout)
     stretch = _stretch(model, layout, parts, hw_per_token)
-    return Plan(layout=layout, remat=remat, micro_batch=micro_batch, attention=attention,
+    return Plan(layout=layout, remat=remat, micro_batch=micro_batch, attention=kernel,
                 state=state, fp8=fp8, activations=activations,
                 device_memory_bytes=hw.memory_bytes, usable_memory_bytes=hw.memory_bytes * memory_fraction,
                 flops_per_token=flops.flops_per_token(model, seq), hardware_flops_per_token=hw_per_token,
@@ -233,7 +262,8 @@ def _fits(cfg: Config, layout: Layout, hw: Hardware, remat: str, attention: str 
           memory_fraction: float = MEMORY_FRACTION, moe_backend: str = "gpu", **_: Any) -> bool:
     """Whether `predict(cfg, layout, hw, remat=remat, ...)` would fit (its `Plan.fits`), from the
     memory side alone: the search skips the time of the nine in ten candidates that do not."""
-    attention = planned_attention(cfg.model.attention if attention is None else attention)
+    attention = _scores(planned_attention(cfg.model.attention if attention is None else attention, cfg.model,
+                                          layout.mesh.context, _hopper(hw)))
     _, state, fp8, activations = _memory(cfg, layout, remat, attention, moe_backend)
     return sum(state.values()) + activations.total + fp8 <= hw.memory_bytes * memory_fraction
 

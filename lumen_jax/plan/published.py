@@ -26,9 +26,9 @@ HARDWARE = {
     # Google Cloud A3 (a3-highgpu-8g): 4 x 200 Gb/s NICs per VM of 8 GPUs (GPUDirect-TCPX): 12.5 GB/s per GPU
     "gcp-a3": {"ib_bytes_per_s": 12.5e9},
     # torchtitan's Grand Teton hosts: H100 96 GB HBM2e (2.4 TB/s) at the default 500 W, whose peak the
-    # source puts "between SXM and NVL" without a number: fitted to its six rows (655 TFLOP/s; a 500 W
+    # source puts "between SXM and NVL" without a number: fitted to its six rows (585 TFLOP/s; a 500 W
     # cap lowers the clock under load, so below the NVL's 835)
-    "gt-h100-500w": {"memory_bytes": 96e9, "hbm_bytes_per_s": 2.4e12, "peak_flops": 655e12},
+    "gt-h100-500w": {"memory_bytes": 96e9, "hbm_bytes_per_s": 2.4e12, "peak_flops": 585e12},
 }
 
 # FLOP conventions: how a source counts the FLOPs behind its FLOP/s (to recover tokens/s).
