@@ -25,7 +25,7 @@ MAX_CPU_DEVICES = 256
 _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("model.d_model", ">=", 1), ("model.num_layers", ">=", 1), ("model.num_heads", ">=", 1),
     ("model.num_kv_heads", ">=", 1), ("model.head_dim", ">=", 0), ("model.ffn_dim", ">=", 1),
-    ("model.vocab_size", ">=", 1), ("model.norm_eps", ">", 0), ("model.rope_theta", ">", 0),
+    ("model.sliding_window", ">=", 0), ("model.vocab_size", ">=", 1), ("model.norm_eps", ">", 0), ("model.rope_theta", ">", 0),
     ("model.rope_scaling_factor", ">", 0), ("model.rope_original_max_len", ">=", 1),
     ("model.init_std", ">", 0), ("model.fp8.amax_history", ">=", 1),
     ("model.moe.num_experts", ">=", 0), ("model.moe.top_k", ">=", 1), ("model.moe.every_n_layers", ">=", 1),
@@ -233,6 +233,10 @@ def _batch_and_sequence(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bo
     yield (not mesh.sequence_parallel or d.seq_len % (cp * tp) == 0,
            f"mesh.sequence_parallel=true needs data.seq_len={d.seq_len} divisible by mesh.context*mesh.tensor="
            f"{cp * tp}; use a multiple of {need} or set mesh.sequence_parallel=false")
+    window = cfg.model.sliding_window
+    yield (cp == 1 or not 0 < window < d.seq_len,
+           f"model.sliding_window={window} binds at data.seq_len={d.seq_len}, and context parallelism has no "
+           f"sliding window yet (mesh.context={cp}); use mesh.context=1, or a window >= the sequence")
     yield (not zigzag or d.seq_len % (2 * cp) == 0,
            f"mesh.context_balance=zigzag cuts data.seq_len={d.seq_len} into 2*mesh.context={2 * cp} chunks; "
            f"use a multiple of {need} or mesh.context_balance=contiguous")

@@ -101,6 +101,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False  # learned biases on the query, key and value projections (Qwen2, Qwen2-MoE)
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding (Qwen3, Qwen3-MoE)
+    sliding_window: int = 0  # keys a query sees, itself included (Mistral); 0: every earlier key
     init_std: float = 0.02
     attention: str = "xla"  # xla | flash | cudnn | auto (auto: cudnn or flash on GPU, xla on CPU)
     flash_block_q: int = 0  # flash kernel's query tile (forward, dQ); 0: tuned default

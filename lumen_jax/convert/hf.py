@@ -1,4 +1,4 @@
-"""The Hugging Face dense decoders <-> ours: Llama, Qwen2, Qwen3 (pure numpy, no I/O).
+"""The Hugging Face dense decoders <-> ours: Llama, Mistral, Qwen2, Qwen3 (pure numpy, no I/O).
 
 `FAMILIES` names each by its `model_type`; config fields and tensors go both ways, and the tensor table
 (`Row`, `KINDS`) is the one hf_moe.py builds its mixtures of experts from.
@@ -21,6 +21,8 @@ weights [in, ...] stacked on a leading `layers` axis:
 Both Qwen configs carry sliding-window fields (`use_sliding_window`, `sliding_window`,
 `max_window_layers`, `layer_types`); transformers uses `sliding_window` only when `use_sliding_window`
 is true, so an import takes them while every layer is full attention and refuses them otherwise.
+Mistral is Llama's tensors with a sliding window over every layer (`sliding_window`, null for none:
+`model.sliding_window`, 0 for none); to-hf writes a dense model with a window as Mistral.
 
 Rotary layout: HF Llama's `rotate_half` pairs dimension i with i + H/2 of each head, and so does
 our `apply_rope` (half-split), so q/k need no permutation (the logits test checks it).
@@ -67,6 +69,7 @@ FAMILIES = {
     "llama": Dense("LlamaForCausalLM", False, False, frozenset()),
     "qwen2": Dense("Qwen2ForCausalLM", True, False, SLIDING),
     "qwen3": Dense("Qwen3ForCausalLM", False, True, SLIDING),
+    "mistral": Dense("MistralForCausalLM", False, False, frozenset({"sliding_window"})),
 }
 
 
@@ -92,8 +95,13 @@ def model_config(hf: dict, dtype: str) -> ModelConfig:
     kind = hf.get("model_type", "llama")
     fam = FAMILIES[kind]
     check_architecture(hf, kind, fam.architecture)
+    window = 0
+    if kind == "mistral":
+        window = hf.get("sliding_window") or 0
+        if not isinstance(window, int) or window < 0:
+            raise ConvertError(f"config.json sliding_window={window!r} must be a positive integer or null")
     return ModelConfig(**base_fields(hf, HARMLESS | fam.fields, FIXED), qkv_bias=fam.qkv_bias,
-                       qk_norm=fam.qk_norm, compute_dtype=dtype)
+                       qk_norm=fam.qk_norm, sliding_window=window, compute_dtype=dtype)
 
 
 def check_architecture(hf: dict, kind: str, architecture: str) -> None:
@@ -152,6 +160,11 @@ def base_fields(hf: dict, harmless: frozenset, fixed: tuple) -> dict[str, Any]:
 
 def family_of(m: ModelConfig) -> str:
     """The model_type that expresses our dense model `m`; ConvertError naming what none of them has."""
+    if m.sliding_window and (m.qkv_bias or m.qk_norm):
+        raise ConvertError(f"model.sliding_window={m.sliding_window} with model.qkv_bias or model.qk_norm has no "
+                           "place in MistralForCausalLM (a window, Llama's projections); to-hf cannot export it")
+    if m.sliding_window:
+        return "mistral"
     if m.qkv_bias and m.qk_norm:
         raise ConvertError("model.qkv_bias=true with model.qk_norm=true has no place in LlamaForCausalLM, "
                            "Qwen2ForCausalLM (q/k/v biases) or Qwen3ForCausalLM (q/k norms); to-hf cannot export "
@@ -184,6 +197,8 @@ def hf_config(m: ModelConfig, dtype: str) -> dict:
     out.update(architectures=[FAMILIES[kind].architecture], model_type=kind)
     if kind == "llama":
         out["mlp_bias"] = False
+    elif kind == "mistral":
+        out["sliding_window"] = m.sliding_window
     else:
         out.update(use_sliding_window=False, sliding_window=None)
     if kind == "qwen2":

@@ -54,9 +54,14 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
 
 def attention_forward_flops_per_token(cfg: ModelConfig, seq_len: int, *,
                                       causal: bool = True) -> float:
-    """Forward FLOPs per token of QK^T and AV over all layers: 2 * 2*S*N*H * L, halved if causal."""
-    full = 2 * 2 * seq_len * cfg.num_heads * cfg.resolved_head_dim * cfg.num_layers
-    return full / 2 if causal else float(full)
+    """Forward FLOPs per token of QK^T and AV over all layers: 2 * 2*S*N*H * L, halved if causal.
+    Under a sliding window W < S (`cfg.sliding_window`, causal) a query sees W keys once it is W
+    deep: W - W^2 / 2S keys per query on average instead of S / 2 (equal at W = S)."""
+    per_key = 2 * 2 * cfg.num_heads * cfg.resolved_head_dim * cfg.num_layers
+    w = cfg.sliding_window
+    if causal and 0 < w < seq_len:
+        return per_key * (w - w * w / (2 * seq_len))
+    return per_key * seq_len / 2 if causal else float(per_key * seq_len)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:

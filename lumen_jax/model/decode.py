@@ -103,7 +103,7 @@ def prefill(model: Transformer, tokens_bt: jax.Array, valid_bt: jax.Array, cache
 
     def attend(attn, h_btd, k_cache, v_cache):
         q, k, v = attn.qkv(h_btd, positions, inv_freq, model.ops)
-        o = attention(q, k, v, segment_ids_bt=segments, causal=True, ops=model.ops)
+        o = attention(q, k, v, segment_ids_bt=segments, causal=True, ops=model.ops, window=attn.window)
         zero = jnp.zeros((), jnp.int32)
         k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (zero,) * 4)
         v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (zero,) * 4)
@@ -126,6 +126,8 @@ def decode(model: Transformer, tokens_b: jax.Array, positions_b: jax.Array, slot
     inv_freq = rope_frequencies(model.cfg)
     s = cache["k"].shape[2]
     visible = valid_bs & (jnp.arange(s) <= slot)[None]  # [B, S]: filled, and not a prompt's padding
+    if model.cfg.sliding_window:  # the latest `window` slots: rows are left-padded alike, so slots are positions
+        visible &= (jnp.arange(s) > slot - model.cfg.sliding_window)[None]
 
     def attend(attn, h_btd, k_cache, v_cache):
         q, k, v = attn.qkv(h_btd, positions_b[:, None], inv_freq, model.ops)

@@ -96,11 +96,13 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(h, cfg.norm_eps)
             self.k_norm = RMSNorm(h, cfg.norm_eps)
         self.projections = projection_state(ops, "attention", ("q", "k", "v", "o"))
+        self.window = cfg.sliding_window  # static: the keys each query sees, 0 all (ops.attention)
 
     def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array | None,
                  inv_freq: jax.Array, ops: Ops, tape: Tape | None = None) -> jax.Array:
         q, k, v = self.qkv(x_btd, positions_bt, inv_freq, ops, tape)
-        return self.out(attention(q, k, v, segment_ids_bt=segment_ids_bt, causal=True, ops=ops), ops, tape)
+        return self.out(attention(q, k, v, segment_ids_bt=segment_ids_bt, causal=True, ops=ops,
+                                  window=self.window), ops, tape)
 
     def qkv(self, x_btd: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array,
             ops: Ops, tape: Tape | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:

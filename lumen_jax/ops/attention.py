@@ -57,23 +57,25 @@ def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
 
 def cudnn_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
                     segment_ids_bt: jax.Array | None = None, causal: bool = True,
-                    scale: float | None = None, ops: Ops = Ops(attention="cudnn")) -> jax.Array:
+                    scale: float | None = None, ops: Ops = Ops(attention="cudnn"), window: int = 0) -> jax.Array:
     """cuDNN's fused attention (`ops.cudnn.attention`) with the reference's signature, per shard of
     the mesh; its fallback for rows of many documents is flash (`ops.flash_blocks` set) or the
-    reference."""
-    if ops.flash_blocks is not None:
+    reference (always under a sliding `window`, which our kernel has not)."""
+    if ops.flash_blocks is not None and not window:
         kernel = functools.partial(flash_lib.flash_attention, causal=causal, scale=scale,
                                    block_sizes=ops.flash_blocks, interpret=ops.interpret)
         fallback = lambda q, k, v, seg: kernel(q, k, v, segment_ids_bt=seg)  # noqa: E731
     else:
-        fallback = lambda q, k, v, seg: reference(q, k, v, segment_ids_bt=seg, causal=causal, scale=scale)[0]  # noqa: E731
-    local = functools.partial(_cudnn_local, causal=causal, scale=scale, fallback=fallback)
+        fallback = lambda q, k, v, seg: reference(q, k, v, segment_ids_bt=seg, causal=causal, scale=scale,  # noqa: E731
+                                                  window=window)[0]
+    local = functools.partial(_cudnn_local, causal=causal, scale=scale, fallback=fallback, window=window)
     return shard.per_device(local, in_axes=(_Q_AXES, _KV_AXES, _KV_AXES, _SEG_AXES),
                             out_axes=_Q_AXES)(q_btnh, k_bskh, v_bskh, segment_ids_bt)
 
 
-def _cudnn_local(q, k, v, seg, *, causal, scale, fallback):
-    return cudnn_lib.attention(q, k, v, segment_ids_bt=seg, causal=causal, scale=scale, fallback=fallback)
+def _cudnn_local(q, k, v, seg, *, causal, scale, fallback, window):
+    return cudnn_lib.attention(q, k, v, segment_ids_bt=seg, causal=causal, scale=scale, fallback=fallback,
+                               window=window)
 
 
 def block_kernel(ops: Ops, head_dim: int, *, scale: float | None = None) -> context_lib.BlockKernel:
@@ -103,7 +105,7 @@ def block_kernel(ops: Ops, head_dim: int, *, scale: float | None = None) -> cont
 
 def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
               segment_ids_bt: jax.Array | None = None, causal: bool = True,
-              scale: float | None = None, ops: Ops = Ops()) -> jax.Array:
+              scale: float | None = None, ops: Ops = Ops(), window: int = 0) -> jax.Array:
     """Grouped-query attention [B, T, N, H] by the implementation `ops` names (module docstring).
 
     Args:
@@ -111,22 +113,30 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
       segment_ids_bt: [B, T] document ids of packed sequences (None: one document per row).
       causal: mask future positions. scale: softmax scale; default 1/sqrt(H).
       ops: the implementation choice (`ops.choice.choose`).
+      window: a sliding window (query t sees keys s > t - window, `ops.reference.mask`); 0, or a
+        window as long as the keys, is none. The reference and cuDNN take it; our flash kernel and
+        context parallelism do not yet (`ops.choice` and the config checks keep them off it).
     """
+    window = window if 0 < window < k_bskh.shape[1] else 0
+    if window and (ops.context or ops.attention == "flash"):
+        raise ValueError(f"a sliding window of {window} keys: {'context parallelism' if ops.context else 'flash'} "
+                         "has none yet (ops.choice and the config checks route around it)")
     if ops.context:
         kernel = block_kernel(ops, q_btnh.shape[-1], scale=scale)
         return context_lib.context_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=segment_ids_bt,
                                              causal=causal, kernel=kernel)[0]
     if ops.attention == "cudnn":
         return cudnn_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=segment_ids_bt, causal=causal,
-                               scale=scale, ops=ops)
+                               scale=scale, ops=ops, window=window)
     if ops.attention == "flash":
         return flash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=segment_ids_bt, causal=causal,
                                scale=scale, ops=ops)
     if ops.cpu:
         h = q_btnh.shape[-1]
         return cpu.heads_first_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, causal,
-                                         h ** -0.5 if scale is None else scale)
-    return reference(q_btnh, k_bskh, v_bskh, segment_ids_bt=segment_ids_bt, causal=causal, scale=scale)[0]
+                                         h ** -0.5 if scale is None else scale, window)
+    return reference(q_btnh, k_bskh, v_bskh, segment_ids_bt=segment_ids_bt, causal=causal, scale=scale,
+                     window=window)[0]
 
 
 def cached_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, visible_bs: jax.Array) -> jax.Array:

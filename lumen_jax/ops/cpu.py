@@ -62,7 +62,8 @@ token_grad_project.defvjp(_token_grad_fwd, _token_grad_bwd)
 
 
 def heads_first_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
-                          segment_ids_bt: jax.Array | None, causal: bool, scale: float) -> jax.Array:
+                          segment_ids_bt: jax.Array | None, causal: bool, scale: float,
+                          window: int = 0) -> jax.Array:
     """`ops.attention.reference`'s output in a heads-first layout that XLA:CPU runs faster.
 
     Keys/values [B, K, S, H] and queries [B, K, G*T, H] (the G query heads of one K/V head stacked
@@ -81,7 +82,7 @@ def heads_first_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Arra
     batch = ((0, 1), (0, 1))  # (batch, kv head)
     scores = jax.lax.dot_general(q_bkrh, k_bksh, (((3,), (3,)), batch),
                                  preferred_element_type=jnp.float32) * scale
-    keep = mask(t, s, causal, segment_ids_bt, segment_ids_bt)  # [B|1, 1, 1, T, S]
+    keep = mask(t, s, causal, segment_ids_bt, segment_ids_bt, window)  # [B|1, 1, 1, T, S]
     keep = jnp.broadcast_to(keep, (keep.shape[0], 1, g, t, s)).reshape(keep.shape[0], 1, g * t, s)
     scores = jnp.where(keep, scores, jnp.finfo(jnp.float32).min)
     with jax.softmax_custom_jvp(True):

@@ -136,7 +136,8 @@ def packed_documents(segment_ids_bt: jax.Array, max_documents: int) -> tuple[jax
 
 def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
               segment_ids_bt: jax.Array | None, causal: bool, scale: float | None,
-              fallback: Callable[..., jax.Array], max_documents: int = MAX_DOCUMENTS) -> jax.Array:
+              fallback: Callable[..., jax.Array], max_documents: int = MAX_DOCUMENTS,
+              window: int = 0) -> jax.Array:
     """cuDNN's fused attention [B, T, N, H] (module docstring); local arrays, no collectives.
 
     Args:
@@ -145,11 +146,13 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
       causal: mask future positions (within each document). scale: default 1/sqrt(H).
       fallback: `fallback(q, k, v, segment_ids_bt)` for rows with more than `max_documents` documents.
       max_documents: the packed layout's bound on documents per row (capped at T).
+      window: a sliding window (query t sees keys s > t - window); 0: none.
     """
     h = q_btnh.shape[-1]
     scale = h ** -0.5 if scale is None else scale
     if segment_ids_bt is None:
         return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, scale=scale, is_causal=causal,
+                                            local_window_size=(window - 1, 0) if window else None,
                                             implementation="cudnn")
     m = min(max_documents, q_btnh.shape[1])
     seqlen, offsets, count = packed_documents(segment_ids_bt, m)
@@ -157,6 +160,7 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
 
     def packed(q, k, v, seg):
         return _fused.dot_product_attention(q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets,
-                                            kv_offsets=offsets, scale=scale, mask_type=mask)
+                                            kv_offsets=offsets, scale=scale, mask_type=mask,
+                                            **({"sliding_window_length": window} if window else {}))
 
     return lax.cond(jnp.max(count) <= m, packed, fallback, q_btnh, k_bskh, v_bskh, segment_ids_bt)

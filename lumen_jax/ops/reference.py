@@ -1,8 +1,9 @@
 """The reference attention: one mask, the forward (output and log-sum-exp), and its backward from a
 merged output and log-sum-exp. Plain jnp; the numerical reference of every other implementation.
 
-- `mask`: causal (top-left aligned: query t sees keys s <= t) and document (segment id) masking;
-  the kernel tests build their expectations with it too.
+- `mask`: causal (top-left aligned: query t sees keys s <= t), sliding-window (query t sees keys
+  s > t - window) and document (segment id) masking; the kernel tests build their expectations
+  with it too.
 - `reference`: grouped-query attention with float32 scores and softmax, returning the output and
   the per-row log-sum-exp. `model.attention=xla` runs it (its log-sum-exp unused, so XLA drops it);
   context parallelism runs it on each (query chunk, key chunk) pair and merges the pairs with
@@ -24,17 +25,22 @@ import jax.numpy as jnp
 _MASKED = jnp.finfo(jnp.float32).min  # finite: a row with no visible key gives uniform weights, not NaN
 
 
-def mask(t: int, s: int, causal: bool, q_seg: jax.Array | None, kv_seg: jax.Array | None) -> jax.Array:
+def mask(t: int, s: int, causal: bool, q_seg: jax.Array | None, kv_seg: jax.Array | None,
+         window: int = 0) -> jax.Array:
     """Which of [T] queries see which of [S] keys: [B|1, 1, 1, T, S] bool, against scores [B, K, G, T, S].
 
     Args:
       t, s: query and key lengths.
       causal: query t sees keys s <= t (top-left aligned).
       q_seg, kv_seg: [B, T] and [B, S] document ids (both or neither): tokens see their own document only.
+      window: query t sees keys s > t - window (the `window` latest, itself included; Mistral's
+        sliding window, as transformers masks it); 0: no window.
     """
     keep = jnp.ones((1, t, s), dtype=bool)
     if causal:
         keep = keep & (jnp.arange(t)[:, None] >= jnp.arange(s)[None, :])[None]
+    if window:
+        keep = keep & (jnp.arange(t)[:, None] - jnp.arange(s)[None, :] < window)[None]
     if q_seg is not None:
         keep = keep & (q_seg[:, :, None] == kv_seg[:, None, :])
     return keep[:, None, None]
@@ -43,7 +49,7 @@ def mask(t: int, s: int, causal: bool, q_seg: jax.Array | None, kv_seg: jax.Arra
 def reference(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
               segment_ids_bt: jax.Array | None = None, kv_segment_ids_bs: jax.Array | None = None,
               causal: bool = True, scale: float | None = None,
-              out_dtype: Any = None) -> tuple[jax.Array, jax.Array]:
+              out_dtype: Any = None, window: int = 0) -> tuple[jax.Array, jax.Array]:
     """Attention with grouped-query heads: (out [B, T, N, H], lse [B, N, T] float32).
 
     Args:
@@ -55,6 +61,7 @@ def reference(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
       causal: mask future positions.
       scale: softmax scale; default 1/sqrt(H).
       out_dtype: the output's dtype; default q's.
+      window: a sliding window (`mask`); 0: none.
 
     Returns:
       The output and the natural-log log-sum-exp of each row's scaled, masked scores. Scores and
@@ -70,7 +77,7 @@ def reference(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
     kv_seg = segment_ids_bt if kv_segment_ids_bs is None else kv_segment_ids_bs
     q_btkgh = q_btnh.reshape(b, t, kh, n // kh, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask(t, s, causal, segment_ids_bt, kv_seg), scores, _MASKED)
+    scores = jnp.where(mask(t, s, causal, segment_ids_bt, kv_seg, window), scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh, preferred_element_type=jnp.float32)
     lse = jax.nn.logsumexp(scores, axis=-1).reshape(b, n, t)

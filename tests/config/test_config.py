@@ -24,7 +24,8 @@ CONFIGS = os.path.join(ROOT, "configs")
 
 # Device counts each shipped file is sized for (see the comment at the top of each file).
 DEVICES = {"base": 8, "tiny": 8, "llama3_1b": 64, "llama3_8b": 64, "llama3_70b": 512, "llama3_405b": 16384,
-           "tiny_moe": 8, "mixtral_8x7b": 64, "qwen3_30b_a3b": 64, "qwen3_8b": 64, "tiny_qwen3": 8}
+           "tiny_moe": 8, "mixtral_8x7b": 64, "qwen3_30b_a3b": 64, "qwen3_8b": 64, "tiny_qwen3": 8,
+           "mistral_7b": 64, "tiny_mistral": 8}
 
 
 def cfg_path(name: str) -> str:
@@ -110,6 +111,21 @@ def test_qwen3_presets():
     assert abs(flops.param_counts(m)["total"] - 8.19e9) <= 0.01e9
     tiny = load_config(cfg_path("tiny_qwen3.yaml")).model
     assert tiny.qk_norm and not tiny.tie_embeddings and tiny.resolved_head_dim == 32 and tiny.d_model == TINY.model.d_model
+
+
+def test_mistral_presets():
+    """Mistral-7B-v0.1's shape (7.24B parameters, published: 7.3B; 7,241,732,096 by hand: 32 layers
+    of 4096 x (4096 + 1024 + 1024 + 4096) + 3 x 4096 x 14336 + 2 x 4096, two 32000 x 4096 tables,
+    4096) with its 4,096-key window, and the tiny sibling's window, which binds at its 128 tokens."""
+    from lumen_jax.metrics import flops
+
+    m = load_config(cfg_path("mistral_7b.yaml")).model
+    assert (m.d_model, m.num_layers, m.num_heads, m.num_kv_heads, m.resolved_head_dim, m.ffn_dim, m.vocab_size,
+            m.sliding_window) == (4096, 32, 32, 8, 128, 14336, 32000, 4096)
+    assert not m.tie_embeddings and m.rope_theta == 1e4 and m.norm_eps == 1e-5 and m.rope_scaling == "none"
+    assert flops.param_counts(m)["total"] == 7_241_732_096
+    tiny = load_config(cfg_path("tiny_mistral.yaml"))
+    assert 0 < tiny.model.sliding_window < tiny.data.seq_len and tiny.model.d_model == TINY.model.d_model
 
 
 def test_an_error_quotes_a_huge_value_in_brief():

@@ -1,8 +1,10 @@
-"""Qwen3 and Qwen2 dense import and export against `transformers` itself (CPU torch): logits and a
-swapped-norms / dropped-biases control, greedy generation, the round trip, real models' config.json,
-bad inputs. One small random model per layout (helpers.hf.DENSE_MODELS: Qwen3 untied and tied with
-a head_dim that is not d_model / heads, Qwen2 with q/k/v biases), written with `save_pretrained`."""
+"""Qwen3, Qwen2 and Mistral dense import and export against `transformers` itself (CPU torch): logits
+and a swapped-norms / dropped-biases / no-window control, greedy generation, the round trip, real
+models' config.json, bad inputs. One small random model per layout (helpers.hf.DENSE_MODELS: Qwen3
+untied and tied with a head_dim that is not d_model / heads, Qwen2 with q/k/v biases, Mistral with a
+sliding window of 6 keys), written with `save_pretrained`."""
 
+import dataclasses
 import os
 
 import numpy as np
@@ -26,7 +28,10 @@ def imported(tmp_path_factory):
 
 def _control(params: dict, kind: str) -> dict:
     """`params` with what the family adds to Llama misplaced: q_norm and k_norm swapped (Qwen3), the
-    q/k/v biases dropped (Qwen2)."""
+    q/k/v biases dropped (Qwen2); Mistral's window is the model's, not the parameters' (its control
+    drops the window from the model instead)."""
+    if kind == "mistral":
+        return params
     attn = dict(params["blocks"]["attn"])
     if kind.startswith("qwen3"):
         attn["q_norm"], attn["k_norm"] = attn["k_norm"], attn["q_norm"]
@@ -39,11 +44,13 @@ def _control(params: dict, kind: str) -> dict:
 def test_from_hf_logits_match_transformers_and_a_misplaced_norm_or_bias_does_not(imported, kind):
     _, run_dir, ref = imported[kind]
     model, params = our_params(run_dir)
-    assert (model.qk_norm, model.qkv_bias, model.tie_embeddings, model.resolved_head_dim) == {
-        "qwen3": (True, False, False, 32), "qwen3_tied": (True, False, True, 32), "qwen2": (False, True, False, 16)}[kind]
+    assert (model.qk_norm, model.qkv_bias, model.tie_embeddings, model.resolved_head_dim, model.sliding_window) == {
+        "qwen3": (True, False, False, 32, 0), "qwen3_tied": (True, False, True, 32, 0),
+        "qwen2": (False, True, False, 16, 0), "mistral": (False, False, False, 16, 6)}[kind]
     ours = logits_of(model, params, TOKENS)
     np.testing.assert_allclose(ours, ref, rtol=FP32_RTOL, atol=FP32_RTOL * float(np.abs(ref).max()))
-    assert not logits_close(logits_of(model, _control(params, kind), TOKENS), ref)
+    control = dataclasses.replace(model, sliding_window=0) if kind == "mistral" else model
+    assert not logits_close(logits_of(control, _control(params, kind), TOKENS), ref)
 
 
 @pytest.mark.parametrize("kind", KINDS)

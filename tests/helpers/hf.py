@@ -44,8 +44,8 @@ def _save_random(path: str, config_cls: str, model_cls: str, kw: dict, seed: int
     return path
 
 
-# Tiny dense Qwen models (2 layers, d_model 64, GQA, plain rope): Qwen3 (q/k norms) with a head_dim
-# that is not d_model / heads, untied and tied; Qwen2 (q/k/v biases).
+# Tiny dense models (2 layers, d_model 64, GQA, plain rope): Qwen3 (q/k norms) with a head_dim
+# that is not d_model / heads, untied and tied; Qwen2 (q/k/v biases); Mistral (a sliding window).
 DENSE_KW = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=128,
                 rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
@@ -53,6 +53,8 @@ DENSE_MODELS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
     "qwen3_tied": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
+    # A window of 6 keys binds over TOKENS' 20 and over generation's prompts and new tokens.
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=6, tie_word_embeddings=False)),
 }
 
 

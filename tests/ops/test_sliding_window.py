@@ -1,0 +1,157 @@
+"""`model.sliding_window` (Mistral): each query sees the `window` latest keys, itself included. The
+reference against jax's own windowed attention, the one-CPU formulation against the reference, the
+dispatch and the choice around our kernel (which has no window yet), cuDNN's window in the program
+lowered for CUDA, the FLOP count by hand, and training on meshes against one device."""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from helpers.run import BASE, run, with_mesh
+from helpers.tolerances import FP32_RTOL, SAME_MATH_FP32_RTOL, assert_tree_close
+from lumen_jax.compiler.lower import TargetGpu
+from lumen_jax.config import ConfigError, ModelConfig
+from lumen_jax.config.checks import validate
+from lumen_jax.metrics import flops
+from lumen_jax.ops import cpu, cudnn
+from lumen_jax.ops.attention import attention
+from lumen_jax.ops.choice import Ops, choose
+from lumen_jax.ops.reference import reference
+
+HOPPER, AMPERE = [TargetGpu("9.0")], [TargetGpu("8.0")]
+
+
+def qkv(dtype=jnp.float32, b=2, t=24, n=4, kh=2, h=16, seed=0):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(kq, (b, t, n, h), dtype), jax.random.normal(kk, (b, t, kh, h), dtype),
+            jax.random.normal(kv, (b, t, kh, h), dtype))
+
+
+def _grads(fn, q, k, v):
+    cot = jax.random.normal(jax.random.key(9), q.shape, q.dtype)
+    out, vjp = jax.vjp(fn, q, k, v)
+    return out, vjp(cot)
+
+
+@pytest.mark.parametrize("window", [1, 5, 23])
+def test_the_reference_window_is_jaxs_local_window(window):
+    """jax.nn.dot_product_attention's (left, right) window (window - 1, 0) is transformers' sliding
+    window: a query sees keys s > t - window. Output and the three gradients, float32."""
+    q, k, v = qkv()
+    ours = lambda q, k, v: reference(q, k, v, causal=True, window=window)[0]  # noqa: E731
+    jaxs = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+        q, k, v, is_causal=True, local_window_size=(window - 1, 0), implementation="xla")
+    (o1, g1), (o2, g2) = _grads(ours, q, k, v), _grads(jaxs, q, k, v)
+    np.testing.assert_allclose(o1, o2, rtol=SAME_MATH_FP32_RTOL, atol=1e-6)
+    for a, b in zip(g1, g2):
+        np.testing.assert_allclose(a, b, rtol=SAME_MATH_FP32_RTOL, atol=1e-5)
+    if window < 23:  # the window binds: not the plain causal attention
+        assert not np.allclose(o1, reference(q, k, v, causal=True)[0], atol=1e-3)
+
+
+def test_the_one_cpu_formulation_takes_the_window_and_documents():
+    q, k, v = qkv()
+    seg = jnp.array([[1] * 10 + [2] * 14, [3] * 24], jnp.int32)
+    want = reference(q, k, v, segment_ids_bt=seg, causal=True, window=6)[0]
+    got = cpu.heads_first_attention(q, k, v, seg, True, 16 ** -0.5, 6)
+    np.testing.assert_allclose(got, want, rtol=SAME_MATH_FP32_RTOL, atol=1e-6)
+
+
+def test_dispatch_a_window_as_long_as_the_keys_is_none_and_flash_refuses_one_that_binds():
+    q, k, v = qkv()
+    plain = attention(q, k, v, ops=Ops())
+    np.testing.assert_array_equal(attention(q, k, v, ops=Ops(), window=24), plain)
+    np.testing.assert_array_equal(attention(q, k, v, ops=Ops(), window=0), plain)
+    assert not np.allclose(attention(q, k, v, ops=Ops(), window=8), plain, atol=1e-3)
+    with pytest.raises(ValueError, match="a sliding window of 8 keys: flash has none yet"):
+        attention(q, k, v, ops=Ops(attention="flash", interpret=True), window=8)
+
+
+def test_the_choice_keeps_our_kernel_off_a_window_and_says_why():
+    window = ModelConfig(d_model=256, num_heads=4, num_kv_heads=2, compute_dtype="bfloat16", sliding_window=8)
+    assert choose(dataclasses.replace(window, attention="auto"), HOPPER).attention == "cudnn"
+    ops = choose(dataclasses.replace(window, attention="auto"), AMPERE)  # cuDNN lacks the packed layout there
+    assert ops.attention == "xla" and "model.sliding_window=8: our kernel has no sliding window yet" in ops.note
+    with pytest.raises(ConfigError, match=r"^model.attention=flash: model.sliding_window=8: our kernel"):
+        choose(dataclasses.replace(window, attention="flash"), HOPPER)
+    assert choose(dataclasses.replace(window, attention="cudnn"), HOPPER).flash_blocks is None  # its fallback: xla
+
+
+def test_context_parallelism_with_a_window_that_binds_is_one_config_line():
+    cfg = with_mesh(BASE.replace(model=dataclasses.replace(BASE.model, sliding_window=8)), context=2)
+    with pytest.raises(ConfigError, match=r"model.sliding_window=8 binds at data.seq_len=32, and context "
+                                          r"parallelism has no sliding window yet \(mesh.context=2\)"):
+        validate(cfg, 2)
+    validate(with_mesh(BASE.replace(model=dataclasses.replace(BASE.model, sliding_window=32)), context=2), 2)
+    with pytest.raises(ConfigError, match="model.sliding_window=-1"):
+        validate(BASE.replace(model=dataclasses.replace(BASE.model, sliding_window=-1)), 1)
+
+
+def test_the_cuda_program_passes_the_window_to_cudnn():
+    """Both cuDNN calls (one document per row, and the packed layout) carry the window into the
+    custom call's configuration, forward and backward."""
+    q, k, v = (jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in qkv(jnp.bfloat16, t=32))
+    seg = jax.ShapeDtypeStruct((2, 32), jnp.int32)
+    model = ModelConfig(d_model=64, num_heads=4, num_kv_heads=2, compute_dtype="bfloat16", attention="cudnn",
+                        sliding_window=6)
+    ops = dataclasses.replace(choose(model, HOPPER), interpret=False)
+
+    def loss(q, k, v, seg):
+        return jnp.sum(attention(q, k, v, segment_ids_bt=seg, ops=ops, window=6).astype(jnp.float32))
+
+    with cudnn.lowering_without_gpu("9.0"):
+        for segments in (None, seg):
+            text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v, segments).lower(
+                lowering_platforms=("cuda",)).as_text(dialect="hlo")
+            windows = re.findall(r'sliding_window_length\W+(\d+)', text)
+            assert windows and set(windows) == {"6"}, windows
+            assert "flash_fwd" not in text  # the packed layout's fallback is the reference under a window
+
+
+def test_flops_of_a_window_by_hand():
+    """Per layer and head, causal over S = 4096 with W = 1024: the first 1024 queries see 1..1024
+    keys, the rest 1024: (1024 x 1025 / 2 + 3072 x 1024) / 4096 = 896.125 keys a query, counted as
+    W - W^2 / 2S = 896 (the half-square convention, S / 2 = 2048 without a window)."""
+    m = ModelConfig(d_model=64, num_layers=3, num_heads=4, num_kv_heads=2)
+    per_key = 2 * 2 * 4 * 16 * 3
+    assert flops.attention_forward_flops_per_token(m, 4096) == per_key * 2048
+    windowed = dataclasses.replace(m, sliding_window=1024)
+    assert flops.attention_forward_flops_per_token(windowed, 4096) == per_key * 896
+    assert flops.attention_forward_flops_per_token(dataclasses.replace(m, sliding_window=4096), 4096) == per_key * 2048
+    assert flops.attention_forward_flops_per_token(windowed, 4096, causal=False) == per_key * 4096
+
+
+WINDOW = BASE.replace(model=dataclasses.replace(BASE.model, sliding_window=8))
+GRADS_END_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def window_reference():
+    return run(with_mesh(WINDOW), devices=jax.devices()[:1])
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2, tensor=2), dict(fsdp=2, tensor=2, sequence_parallel=True),
+                                  dict(pipeline=2, fsdp=2)], ids=["data2-fsdp2-tensor2", "fsdp2-tensor2-sp",
+                                                                   "pipeline2-fsdp2"])
+def test_a_window_trains_on_meshes_as_on_one_device(window_reference, mesh):
+    """One device runs the one-CPU formulation, the meshes the reference: the window in both.
+    Losses, grad norms and the first step's gradients to float32 (first gradients measured 5e-8 to
+    4e-7 apart); the gradients after 3 Adam steps to GRADS_END_RTOL: with this window every leaf of
+    every mesh drifts ~3e-5 from one device, and data=8 from data=2 x fsdp=2 x tensor=2 as much
+    (1.8e-5; Adam's sqrt(v) turning reduction-order noise into lr-sized steps), where the model
+    without a window stays within 5e-7."""
+    got = run(with_mesh(WINDOW, micro_batches=2 if mesh.get("pipeline") else 1, **mesh))
+    np.testing.assert_allclose(got["losses"], window_reference["losses"], rtol=FP32_RTOL)
+    np.testing.assert_allclose(got["grad_norms"], window_reference["grad_norms"], rtol=FP32_RTOL)
+    assert_tree_close(got["grads"], window_reference["grads"], FP32_RTOL, what=f"{mesh} first grads ")
+    diff = optax.tree.norm(jax.tree.map(lambda a, b: a - b, got["grads_end"], window_reference["grads_end"]))
+    assert diff <= GRADS_END_RTOL * optax.tree.norm(window_reference["grads_end"]), f"{mesh} grads after 3 steps: {diff}"
+    if mesh.get("pipeline"):  # and the window is not a no-op at this length
+        plain = run(with_mesh(BASE), devices=jax.devices()[:1])
+        assert abs(plain["losses"][-1] - window_reference["losses"][-1]) > 100 * FP32_RTOL
