@@ -21,6 +21,11 @@ from lumen_jax.config import Config, ConfigError, MeshConfig, from_dict, show, t
 # Emulated CPU devices one process may start: XLA starts a thread pool per device (100,000 hung
 # start-up, deaf to SIGTERM); launch/local.py holds --devices-per-process to it too.
 MAX_CPU_DEVICES = 256
+# Sequences of one step on one batch shard (data*fsdp*expert): the data pipeline builds a packed stream
+# per row (10^12 rows hung start-up); 4096 is far past any batch a device computes.
+MAX_ROWS_PER_SHARD = 4096
+# train.seed seeds JAX's PRNG, which takes a C long (int64): 2**63 and above overflow in its C code.
+SEED_LIMIT = 2**63
 
 _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("model.d_model", ">=", 1), ("model.num_layers", ">=", 1), ("model.num_heads", ">=", 1),
@@ -41,7 +46,8 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("optim.loss_scale_growth_interval", ">=", 1),
     ("data.seq_len", ">=", 1), ("data.global_batch_size", ">=", 1), ("data.builtin_max_bytes", ">=", 1),
     ("data.num_workers", ">=", 0), ("data.prefetch", ">=", 0), ("data.eval_share", ">=", 0), ("data.eval_share", "<", 1),
-    ("train.eval_every", ">=", 0), ("train.eval_batches", ">=", 1),
+    ("train.eval_every", ">=", 0), ("train.eval_batches", ">=", 1), ("train.seed", ">=", 0),
+    ("train.seed", "<", SEED_LIMIT),
     ("train.steps", ">=", 1), ("train.micro_batches", ">=", 1), ("train.max_nonfinite_steps", ">=", 1),
     ("train.sdc_check_every", ">=", 0), ("train.slow_step_factor", ">", 1), ("mesh.pipeline_virtual_stages", ">=", 1),
     ("checkpoint.every_steps", ">=", 0), ("checkpoint.every_minutes", ">=", 0), ("checkpoint.keep", ">=", 1),
@@ -225,6 +231,12 @@ def _batch_and_sequence(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bo
            f"data.global_batch_size={d.global_batch_size} is not divisible by mesh.data*mesh.fsdp*mesh.expert*"
            f"train.micro_batches={shape['data']}*{shape['fsdp']}*{ep}*{cfg.train.micro_batches}={batch_shards}; "
            f"use a multiple of {batch_shards} or change the mesh or train.micro_batches")
+    shards = batch_shards // cfg.train.micro_batches
+    yield (d.global_batch_size // shards <= MAX_ROWS_PER_SHARD,
+           f"data.global_batch_size={d.global_batch_size} puts {d.global_batch_size // shards} sequences per step on "
+           f"each of the mesh.data*mesh.fsdp*mesh.expert={shards} batch shards, more than {MAX_ROWS_PER_SHARD} (the "
+           f"data pipeline builds one packed stream per sequence); use at most {MAX_ROWS_PER_SHARD * shards} "
+           "or add devices")
     zigzag = cp > 1 and mesh.context_balance == "zigzag"
     need = math.lcm(2 * cp if zigzag else cp, cp * tp if mesh.sequence_parallel else 1)  # every rule below at once
     yield (d.seq_len % cp == 0,

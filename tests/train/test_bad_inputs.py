@@ -74,6 +74,14 @@ FIXED = {
     "cpu devices": (["runtime.cpu_devices=100000"], ["runtime.cpu_devices=100000 must be <= 256"]),
     # 1.1 kB of aliases of aliases: 10^9 values once expanded (before: a hang, then gigabytes of message)
     "yaml alias bomb": (["--config={bomb}"], ["{bomb} expands to more than 100,000 values", "write the values out"]),
+    # before: passed the check, then start-up built 10^12 packed streams (a hang)
+    "batch far too big": (["data.global_batch_size=1000000000000"],
+                          ["data.global_batch_size=1000000000000 puts 125000000000 sequences per step on each of "
+                           "the mesh.data*mesh.fsdp*mesh.expert=8 batch shards, more than 4096", "at most 32768"]),
+    # before: passed the check and died in JAX's random code (a C long)
+    "seed past int64": (["train.seed=340282366920938463463374607431768211456"],
+                        ["train.seed=340282366920938463463374607431768211456 must be < 9223372036854775808"]),
+    "negative seed": (["train.seed=-1"], ["train.seed=-1 must be >= 0"]),
     "unknown flag": (["--steps", "20"], ["--steps", "train.steps=20"]),
     "run dir is a folder of the user's": (["train.run_dir={mine}"], ["train.run_dir={mine} is not empty and is not a run "
                                                                      "directory", "notes.txt"]),
