@@ -82,6 +82,14 @@ def _in_float32(value: float) -> float:
         return math.copysign(math.inf, value)
 
 
+def address_problem(address: str) -> str | None:
+    """What is wrong with `address` as a coordinator's host:port (the rest of a one-line error), or None."""
+    m = re.fullmatch(r"([^\s:\[\]]+|\[[0-9a-fA-F:.]+\]):(\d{1,5})", address)
+    if m is None or not 1 <= int(m.group(2)) <= 65535:
+        return "must be host:port of process 0, the port a number from 1 to 65535 (e.g. node001:61234)"
+    return None
+
+
 def _divisors(n: int, limit: int) -> str:
     return ", ".join(str(d) for d in range(1, min(n, limit) + 1) if n % d == 0)
 
@@ -306,8 +314,8 @@ def _data_mixture(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, st
 def _distributed(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
     """The process layout and the node split of the mesh axes."""
     dist = cfg.distributed
-    yield (not dist.coordinator or bool(re.fullmatch(r"[^\s:]+:\d+|\[[0-9a-fA-F:]+\]:\d+", dist.coordinator)),
-           f"distributed.coordinator={dist.coordinator!r} must be host:port of process 0 (e.g. node001:61234)")
+    why = address_problem(dist.coordinator)
+    yield (not dist.coordinator or why is None, f"distributed.coordinator={show(dist.coordinator)} {why}")
     yield (dist.process_id < 0 or dist.num_processes == 0 or dist.process_id < dist.num_processes,
            f"distributed.process_id={dist.process_id} must be below distributed.num_processes="
            f"{dist.num_processes}; number processes 0..{dist.num_processes - 1}")
