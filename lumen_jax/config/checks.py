@@ -24,6 +24,10 @@ MAX_CPU_DEVICES = 256
 # Sequences of one step on one batch shard (data*fsdp*expert): the data pipeline builds a packed stream
 # per row (10^12 rows hung start-up); 4096 is far past any batch a device computes.
 MAX_ROWS_PER_SHARD = 4096
+# data.mixture weights: each in this range, the largest at most MIXTURE_RATIO times the smallest (grain
+# mixes integer proportions, the smallest scaled to 100: 1e-300 beside 1 overflowed).
+MIXTURE_WEIGHTS = (1e-30, 1e30)
+MIXTURE_RATIO = 10**6
 # train.seed seeds JAX's PRNG, which takes a C long (int64): 2**63 and above overflow in its C code.
 SEED_LIMIT = 2**63
 
@@ -292,10 +296,15 @@ def _data_mixture(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, st
     for i, m in enumerate(d.mixture):
         yield (bool(m.paths), f"data.mixture[{i}].paths is empty; give the source's "
                + ("prepared directories" if d.source == "prepared" else "globs"))
-        yield (m.weight > 0 and math.isfinite(m.weight), f"data.mixture[{i}].weight={show(m.weight)} must be a "
-               "positive number; remove the source "
-               "to leave it out")
+        yield (MIXTURE_WEIGHTS[0] <= m.weight <= MIXTURE_WEIGHTS[1], f"data.mixture[{i}].weight={show(m.weight)} "
+               f"must be a positive number from {MIXTURE_WEIGHTS[0]:g} to {MIXTURE_WEIGHTS[1]:g} (weights are "
+               "relative: 0.7 and 0.3, or token counts); remove the source to leave it out")
         names.append(m.label)
+    weights = [m.weight for m in d.mixture]
+    yield (not weights or max(weights) <= min(weights) * MIXTURE_RATIO,
+           f"data.mixture weights {show(min(weights, default=0))} and {show(max(weights, default=0))} differ by more "
+           f"than {MIXTURE_RATIO:,}x: the mixing's period would be longer than any run; raise the smallest weight "
+           "or remove that source")
     dup = sorted({n for n in names if names.count(n) > 1})
     yield (not dup, f"data.mixture has two sources named {dup[0] if dup else ''!r}; give each a "
            "distinct name (data.mixture[i].name)")
