@@ -92,6 +92,9 @@ FIXED = {
                                            "runtime.memory_check=off"]),
     "sequence far too long for the machine": (["data.seq_len=1000000", "train.run_dir={tmp}/long"],
                                               ["the planner puts this run at", "data.seq_len"]),
+    # before: found at the first save, and then the write-failure handler crashed (a traceback)
+    "checkpoints is a file": (["train.run_dir={ckfile}"], ["train.run_dir={ckfile}: {ckfile}/checkpoints is a file, "
+                                                           "not the checkpoints folder"]),
     "symlinked metrics.jsonl": (["train.run_dir={linked}"], ["train.run_dir={linked}: metrics.jsonl is a symbolic link",
                                                              "{afile}"]),
 }
@@ -143,6 +146,8 @@ def places(tmp_path_factory, shared):
          "mine": os.path.dirname(_write(tmp, "mine/notes.txt", "mine\n")),
          "hf": os.path.dirname(_write(tmp, "hf/config.json", '{"model_type": "llama", "hidden_size": 64}\n')),
          "linked": os.path.dirname(_write(tmp, "linked/config.json", open(os.path.join(shared, "config.json")).read()))}
+    p["ckfile"] = os.path.dirname(_write(tmp, "ckfile/config.json", open(os.path.join(shared, "config.json")).read()))
+    _write(p["ckfile"], "checkpoints", "not a folder\n")
     os.symlink(p["afile"], os.path.join(p["linked"], "metrics.jsonl"))
     with open(p["binary"], "wb") as f:
         f.write(bytes(range(128, 256)))
