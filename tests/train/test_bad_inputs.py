@@ -7,6 +7,7 @@ process). The run directory every case points at is one tiny trained run shared 
 """
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -95,6 +96,10 @@ FIXED = {
     # before: found at the first save, and then the write-failure handler crashed (a traceback)
     "checkpoints is a file": (["train.run_dir={ckfile}"], ["train.run_dir={ckfile}: {ckfile}/checkpoints is a file, "
                                                            "not the checkpoints folder"]),
+    # before: at the save that deleted it as an old step, "writing checkpoint step 2 failed ... free disk space"
+    "symlinked checkpoint step": (["train.run_dir={cklink}", "checkpoint.keep=1"],
+                                  ["train.run_dir={cklink}: {cklink}/checkpoints/2 is a symbolic link (to {tmp}/step-2)",
+                                   "put the folder itself there"]),
     "symlinked metrics.jsonl": (["train.run_dir={linked}"], ["train.run_dir={linked}: metrics.jsonl is a symbolic link",
                                                              "{afile}"]),
 }
@@ -148,6 +153,10 @@ def places(tmp_path_factory, shared):
          "linked": os.path.dirname(_write(tmp, "linked/config.json", open(os.path.join(shared, "config.json")).read()))}
     p["ckfile"] = os.path.dirname(_write(tmp, "ckfile/config.json", open(os.path.join(shared, "config.json")).read()))
     _write(p["ckfile"], "checkpoints", "not a folder\n")
+    p["cklink"] = os.path.join(tmp, "cklink")
+    shutil.copytree(shared, p["cklink"])
+    shutil.move(os.path.join(p["cklink"], "checkpoints", "2"), os.path.join(tmp, "step-2"))  # the step, elsewhere
+    os.symlink(os.path.join(tmp, "step-2"), os.path.join(p["cklink"], "checkpoints", "2"))
     os.symlink(p["afile"], os.path.join(p["linked"], "metrics.jsonl"))
     with open(p["binary"], "wb") as f:
         f.write(bytes(range(128, 256)))
