@@ -28,9 +28,10 @@ from typing import Sequence
 from lumen_jax.config import Config, ConfigError, suggest_key, to_dict
 from lumen_jax.config.checks import validate, warnings
 from lumen_jax.config.commands import CommandParser
+from lumen_jax.runtime.signals import EXIT_PREEMPTED
 from lumen_jax.config.files import load_config
 
-EXIT_OK, EXIT_BUG, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_CORRUPTION, EXIT_PREEMPTED = 0, 1, 2, 3, 4, 75
+EXIT_OK, EXIT_BUG, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_CORRUPTION = 0, 1, 2, 3, 4
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
