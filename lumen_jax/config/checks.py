@@ -21,6 +21,15 @@ from lumen_jax.config import Config, ConfigError, MeshConfig, from_dict, show, t
 # Emulated CPU devices one process may start: XLA starts a thread pool per device (100,000 hung
 # start-up, deaf to SIGTERM); launch/local.py holds --devices-per-process to it too.
 MAX_CPU_DEVICES = 256
+# Sequences of one step on one batch shard (data*fsdp*expert): the data pipeline builds a packed stream
+# per row (10^12 rows hung start-up); 4096 is far past any batch a device computes.
+MAX_ROWS_PER_SHARD = 4096
+# data.mixture weights: each in this range, the largest at most MIXTURE_RATIO times the smallest (grain
+# mixes integer proportions, the smallest scaled to 100: 1e-300 beside 1 overflowed).
+MIXTURE_WEIGHTS = (1e-30, 1e30)
+MIXTURE_RATIO = 10**6
+# train.seed seeds JAX's PRNG, which takes a C long (int64): 2**63 and above overflow in its C code.
+SEED_LIMIT = 2**63
 
 _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("model.d_model", ">=", 1), ("model.num_layers", ">=", 1), ("model.num_heads", ">=", 1),
@@ -41,7 +50,8 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("optim.loss_scale_growth_interval", ">=", 1),
     ("data.seq_len", ">=", 1), ("data.global_batch_size", ">=", 1), ("data.builtin_max_bytes", ">=", 1),
     ("data.num_workers", ">=", 0), ("data.prefetch", ">=", 0), ("data.eval_share", ">=", 0), ("data.eval_share", "<", 1),
-    ("train.eval_every", ">=", 0), ("train.eval_batches", ">=", 1),
+    ("train.eval_every", ">=", 0), ("train.eval_batches", ">=", 1), ("train.seed", ">=", 0),
+    ("train.seed", "<", SEED_LIMIT),
     ("train.steps", ">=", 1), ("train.micro_batches", ">=", 1), ("train.max_nonfinite_steps", ">=", 1),
     ("train.sdc_check_every", ">=", 0), ("train.slow_step_factor", ">", 1), ("mesh.pipeline_virtual_stages", ">=", 1),
     ("checkpoint.every_steps", ">=", 0), ("checkpoint.every_minutes", ">=", 0), ("checkpoint.keep", ">=", 1),
@@ -74,6 +84,14 @@ def _in_float32(value: float) -> float:
         return struct.unpack("f", struct.pack("f", value))[0]
     except OverflowError:
         return math.copysign(math.inf, value)
+
+
+def address_problem(address: str) -> str | None:
+    """What is wrong with `address` as a coordinator's host:port (the rest of a one-line error), or None."""
+    m = re.fullmatch(r"([^\s:\[\]]+|\[[0-9a-fA-F:.]+\]):(\d{1,5})", address)
+    if m is None or not 1 <= int(m.group(2)) <= 65535:
+        return "must be host:port of process 0, the port a number from 1 to 65535 (e.g. node001:61234)"
+    return None
 
 
 def _divisors(n: int, limit: int) -> str:
@@ -225,6 +243,12 @@ def _batch_and_sequence(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bo
            f"data.global_batch_size={d.global_batch_size} is not divisible by mesh.data*mesh.fsdp*mesh.expert*"
            f"train.micro_batches={shape['data']}*{shape['fsdp']}*{ep}*{cfg.train.micro_batches}={batch_shards}; "
            f"use a multiple of {batch_shards} or change the mesh or train.micro_batches")
+    shards = batch_shards // cfg.train.micro_batches
+    yield (d.global_batch_size // shards <= MAX_ROWS_PER_SHARD,
+           f"data.global_batch_size={d.global_batch_size} puts {d.global_batch_size // shards} sequences per step on "
+           f"each of the mesh.data*mesh.fsdp*mesh.expert={shards} batch shards, more than {MAX_ROWS_PER_SHARD} (the "
+           f"data pipeline builds one packed stream per sequence); use at most {MAX_ROWS_PER_SHARD * shards} "
+           "or add devices")
     zigzag = cp > 1 and mesh.context_balance == "zigzag"
     need = math.lcm(2 * cp if zigzag else cp, cp * tp if mesh.sequence_parallel else 1)  # every rule below at once
     yield (d.seq_len % cp == 0,
@@ -276,10 +300,15 @@ def _data_mixture(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, st
     for i, m in enumerate(d.mixture):
         yield (bool(m.paths), f"data.mixture[{i}].paths is empty; give the source's "
                + ("prepared directories" if d.source == "prepared" else "globs"))
-        yield (m.weight > 0 and math.isfinite(m.weight), f"data.mixture[{i}].weight={show(m.weight)} must be a "
-               "positive number; remove the source "
-               "to leave it out")
+        yield (MIXTURE_WEIGHTS[0] <= m.weight <= MIXTURE_WEIGHTS[1], f"data.mixture[{i}].weight={show(m.weight)} "
+               f"must be a positive number from {MIXTURE_WEIGHTS[0]:g} to {MIXTURE_WEIGHTS[1]:g} (weights are "
+               "relative: 0.7 and 0.3, or token counts); remove the source to leave it out")
         names.append(m.label)
+    weights = [m.weight for m in d.mixture]
+    yield (not weights or max(weights) <= min(weights) * MIXTURE_RATIO,
+           f"data.mixture weights {show(min(weights, default=0))} and {show(max(weights, default=0))} differ by more "
+           f"than {MIXTURE_RATIO:,}x: the mixing's period would be longer than any run; raise the smallest weight "
+           "or remove that source")
     dup = sorted({n for n in names if names.count(n) > 1})
     yield (not dup, f"data.mixture has two sources named {dup[0] if dup else ''!r}; give each a "
            "distinct name (data.mixture[i].name)")
@@ -298,8 +327,8 @@ def _data_mixture(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, st
 def _distributed(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
     """The process layout and the node split of the mesh axes."""
     dist = cfg.distributed
-    yield (not dist.coordinator or bool(re.fullmatch(r"[^\s:]+:\d+|\[[0-9a-fA-F:]+\]:\d+", dist.coordinator)),
-           f"distributed.coordinator={dist.coordinator!r} must be host:port of process 0 (e.g. node001:61234)")
+    why = address_problem(dist.coordinator)
+    yield (not dist.coordinator or why is None, f"distributed.coordinator={show(dist.coordinator)} {why}")
     yield (dist.process_id < 0 or dist.num_processes == 0 or dist.process_id < dist.num_processes,
            f"distributed.process_id={dist.process_id} must be below distributed.num_processes="
            f"{dist.num_processes}; number processes 0..{dist.num_processes - 1}")

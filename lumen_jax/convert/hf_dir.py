@@ -20,6 +20,9 @@ from lumen_jax.convert import hf, hf_moe
 from lumen_jax.runtime.paths import escape
 
 INDEX = "model.safetensors.index.json"
+# config.json counts of things that each have their own tensors: none can exceed the tensors the files
+# hold, which bounds what a crafted config can make us build (a table of names per layer and expert).
+COUNTS = ("num_hidden_layers", "num_experts", "num_local_experts")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")
 
@@ -99,16 +102,29 @@ def _opened(path: str) -> Iterator[Any]:
                               "it may be truncated: download or save it again") from None
 
 
+def _bound_counts(config: dict, tensors: int, path: str) -> None:
+    """ConvertError for a COUNTS field of `config` below 1 or above `tensors`, the number of tensors the
+    safetensors files hold (each layer and each expert has its own), before anything is built from it."""
+    for field in COUNTS:
+        value = config.get(field)
+        if isinstance(value, int) and not 1 <= value <= tensors:
+            raise hf.ConvertError(f"{path}: {field}={value} is not between 1 and {tensors}, the number of "
+                                  "tensors the safetensors files hold (each has its own), so it does "
+                                  "not describe these weights; fix it or download the model again")
+
+
 def read_hf_config(hf_dir: str) -> tuple[Config, dict[str, str], dict]:
     """(the run config, {tensor name: safetensors file}, the raw config.json) of the HF directory
     `hf_dir`; no tensor is read. `data.tokenizer` is its tokenizer.json when it has one."""
     if not os.path.isdir(hf_dir):
         raise hf.ConvertError(f"--hf-dir={hf_dir!r} is not a directory; give a Hugging Face model directory")
-    config = _read_json(member(hf_dir, "config.json"))
+    config_path = member(hf_dir, "config.json")
+    config = _read_json(config_path)
     files = _tensor_files(hf_dir)
     for path in sorted(set(files.values())):
         if not os.path.isfile(path):
             raise hf.ConvertError(f"{os.path.join(hf_dir, INDEX)} names {os.path.basename(path)}, which is missing")
+    _bound_counts(config, len(files), config_path)
     dtype = config.get("dtype") or config.get("torch_dtype")
     if dtype is None:  # older configs: the first tensor's
         with _opened(next(iter(files.values()))) as f:

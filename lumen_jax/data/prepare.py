@@ -12,7 +12,7 @@ short is redone. Worker processes parse and tokenize; the parent reads and write
 output is the same for any --workers. A record that cannot be read (not JSON, no text field, not
 UTF-8, a null row) is skipped, reported on stderr with its file and line (or row), counted in the
 shard's .json and the manifest, never silently dropped. Bad arguments or unwritable output: one
-line, exit 2.
+line, exit 2. Ctrl-C: one line, exit 130, the shard cut short removed (its .partial files).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import collections
 import json
 import multiprocessing
 import os
+import signal
 import sys
 from typing import Any, Iterator, Sequence
 
@@ -34,6 +35,7 @@ from lumen_jax.data.tokenizer import build_tokenizer
 from lumen_jax.runtime.lock import Busy, Lock
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 CHUNK_RECORDS = 256  # records per task sent to a worker
 SHOWN_BAD = 10  # bad records printed on stderr per run (all are in the shard files)
 
@@ -107,6 +109,17 @@ def _init_worker(tokenizer_spec: str, text_field: str, dtype: str) -> None:
     _WORKER.update(tokenizer=build_tokenizer(tokenizer_spec), field=text_field, dtype=dtype)
 
 
+def _pool(workers: int, tokenizer_spec: str, text_field: str, dtype: str) -> Any:
+    """`workers` tokenizing processes that ignore SIGINT from birth (inherited through exec): Ctrl-C reaches
+    the whole process group and the parent stops the pool; a worker that died of it would print its own
+    traceback and leave its task unanswered (the parent waited for it forever)."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer_spec, text_field, dtype))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _encode(records: list[tuple[str, str, Any]]) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """(tokens of the good records back to back, their lengths, a message per bad record)."""
     tok, field = _WORKER["tokenizer"], _WORKER["field"]
@@ -175,13 +188,20 @@ def prepare_shard(out: str, shard: dict, plan: dict, pool: Any, depth: int) -> d
         if os.path.exists(p):
             os.remove(p)
     documents, tokens, bad = 0, 0, []
-    with open(paths[".bin"] + ".partial", "wb") as bin_f, open(paths[".idx"] + ".partial", "wb") as idx_f:
-        idx_f.write(np.zeros(1, np.int64).tobytes())
-        for chunk_tokens, lengths, chunk_bad in _ordered(pool, _chunks(shard["files"], plan["text_field"]), depth):
-            bin_f.write(chunk_tokens.astype(f"<{np.dtype(dtype).str[1:]}", copy=False).tobytes())
-            idx_f.write((tokens + np.cumsum(lengths)).astype("<i8").tobytes())
-            documents, tokens = documents + len(lengths), tokens + int(lengths.sum())
-            bad += chunk_bad
+    try:
+        with open(paths[".bin"] + ".partial", "wb") as bin_f, open(paths[".idx"] + ".partial", "wb") as idx_f:
+            idx_f.write(np.zeros(1, np.int64).tobytes())
+            for chunk_tokens, lengths, chunk_bad in _ordered(pool, _chunks(shard["files"], plan["text_field"]),
+                                                             depth):
+                bin_f.write(chunk_tokens.astype(f"<{np.dtype(dtype).str[1:]}", copy=False).tobytes())
+                idx_f.write((tokens + np.cumsum(lengths)).astype("<i8").tobytes())
+                documents, tokens = documents + len(lengths), tokens + int(lengths.sum())
+                bad += chunk_bad
+    except BaseException:  # Ctrl-C, a full disk: no half-written shard stays behind
+        for ext in (".bin", ".idx"):
+            if os.path.exists(paths[ext] + ".partial"):
+                os.remove(paths[ext] + ".partial")
+        raise
     os.replace(paths[".bin"] + ".partial", paths[".bin"])
     os.replace(paths[".idx"] + ".partial", paths[".idx"])
     info = {"name": name, "files": shard["files"], "documents": documents, "tokens": tokens,
@@ -246,9 +266,9 @@ def _prepare(args: argparse.Namespace, plan: dict, out: str) -> int:
     if not args.join:
         mine = [s for k, s in enumerate(plan["shards"]) if k % args.num_shards == args.shard]
         todo = [s for s in mine if _finished(out, s["name"], plan["dtype"]) is None]
-        pool = (multiprocessing.get_context("spawn").Pool(
-            args.workers, _init_worker, (args.tokenizer, args.text_field, plan["dtype"]))
-            if args.workers > 1 and todo else None)
+        pool = None
+        if args.workers > 1 and todo:
+            pool = _pool(args.workers, args.tokenizer, args.text_field, plan["dtype"])
         if pool is None:
             _init_worker(args.tokenizer, args.text_field, plan["dtype"])
         shown = 0
@@ -287,6 +307,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"stopped: interrupted (Ctrl-C); finished shards in {args.out} are kept, the one cut short was "
+              "removed: rerun the same command to finish", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     except OSError as e:  # a full disk, a read-only --out: finished shards stay, rerun resumes
         where = f"{e.filename}: " if e.filename else ""
         print(f"error: {where}{e.strerror or e}; fix that and rerun the same command: finished shards are kept",

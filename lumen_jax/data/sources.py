@@ -15,6 +15,7 @@ Parquet columns are loaded whole on first use and kept (per process / worker): m
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -85,16 +86,20 @@ class _JsonlFile:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if size:
-                    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                        buf = np.frombuffer(mm, np.uint8)
+                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                    buf = np.frombuffer(mm, np.uint8)
+                    try:
                         ends = np.flatnonzero(buf == ord("\n"))
                         if buf[-1] != ord("\n"):
                             ends = np.append(ends, size)
                         starts = np.concatenate([[0], ends[:-1] + 1])
                         first = buf[np.minimum(starts, size - 1)]
                         blank = (ends == starts) | ((ends - starts == 1) & (first == ord("\r")))
-                        del buf, first  # the mmap cannot close while a view exists
                         blank |= self._empty_texts(mm, starts, ends, blank)
+                    finally:  # the mmap cannot close while a view exists; a Ctrl-C here must stay a Ctrl-C
+                        del buf
+                        with contextlib.suppress(BufferError):
+                            mm.close()
                 else:
                     starts = ends = blank = np.zeros(0, np.int64)
                     self.empty = 0

@@ -37,7 +37,8 @@ import socket
 import sys
 from typing import Any, Callable, Mapping, NoReturn, Sequence
 
-from lumen_jax.config import ConfigError, DistributedConfig, MeshConfig
+from lumen_jax.config import ConfigError, DistributedConfig, MeshConfig, show
+from lumen_jax.config.checks import address_problem
 
 AXES = MeshConfig.AXES
 
@@ -61,6 +62,16 @@ def _slurm_tasks_per_node(env: Mapping[str, str]) -> int:
     return max(ntasks // max(nodes, 1), 1)
 
 
+def _env_int(env: Mapping[str, str], var: str, default: int) -> int:
+    """The environment variable `var` as a whole number >= 0 (`default` when unset or empty)."""
+    value = env.get(var, "").strip()
+    if not value:
+        return default
+    if not value.isdigit():
+        raise ConfigError(f"{var}={show(value)} must be a whole number >= 0; set it to one or unset it")
+    return int(value)
+
+
 def resolve(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> dict[str, Any] | None:
     """The `jax.distributed.initialize` arguments for this process, or None for a single process.
 
@@ -73,11 +84,11 @@ def resolve(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> dic
     # Inside an srun step (SLURM_STEP_NODELIST), as JAX's own detection: not the batch script itself.
     slurm = all(v in env for v in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID"))
     coordinator = cfg.coordinator or env.get("JAX_COORDINATOR_ADDRESS", "")
-    num = cfg.num_processes or int(env.get("JAX_NUM_PROCESSES", "0") or 0)
+    num = cfg.num_processes or _env_int(env, "JAX_NUM_PROCESSES", 0)
     pid = cfg.process_id
     for var in ("JAX_PROCESS_ID", "JOB_COMPLETION_INDEX"):
         if pid < 0 and env.get(var, "") != "":
-            pid = int(env[var])
+            pid = _env_int(env, var, pid)
     ids: list[int] | None = list(cfg.local_device_ids) or None
     if ids is None and env.get("JAX_LOCAL_DEVICE_IDS"):
         ids = [int(i) for i in env["JAX_LOCAL_DEVICE_IDS"].split(",")]
@@ -107,6 +118,11 @@ def resolve(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> dic
     if not 0 <= pid < num:
         raise ConfigError(f"process_id={pid} must be in [0, num_processes={num}); number the processes "
                           f"0..{num - 1}")
+    why = address_problem(coordinator)
+    if why is not None:  # else jax.distributed.initialize raises deep in its client, or waits on a port it cannot use
+        where = "distributed.coordinator" if cfg.coordinator else (
+            "JAX_COORDINATOR_ADDRESS" if env.get("JAX_COORDINATOR_ADDRESS") else "JAX_COORDINATOR_PORT")
+        raise ConfigError(f"{where} gives the coordinator {show(coordinator)}, which {why}")
     return {"coordinator_address": coordinator, "num_processes": num, "process_id": pid,
             "local_device_ids": ids}
 

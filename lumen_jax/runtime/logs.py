@@ -79,14 +79,17 @@ def library_output(run_dir: str, name: str = "") -> Iterator[None]:
         # those unraisable exceptions go to the same log, not after our one-line error on the terminal.
         sys.unraisablehook = functools.partial(_log_unraisable, log.path)
         late = logging.getLogger("asyncio")  # "Task exception was never retrieved", logged at collection
-        late.handlers = [logging.FileHandler(log.path, delay=True)]
+        handler = logging.FileHandler(log.path, delay=True)
+        handler.handleError = lambda record: None  # the run dir removed: dropped, like every failed write here
+        late.handlers = [handler]
         late.propagate = False
 
 
-def _log_unraisable(path: str, unraisable: Any) -> None:
+def _log_unraisable(path: str, unraisable: Any, _open: Any = open) -> None:
+    # `_open` bound now: at interpreter exit, when Orbax's loops are collected, the name `open` may be gone.
     try:
-        with open(path, "a") as f:
+        with _open(path, "a") as f:
             f.write(f"{unraisable.err_msg or 'Exception ignored in'}: {unraisable.object!r}\n")
             traceback.print_exception(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback, file=f)
-    except OSError:
-        pass  # the disk is full: dropped, like every write to the log
+    except Exception:  # noqa: BLE001 - the disk is full, the run dir removed, a module torn down: dropped
+        pass

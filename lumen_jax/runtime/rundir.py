@@ -67,7 +67,8 @@ def _ours(config_json: str) -> bool:
 
 def refuse_foreign(run_dir: str) -> None:
     """ConfigError when `run_dir` is a non-empty folder that is not a run directory (its config.json is not
-    ours, or it has none and holds files we never write there), or when a file we append to is a link."""
+    ours, or it has none and holds files we never write there), when a file we append to is a link, or when
+    its checkpoints is not a folder or holds a link."""
     try:
         names = sorted(os.listdir(run_dir))
     except OSError:
@@ -82,6 +83,17 @@ def refuse_foreign(run_dir: str) -> None:
             shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
             raise ConfigError(f"train.run_dir={run_dir} is not empty and is not a run directory (no config.json; "
                               f"it holds {shown}); choose a new or empty train.run_dir")
+    checkpoints = os.path.join(run_dir, "checkpoints")
+    if "checkpoints" in names and not os.path.isdir(checkpoints):  # else found only at the first save
+        raise ConfigError(f"train.run_dir={run_dir}: {checkpoints} is a file, not the checkpoints folder; move "
+                          "it away (the run saves its steps there), or choose another train.run_dir")
+    linked = sorted(n for n in os.listdir(checkpoints) if os.path.islink(os.path.join(checkpoints, n))) if (
+        "checkpoints" in names) else []
+    if linked:  # else Orbax fails to delete it as an old step, at a later save, with a message about that save
+        path = os.path.join(checkpoints, linked[0])
+        raise ConfigError(f"train.run_dir={run_dir}: {path} is a symbolic link (to {os.readlink(path)}); lumen_jax "
+                          "deletes old steps and does not follow links: put the folder itself there (mv), or "
+                          "remove the link")
     for name in names:
         path = os.path.join(run_dir, name)
         if (name in APPENDED or (name.startswith("library-") and name.endswith(".log"))) and os.path.islink(path):

@@ -19,6 +19,7 @@ stops with an error leaves at once and the others stop within `distributed.heart
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import traceback
@@ -27,9 +28,10 @@ from typing import Sequence
 from lumen_jax.config import Config, ConfigError, suggest_key, to_dict
 from lumen_jax.config.checks import validate, warnings
 from lumen_jax.config.commands import CommandParser
+from lumen_jax.runtime.signals import EXIT_PREEMPTED
 from lumen_jax.config.files import load_config
 
-EXIT_OK, EXIT_BUG, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_CORRUPTION, EXIT_PREEMPTED = 0, 1, 2, 3, 4, 75
+EXIT_OK, EXIT_BUG, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_CORRUPTION = 0, 1, 2, 3, 4
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -172,6 +174,11 @@ def _main(cfg: Config, no_config_file: bool, stop) -> int:
         return _leave(None if isinstance(e, RunDirBusy) else cfg, next(code for kind, code in codes.items() if isinstance(e, kind)))
     except OSError as e:  # a metrics or events write on a full disk: the environment, not a bug
         from lumen_jax.runtime.rundir import ENVIRONMENT_ERRNOS
+        if e.errno == errno.ENOENT and not os.path.isdir(run_dir_for(cfg)):
+            print(f"error: train.run_dir={run_dir_for(cfg)} was removed while the run wrote to it "
+                  f"({e.filename}); the run stopped: rerun to start again, or restore the folder to resume",
+                  file=sys.stderr, flush=True)
+            return EXIT_BAD_INPUT  # no event: the folder to record it in is gone
         if e.errno not in ENVIRONMENT_ERRNOS:
             raise
         print(f"error: writing {e.filename or 'the run directory'} failed ({e.strerror}); free disk space or "

@@ -176,6 +176,12 @@ def _tokenizer_not_a_tokenizer(src: str, dst: str) -> str:
 
 BAD_HF = {
     "mistral": (lambda s, d: _edit_config(s, d, model_type="mistral"), "model_type='mistral'"),
+    # before: a table of 10^9 layers' tensor names was being built (a hang); now bounded by the tensors there
+    "10**9 layers": (lambda s, d: _edit_config(s, d, num_hidden_layers=10**9),
+                     "num_hidden_layers=1000000000 is not between 1 and 21, the number of tensors"),
+    "one layer more than tensors": (lambda s, d: _edit_config(s, d, num_hidden_layers=22),
+                                    "num_hidden_layers=22 is not between 1 and 21"),
+    "no layers": (lambda s, d: _edit_config(s, d, num_hidden_layers=0), "num_hidden_layers=0 is not between 1"),
     "bias": (lambda s, d: _edit_config(s, d, attention_bias=True), "attention_bias=True"),
     "unknown field": (lambda s, d: _edit_config(s, d, sliding_window=4096), "sliding_window=4096"),
     "yarn": (lambda s, d: _edit_config(s, d, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,

@@ -101,6 +101,7 @@ BAD = {
     "mlp_only_layers": ("qwen3_moe", {"mlp_only_layers": [1]}, "config.json mlp_only_layers=[1] is not supported"),
     "shared width": ("qwen2_moe", {"shared_expert_intermediate_size": 40},
                      "config.json shared_expert_intermediate_size=40 is not a multiple of moe_intermediate_size=16"),
+    "10**9 experts": ("mixtral", {"num_local_experts": 10**9}, "num_local_experts=1000000000 is not between 1 and"),
     "unknown field": ("qwen3_moe", {"moe_router_bias": True}, "config.json field moe_router_bias=True is not understood"),
 }
 

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
 from helpers.data import prepare, write_bpe_tokenizer, write_corpus
 from helpers.faults import snapshot
+from helpers.paths import REPO
 from lumen_jax.data import DataError, PreparedDocuments, build_tokenizer, file_documents
 
 
@@ -84,6 +89,33 @@ def test_interrupted_prepare_redoes_only_unfinished_shards(corpus, tmp_path):
     (out / "manifest.json").unlink()
     assert "1 shards prepared, 2 were already done" in run_prepare(corpus, out, "--workers", "0").stdout
     assert snapshot(str(out)) == whole
+
+
+def test_ctrl_c_is_one_line_exit_130_and_leaves_no_half_shard(tmp_path):
+    """Ctrl-C (SIGINT to the process group, workers included) while shard 1 is written. Before: the
+    workers died of it with tracebacks and the parent waited for their answers forever."""
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "small"}) + "\n")
+    with open(tmp_path / "b.jsonl", "w") as f:  # a shard that takes a few seconds with 2 workers
+        f.writelines(json.dumps({"text": f"document {i} " * 50}) + "\n" for i in range(40000))
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "lumen_jax.data.prepare", "--input", str(tmp_path / "*.jsonl"), "--tokenizer",
+            "byte", "--out", str(out), "--workers", "2"]
+    proc = subprocess.Popen(argv, cwd=REPO, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 60
+    while not (out / "shard-00001.bin.partial").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 130 and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith(f"stopped: interrupted (Ctrl-C); finished shards in {out} are kept"), lines[0]
+    assert sorted(p.name for p in out.iterdir()) == ["plan.json", "shard-00000.bin", "shard-00000.idx",
+                                                     "shard-00000.json"]
 
 
 def test_corrupt_input_lines_are_reported_with_file_and_line(corpus, tmp_path):

@@ -97,6 +97,18 @@ def test_incomplete_settings_name_what_is_missing():
         D.resolve(DistributedConfig(coordinator="h:1", num_processes=4, process_id=4), env={})
 
 
+@pytest.mark.parametrize("address", ["node001", "node001:", "node001:abc", "node001:0", "node001:70000", "a b:1"])
+def test_a_malformed_coordinator_address_is_one_line_before_jax_starts(address):
+    """Before: no port was a traceback from JAX's client, a non-numeric one a silent hang of minutes."""
+    env = {"JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"}
+    with pytest.raises(ConfigError, match=rf"JAX_COORDINATOR_ADDRESS gives the coordinator '{address}', which must "
+                                          r"be host:port of process 0, the port a number from 1 to 65535"):
+        D.resolve(DistributedConfig(), env=env)
+    with pytest.raises(ConfigError, match=r"JAX_NUM_PROCESSES='two' must be a whole number"):
+        D.resolve(DistributedConfig(), env={**env, "JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "two"})
+    assert D.resolve(DistributedConfig(), env={**env, "JAX_COORDINATOR_ADDRESS": "[::1]:65535"})["process_id"] == 0
+
+
 def test_config_keys():
     cfg = load_config("configs/tiny.yaml", ["distributed.local_device_ids=3", "distributed.across_nodes_fsdp=2"])
     assert cfg.distributed.local_device_ids == (3,)

@@ -7,6 +7,7 @@ process). The run directory every case points at is one tiny trained run shared 
 """
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -74,6 +75,14 @@ FIXED = {
     "cpu devices": (["runtime.cpu_devices=100000"], ["runtime.cpu_devices=100000 must be <= 256"]),
     # 1.1 kB of aliases of aliases: 10^9 values once expanded (before: a hang, then gigabytes of message)
     "yaml alias bomb": (["--config={bomb}"], ["{bomb} expands to more than 100,000 values", "write the values out"]),
+    # before: passed the check, then start-up built 10^12 packed streams (a hang)
+    "batch far too big": (["data.global_batch_size=1000000000000"],
+                          ["data.global_batch_size=1000000000000 puts 125000000000 sequences per step on each of "
+                           "the mesh.data*mesh.fsdp*mesh.expert=8 batch shards, more than 4096", "at most 32768"]),
+    # before: passed the check and died in JAX's random code (a C long)
+    "seed past int64": (["train.seed=340282366920938463463374607431768211456"],
+                        ["train.seed=340282366920938463463374607431768211456 must be < 9223372036854775808"]),
+    "negative seed": (["train.seed=-1"], ["train.seed=-1 must be >= 0"]),
     "unknown flag": (["--steps", "20"], ["--steps", "train.steps=20"]),
     "run dir is a folder of the user's": (["train.run_dir={mine}"], ["train.run_dir={mine} is not empty and is not a run "
                                                                      "directory", "notes.txt"]),
@@ -84,6 +93,13 @@ FIXED = {
                                            "runtime.memory_check=off"]),
     "sequence far too long for the machine": (["data.seq_len=1000000", "train.run_dir={tmp}/long"],
                                               ["the planner puts this run at", "data.seq_len"]),
+    # before: found at the first save, and then the write-failure handler crashed (a traceback)
+    "checkpoints is a file": (["train.run_dir={ckfile}"], ["train.run_dir={ckfile}: {ckfile}/checkpoints is a file, "
+                                                           "not the checkpoints folder"]),
+    # before: at the save that deleted it as an old step, "writing checkpoint step 2 failed ... free disk space"
+    "symlinked checkpoint step": (["train.run_dir={cklink}", "checkpoint.keep=1"],
+                                  ["train.run_dir={cklink}: {cklink}/checkpoints/2 is a symbolic link (to {tmp}/step-2)",
+                                   "put the folder itself there"]),
     "symlinked metrics.jsonl": (["train.run_dir={linked}"], ["train.run_dir={linked}: metrics.jsonl is a symbolic link",
                                                              "{afile}"]),
 }
@@ -139,6 +155,12 @@ def places(tmp_path_factory, shared):
          "mine": os.path.dirname(_write(tmp, "mine/notes.txt", "mine\n")),
          "hf": os.path.dirname(_write(tmp, "hf/config.json", '{"model_type": "llama", "hidden_size": 64}\n')),
          "linked": os.path.dirname(_write(tmp, "linked/config.json", open(os.path.join(shared, "config.json")).read()))}
+    p["ckfile"] = os.path.dirname(_write(tmp, "ckfile/config.json", open(os.path.join(shared, "config.json")).read()))
+    _write(p["ckfile"], "checkpoints", "not a folder\n")
+    p["cklink"] = os.path.join(tmp, "cklink")
+    shutil.copytree(shared, p["cklink"])
+    shutil.move(os.path.join(p["cklink"], "checkpoints", "2"), os.path.join(tmp, "step-2"))  # the step, elsewhere
+    os.symlink(os.path.join(tmp, "step-2"), os.path.join(p["cklink"], "checkpoints", "2"))
     os.symlink(p["afile"], os.path.join(p["linked"], "metrics.jsonl"))
     with open(p["binary"], "wb") as f:
         f.write(bytes(range(128, 256)))

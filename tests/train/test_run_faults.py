@@ -248,6 +248,23 @@ def test_disk_full_mid_run_is_one_line_and_leaves_the_last_checkpoint(shared, tm
         _restores_finite(run, RUN_STEPS)
 
 
+def test_the_run_dir_removed_mid_run_is_one_line(tmp_path, capfd, monkeypatch):
+    """Before: a traceback from the events write, then NameErrors from the log's shutdown hook."""
+    from lumen_jax.train import hooks
+    run, real = str(tmp_path / "run"), hooks.Events.write
+
+    def write(self, event, **fields):
+        if event == "step" and fields.get("step") == 1:
+            shutil.rmtree(run)
+        return real(self, event, **fields)
+
+    monkeypatch.setattr(hooks.Events, "write", write)
+    capfd.readouterr()
+    assert train_cli.main(args(run, "train.steps=3")) == train_cli.EXIT_BAD_INPUT
+    [line] = capfd.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: train.run_dir={run} was removed while the run wrote to it"), line
+
+
 def test_sigterm_during_start_up_exits_75(shared, tmp_path, capfd, monkeypatch):
     run = _copy(shared, tmp_path)
     before = snapshot(os.path.join(run, "checkpoints"))
