@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 
 # BlockSizes is part of this module's public API (ops/choice.py uses it).
 from lumen_jax.kernels.flash_tiles import (
-    LN2, LOG2E, MASK_VALUE, MIN_BLOCK, BlockSizes, Static, dot_nn, dot_nt, dot_tn, is_pow2,
+    LN2, LOG2E, MASK_VALUE, MIN_BLOCK, BlockSizes, Static, dot_nn, dot_nt, is_pow2,
     kv_loop_bounds, kv_tail, make_static, pad_axis, q_loop_bounds, run_pallas, tile_mask)
 
 
@@ -185,24 +185,27 @@ def _dkv_kernel(*refs, st: Static, has_seg: bool, groups: int):
     qk_scale = st.scale * LOG2E
 
     def step(i, carry, g, masked: bool):
+        # Keys are the rows of every tile here ([bk, bq], scores transposed): each dot then has the
+        # block_kv_dkv keys as its M dimension, which Hopper's wgmma needs to be a multiple of 64
+        # (the query tile, 32 or 64, is N or K), and no operand is transposed in registers.
         dk, dv = carry
         row0 = pl.multiple_of(i * bq, bq)
         q = q_ref[pl.ds(row0, bq), g, :]  # [bq, H]
         do = do_ref[pl.ds(row0, bq), g, :]
         lse2 = lse_ref[g, pl.ds(row0, bq)] * LOG2E  # +inf on padded rows: p = 0 there
         delta = d_ref[g, pl.ds(row0, bq)]
-        s = dot_nt(q, k) * qk_scale  # [bq, bk]
+        s = dot_nt(k, q) * qk_scale  # [bk, bq]
         if masked:
             q_seg = qseg_ref[pl.ds(row0, bq)] if has_seg else None
             # Padded keys need no mask here: their dK/dV rows are sliced off, and they do not
             # enter the real keys' gradients.
             s = jnp.where(tile_mask(row0, col0, s.shape, causal=st.causal, kv_len=None,
-                                q_seg=q_seg, kv_seg=kv_seg), s, MASK_VALUE)
-        p = jnp.exp2(s - lse2[:, None])
-        dv = dv + dot_tn(p.astype(do.dtype), do)
-        dp = dot_nt(do, v)
-        ds = p * (dp - delta[:, None])
-        dk = dk + dot_tn(ds.astype(q.dtype), q)
+                                    q_seg=q_seg, kv_seg=kv_seg, keys_first=True), s, MASK_VALUE)
+        p = jnp.exp2(s - lse2[None, :])
+        dv = dv + dot_nn(p.astype(do.dtype), do)
+        dp = dot_nt(v, do)  # [bk, bq]
+        ds = p * (dp - delta[None, :])
+        dk = dk + dot_nn(ds.astype(q.dtype), q)
         return dk, dv
 
     first, plain = q_loop_bounds(col0, st=st, block_rows=bq, block_cols=bk, has_seg=has_seg)

@@ -80,9 +80,13 @@ class BlockSizes:
             return cls(block_q=64, block_kv=32, block_q_dkv=32, block_kv_dkv=64, block_q_dq=64,
                        block_kv_dq=32, num_warps=8, num_stages=2, num_warps_bwd=8, num_stages_bwd=1)
         if major >= 9:  # Hopper (H100/H200) and later
-            return cls(block_q=128, block_kv=64 if head_dim > 64 else 128,
+            # Every tile at least 64 rows, 8 warps in the backward: each dot is a wgmma (the sm_90
+            # compile in docs/PERFORMANCE.md counts them: no mma.sync, no spills, at most 255
+            # registers with two warpgroups sharing the 128-key or 128-query tile).
+            return cls(block_q=128, block_kv=64 if head_dim > 64 else 128, block_q_dkv=64,
+                       block_kv_dkv=128, block_q_dq=128, block_kv_dq=64,
                        num_warps=8 if head_dim > 64 else 4, num_stages=3,
-                       num_warps_bwd=8 if head_dim > 64 else 4, num_stages_bwd=2)
+                       num_warps_bwd=8, num_stages_bwd=2)
         # Ampere (A100) and anything else
         return cls(block_q=128, block_kv=64 if head_dim > 64 else 128,
                    num_warps=8 if head_dim > 64 else 4, num_stages=2,
@@ -149,22 +153,20 @@ def dot_nn(a, b):
     return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def dot_tn(a, b):
-    """a [C, M]^T . b [C, N] -> [M, N] float32."""
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def tile_mask(row0, col0, shape, *, causal: bool, kv_len: int | None, q_seg, kv_seg):
-    """Which (row, col) of a [rows, cols] tile starting at (row0, col0) may attend."""
-    rows = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
-    cols = col0 + lax.broadcasted_iota(jnp.int32, shape, 1)
+def tile_mask(row0, col0, shape, *, causal: bool, kv_len: int | None, q_seg, kv_seg,
+              keys_first: bool = False):
+    """Which (row, col) of a [rows, cols] tile of queries from row0 and keys from col0 may attend;
+    with `keys_first` the tile is [keys, queries] (the dK/dV kernel's transposed scores)."""
+    q_axis, kv_axis = (1, 0) if keys_first else (0, 1)
+    rows = row0 + lax.broadcasted_iota(jnp.int32, shape, q_axis)
+    cols = col0 + lax.broadcasted_iota(jnp.int32, shape, kv_axis)
     mask = jnp.ones(shape, jnp.bool_)
     if kv_len is not None:
         mask = mask & (cols < kv_len)
     if causal:
         mask = mask & (rows >= cols)
     if q_seg is not None:
-        mask = mask & (q_seg[:, None] == kv_seg[None, :])
+        mask = mask & ((kv_seg[:, None] == q_seg[None, :]) if keys_first else (q_seg[:, None] == kv_seg[None, :]))
     return mask
 
 

@@ -205,7 +205,8 @@ def format_report(report: dict) -> str:
     lines.append(f"[.., {t}, {t}] arrays (attention scores): " + (", ".join(scores[:6]) if scores else "none"))
     for k in report.get("kernel_resources", []):
         lines.append(f"  kernel {k['kernel']}: {k['shared_bytes']} B shared, {k['registers']} registers x "
-                     f"{k['threads']} threads, {k['spill_bytes']} B spilled: {'fits' if k['fits'] else 'DOES NOT FIT'}")
+                     f"{k['threads']} threads, {k['spill_bytes']} B spilled, "
+                     f"{k['wgmma']} wgmma / {k['mma_sync']} mma.sync: {'fits' if k['fits'] else 'DOES NOT FIT'}")
     return "\n".join(lines)
 
 
