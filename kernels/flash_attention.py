@@ -24,7 +24,11 @@ Lengths need not be multiples of the blocks: Q/K/V are padded up to one (a no-op
 are), padded keys are masked inside the kernels and padded query rows are sliced off (their
 log-sum-exp is set to +inf in the backward, so they contribute exactly zero). Causal attention
 skips the K/V blocks above the diagonal, and only the blocks crossing the diagonal (or the padded
-tail, or any block when segment ids are given) pay for building a mask.
+tail) pay for building a mask. With segment ids each (query block, key block) tile is classified
+before the kernels run (`flash_tiles.tile_classes`, from each block's min and max segment id and its
+position): empty tiles are skipped (no loads, no dots), full ones (one document on both sides, below
+the diagonal) run without a mask, partial ones with it; each program's loops run over the bounds
+`flash_tiles.stream_bounds` derives from those classes.
 
 On GPU the kernels lower through Pallas's Triton backend (`interpret=False`); on CPU they run in
 Pallas's interpreter (`interpret=True`): the caller says which (the trainer: `lumen_jax.ops.choice`). `BlockSizes(forward="mosaic")`
@@ -48,8 +52,8 @@ from jax.experimental import pallas as pl
 
 # BlockSizes is part of this module's public API (ops/choice.py uses it).
 from lumen_jax.kernels.flash_tiles import (
-    LN2, LOG2E, MASK_VALUE, MIN_BLOCK, BlockSizes, Static, dot_nn, dot_nt, is_pow2,
-    kv_loop_bounds, kv_tail, make_static, pad_axis, q_loop_bounds, run_pallas, tile_mask)
+    LN2, LOG2E, MASK_VALUE, MIN_BLOCK, BlockSizes, Static, dot_nn, dot_nt, is_pow2, kv_tail,
+    make_static, pad_axis, q_loop_bounds, run_pallas, stream, stream_bounds, tile_classes, tile_mask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -58,10 +62,10 @@ from lumen_jax.kernels.flash_tiles import (
 
 def _fwd_kernel(*refs, st: Static, has_seg: bool):
     if has_seg:
-        q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref = refs
+        q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bounds_ref, o_ref, lse_ref = refs
     else:
         q_ref, k_ref, v_ref, o_ref, lse_ref = refs
-        qseg_ref = kvseg_ref = None
+        qseg_ref = kvseg_ref = bounds_ref = None
     bq, bk = st.blocks.block_q, st.blocks.block_kv
     row0 = pl.program_id(0) * bq
     q = q_ref[...]  # [bq, H]
@@ -85,13 +89,15 @@ def _fwd_kernel(*refs, st: Static, has_seg: bool):
         acc = acc * alpha[:, None] + dot_nn(p.astype(v.dtype), v)
         return acc, m_new, l
 
-    n_plain, n_total = kv_loop_bounds(row0, st=st, block_rows=bq, block_cols=bk, has_seg=has_seg)
     carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
-    carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False), carry)
-    acc, m, l = lax.fori_loop(n_plain, n_total, functools.partial(step, masked=True), carry)
-    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = m * LN2 + jnp.log(l)
+    acc, m, l = stream(step, carry, bounds_ref, row0, st=st, block_rows=bq, block_cols=bk)
+    if has_seg:  # every tile of the row block empty: l = 0; its rows see no key (out 0, lse ~ -inf)
+        o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
+        lse_ref[...] = jnp.where(l == 0, MASK_VALUE, m * LN2 + jnp.log(l))
+    else:
+        o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+        lse_ref[...] = m * LN2 + jnp.log(l)
 
 
 def _forward_triton(q, k, v, q_seg, kv_seg, st: Static):
@@ -110,8 +116,10 @@ def _forward_triton(q, k, v, q_seg, kv_seg, st: Static):
     args = [q, k, v]
     if has_seg:
         in_specs += [pl.BlockSpec((None, bq), lambda i, bi, ni: (bi, i)),
-                     pl.BlockSpec((None, st.kv_pad), lambda i, bi, ni: (bi, 0))]
-        args += [q_seg, kv_seg]
+                     pl.BlockSpec((None, st.kv_pad), lambda i, bi, ni: (bi, 0)),
+                     pl.BlockSpec((None, None, 4), lambda i, bi, ni: (bi, i, 0))]
+        classes = tile_classes(q_seg, kv_seg, st=st, block_q=bq, block_kv=st.blocks.block_kv)
+        args += [q_seg, kv_seg, stream_bounds(classes)]
     out_specs = [pl.BlockSpec((None, bq, None, h), lambda i, bi, ni: (bi, i, ni, 0)),
                  pl.BlockSpec((None, None, bq), lambda i, bi, ni: (bi, ni, i))]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -172,16 +180,15 @@ def _forward(q, k, v, q_seg, kv_seg, st: Static):
 
 def _dkv_kernel(*refs, st: Static, has_seg: bool, groups: int):
     if has_seg:
-        (q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref) = refs
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, qseg_ref, kvseg_ref, bounds_ref, dk_ref, dv_ref) = refs
     else:
         q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dk_ref, dv_ref = refs
-        qseg_ref = kvseg_ref = None
+        qseg_ref = kvseg_ref = bounds_ref = None
     bq, bk = st.blocks.block_q_dkv, st.blocks.block_kv_dkv
     col0 = pl.program_id(0) * bk
     k = k_ref[...]  # [bk, H]
     v = v_ref[...]
     kv_seg = kvseg_ref[...] if has_seg else None
-    n_q = st.q_pad // bq
     qk_scale = st.scale * LOG2E
 
     def step(i, carry, g, masked: bool):
@@ -208,11 +215,16 @@ def _dkv_kernel(*refs, st: Static, has_seg: bool, groups: int):
         dk = dk + dot_nn(ds.astype(q.dtype), q)
         return dk, dv
 
-    first, plain = q_loop_bounds(col0, st=st, block_rows=bq, block_cols=bk, has_seg=has_seg)
+    if has_seg:
+        lo, full_lo, full_hi, hi = (bounds_ref[x] for x in range(4))
+    else:
+        lo, full_lo = q_loop_bounds(col0, st=st, block_rows=bq, block_cols=bk)
+        full_hi = hi = st.q_pad // bq
 
     def head(g, carry):
-        carry = lax.fori_loop(first, plain, functools.partial(step, g=g, masked=True), carry)
-        return lax.fori_loop(plain, n_q, functools.partial(step, g=g, masked=has_seg), carry)
+        carry = lax.fori_loop(lo, full_lo, functools.partial(step, g=g, masked=True), carry)
+        carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, g=g, masked=False), carry)
+        return lax.fori_loop(full_hi, hi, functools.partial(step, g=g, masked=True), carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, groups, head, (zeros, zeros))
@@ -222,10 +234,10 @@ def _dkv_kernel(*refs, st: Static, has_seg: bool, groups: int):
 
 def _dq_kernel(*refs, st: Static, has_seg: bool):
     if has_seg:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, qseg_ref, kvseg_ref, dq_ref = refs
+        q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, qseg_ref, kvseg_ref, bounds_ref, dq_ref = refs
     else:
         q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dq_ref = refs
-        qseg_ref = kvseg_ref = None
+        qseg_ref = kvseg_ref = bounds_ref = None
     bq, bk = st.blocks.block_q_dq, st.blocks.block_kv_dq
     row0 = pl.program_id(0) * bq
     q = q_ref[...]  # [bq, H]
@@ -248,10 +260,7 @@ def _dq_kernel(*refs, st: Static, has_seg: bool):
         ds = p * (dot_nt(do, v) - delta[:, None])
         return dq + dot_nn(ds.astype(k.dtype), k)
 
-    n_plain, n_total = kv_loop_bounds(row0, st=st, block_rows=bq, block_cols=bk, has_seg=has_seg)
-    dq = jnp.zeros(q.shape, jnp.float32)
-    dq = lax.fori_loop(0, n_plain, functools.partial(step, masked=False), dq)
-    dq = lax.fori_loop(n_plain, n_total, functools.partial(step, masked=True), dq)
+    dq = stream(step, jnp.zeros(q.shape, jnp.float32), bounds_ref, row0, st=st, block_rows=bq, block_cols=bk)
     dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
 
 
@@ -285,8 +294,10 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, st: Static):
     args = [qp, kp, vp, dop, lse, delta]
     if has_seg:
         in_specs += [pl.BlockSpec((None, tp), lambda j, bi, ki: (bi, 0)),
-                     pl.BlockSpec((None, bk), lambda j, bi, ki: (bi, j))]
-        args += [q_seg, kv_seg]
+                     pl.BlockSpec((None, bk), lambda j, bi, ki: (bi, j)),
+                     pl.BlockSpec((None, None, 4), lambda j, bi, ki: (bi, j, 0))]
+        classes = tile_classes(q_seg, kv_seg, st=st, block_q=bl.block_q_dkv, block_kv=bk)
+        args += [q_seg, kv_seg, stream_bounds(classes.transpose(0, 2, 1))]
     kv_spec = pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0))
     dk, dv = run_pallas(
         functools.partial(_dkv_kernel, st=st, has_seg=has_seg, groups=g), args=args,
@@ -303,8 +314,10 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, st: Static):
     args = [qp, kp, vp, dop, lse, delta]
     if has_seg:
         in_specs += [pl.BlockSpec((None, bq), lambda i, bi, ni: (bi, i)),
-                     pl.BlockSpec((None, sp), lambda i, bi, ni: (bi, 0))]
-        args += [q_seg, kv_seg]
+                     pl.BlockSpec((None, sp), lambda i, bi, ni: (bi, 0)),
+                     pl.BlockSpec((None, None, 4), lambda i, bi, ni: (bi, i, 0))]
+        classes = tile_classes(q_seg, kv_seg, st=st, block_q=bq, block_kv=bl.block_kv_dq)
+        args += [q_seg, kv_seg, stream_bounds(classes)]
     (dq,) = run_pallas(
         functools.partial(_dq_kernel, st=st, has_seg=has_seg), args=args, grid=(tp // bq, b, n),
         in_specs=in_specs, out_specs=[q_spec], out_shape=[jax.ShapeDtypeStruct(qp.shape, q.dtype)],

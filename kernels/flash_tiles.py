@@ -175,9 +175,10 @@ def kv_tail(st: Static) -> int | None:
     return st.kv_len if st.kv_pad != st.kv_len else None
 
 
-def kv_loop_bounds(row0, *, st: Static, block_rows: int, block_cols: int, has_seg: bool):
-    """For a row tile starting at row0: (n_plain, n_total) K/V blocks; blocks [0, n_plain) need no
-    mask at all, blocks [n_plain, n_total) need one, blocks >= n_total are fully masked (skipped)."""
+def kv_loop_bounds(row0, *, st: Static, block_rows: int, block_cols: int):
+    """For a row tile starting at row0 without segment ids: (n_plain, n_total) K/V blocks; blocks
+    [0, n_plain) need no mask at all, blocks [n_plain, n_total) need one, blocks >= n_total are fully
+    masked (skipped)."""
     n_kv = st.kv_pad // block_cols
     n_real = st.kv_len // block_cols  # blocks with no padded key
     if st.causal:
@@ -185,22 +186,90 @@ def kv_loop_bounds(row0, *, st: Static, block_rows: int, block_cols: int, has_se
         n_plain = lax.min(lax.div(row0, block_cols), n_real)  # every key < row0 <= every row
     else:
         n_total, n_plain = n_kv, n_real
-    if has_seg:
-        n_plain = 0
     return n_plain, n_total
 
 
-def q_loop_bounds(col0, *, st: Static, block_rows: int, block_cols: int, has_seg: bool):
-    """For a key tile starting at col0: (first, plain) query blocks; blocks < first see none of
-    these keys (skipped), [first, plain) need a mask, blocks >= plain need none."""
+def q_loop_bounds(col0, *, st: Static, block_rows: int, block_cols: int):
+    """For a key tile starting at col0 without segment ids: (first, plain) query blocks; blocks <
+    first see none of these keys (skipped), [first, plain) need a mask, blocks >= plain need none."""
     n_q = st.q_pad // block_rows
     if not st.causal:
         return 0, 0
     first = lax.div(col0, block_rows)
-    if has_seg:
-        return first, first
     # From `plain` on, a query block's first row is beyond the tile's last key.
     return first, lax.min(lax.div(col0 + block_cols + block_rows - 1, block_rows), n_q)
+
+
+def stream(step, carry, bounds_ref, row0, *, st: Static, block_rows: int, block_cols: int):
+    """Run `step(j, carry, masked)` over the K/V blocks a row tile streams (forward and dQ): with
+    segment ids over the bounds `stream_bounds` gave it (`bounds_ref`: empty blocks skipped, the run
+    of full ones unmasked), without them over the causal bounds (`kv_loop_bounds`)."""
+    if bounds_ref is None:
+        n_plain, n_total = kv_loop_bounds(row0, st=st, block_rows=block_rows, block_cols=block_cols)
+        carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False), carry)
+        return lax.fori_loop(n_plain, n_total, functools.partial(step, masked=True), carry)
+    lo, full_lo, full_hi, hi = (bounds_ref[x] for x in range(4))
+    carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+    return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tile classes from the segment ids (packed documents)
+# --------------------------------------------------------------------------------------------------
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def block_ranges(seg_bt, block: int):
+    """Each block's (min, max) segment id: [B, T] -> two [B, T // block]."""
+    b, t = seg_bt.shape
+    blocks = seg_bt.reshape(b, t // block, block)
+    return jnp.min(blocks, axis=-1), jnp.max(blocks, axis=-1)
+
+
+def tile_classes(q_seg, kv_seg, *, st: Static, block_q: int, block_kv: int):
+    """[B, Tp // block_q, Sp // block_kv] int32: EMPTY (no query of the tile sees a key of it: the
+    blocks' segment ranges do not meet, the tile lies above the causal diagonal, or it holds only
+    padding), FULL (every query sees every key: both blocks hold one and the same segment, the tile
+    lies below the diagonal and holds no padded key) or PARTIAL (needs the element mask).
+
+    From each block's (min, max) segment id alone: a few [B, blocks] reductions, no [T, S] array.
+    Disjoint ranges prove a tile empty for any ids; a tile inside one document (the usual case of
+    packed rows, whose documents are contiguous runs) is full.
+    """
+    q_min, q_max = block_ranges(q_seg, block_q)
+    kv_min, kv_max = block_ranges(kv_seg, block_kv)
+    q_min, q_max = q_min[:, :, None], q_max[:, :, None]
+    kv_min, kv_max = kv_min[:, None, :], kv_max[:, None, :]
+    row0 = (jnp.arange(st.q_pad // block_q) * block_q)[None, :, None]
+    col0 = (jnp.arange(st.kv_pad // block_kv) * block_kv)[None, None, :]
+    meet = (q_max >= kv_min) & (kv_max >= q_min) & (row0 < st.q_len) & (col0 < st.kv_len)
+    full = (q_min == q_max) & (kv_min == kv_max) & (q_min == kv_min) & (col0 + block_kv <= st.kv_len)
+    if st.causal:
+        meet = meet & (col0 <= row0 + block_q - 1)
+        full = full & (col0 + block_kv - 1 <= row0)
+    return jnp.where(meet, jnp.where(full, FULL, PARTIAL), EMPTY).astype(jnp.int32)
+
+
+def stream_bounds(classes):
+    """Loop bounds of each program over the blocks it streams: classes [B, owned, streamed] ->
+    [B, owned, 4] int32 (lo, full_lo, full_hi, hi). Blocks outside [lo, hi) are empty (skipped: no
+    loads, no dots), [full_lo, full_hi) is the first run of full blocks (no mask), the rest of
+    [lo, hi) is masked. An empty block between two others (a document whose ids recur further on)
+    is masked, not skipped: correct, and the loops stay free of branches that would stop Triton
+    from pipelining their loads."""
+    n = classes.shape[-1]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    nonempty = classes != EMPTY
+    any_ = jnp.any(nonempty, axis=-1)
+    lo = jnp.where(any_, jnp.argmax(nonempty, axis=-1), 0).astype(jnp.int32)
+    hi = jnp.where(any_, n - jnp.argmax(nonempty[..., ::-1], axis=-1), 0).astype(jnp.int32)
+    full = classes == FULL
+    full_lo = jnp.minimum(jnp.min(jnp.where(full, idx, n), axis=-1), hi).astype(jnp.int32)
+    after = jnp.where((idx >= full_lo[..., None]) & ~full, idx, n)
+    full_hi = jnp.minimum(jnp.min(after, axis=-1), hi).astype(jnp.int32)
+    return jnp.stack([lo, full_lo, full_hi, hi], axis=-1)
 
 
 def compiler_params(num_warps: int, num_stages: int):
