@@ -52,7 +52,7 @@ from jax.experimental import pallas as pl
 
 # BlockSizes is part of this module's public API (ops/choice.py uses it).
 from lumen_jax.kernels.flash_tiles import (
-    LN2, LOG2E, MASK_VALUE, MIN_BLOCK, BlockSizes, Static, dot_nn, dot_nt, is_pow2, kv_tail,
+    LN2, LOG2E, MASK_VALUE, MIN_BLOCK, BlockSizes, Static, dot_nn, dot_nt, heavy_first, is_pow2, kv_tail,
     make_static, pad_axis, q_loop_bounds, run_pallas, stream, stream_bounds, tile_classes, tile_mask)
 
 
@@ -67,7 +67,7 @@ def _fwd_kernel(*refs, st: Static, has_seg: bool):
         q_ref, k_ref, v_ref, o_ref, lse_ref = refs
         qseg_ref = kvseg_ref = bounds_ref = None
     bq, bk = st.blocks.block_q, st.blocks.block_kv
-    row0 = pl.program_id(0) * bq
+    row0 = heavy_first(pl.program_id(2), n=st.q_pad // bq, causal=st.causal) * bq
     q = q_ref[...]  # [bq, H]
     q_seg = qseg_ref[...] if has_seg else None
     qk_scale = st.scale * LOG2E  # scores in base 2: exp(x) = exp2(x * log2 e)
@@ -107,21 +107,22 @@ def _forward_triton(q, k, v, q_seg, kv_seg, st: Static):
     g = n // kh
     bq = st.blocks.block_q
     has_seg = q_seg is not None
-    grid = (tp // bq, b, n)
+    grid = (n, b, tp // bq)  # query blocks slowest: see `heavy_first`
+    own = functools.partial(heavy_first, n=tp // bq, causal=st.causal)  # the query block of program i
     in_specs = [
-        pl.BlockSpec((None, bq, None, h), lambda i, bi, ni: (bi, i, ni, 0)),
-        pl.BlockSpec((None, st.kv_pad, None, h), lambda i, bi, ni: (bi, 0, lax.div(ni, g), 0)),
-        pl.BlockSpec((None, st.kv_pad, None, h), lambda i, bi, ni: (bi, 0, lax.div(ni, g), 0)),
+        pl.BlockSpec((None, bq, None, h), lambda ni, bi, i: (bi, own(i), ni, 0)),
+        pl.BlockSpec((None, st.kv_pad, None, h), lambda ni, bi, i: (bi, 0, lax.div(ni, g), 0)),
+        pl.BlockSpec((None, st.kv_pad, None, h), lambda ni, bi, i: (bi, 0, lax.div(ni, g), 0)),
     ]
     args = [q, k, v]
     if has_seg:
-        in_specs += [pl.BlockSpec((None, bq), lambda i, bi, ni: (bi, i)),
-                     pl.BlockSpec((None, st.kv_pad), lambda i, bi, ni: (bi, 0)),
-                     pl.BlockSpec((None, None, 4), lambda i, bi, ni: (bi, i, 0))]
+        in_specs += [pl.BlockSpec((None, bq), lambda ni, bi, i: (bi, own(i))),
+                     pl.BlockSpec((None, st.kv_pad), lambda ni, bi, i: (bi, 0)),
+                     pl.BlockSpec((None, None, 4), lambda ni, bi, i: (bi, own(i), 0))]
         classes = tile_classes(q_seg, kv_seg, st=st, block_q=bq, block_kv=st.blocks.block_kv)
         args += [q_seg, kv_seg, stream_bounds(classes)]
-    out_specs = [pl.BlockSpec((None, bq, None, h), lambda i, bi, ni: (bi, i, ni, 0)),
-                 pl.BlockSpec((None, None, bq), lambda i, bi, ni: (bi, ni, i))]
+    out_specs = [pl.BlockSpec((None, bq, None, h), lambda ni, bi, i: (bi, own(i), ni, 0)),
+                 pl.BlockSpec((None, None, bq), lambda ni, bi, i: (bi, ni, own(i)))]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, n, tp), jnp.float32)]
     o, lse = run_pallas(functools.partial(_fwd_kernel, st=st, has_seg=has_seg), args=args, grid=grid,
@@ -185,7 +186,7 @@ def _dkv_kernel(*refs, st: Static, has_seg: bool, groups: int):
         q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dk_ref, dv_ref = refs
         qseg_ref = kvseg_ref = bounds_ref = None
     bq, bk = st.blocks.block_q_dkv, st.blocks.block_kv_dkv
-    col0 = pl.program_id(0) * bk
+    col0 = pl.program_id(2) * bk  # key blocks slowest, the heaviest (j = 0) first
     k = k_ref[...]  # [bk, H]
     v = v_ref[...]
     kv_seg = kvseg_ref[...] if has_seg else None
@@ -239,7 +240,7 @@ def _dq_kernel(*refs, st: Static, has_seg: bool):
         q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dq_ref = refs
         qseg_ref = kvseg_ref = bounds_ref = None
     bq, bk = st.blocks.block_q_dq, st.blocks.block_kv_dq
-    row0 = pl.program_id(0) * bq
+    row0 = heavy_first(pl.program_id(2), n=st.q_pad // bq, causal=st.causal) * bq
     q = q_ref[...]  # [bq, H]
     do = do_ref[...]
     lse2 = lse_ref[...] * LOG2E
@@ -281,45 +282,46 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, st: Static):
     bl = st.blocks
     tp, sp = st.q_pad, st.kv_pad
 
-    # dK, dV: grid over (key block, batch, kv head); each program sees the G query heads of its group.
+    # dK, dV: grid over (kv head, batch, key block); each program sees the G query heads of its group.
     bk = bl.block_kv_dkv
     in_specs = [
-        pl.BlockSpec((None, tp, g, h), lambda j, bi, ki: (bi, 0, ki, 0)),  # q
-        pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0)),  # k
-        pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0)),  # v
-        pl.BlockSpec((None, tp, g, h), lambda j, bi, ki: (bi, 0, ki, 0)),  # do
-        pl.BlockSpec((None, g, tp), lambda j, bi, ki: (bi, ki, 0)),  # lse
-        pl.BlockSpec((None, g, tp), lambda j, bi, ki: (bi, ki, 0)),  # delta
+        pl.BlockSpec((None, tp, g, h), lambda ki, bi, j: (bi, 0, ki, 0)),  # q
+        pl.BlockSpec((None, bk, None, h), lambda ki, bi, j: (bi, j, ki, 0)),  # k
+        pl.BlockSpec((None, bk, None, h), lambda ki, bi, j: (bi, j, ki, 0)),  # v
+        pl.BlockSpec((None, tp, g, h), lambda ki, bi, j: (bi, 0, ki, 0)),  # do
+        pl.BlockSpec((None, g, tp), lambda ki, bi, j: (bi, ki, 0)),  # lse
+        pl.BlockSpec((None, g, tp), lambda ki, bi, j: (bi, ki, 0)),  # delta
     ]
     args = [qp, kp, vp, dop, lse, delta]
     if has_seg:
-        in_specs += [pl.BlockSpec((None, tp), lambda j, bi, ki: (bi, 0)),
-                     pl.BlockSpec((None, bk), lambda j, bi, ki: (bi, j)),
-                     pl.BlockSpec((None, None, 4), lambda j, bi, ki: (bi, j, 0))]
+        in_specs += [pl.BlockSpec((None, tp), lambda ki, bi, j: (bi, 0)),
+                     pl.BlockSpec((None, bk), lambda ki, bi, j: (bi, j)),
+                     pl.BlockSpec((None, None, 4), lambda ki, bi, j: (bi, j, 0))]
         classes = tile_classes(q_seg, kv_seg, st=st, block_q=bl.block_q_dkv, block_kv=bk)
         args += [q_seg, kv_seg, stream_bounds(classes.transpose(0, 2, 1))]
-    kv_spec = pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0))
+    kv_spec = pl.BlockSpec((None, bk, None, h), lambda ki, bi, j: (bi, j, ki, 0))
     dk, dv = run_pallas(
         functools.partial(_dkv_kernel, st=st, has_seg=has_seg, groups=g), args=args,
-        grid=(sp // bk, b, kh), in_specs=in_specs, out_specs=[kv_spec, kv_spec],
+        grid=(kh, b, sp // bk), in_specs=in_specs, out_specs=[kv_spec, kv_spec],
         out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)],
         st=st, name="flash_bwd_dkv", num_warps=bl.num_warps_bwd, num_stages=bl.num_stages_bwd)
 
-    # dQ: grid over (query block, batch, head), streaming K/V of the head's kv head.
+    # dQ: grid over (head, batch, query block), streaming K/V of the head's kv head.
     bq = bl.block_q_dq
-    q_spec = pl.BlockSpec((None, bq, None, h), lambda i, bi, ni: (bi, i, ni, 0))
-    kv_full = pl.BlockSpec((None, sp, None, h), lambda i, bi, ni: (bi, 0, lax.div(ni, g), 0))
-    row_spec = pl.BlockSpec((None, None, bq), lambda i, bi, ni: (bi, ni, i))
+    own = functools.partial(heavy_first, n=tp // bq, causal=st.causal)
+    q_spec = pl.BlockSpec((None, bq, None, h), lambda ni, bi, i: (bi, own(i), ni, 0))
+    kv_full = pl.BlockSpec((None, sp, None, h), lambda ni, bi, i: (bi, 0, lax.div(ni, g), 0))
+    row_spec = pl.BlockSpec((None, None, bq), lambda ni, bi, i: (bi, ni, own(i)))
     in_specs = [q_spec, kv_full, kv_full, q_spec, row_spec, row_spec]
     args = [qp, kp, vp, dop, lse, delta]
     if has_seg:
-        in_specs += [pl.BlockSpec((None, bq), lambda i, bi, ni: (bi, i)),
-                     pl.BlockSpec((None, sp), lambda i, bi, ni: (bi, 0)),
-                     pl.BlockSpec((None, None, 4), lambda i, bi, ni: (bi, i, 0))]
+        in_specs += [pl.BlockSpec((None, bq), lambda ni, bi, i: (bi, own(i))),
+                     pl.BlockSpec((None, sp), lambda ni, bi, i: (bi, 0)),
+                     pl.BlockSpec((None, None, 4), lambda ni, bi, i: (bi, own(i), 0))]
         classes = tile_classes(q_seg, kv_seg, st=st, block_q=bq, block_kv=bl.block_kv_dq)
         args += [q_seg, kv_seg, stream_bounds(classes)]
     (dq,) = run_pallas(
-        functools.partial(_dq_kernel, st=st, has_seg=has_seg), args=args, grid=(tp // bq, b, n),
+        functools.partial(_dq_kernel, st=st, has_seg=has_seg), args=args, grid=(n, b, tp // bq),
         in_specs=in_specs, out_specs=[q_spec], out_shape=[jax.ShapeDtypeStruct(qp.shape, q.dtype)],
         st=st, name="flash_bwd_dq", num_warps=bl.num_warps_bwd, num_stages=bl.num_stages_bwd)
     return dq[:, :t], dk[:, :k.shape[1]], dv[:, :v.shape[1]]

@@ -200,6 +200,19 @@ def q_loop_bounds(col0, *, st: Static, block_rows: int, block_cols: int):
     return first, lax.min(lax.div(col0 + block_cols + block_rows - 1, block_rows), n_q)
 
 
+def heavy_first(i, n: int, causal: bool):
+    """The query block that program i of the forward or dQ kernel owns, of n: under causal masking
+    block r streams about r + 1 key blocks, so the last is the heaviest, and it goes first.
+
+    The kernels' grids put the streamed-over blocks' axis last, (heads, batch, blocks): Pallas's
+    Triton lowering makes the first axis CUDA's x, which the GPU starts fastest, so every head's
+    block-0 program starts before any head's block 1. With the order reversed here, the heaviest
+    programs of every head start first and the launch ends on the lightest (longest job first),
+    rather than ending on a wave of the heaviest with the rest of the GPU idle. (In the dK/dV kernel
+    key block j streams the query blocks from j on: its heaviest, j = 0, come first as they are.)"""
+    return n - 1 - i if causal else i
+
+
 def stream(step, carry, bounds_ref, row0, *, st: Static, block_rows: int, block_cols: int):
     """Run `step(j, carry, masked)` over the K/V blocks a row tile streams (forward and dQ): with
     segment ids over the bounds `stream_bounds` gave it (`bounds_ref`: empty blocks skipped, the run

@@ -277,6 +277,22 @@ def test_packed_documents_match_reference(case):
     check_against_reference(case, segment_ids=PACKED[:, :case.t])
 
 
+def test_causal_programs_start_heaviest_first():
+    """Programs in launch order (the grid's last axis, the blocks, slowest): under causal masking
+    each streams no more blocks than the one before, in all three kernels; without it, in order."""
+    length, bq, bk = 1024, 128, 64
+    st = flash_tiles.make_static(length, length, scale=1.0, causal=True, blocks=BlockSizes(block_q=bq, block_kv=bk),
+                                 interpret=True, poison=False)
+    n_q, n_kv = length // bq, length // bk
+    owned = [int(flash_tiles.heavy_first(i, n=n_q, causal=True)) for i in range(n_q)]
+    assert sorted(owned) == list(range(n_q))
+    rows = [int(flash_tiles.kv_loop_bounds(r * bq, st=st, block_rows=bq, block_cols=bk)[1]) for r in owned]
+    cols = [n_q - int(flash_tiles.q_loop_bounds(j * bk, st=st, block_rows=bq, block_cols=bk)[0]) for j in range(n_kv)]
+    for work in (rows, cols):
+        assert work == sorted(work, reverse=True) and work[0] > work[-1], work
+    assert [flash_tiles.heavy_first(i, n=n_q, causal=False) for i in range(n_q)] == list(range(n_q))
+
+
 BIG_SHAPE = re.compile(r"\b[a-z]+[0-9]*\[([0-9,]+)\]")
 
 
