@@ -11,6 +11,11 @@ scores from Q, K and that log-sum-exp:
   Q/dO blocks of every query head of its group (GQA without repeating K/V anywhere);
 - the dQ kernel: one program per (Q block, batch, head) streams the K/V blocks.
 
+`BlockSizes(backward="fused")` runs one backward kernel instead: the dK/dV kernel also multiplies
+each dS tile by K and adds it into a float32 dQ with atomic adds (as FlashAttention-2's first
+version and FlashAttention-3 do), so the scores and exponentials are computed once, not twice;
+opt-in until a GPU measures it (`benchmarks/attention_gpu.py --sweep`).
+
 Semantics are those of `lumen_jax.ops.reference.reference` (same argument names and masks):
 causal masking is top-left aligned (query t sees keys s <= t), segment ids mask attention across
 packed documents, query head n uses kv head n // (N // K). Scores, softmax and every accumulator
@@ -49,10 +54,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 # BlockSizes is part of this module's public API (ops/choice.py uses it).
 from lumen_jax.kernels.flash_tiles import (
-    LN2, LOG2E, MASK_VALUE, MIN_BLOCK, BlockSizes, Static, dot_nn, dot_nt, heavy_first, is_pow2, kv_tail,
+    LN2, LOG2E, MASK_VALUE, MIN_BLOCK, BlockSizes, Static, dot_nn, dot_nt, dot_tn, heavy_first, is_pow2, kv_tail,
     make_static, pad_axis, q_loop_bounds, run_pallas, stream, stream_bounds, tile_classes, tile_mask)
 
 
@@ -179,11 +185,12 @@ def _forward(q, k, v, q_seg, kv_seg, st: Static):
 # Backward
 # --------------------------------------------------------------------------------------------------
 
-def _dkv_kernel(*refs, st: Static, has_seg: bool, groups: int):
+def _dkv_kernel(*refs, st: Static, has_seg: bool, groups: int, fused: bool):
+    ins, (dk_ref, dv_ref, *dq_ref) = (refs[:-3], refs[-3:]) if fused else (refs[:-2], refs[-2:])
     if has_seg:
-        (q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, qseg_ref, kvseg_ref, bounds_ref, dk_ref, dv_ref) = refs
+        q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, qseg_ref, kvseg_ref, bounds_ref = ins
     else:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dk_ref, dv_ref = refs
+        q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref = ins
         qseg_ref = kvseg_ref = bounds_ref = None
     bq, bk = st.blocks.block_q_dkv, st.blocks.block_kv_dkv
     col0 = pl.program_id(2) * bk  # key blocks slowest, the heaviest (j = 0) first
@@ -205,15 +212,18 @@ def _dkv_kernel(*refs, st: Static, has_seg: bool, groups: int):
         s = dot_nt(k, q) * qk_scale  # [bk, bq]
         if masked:
             q_seg = qseg_ref[pl.ds(row0, bq)] if has_seg else None
-            # Padded keys need no mask here: their dK/dV rows are sliced off, and they do not
-            # enter the real keys' gradients.
-            s = jnp.where(tile_mask(row0, col0, s.shape, causal=st.causal, kv_len=None,
+            # Padded keys need no mask for dK/dV (their rows are sliced off and do not enter the
+            # real keys' gradients), but they would enter dQ.
+            s = jnp.where(tile_mask(row0, col0, s.shape, causal=st.causal, kv_len=kv_tail(st) if fused else None,
                                     q_seg=q_seg, kv_seg=kv_seg, keys_first=True), s, MASK_VALUE)
         p = jnp.exp2(s - lse2[None, :])
         dv = dv + dot_nn(p.astype(do.dtype), do)
         dp = dot_nt(v, do)  # [bk, bq]
         ds = p * (dp - delta[None, :])
         dk = dk + dot_nn(ds.astype(q.dtype), q)
+        if fused:  # this key block's share of dQ, added in float32 to what other programs add
+            plgpu.atomic_add(dq_ref[0], (pl.ds(row0, bq), g, slice(None)),
+                             dot_tn(ds.astype(k.dtype), k) * st.scale)
         return dk, dv
 
     if has_seg:
@@ -221,6 +231,8 @@ def _dkv_kernel(*refs, st: Static, has_seg: bool, groups: int):
     else:
         lo, full_lo = q_loop_bounds(col0, st=st, block_rows=bq, block_cols=bk)
         full_hi = hi = st.q_pad // bq
+        if fused and kv_tail(st) is not None:  # the block holding padded keys is masked throughout
+            full_lo = jnp.where(col0 + bk > st.kv_len, hi, full_lo)
 
     def head(g, carry):
         carry = lax.fori_loop(lo, full_lo, functools.partial(step, g=g, masked=True), carry)
@@ -300,11 +312,19 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, st: Static):
         classes = tile_classes(q_seg, kv_seg, st=st, block_q=bl.block_q_dkv, block_kv=bk)
         args += [q_seg, kv_seg, stream_bounds(classes.transpose(0, 2, 1))]
     kv_spec = pl.BlockSpec((None, bk, None, h), lambda ki, bi, j: (bi, j, ki, 0))
-    dk, dv = run_pallas(
-        functools.partial(_dkv_kernel, st=st, has_seg=has_seg, groups=g), args=args,
-        grid=(kh, b, sp // bk), in_specs=in_specs, out_specs=[kv_spec, kv_spec],
-        out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)],
-        st=st, name="flash_bwd_dkv", num_warps=bl.num_warps_bwd, num_stages=bl.num_stages_bwd)
+    out_specs = [kv_spec, kv_spec]
+    out_shape = [jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)]
+    fused = bl.backward == "fused"
+    if fused:  # dQ [B, Tp, N, H] float32, every key block of the kv head adding its share
+        out_specs.append(pl.BlockSpec((None, tp, g, h), lambda ki, bi, j: (bi, 0, ki, 0)))
+        out_shape.append(jax.ShapeDtypeStruct(qp.shape, jnp.float32))
+    dk, dv, *dq = run_pallas(
+        functools.partial(_dkv_kernel, st=st, has_seg=has_seg, groups=g, fused=fused), args=args,
+        grid=(kh, b, sp // bk), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        st=st, name="flash_bwd_fused" if fused else "flash_bwd_dkv", num_warps=bl.num_warps_bwd,
+        num_stages=bl.num_stages_bwd, accumulate=(2,) if fused else ())
+    if fused:
+        return dq[0][:, :t].astype(q.dtype), dk[:, :k.shape[1]], dv[:, :v.shape[1]]
 
     # dQ: grid over (head, batch, query block), streaming K/V of the head's kv head.
     bq = bl.block_q_dq

@@ -24,6 +24,7 @@ LN2 = math.log(2.0)
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 MIN_BLOCK = 16  # Triton's tl.dot needs every tile dimension >= 16
 FORWARD_IMPLS = ("triton", "mosaic")
+BACKWARD_IMPLS = ("split", "fused")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -54,6 +55,7 @@ class BlockSizes:
     num_warps_bwd: int = 8
     num_stages_bwd: int = 2
     forward: str = "triton"  # triton | mosaic (Hopper only; see the module docstring)
+    backward: str = "split"  # split: dK/dV and dQ kernels | fused: one kernel, dQ by f32 atomic adds
 
     def __post_init__(self):
         for f in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"):
@@ -62,6 +64,8 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{f}={v} must be a power of two >= {MIN_BLOCK}")
         if self.forward not in FORWARD_IMPLS:
             raise ValueError(f"BlockSizes.forward={self.forward!r} is not one of {FORWARD_IMPLS}")
+        if self.backward not in BACKWARD_IMPLS:
+            raise ValueError(f"BlockSizes.backward={self.backward!r} is not one of {BACKWARD_IMPLS}")
 
     @classmethod
     def default(cls, head_dim: int, device: jax.Device | None = None) -> BlockSizes:
@@ -151,6 +155,11 @@ def dot_nt(a, b):
 def dot_nn(a, b):
     """a [M, C] . b [C, N] -> [M, N] float32."""
     return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def dot_tn(a, b):
+    """a [C, M]^T . b [C, N] -> [M, N] float32."""
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def tile_mask(row0, col0, shape, *, causal: bool, kv_len: int | None, q_seg, kv_seg,
@@ -290,21 +299,23 @@ def compiler_params(num_warps: int, num_stages: int):
 
 
 def run_pallas(kernel, *, args, grid, in_specs, out_specs, out_shape, st: Static, name: str,
-            num_warps: int, num_stages: int):
-    """pallas_call; with `st.poison` every output starts NaN-filled (an aliased input buffer), so a
-    tile the kernel never writes shows up as NaN, in the interpreter and on GPU alike."""
+               num_warps: int, num_stages: int, accumulate: tuple[int, ...] = ()):
+    """pallas_call. Outputs listed in `accumulate` start zero-filled (an aliased input buffer): the
+    kernel adds into them. With `st.poison` every other output starts NaN-filled, so a tile the
+    kernel never writes shows up as NaN, in the interpreter and on GPU alike."""
     n_in = len(args)
+    init = {i: jnp.zeros(out_shape[i].shape, out_shape[i].dtype) for i in accumulate}
     if st.poison:
-        fills = [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape]
-        args = [*args, *fills]
-        in_specs = [*in_specs, *out_specs]
-        aliases = {n_in + i: i for i in range(len(out_shape))}
+        init = {i: init.get(i, jnp.full(o.shape, jnp.nan, o.dtype)) for i, o in enumerate(out_shape)}
+    order = sorted(init)
+    aliases = {n_in + k: i for k, i in enumerate(order)}
+    if order:
+        args = [*args, *(init[i] for i in order)]
+        in_specs = [*in_specs, *(out_specs[i] for i in order)]
         inner = kernel
 
         def kernel(*refs):  # drop the aliased input refs: the kernel writes only its outputs
-            inner(*refs[:n_in], *refs[n_in + len(out_shape):])
-    else:
-        aliases = {}
+            inner(*refs[:n_in], *refs[n_in + len(order):])
     return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases=aliases, interpret=st.interpret, name=name,

@@ -54,7 +54,7 @@ def arch_of(compute_capability: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class TritonKernel:
-    name: str  # the pallas_call's name: flash_fwd, flash_bwd_dkv, flash_bwd_dq
+    name: str  # the pallas_call's name: flash_fwd, flash_bwd_dkv, flash_bwd_dq (or flash_bwd_fused)
     ttir: str  # the Triton IR as text
     num_warps: int
     num_stages: int

@@ -226,17 +226,18 @@ def test_cli_against_xla_prints_both_sides(capsys):
     assert any(k.startswith("fsdp") for k in rows), lines  # the fsdp gathers, both sides
 
 @pytest.mark.heavy
+@pytest.mark.parametrize("backward", ["split", "fused"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_default_hopper_tiles_compile_for_sm90_and_fit(head_dim):
+def test_default_hopper_tiles_compile_for_sm90_and_fit(head_dim, backward):
     """The trainer's kernels (causal, segment ids, GQA) with Hopper's default tiles, compiled to sm_90
     by the triton package: shared memory per block and registers within Hopper's limits, no spills,
-    and every dot a wgmma (none falls back to Ampere's mma.sync)."""
-    blocks = BlockSizes.default(head_dim, lower.TargetGpu("9.0"))
+    and every dot a wgmma (none falls back to Ampere's mma.sync); also with the one-kernel backward."""
+    blocks = dataclasses.replace(BlockSizes.default(head_dim, lower.TargetGpu("9.0")), backward=backward)
     tiles = (blocks.block_q, blocks.block_kv, blocks.block_q_dkv, blocks.block_kv_dkv, blocks.block_q_dq,
              blocks.block_kv_dq)
     assert min(tiles) >= 64, blocks
     found = {r.kernel: r for r in kernel_compile.compile_flash(head_dim, blocks, segments=True)}
-    assert set(found) == set(KERNELS)
+    assert set(found) == (set(KERNELS) if backward == "split" else {"flash_fwd", "flash_bwd_fused"})
     for r in found.values():
         assert r.fits, r
         assert r.num_warps == (blocks.num_warps if r.kernel == "flash_fwd" else blocks.num_warps_bwd)

@@ -277,6 +277,17 @@ def test_packed_documents_match_reference(case):
     check_against_reference(case, segment_ids=PACKED[:, :case.t])
 
 
+FUSED = dataclasses.replace(SMALL, backward="fused")
+
+
+@pytest.mark.parametrize("case", [*CASES[:4], Case(2, 160, 4, 2, 64, causal=True, segments=True),
+                                  Case(2, 157, 2, 1, 64, causal=False, segments=True, dtype=jnp.bfloat16)], ids=str)
+def test_fused_backward_matches_reference(case):
+    """`BlockSizes(backward="fused")`: one backward kernel, dQ added up in float32 by atomic adds from
+    every key block (the interpreter runs the programs in turn: the same sums)."""
+    check_against_reference(case, blocks=FUSED, segment_ids=PACKED[:, :case.t] if case.t >= 157 else None)
+
+
 def test_causal_programs_start_heaviest_first():
     """Programs in launch order (the grid's last axis, the blocks, slowest): under causal masking
     each streams no more blocks than the one before, in all three kernels; without it, in order."""
