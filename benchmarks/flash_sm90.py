@@ -36,7 +36,8 @@ def main() -> None:
                         help="fused: one backward kernel, dQ by float32 atomic adds (BlockSizes.backward)")
     a = parser.parse_args()
     arch = kernel_compile.arch_of(a.compute_capability)
-    print("| head dim | segment ids | kernel | tile | warps/stages | shared KiB | registers | spills | wgmma / mma.sync | fits |")
+    print("| head dim | segment ids | kernel | tile | warps/stages | shared KiB | registers | spills | "
+          "wgmma / mma.sync | fits |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for head_dim in (int(h) for h in a.head_dims.split(",")):
         blocks = dataclasses.replace(BlockSizes.default(head_dim, TargetGpu(a.compute_capability)), backward=a.backward)
