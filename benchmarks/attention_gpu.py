@@ -191,6 +191,7 @@ def sweep_variants() -> tuple[list[dict], list[dict]]:
     bwd = [dict(block_q_dkv=a_, block_kv_dkv=b_, block_q_dq=c_, block_kv_dq=d_, num_warps_bwd=w)
            for a_, b_, c_, d_ in ((32, 128, 128, 32), (64, 128, 128, 64), (64, 64, 64, 64), (32, 64, 64, 32))
            for w in (4, 8)]
+    bwd += [dict(backward="fused", num_warps_bwd=w) for w in (4, 8)]  # one backward kernel, dQ by atomic adds
     return fwd, bwd
 
 

@@ -145,7 +145,7 @@ def categorize(instr: Any, by_computation: dict[str, list[Any]], by_key: dict[tu
     target, kernel = hlo.target_of(instr.line), hlo.kernel_of(instr.line)
     if "flash_fwd" in kernel or (target.startswith("__cudnn$fmha") and "Backward" not in target):
         return "attention forward"
-    if "flash_bwd_dkv" in kernel:
+    if "flash_bwd_dkv" in kernel or "flash_bwd_fused" in kernel:  # fused: dK/dV with dQ's atomic adds
         return "attention dK/dV"
     if "flash_bwd_dq" in kernel:
         return "attention dQ"
@@ -359,7 +359,7 @@ def sweep(a: argparse.Namespace, deadline: float) -> list[dict]:
         seg = jnp.asarray(documents(a.batch, a.length, a.documents))
         default = fa.BlockSizes.default(h)
         step_f, step_b = max(1, len(fwd) // a.sweep), max(1, len(bwd) // a.sweep)
-        for changes in [{}] + fwd[::step_f][:a.sweep] + bwd[::step_b][:a.sweep]:
+        for changes in [{}, {"backward": "fused"}] + fwd[::step_f][:a.sweep] + bwd[::step_b][:a.sweep]:
             row = {"head_dim": h, "tiles": changes or "default"}
             if time.perf_counter() > deadline:
                 rows.append({**row, "note": "skipped (budget)"})

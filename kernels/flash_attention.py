@@ -11,6 +11,11 @@ scores from Q, K and that log-sum-exp:
   Q/dO blocks of every query head of its group (GQA without repeating K/V anywhere);
 - the dQ kernel: one program per (Q block, batch, head) streams the K/V blocks.
 
+`BlockSizes(backward="fused")` runs one backward kernel instead: the dK/dV kernel also multiplies
+each dS tile by K and adds it into a float32 dQ with atomic adds (as FlashAttention-2's first
+version and FlashAttention-3 do), so the scores and exponentials are computed once, not twice;
+opt-in until a GPU measures it (`benchmarks/attention_gpu.py --sweep`).
+
 Semantics are those of `lumen_jax.ops.reference.reference` (same argument names and masks):
 causal masking is top-left aligned (query t sees keys s <= t), segment ids mask attention across
 packed documents, query head n uses kv head n // (N // K). Scores, softmax and every accumulator
@@ -24,7 +29,11 @@ Lengths need not be multiples of the blocks: Q/K/V are padded up to one (a no-op
 are), padded keys are masked inside the kernels and padded query rows are sliced off (their
 log-sum-exp is set to +inf in the backward, so they contribute exactly zero). Causal attention
 skips the K/V blocks above the diagonal, and only the blocks crossing the diagonal (or the padded
-tail, or any block when segment ids are given) pay for building a mask.
+tail) pay for building a mask. With segment ids each (query block, key block) tile is classified
+before the kernels run (`flash_tiles.tile_classes`, from each block's min and max segment id and its
+position): empty tiles are skipped (no loads, no dots), full ones (one document on both sides, below
+the diagonal) run without a mask, partial ones with it; each program's loops run over the bounds
+`flash_tiles.stream_bounds` derives from those classes.
 
 On GPU the kernels lower through Pallas's Triton backend (`interpret=False`); on CPU they run in
 Pallas's interpreter (`interpret=True`): the caller says which (the trainer: `lumen_jax.ops.choice`). `BlockSizes(forward="mosaic")`
@@ -45,11 +54,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 # BlockSizes is part of this module's public API (ops/choice.py uses it).
 from lumen_jax.kernels.flash_tiles import (
-    LN2, LOG2E, MASK_VALUE, MIN_BLOCK, BlockSizes, Static, dot_nn, dot_nt, dot_tn, is_pow2,
-    kv_loop_bounds, kv_tail, make_static, pad_axis, q_loop_bounds, run_pallas, tile_mask)
+    LN2, LOG2E, MASK_VALUE, MIN_BLOCK, BlockSizes, Static, dot_nn, dot_nt, dot_tn, heavy_first, is_pow2, kv_tail,
+    make_static, pad_axis, q_loop_bounds, run_pallas, stream, stream_bounds, tile_classes, tile_mask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -58,12 +68,12 @@ from lumen_jax.kernels.flash_tiles import (
 
 def _fwd_kernel(*refs, st: Static, has_seg: bool):
     if has_seg:
-        q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, o_ref, lse_ref = refs
+        q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bounds_ref, o_ref, lse_ref = refs
     else:
         q_ref, k_ref, v_ref, o_ref, lse_ref = refs
-        qseg_ref = kvseg_ref = None
+        qseg_ref = kvseg_ref = bounds_ref = None
     bq, bk = st.blocks.block_q, st.blocks.block_kv
-    row0 = pl.program_id(0) * bq
+    row0 = heavy_first(pl.program_id(2), n=st.q_pad // bq, causal=st.causal) * bq
     q = q_ref[...]  # [bq, H]
     q_seg = qseg_ref[...] if has_seg else None
     qk_scale = st.scale * LOG2E  # scores in base 2: exp(x) = exp2(x * log2 e)
@@ -85,13 +95,15 @@ def _fwd_kernel(*refs, st: Static, has_seg: bool):
         acc = acc * alpha[:, None] + dot_nn(p.astype(v.dtype), v)
         return acc, m_new, l
 
-    n_plain, n_total = kv_loop_bounds(row0, st=st, block_rows=bq, block_cols=bk, has_seg=has_seg)
     carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
-    carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False), carry)
-    acc, m, l = lax.fori_loop(n_plain, n_total, functools.partial(step, masked=True), carry)
-    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = m * LN2 + jnp.log(l)
+    acc, m, l = stream(step, carry, bounds_ref, row0, st=st, block_rows=bq, block_cols=bk)
+    if has_seg:  # every tile of the row block empty: l = 0; its rows see no key (out 0, lse ~ -inf)
+        o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
+        lse_ref[...] = jnp.where(l == 0, MASK_VALUE, m * LN2 + jnp.log(l))
+    else:
+        o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+        lse_ref[...] = m * LN2 + jnp.log(l)
 
 
 def _forward_triton(q, k, v, q_seg, kv_seg, st: Static):
@@ -101,19 +113,22 @@ def _forward_triton(q, k, v, q_seg, kv_seg, st: Static):
     g = n // kh
     bq = st.blocks.block_q
     has_seg = q_seg is not None
-    grid = (tp // bq, b, n)
+    grid = (n, b, tp // bq)  # query blocks slowest: see `heavy_first`
+    own = functools.partial(heavy_first, n=tp // bq, causal=st.causal)  # the query block of program i
     in_specs = [
-        pl.BlockSpec((None, bq, None, h), lambda i, bi, ni: (bi, i, ni, 0)),
-        pl.BlockSpec((None, st.kv_pad, None, h), lambda i, bi, ni: (bi, 0, lax.div(ni, g), 0)),
-        pl.BlockSpec((None, st.kv_pad, None, h), lambda i, bi, ni: (bi, 0, lax.div(ni, g), 0)),
+        pl.BlockSpec((None, bq, None, h), lambda ni, bi, i: (bi, own(i), ni, 0)),
+        pl.BlockSpec((None, st.kv_pad, None, h), lambda ni, bi, i: (bi, 0, lax.div(ni, g), 0)),
+        pl.BlockSpec((None, st.kv_pad, None, h), lambda ni, bi, i: (bi, 0, lax.div(ni, g), 0)),
     ]
     args = [q, k, v]
     if has_seg:
-        in_specs += [pl.BlockSpec((None, bq), lambda i, bi, ni: (bi, i)),
-                     pl.BlockSpec((None, st.kv_pad), lambda i, bi, ni: (bi, 0))]
-        args += [q_seg, kv_seg]
-    out_specs = [pl.BlockSpec((None, bq, None, h), lambda i, bi, ni: (bi, i, ni, 0)),
-                 pl.BlockSpec((None, None, bq), lambda i, bi, ni: (bi, ni, i))]
+        in_specs += [pl.BlockSpec((None, bq), lambda ni, bi, i: (bi, own(i))),
+                     pl.BlockSpec((None, st.kv_pad), lambda ni, bi, i: (bi, 0)),
+                     pl.BlockSpec((None, None, 4), lambda ni, bi, i: (bi, own(i), 0))]
+        classes = tile_classes(q_seg, kv_seg, st=st, block_q=bq, block_kv=st.blocks.block_kv)
+        args += [q_seg, kv_seg, stream_bounds(classes)]
+    out_specs = [pl.BlockSpec((None, bq, None, h), lambda ni, bi, i: (bi, own(i), ni, 0)),
+                 pl.BlockSpec((None, None, bq), lambda ni, bi, i: (bi, ni, own(i)))]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, n, tp), jnp.float32)]
     o, lse = run_pallas(functools.partial(_fwd_kernel, st=st, has_seg=has_seg), args=args, grid=grid,
@@ -170,46 +185,59 @@ def _forward(q, k, v, q_seg, kv_seg, st: Static):
 # Backward
 # --------------------------------------------------------------------------------------------------
 
-def _dkv_kernel(*refs, st: Static, has_seg: bool, groups: int):
+def _dkv_kernel(*refs, st: Static, has_seg: bool, groups: int, fused: bool):
+    ins, (dk_ref, dv_ref, *dq_ref) = (refs[:-3], refs[-3:]) if fused else (refs[:-2], refs[-2:])
     if has_seg:
-        (q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, qseg_ref, kvseg_ref, dk_ref, dv_ref) = refs
+        q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, qseg_ref, kvseg_ref, bounds_ref = ins
     else:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dk_ref, dv_ref = refs
-        qseg_ref = kvseg_ref = None
+        q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref = ins
+        qseg_ref = kvseg_ref = bounds_ref = None
     bq, bk = st.blocks.block_q_dkv, st.blocks.block_kv_dkv
-    col0 = pl.program_id(0) * bk
+    col0 = pl.program_id(2) * bk  # key blocks slowest, the heaviest (j = 0) first
     k = k_ref[...]  # [bk, H]
     v = v_ref[...]
     kv_seg = kvseg_ref[...] if has_seg else None
-    n_q = st.q_pad // bq
     qk_scale = st.scale * LOG2E
 
     def step(i, carry, g, masked: bool):
+        # Keys are the rows of every tile here ([bk, bq], scores transposed): each dot then has the
+        # block_kv_dkv keys as its M dimension, which Hopper's wgmma needs to be a multiple of 64
+        # (the query tile, 32 or 64, is N or K), and no operand is transposed in registers.
         dk, dv = carry
         row0 = pl.multiple_of(i * bq, bq)
         q = q_ref[pl.ds(row0, bq), g, :]  # [bq, H]
         do = do_ref[pl.ds(row0, bq), g, :]
         lse2 = lse_ref[g, pl.ds(row0, bq)] * LOG2E  # +inf on padded rows: p = 0 there
         delta = d_ref[g, pl.ds(row0, bq)]
-        s = dot_nt(q, k) * qk_scale  # [bq, bk]
+        s = dot_nt(k, q) * qk_scale  # [bk, bq]
         if masked:
             q_seg = qseg_ref[pl.ds(row0, bq)] if has_seg else None
-            # Padded keys need no mask here: their dK/dV rows are sliced off, and they do not
-            # enter the real keys' gradients.
-            s = jnp.where(tile_mask(row0, col0, s.shape, causal=st.causal, kv_len=None,
-                                q_seg=q_seg, kv_seg=kv_seg), s, MASK_VALUE)
-        p = jnp.exp2(s - lse2[:, None])
-        dv = dv + dot_tn(p.astype(do.dtype), do)
-        dp = dot_nt(do, v)
-        ds = p * (dp - delta[:, None])
-        dk = dk + dot_tn(ds.astype(q.dtype), q)
+            # Padded keys need no mask for dK/dV (their rows are sliced off and do not enter the
+            # real keys' gradients), but they would enter dQ.
+            s = jnp.where(tile_mask(row0, col0, s.shape, causal=st.causal, kv_len=kv_tail(st) if fused else None,
+                                    q_seg=q_seg, kv_seg=kv_seg, keys_first=True), s, MASK_VALUE)
+        p = jnp.exp2(s - lse2[None, :])
+        dv = dv + dot_nn(p.astype(do.dtype), do)
+        dp = dot_nt(v, do)  # [bk, bq]
+        ds = p * (dp - delta[None, :])
+        dk = dk + dot_nn(ds.astype(q.dtype), q)
+        if fused:  # this key block's share of dQ, added in float32 to what other programs add
+            plgpu.atomic_add(dq_ref[0], (pl.ds(row0, bq), g, slice(None)),
+                             dot_tn(ds.astype(k.dtype), k) * st.scale)
         return dk, dv
 
-    first, plain = q_loop_bounds(col0, st=st, block_rows=bq, block_cols=bk, has_seg=has_seg)
+    if has_seg:
+        lo, full_lo, full_hi, hi = (bounds_ref[x] for x in range(4))
+    else:
+        lo, full_lo = q_loop_bounds(col0, st=st, block_rows=bq, block_cols=bk)
+        full_hi = hi = st.q_pad // bq
+        if fused and kv_tail(st) is not None:  # the block holding padded keys is masked throughout
+            full_lo = jnp.where(col0 + bk > st.kv_len, hi, full_lo)
 
     def head(g, carry):
-        carry = lax.fori_loop(first, plain, functools.partial(step, g=g, masked=True), carry)
-        return lax.fori_loop(plain, n_q, functools.partial(step, g=g, masked=has_seg), carry)
+        carry = lax.fori_loop(lo, full_lo, functools.partial(step, g=g, masked=True), carry)
+        carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, g=g, masked=False), carry)
+        return lax.fori_loop(full_hi, hi, functools.partial(step, g=g, masked=True), carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, groups, head, (zeros, zeros))
@@ -219,12 +247,12 @@ def _dkv_kernel(*refs, st: Static, has_seg: bool, groups: int):
 
 def _dq_kernel(*refs, st: Static, has_seg: bool):
     if has_seg:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, qseg_ref, kvseg_ref, dq_ref = refs
+        q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, qseg_ref, kvseg_ref, bounds_ref, dq_ref = refs
     else:
         q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dq_ref = refs
-        qseg_ref = kvseg_ref = None
+        qseg_ref = kvseg_ref = bounds_ref = None
     bq, bk = st.blocks.block_q_dq, st.blocks.block_kv_dq
-    row0 = pl.program_id(0) * bq
+    row0 = heavy_first(pl.program_id(2), n=st.q_pad // bq, causal=st.causal) * bq
     q = q_ref[...]  # [bq, H]
     do = do_ref[...]
     lse2 = lse_ref[...] * LOG2E
@@ -245,10 +273,7 @@ def _dq_kernel(*refs, st: Static, has_seg: bool):
         ds = p * (dot_nt(do, v) - delta[:, None])
         return dq + dot_nn(ds.astype(k.dtype), k)
 
-    n_plain, n_total = kv_loop_bounds(row0, st=st, block_rows=bq, block_cols=bk, has_seg=has_seg)
-    dq = jnp.zeros(q.shape, jnp.float32)
-    dq = lax.fori_loop(0, n_plain, functools.partial(step, masked=False), dq)
-    dq = lax.fori_loop(n_plain, n_total, functools.partial(step, masked=True), dq)
+    dq = stream(step, jnp.zeros(q.shape, jnp.float32), bounds_ref, row0, st=st, block_rows=bq, block_cols=bk)
     dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
 
 
@@ -269,41 +294,54 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, st: Static):
     bl = st.blocks
     tp, sp = st.q_pad, st.kv_pad
 
-    # dK, dV: grid over (key block, batch, kv head); each program sees the G query heads of its group.
+    # dK, dV: grid over (kv head, batch, key block); each program sees the G query heads of its group.
     bk = bl.block_kv_dkv
     in_specs = [
-        pl.BlockSpec((None, tp, g, h), lambda j, bi, ki: (bi, 0, ki, 0)),  # q
-        pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0)),  # k
-        pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0)),  # v
-        pl.BlockSpec((None, tp, g, h), lambda j, bi, ki: (bi, 0, ki, 0)),  # do
-        pl.BlockSpec((None, g, tp), lambda j, bi, ki: (bi, ki, 0)),  # lse
-        pl.BlockSpec((None, g, tp), lambda j, bi, ki: (bi, ki, 0)),  # delta
+        pl.BlockSpec((None, tp, g, h), lambda ki, bi, j: (bi, 0, ki, 0)),  # q
+        pl.BlockSpec((None, bk, None, h), lambda ki, bi, j: (bi, j, ki, 0)),  # k
+        pl.BlockSpec((None, bk, None, h), lambda ki, bi, j: (bi, j, ki, 0)),  # v
+        pl.BlockSpec((None, tp, g, h), lambda ki, bi, j: (bi, 0, ki, 0)),  # do
+        pl.BlockSpec((None, g, tp), lambda ki, bi, j: (bi, ki, 0)),  # lse
+        pl.BlockSpec((None, g, tp), lambda ki, bi, j: (bi, ki, 0)),  # delta
     ]
     args = [qp, kp, vp, dop, lse, delta]
     if has_seg:
-        in_specs += [pl.BlockSpec((None, tp), lambda j, bi, ki: (bi, 0)),
-                     pl.BlockSpec((None, bk), lambda j, bi, ki: (bi, j))]
-        args += [q_seg, kv_seg]
-    kv_spec = pl.BlockSpec((None, bk, None, h), lambda j, bi, ki: (bi, j, ki, 0))
-    dk, dv = run_pallas(
-        functools.partial(_dkv_kernel, st=st, has_seg=has_seg, groups=g), args=args,
-        grid=(sp // bk, b, kh), in_specs=in_specs, out_specs=[kv_spec, kv_spec],
-        out_shape=[jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)],
-        st=st, name="flash_bwd_dkv", num_warps=bl.num_warps_bwd, num_stages=bl.num_stages_bwd)
+        in_specs += [pl.BlockSpec((None, tp), lambda ki, bi, j: (bi, 0)),
+                     pl.BlockSpec((None, bk), lambda ki, bi, j: (bi, j)),
+                     pl.BlockSpec((None, None, 4), lambda ki, bi, j: (bi, j, 0))]
+        classes = tile_classes(q_seg, kv_seg, st=st, block_q=bl.block_q_dkv, block_kv=bk)
+        args += [q_seg, kv_seg, stream_bounds(classes.transpose(0, 2, 1))]
+    kv_spec = pl.BlockSpec((None, bk, None, h), lambda ki, bi, j: (bi, j, ki, 0))
+    out_specs = [kv_spec, kv_spec]
+    out_shape = [jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)]
+    fused = bl.backward == "fused"
+    if fused:  # dQ [B, Tp, N, H] float32, every key block of the kv head adding its share
+        out_specs.append(pl.BlockSpec((None, tp, g, h), lambda ki, bi, j: (bi, 0, ki, 0)))
+        out_shape.append(jax.ShapeDtypeStruct(qp.shape, jnp.float32))
+    dk, dv, *dq = run_pallas(
+        functools.partial(_dkv_kernel, st=st, has_seg=has_seg, groups=g, fused=fused), args=args,
+        grid=(kh, b, sp // bk), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        st=st, name="flash_bwd_fused" if fused else "flash_bwd_dkv", num_warps=bl.num_warps_bwd,
+        num_stages=bl.num_stages_bwd, accumulate=(2,) if fused else ())
+    if fused:
+        return dq[0][:, :t].astype(q.dtype), dk[:, :k.shape[1]], dv[:, :v.shape[1]]
 
-    # dQ: grid over (query block, batch, head), streaming K/V of the head's kv head.
+    # dQ: grid over (head, batch, query block), streaming K/V of the head's kv head.
     bq = bl.block_q_dq
-    q_spec = pl.BlockSpec((None, bq, None, h), lambda i, bi, ni: (bi, i, ni, 0))
-    kv_full = pl.BlockSpec((None, sp, None, h), lambda i, bi, ni: (bi, 0, lax.div(ni, g), 0))
-    row_spec = pl.BlockSpec((None, None, bq), lambda i, bi, ni: (bi, ni, i))
+    own = functools.partial(heavy_first, n=tp // bq, causal=st.causal)
+    q_spec = pl.BlockSpec((None, bq, None, h), lambda ni, bi, i: (bi, own(i), ni, 0))
+    kv_full = pl.BlockSpec((None, sp, None, h), lambda ni, bi, i: (bi, 0, lax.div(ni, g), 0))
+    row_spec = pl.BlockSpec((None, None, bq), lambda ni, bi, i: (bi, ni, own(i)))
     in_specs = [q_spec, kv_full, kv_full, q_spec, row_spec, row_spec]
     args = [qp, kp, vp, dop, lse, delta]
     if has_seg:
-        in_specs += [pl.BlockSpec((None, bq), lambda i, bi, ni: (bi, i)),
-                     pl.BlockSpec((None, sp), lambda i, bi, ni: (bi, 0))]
-        args += [q_seg, kv_seg]
+        in_specs += [pl.BlockSpec((None, bq), lambda ni, bi, i: (bi, own(i))),
+                     pl.BlockSpec((None, sp), lambda ni, bi, i: (bi, 0)),
+                     pl.BlockSpec((None, None, 4), lambda ni, bi, i: (bi, own(i), 0))]
+        classes = tile_classes(q_seg, kv_seg, st=st, block_q=bq, block_kv=bl.block_kv_dq)
+        args += [q_seg, kv_seg, stream_bounds(classes)]
     (dq,) = run_pallas(
-        functools.partial(_dq_kernel, st=st, has_seg=has_seg), args=args, grid=(tp // bq, b, n),
+        functools.partial(_dq_kernel, st=st, has_seg=has_seg), args=args, grid=(n, b, tp // bq),
         in_specs=in_specs, out_specs=[q_spec], out_shape=[jax.ShapeDtypeStruct(qp.shape, q.dtype)],
         st=st, name="flash_bwd_dq", num_warps=bl.num_warps_bwd, num_stages=bl.num_stages_bwd)
     return dq[:, :t], dk[:, :k.shape[1]], dv[:, :v.shape[1]]

@@ -24,6 +24,7 @@ LN2 = math.log(2.0)
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 MIN_BLOCK = 16  # Triton's tl.dot needs every tile dimension >= 16
 FORWARD_IMPLS = ("triton", "mosaic")
+BACKWARD_IMPLS = ("split", "fused")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -54,6 +55,7 @@ class BlockSizes:
     num_warps_bwd: int = 8
     num_stages_bwd: int = 2
     forward: str = "triton"  # triton | mosaic (Hopper only; see the module docstring)
+    backward: str = "split"  # split: dK/dV and dQ kernels | fused: one kernel, dQ by f32 atomic adds
 
     def __post_init__(self):
         for f in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"):
@@ -62,6 +64,8 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{f}={v} must be a power of two >= {MIN_BLOCK}")
         if self.forward not in FORWARD_IMPLS:
             raise ValueError(f"BlockSizes.forward={self.forward!r} is not one of {FORWARD_IMPLS}")
+        if self.backward not in BACKWARD_IMPLS:
+            raise ValueError(f"BlockSizes.backward={self.backward!r} is not one of {BACKWARD_IMPLS}")
 
     @classmethod
     def default(cls, head_dim: int, device: jax.Device | None = None) -> BlockSizes:
@@ -80,9 +84,13 @@ class BlockSizes:
             return cls(block_q=64, block_kv=32, block_q_dkv=32, block_kv_dkv=64, block_q_dq=64,
                        block_kv_dq=32, num_warps=8, num_stages=2, num_warps_bwd=8, num_stages_bwd=1)
         if major >= 9:  # Hopper (H100/H200) and later
-            return cls(block_q=128, block_kv=64 if head_dim > 64 else 128,
+            # Every tile at least 64 rows, 8 warps in the backward: each dot is a wgmma (the sm_90
+            # compile in docs/PERFORMANCE.md counts them: no mma.sync, no spills, at most 255
+            # registers with two warpgroups sharing the 128-key or 128-query tile).
+            return cls(block_q=128, block_kv=64 if head_dim > 64 else 128, block_q_dkv=64,
+                       block_kv_dkv=128, block_q_dq=128, block_kv_dq=64,
                        num_warps=8 if head_dim > 64 else 4, num_stages=3,
-                       num_warps_bwd=8 if head_dim > 64 else 4, num_stages_bwd=2)
+                       num_warps_bwd=8, num_stages_bwd=2)
         # Ampere (A100) and anything else
         return cls(block_q=128, block_kv=64 if head_dim > 64 else 128,
                    num_warps=8 if head_dim > 64 else 4, num_stages=2,
@@ -154,17 +162,20 @@ def dot_tn(a, b):
     return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def tile_mask(row0, col0, shape, *, causal: bool, kv_len: int | None, q_seg, kv_seg):
-    """Which (row, col) of a [rows, cols] tile starting at (row0, col0) may attend."""
-    rows = row0 + lax.broadcasted_iota(jnp.int32, shape, 0)
-    cols = col0 + lax.broadcasted_iota(jnp.int32, shape, 1)
+def tile_mask(row0, col0, shape, *, causal: bool, kv_len: int | None, q_seg, kv_seg,
+              keys_first: bool = False):
+    """Which (row, col) of a [rows, cols] tile of queries from row0 and keys from col0 may attend;
+    with `keys_first` the tile is [keys, queries] (the dK/dV kernel's transposed scores)."""
+    q_axis, kv_axis = (1, 0) if keys_first else (0, 1)
+    rows = row0 + lax.broadcasted_iota(jnp.int32, shape, q_axis)
+    cols = col0 + lax.broadcasted_iota(jnp.int32, shape, kv_axis)
     mask = jnp.ones(shape, jnp.bool_)
     if kv_len is not None:
         mask = mask & (cols < kv_len)
     if causal:
         mask = mask & (rows >= cols)
     if q_seg is not None:
-        mask = mask & (q_seg[:, None] == kv_seg[None, :])
+        mask = mask & ((kv_seg[:, None] == q_seg[None, :]) if keys_first else (q_seg[:, None] == kv_seg[None, :]))
     return mask
 
 
@@ -173,9 +184,10 @@ def kv_tail(st: Static) -> int | None:
     return st.kv_len if st.kv_pad != st.kv_len else None
 
 
-def kv_loop_bounds(row0, *, st: Static, block_rows: int, block_cols: int, has_seg: bool):
-    """For a row tile starting at row0: (n_plain, n_total) K/V blocks; blocks [0, n_plain) need no
-    mask at all, blocks [n_plain, n_total) need one, blocks >= n_total are fully masked (skipped)."""
+def kv_loop_bounds(row0, *, st: Static, block_rows: int, block_cols: int):
+    """For a row tile starting at row0 without segment ids: (n_plain, n_total) K/V blocks; blocks
+    [0, n_plain) need no mask at all, blocks [n_plain, n_total) need one, blocks >= n_total are fully
+    masked (skipped)."""
     n_kv = st.kv_pad // block_cols
     n_real = st.kv_len // block_cols  # blocks with no padded key
     if st.causal:
@@ -183,22 +195,103 @@ def kv_loop_bounds(row0, *, st: Static, block_rows: int, block_cols: int, has_se
         n_plain = lax.min(lax.div(row0, block_cols), n_real)  # every key < row0 <= every row
     else:
         n_total, n_plain = n_kv, n_real
-    if has_seg:
-        n_plain = 0
     return n_plain, n_total
 
 
-def q_loop_bounds(col0, *, st: Static, block_rows: int, block_cols: int, has_seg: bool):
-    """For a key tile starting at col0: (first, plain) query blocks; blocks < first see none of
-    these keys (skipped), [first, plain) need a mask, blocks >= plain need none."""
+def q_loop_bounds(col0, *, st: Static, block_rows: int, block_cols: int):
+    """For a key tile starting at col0 without segment ids: (first, plain) query blocks; blocks <
+    first see none of these keys (skipped), [first, plain) need a mask, blocks >= plain need none."""
     n_q = st.q_pad // block_rows
     if not st.causal:
         return 0, 0
     first = lax.div(col0, block_rows)
-    if has_seg:
-        return first, first
     # From `plain` on, a query block's first row is beyond the tile's last key.
     return first, lax.min(lax.div(col0 + block_cols + block_rows - 1, block_rows), n_q)
+
+
+def heavy_first(i, n: int, causal: bool):
+    """The query block that program i of the forward or dQ kernel owns, of n: under causal masking
+    block r streams about r + 1 key blocks, so the last is the heaviest, and it goes first.
+
+    The kernels' grids put the streamed-over blocks' axis last, (heads, batch, blocks): Pallas's
+    Triton lowering makes the first axis CUDA's x, which the GPU starts fastest, so every head's
+    block-0 program starts before any head's block 1. With the order reversed here, the heaviest
+    programs of every head start first and the launch ends on the lightest (longest job first),
+    rather than ending on a wave of the heaviest with the rest of the GPU idle. (In the dK/dV kernel
+    key block j streams the query blocks from j on: its heaviest, j = 0, come first as they are.)"""
+    return n - 1 - i if causal else i
+
+
+def stream(step, carry, bounds_ref, row0, *, st: Static, block_rows: int, block_cols: int):
+    """Run `step(j, carry, masked)` over the K/V blocks a row tile streams (forward and dQ): with
+    segment ids over the bounds `stream_bounds` gave it (`bounds_ref`: empty blocks skipped, the run
+    of full ones unmasked), without them over the causal bounds (`kv_loop_bounds`)."""
+    if bounds_ref is None:
+        n_plain, n_total = kv_loop_bounds(row0, st=st, block_rows=block_rows, block_cols=block_cols)
+        carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False), carry)
+        return lax.fori_loop(n_plain, n_total, functools.partial(step, masked=True), carry)
+    lo, full_lo, full_hi, hi = (bounds_ref[x] for x in range(4))
+    carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+    return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tile classes from the segment ids (packed documents)
+# --------------------------------------------------------------------------------------------------
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def block_ranges(seg_bt, block: int):
+    """Each block's (min, max) segment id: [B, T] -> two [B, T // block]."""
+    b, t = seg_bt.shape
+    blocks = seg_bt.reshape(b, t // block, block)
+    return jnp.min(blocks, axis=-1), jnp.max(blocks, axis=-1)
+
+
+def tile_classes(q_seg, kv_seg, *, st: Static, block_q: int, block_kv: int):
+    """[B, Tp // block_q, Sp // block_kv] int32: EMPTY (no query of the tile sees a key of it: the
+    blocks' segment ranges do not meet, the tile lies above the causal diagonal, or it holds only
+    padding), FULL (every query sees every key: both blocks hold one and the same segment, the tile
+    lies below the diagonal and holds no padded key) or PARTIAL (needs the element mask).
+
+    From each block's (min, max) segment id alone: a few [B, blocks] reductions, no [T, S] array.
+    Disjoint ranges prove a tile empty for any ids; a tile inside one document (the usual case of
+    packed rows, whose documents are contiguous runs) is full.
+    """
+    q_min, q_max = block_ranges(q_seg, block_q)
+    kv_min, kv_max = block_ranges(kv_seg, block_kv)
+    q_min, q_max = q_min[:, :, None], q_max[:, :, None]
+    kv_min, kv_max = kv_min[:, None, :], kv_max[:, None, :]
+    row0 = (jnp.arange(st.q_pad // block_q) * block_q)[None, :, None]
+    col0 = (jnp.arange(st.kv_pad // block_kv) * block_kv)[None, None, :]
+    meet = (q_max >= kv_min) & (kv_max >= q_min) & (row0 < st.q_len) & (col0 < st.kv_len)
+    full = (q_min == q_max) & (kv_min == kv_max) & (q_min == kv_min) & (col0 + block_kv <= st.kv_len)
+    if st.causal:
+        meet = meet & (col0 <= row0 + block_q - 1)
+        full = full & (col0 + block_kv - 1 <= row0)
+    return jnp.where(meet, jnp.where(full, FULL, PARTIAL), EMPTY).astype(jnp.int32)
+
+
+def stream_bounds(classes):
+    """Loop bounds of each program over the blocks it streams: classes [B, owned, streamed] ->
+    [B, owned, 4] int32 (lo, full_lo, full_hi, hi). Blocks outside [lo, hi) are empty (skipped: no
+    loads, no dots), [full_lo, full_hi) is the first run of full blocks (no mask), the rest of
+    [lo, hi) is masked. An empty block between two others (a document whose ids recur further on)
+    is masked, not skipped: correct, and the loops stay free of branches that would stop Triton
+    from pipelining their loads."""
+    n = classes.shape[-1]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    nonempty = classes != EMPTY
+    any_ = jnp.any(nonempty, axis=-1)
+    lo = jnp.where(any_, jnp.argmax(nonempty, axis=-1), 0).astype(jnp.int32)
+    hi = jnp.where(any_, n - jnp.argmax(nonempty[..., ::-1], axis=-1), 0).astype(jnp.int32)
+    full = classes == FULL
+    full_lo = jnp.minimum(jnp.min(jnp.where(full, idx, n), axis=-1), hi).astype(jnp.int32)
+    after = jnp.where((idx >= full_lo[..., None]) & ~full, idx, n)
+    full_hi = jnp.minimum(jnp.min(after, axis=-1), hi).astype(jnp.int32)
+    return jnp.stack([lo, full_lo, full_hi, hi], axis=-1)
 
 
 def compiler_params(num_warps: int, num_stages: int):
@@ -206,21 +299,23 @@ def compiler_params(num_warps: int, num_stages: int):
 
 
 def run_pallas(kernel, *, args, grid, in_specs, out_specs, out_shape, st: Static, name: str,
-            num_warps: int, num_stages: int):
-    """pallas_call; with `st.poison` every output starts NaN-filled (an aliased input buffer), so a
-    tile the kernel never writes shows up as NaN, in the interpreter and on GPU alike."""
+               num_warps: int, num_stages: int, accumulate: tuple[int, ...] = ()):
+    """pallas_call. Outputs listed in `accumulate` start zero-filled (an aliased input buffer): the
+    kernel adds into them. With `st.poison` every other output starts NaN-filled, so a tile the
+    kernel never writes shows up as NaN, in the interpreter and on GPU alike."""
     n_in = len(args)
+    init = {i: jnp.zeros(out_shape[i].shape, out_shape[i].dtype) for i in accumulate}
     if st.poison:
-        fills = [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape]
-        args = [*args, *fills]
-        in_specs = [*in_specs, *out_specs]
-        aliases = {n_in + i: i for i in range(len(out_shape))}
+        init = {i: init.get(i, jnp.full(o.shape, jnp.nan, o.dtype)) for i, o in enumerate(out_shape)}
+    order = sorted(init)
+    aliases = {n_in + k: i for k, i in enumerate(order)}
+    if order:
+        args = [*args, *(init[i] for i in order)]
+        in_specs = [*in_specs, *(out_specs[i] for i in order)]
         inner = kernel
 
         def kernel(*refs):  # drop the aliased input refs: the kernel writes only its outputs
-            inner(*refs[:n_in], *refs[n_in + len(out_shape):])
-    else:
-        aliases = {}
+            inner(*refs[:n_in], *refs[n_in + len(order):])
     return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases=aliases, interpret=st.interpret, name=name,

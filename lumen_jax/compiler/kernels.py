@@ -13,6 +13,12 @@ pinned fork), so the figures are those of the same IR under upstream's passes: a
 tiles fit, not XLA's exact register allocation. The bytecode itself does not load in triton 3.9
 ("expected mlir::BoolAttr, but got: 1 : i32": an attribute that changed type between the two
 dialect versions); the text form does. docs/PERFORMANCE.md has the versions and figures.
+
+The PTX tells which tensor-core instructions each dot became: on sm_90 Triton makes a dot
+`wgmma.mma_async` (a warpgroup of 4 warps, 64 rows per instruction) when its M dimension is a
+multiple of 64, its N a multiple of 8 and the warps a multiple of 4; any other dot falls back to
+Ampere's `mma.sync`, at a fraction of Hopper's rate. The counts are static instructions in
+the kernel's text (an unrolled dot has several), not executions.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ def arch_of(compute_capability: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class TritonKernel:
-    name: str  # the pallas_call's name: flash_fwd, flash_bwd_dkv, flash_bwd_dq
+    name: str  # the pallas_call's name: flash_fwd, flash_bwd_dkv, flash_bwd_dq (or flash_bwd_fused)
     ttir: str  # the Triton IR as text
     num_warps: int
     num_stages: int
@@ -64,8 +70,15 @@ class KernelResources:
     shared_bytes: int  # dynamic (Triton's buffers) + static
     registers: int  # per thread
     spill_bytes: int  # local memory per thread (register spills)
+    wgmma: int  # Hopper's warpgroup matrix multiplies (`wgmma.mma_async`) in the PTX
+    mma_sync: int  # Ampere-style warp matrix multiplies (`mma.sync`) in the PTX
     fits: bool
     problem: str  # why it does not fit ("" when it does)
+
+
+def tensor_core_ops(ptx: str) -> tuple[int, int]:
+    """(wgmma, mma.sync) instructions in a kernel's PTX."""
+    return len(re.findall(r"\bwgmma\.mma_async\b", ptx)), len(re.findall(r"\bmma\.sync\b", ptx))
 
 
 def triton_kernels(lowered: Any) -> list[TritonKernel]:
@@ -122,6 +135,7 @@ def compile_kernel(kernel: TritonKernel, arch: int = 90) -> KernelResources:
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         usage = subprocess.run([tool, "--dump-resource-usage", cubin], capture_output=True, text=True,
                                check=True).stdout
+    wgmma, mma_sync = tensor_core_ops(compiled.asm["ptx"])
     fields = dict(re.findall(r"\b(REG|SHARED|LOCAL):(\d+)", usage))
     regs, local = int(fields.get("REG", 0)), int(fields.get("LOCAL", 0))
     shared = int(compiled.metadata.shared) + int(fields.get("SHARED", 0))
@@ -133,9 +147,32 @@ def compile_kernel(kernel: TritonKernel, arch: int = 90) -> KernelResources:
         (regs * threads > lim.registers_per_block, f"{regs} x {threads} registers > {lim.registers_per_block}"),
     ) if bad]
     return KernelResources(kernel.name, arch, kernel.num_warps, kernel.num_stages, threads, shared, regs, local,
-                           not problems, "; ".join(problems))
+                           wgmma, mma_sync, not problems, "; ".join(problems))
 
 
 def compile_lowered(lowered: Any, arch: int = 90) -> list[KernelResources]:
     """Every distinct Triton kernel of a step lowered for CUDA, compiled for sm_`arch`."""
     return [compile_kernel(k, arch) for k in triton_kernels(lowered)]
+
+
+def compile_flash(head_dim: int, blocks: Any, *, segments: bool = True, length: int = 1024,
+                  arch: int = 90) -> list[KernelResources]:
+    """The flash kernels of a causal forward+backward with GQA (2 query heads, 1 kv head), bf16,
+    [1, length] rows, lowered for CUDA with `blocks` (a `BlockSizes`) and compiled for sm_`arch`."""
+    import jax
+    import jax.numpy as jnp
+
+    from lumen_jax.kernels.flash_attention import flash_attention
+
+    q = jax.ShapeDtypeStruct((1, length, 2, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, length, 1, head_dim), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, length), jnp.int32)
+
+    def fwd_bwd(q, k, v, s):
+        attend = lambda q, k, v: flash_attention(q, k, v, segment_ids_bt=s if segments else None,  # noqa: E731
+                                                 block_sizes=blocks)
+        out, vjp = jax.vjp(attend, q, k, v)
+        return vjp(out)
+
+    lowered = jax.jit(fwd_bwd).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",))
+    return compile_lowered(lowered, arch)

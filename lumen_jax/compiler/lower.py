@@ -7,7 +7,8 @@ CPU, whatever the machine has), with the ops `ops.choice.choose` picks for the t
 lowered with `jax.stages.Traced.lower(lowering_platforms=(platform,))`, the lowering `jax.export`
 runs: nothing is compiled or allocated. The report (`--json` for a machine):
 
-- custom calls: the Pallas/Triton kernels by name (`flash_fwd`, `flash_bwd_dkv`, `flash_bwd_dq`)
+- custom calls: the Pallas/Triton kernels by name (`flash_fwd`, `flash_bwd_dkv`, `flash_bwd_dq`;
+  `flash_bwd_fused` for both)
   and any other target, with how often each runs per step (the layer scan counted);
 - fp8 dots (dots with fp8 operands, which the GPU compiler turns into cuBLASLt fp8 GEMMs);
 - collectives by kind, count and bytes per step: the ones the program states (its per-device regions, parallel/); the
@@ -205,7 +206,8 @@ def format_report(report: dict) -> str:
     lines.append(f"[.., {t}, {t}] arrays (attention scores): " + (", ".join(scores[:6]) if scores else "none"))
     for k in report.get("kernel_resources", []):
         lines.append(f"  kernel {k['kernel']}: {k['shared_bytes']} B shared, {k['registers']} registers x "
-                     f"{k['threads']} threads, {k['spill_bytes']} B spilled: {'fits' if k['fits'] else 'DOES NOT FIT'}")
+                     f"{k['threads']} threads, {k['spill_bytes']} B spilled, "
+                     f"{k['wgmma']} wgmma / {k['mma_sync']} mma.sync: {'fits' if k['fits'] else 'DOES NOT FIT'}")
     return "\n".join(lines)
 
 

@@ -226,23 +226,21 @@ def test_cli_against_xla_prints_both_sides(capsys):
     assert any(k.startswith("fsdp") for k in rows), lines  # the fsdp gathers, both sides
 
 @pytest.mark.heavy
+@pytest.mark.parametrize("backward", ["split", "fused"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_default_hopper_tiles_compile_for_sm90_and_fit(head_dim):
+def test_default_hopper_tiles_compile_for_sm90_and_fit(head_dim, backward):
     """The trainer's kernels (causal, segment ids, GQA) with Hopper's default tiles, compiled to sm_90
-    by the triton package: shared memory per block and registers within Hopper's limits."""
-    blocks = BlockSizes.default(head_dim, lower.TargetGpu("9.0"))
-    q = jax.ShapeDtypeStruct((1, 1024, 2, head_dim), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, 1024, 1, head_dim), jnp.bfloat16)
-    seg = jax.ShapeDtypeStruct((1, 1024), jnp.int32)
-
-    def fwd_bwd(q, k, v, s):
-        out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, segment_ids_bt=s, block_sizes=blocks), q, k, v)
-        return vjp(out)
-
-    lowered = jax.jit(fwd_bwd).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",))
-    found = {r.kernel: r for r in kernel_compile.compile_lowered(lowered, 90)}
-    assert set(found) == set(KERNELS)
+    by the triton package: shared memory per block and registers within Hopper's limits, no spills,
+    and every dot a wgmma (none falls back to Ampere's mma.sync); also with the one-kernel backward."""
+    blocks = dataclasses.replace(BlockSizes.default(head_dim, lower.TargetGpu("9.0")), backward=backward)
+    tiles = (blocks.block_q, blocks.block_kv, blocks.block_q_dkv, blocks.block_kv_dkv, blocks.block_q_dq,
+             blocks.block_kv_dq)
+    assert min(tiles) >= 64, blocks
+    found = {r.kernel: r for r in kernel_compile.compile_flash(head_dim, blocks, segments=True)}
+    assert set(found) == (set(KERNELS) if backward == "split" else {"flash_fwd", "flash_bwd_fused"})
     for r in found.values():
         assert r.fits, r
         assert r.num_warps == (blocks.num_warps if r.kernel == "flash_fwd" else blocks.num_warps_bwd)
         assert 0 < r.shared_bytes <= kernel_compile.LIMITS[90].shared_bytes and r.registers > 0
+        assert r.spill_bytes == 0, r
+        assert r.wgmma > 0 and r.mma_sync == 0, r

@@ -31,6 +31,7 @@ from lumen_jax.config import ConfigError, MeshConfig
 from lumen_jax.kernels.flash_attention import BlockSizes, flash_attention
 from lumen_jax.ops import attention as ops
 from lumen_jax.ops.choice import Ops, choose
+from lumen_jax.ops.reference import mask as reference_mask
 from lumen_jax.ops.reference import reference
 from lumen_jax.parallel.mesh import make_mesh
 
@@ -72,14 +73,15 @@ class Case:
                 f"{jnp.dtype(self.dtype).name}" + (f"-scale{self.scale}" if self.scale else ""))
 
 
-def inputs(case: Case, seed: int = 0):
+def inputs(case: Case, seed: int = 0, segment_ids=None):
     rng = np.random.default_rng(seed)
     s = case.s or case.t
     q = jnp.asarray(rng.standard_normal((case.b, case.t, case.n, case.h)), case.dtype)
     k = jnp.asarray(rng.standard_normal((case.b, s, case.kh, case.h)), case.dtype)
     v = jnp.asarray(rng.standard_normal((case.b, s, case.kh, case.h)), case.dtype)
-    seg = (jnp.asarray(packed_batch(case.b, case.t, 8, seed=seed + 1)["segment_ids"])
-           if case.segments else None)
+    if segment_ids is None and case.segments:
+        segment_ids = packed_batch(case.b, case.t, 8, seed=seed + 1)["segment_ids"]
+    seg = None if segment_ids is None else jnp.asarray(segment_ids)
     w_o = jnp.asarray(rng.standard_normal((case.b, case.t, case.n, case.h)), jnp.float32)
     w_lse = jnp.asarray(rng.standard_normal((case.b, case.n, case.t)), jnp.float32)
     return q, k, v, seg, w_o, w_lse
@@ -95,8 +97,8 @@ def outputs_and_grads(fn, q, k, v, w_o, w_lse):
     return (out, lse, *grads)
 
 
-def check_against_reference(case: Case, blocks: BlockSizes = SMALL, seed: int = 0):
-    q, k, v, seg, w_o, w_lse = inputs(case, seed)
+def check_against_reference(case: Case, blocks: BlockSizes = SMALL, seed: int = 0, segment_ids=None):
+    q, k, v, seg, w_o, w_lse = inputs(case, seed, segment_ids)
     got = outputs_and_grads(
         lambda q, k, v: flash_attention(q, k, v, segment_ids_bt=seg, causal=case.causal,
                                         scale=case.scale, block_sizes=blocks, interpret=INTERPRET,
@@ -207,22 +209,99 @@ def test_causal_skips_blocks_above_the_diagonal():
     n_q, n_kv = length // bq, length // bk
 
     def kv_tiles(st):
-        return sum(int(flash_tiles.kv_loop_bounds(i * bq, st=st, block_rows=bq, block_cols=bk,
-                                                  has_seg=False)[1])
+        return sum(int(flash_tiles.kv_loop_bounds(i * bq, st=st, block_rows=bq, block_cols=bk)[1])
                    for i in range(n_q))
 
     def q_tiles(st):
-        return sum(n_q - int(flash_tiles.q_loop_bounds(j * bk, st=st, block_rows=bq, block_cols=bk,
-                                                       has_seg=False)[0]) for j in range(n_kv))
+        return sum(n_q - int(flash_tiles.q_loop_bounds(j * bk, st=st, block_rows=bq, block_cols=bk)[0])
+                   for j in range(n_kv))
 
     assert kv_tiles(full) == q_tiles(full) == n_q * n_kv
     for tiles in (kv_tiles(causal), q_tiles(causal)):
         assert 0.5 <= tiles / (n_q * n_kv) <= 0.5 + 1 / min(n_q, n_kv), tiles
     # Only the tiles crossing the diagonal build a mask: one or two per row of tiles here.
     masked = sum(int(n_total) - int(n_plain) for n_plain, n_total in (
-        flash_tiles.kv_loop_bounds(i * bq, st=causal, block_rows=bq, block_cols=bk, has_seg=False)
+        flash_tiles.kv_loop_bounds(i * bq, st=causal, block_rows=bq, block_cols=bk)
         for i in range(n_q)))
     assert masked == n_q * (bq // bk)
+
+
+def documents(*rows) -> np.ndarray:
+    """Segment ids [B, T] from each row's (segment id, length) runs."""
+    return np.stack([np.concatenate([np.full(n, i, np.int32) for i, n in row]) for row in rows])
+
+
+# Packed rows of 160 tokens: documents over several tiles of SMALL, a 3-token one, a padding tail (0);
+# the second row's first document recurs after another (non-contiguous ids: empty tiles between
+# non-empty ones).
+PACKED = documents([(1, 50), (2, 3), (3, 67), (4, 37), (0, 3)], [(5, 40), (2, 50), (5, 70)])
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_tile_classes_agree_with_the_mask(causal):
+    """Each tile's class from the blocks' segment ranges against the element mask: EMPTY tiles have no
+    visible pair, FULL tiles no hidden one; all three classes occur; the loop bounds skip only empty
+    tiles and leave unmasked only full ones."""
+    st = flash_tiles.make_static(157, 157, scale=1.0, causal=causal, blocks=SMALL, interpret=True, poison=False)
+    seg = jnp.asarray(flash_tiles.pad_axis(jnp.asarray(PACKED[:, :157]), 1, st.q_pad))
+    for bq, bk in ((16, 32), (32, 16)):
+        classes = np.asarray(flash_tiles.tile_classes(seg, seg, st=st, block_q=bq, block_kv=bk))
+        visible = np.asarray(reference_mask(157, 157, causal, seg[:, :157], seg[:, :157]))[:, 0, 0]
+        visible = np.pad(visible, ((0, 0), (0, st.q_pad - 157), (0, st.kv_pad - 157)))
+        tiles = visible.reshape(2, st.q_pad // bq, bq, st.kv_pad // bk, bk)
+        any_, all_ = tiles.any(axis=(2, 4)), tiles.all(axis=(2, 4))
+        assert not np.any(any_ & (classes == flash_tiles.EMPTY)), classes
+        assert not np.any(~all_ & (classes == flash_tiles.FULL)), classes
+        assert set(np.unique(classes)) == {flash_tiles.EMPTY, flash_tiles.PARTIAL, flash_tiles.FULL}
+        for cls in (classes, classes.transpose(0, 2, 1)):  # forward/dQ, and dK/dV's view
+            bounds = np.asarray(flash_tiles.stream_bounds(jnp.asarray(cls)))
+            j = np.arange(cls.shape[-1])
+            lo, full_lo, full_hi, hi = (bounds[..., i, None] for i in range(4))
+            assert np.all((lo <= full_lo) & (full_lo <= full_hi) & (full_hi <= hi))
+            assert not np.any((cls != flash_tiles.EMPTY) & ((j < lo) | (j >= hi)))
+            assert np.all(cls[(j >= full_lo) & (j < full_hi)] == flash_tiles.FULL)
+        # The documents skip more tiles than causality and padding alone (one document per row).
+        one_doc = np.asarray(flash_tiles.tile_classes(jnp.ones_like(seg), jnp.ones_like(seg), st=st, block_q=bq,
+                                                      block_kv=bk))
+        assert np.sum(classes == flash_tiles.EMPTY) > np.sum(one_doc == flash_tiles.EMPTY), classes
+
+
+@pytest.mark.parametrize("case", [
+    Case(2, 160, 4, 2, 64, causal=True, segments=True),
+    Case(2, 157, 4, 1, 64, causal=True, segments=True, dtype=jnp.bfloat16),
+    Case(2, 160, 2, 1, 64, causal=False, segments=True),
+], ids=str)
+def test_packed_documents_match_reference(case):
+    """Skipped empty tiles, unmasked full ones and masked partial ones (the classes above) give the
+    reference's output, log-sum-exp and gradients, for GQA, causal or not, with a padding tail."""
+    check_against_reference(case, segment_ids=PACKED[:, :case.t])
+
+
+FUSED = dataclasses.replace(SMALL, backward="fused")
+
+
+@pytest.mark.parametrize("case", [*CASES[:4], Case(2, 160, 4, 2, 64, causal=True, segments=True),
+                                  Case(2, 157, 2, 1, 64, causal=False, segments=True, dtype=jnp.bfloat16)], ids=str)
+def test_fused_backward_matches_reference(case):
+    """`BlockSizes(backward="fused")`: one backward kernel, dQ added up in float32 by atomic adds from
+    every key block (the interpreter runs the programs in turn: the same sums)."""
+    check_against_reference(case, blocks=FUSED, segment_ids=PACKED[:, :case.t] if case.t >= 157 else None)
+
+
+def test_causal_programs_start_heaviest_first():
+    """Programs in launch order (the grid's last axis, the blocks, slowest): under causal masking
+    each streams no more blocks than the one before, in all three kernels; without it, in order."""
+    length, bq, bk = 1024, 128, 64
+    st = flash_tiles.make_static(length, length, scale=1.0, causal=True, blocks=BlockSizes(block_q=bq, block_kv=bk),
+                                 interpret=True, poison=False)
+    n_q, n_kv = length // bq, length // bk
+    owned = [int(flash_tiles.heavy_first(i, n=n_q, causal=True)) for i in range(n_q)]
+    assert sorted(owned) == list(range(n_q))
+    rows = [int(flash_tiles.kv_loop_bounds(r * bq, st=st, block_rows=bq, block_cols=bk)[1]) for r in owned]
+    cols = [n_q - int(flash_tiles.q_loop_bounds(j * bk, st=st, block_rows=bq, block_cols=bk)[0]) for j in range(n_kv)]
+    for work in (rows, cols):
+        assert work == sorted(work, reverse=True) and work[0] > work[-1], work
+    assert [flash_tiles.heavy_first(i, n=n_q, causal=False) for i in range(n_q)] == list(range(n_q))
 
 
 BIG_SHAPE = re.compile(r"\b[a-z]+[0-9]*\[([0-9,]+)\]")
