@@ -29,7 +29,7 @@ _NUMERIC_MODEL_KEYS = frozenset({
     "model.norm_eps", "model.rope_theta", "model.rope_scaling", "model.rope_scaling_factor",
     "model.rope_low_freq_factor", "model.rope_high_freq_factor", "model.rope_original_max_len",
     "model.init_std", "model.attention", "model.flash_block_q", "model.flash_block_kv", "model.remat",
-    "model.loss_chunk_tokens",
+    "model.loss_chunk_tokens", "model.sliding_window",
     "model.compute_dtype"})
 
 

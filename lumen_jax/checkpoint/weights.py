@@ -118,11 +118,17 @@ def read_config(run_dir: str, step: int) -> Config:
     return from_dict(d)
 
 
+def imported_context(run_dir: str, step: int) -> int | None:
+    """An imported model's `max_position_embeddings` (from-hf records it with the weights), else None."""
+    imported = _meta(run_dir, step).get("max_position_embeddings")
+    return imported if isinstance(imported, int) and imported > 0 else None
+
+
 def context_length(run_dir: str, step: int, cfg: Config) -> tuple[int, str]:
     """(tokens, where the figure comes from): the longest sequence the model at `step` was made for, an
     imported model's `max_position_embeddings`, else the `data.seq_len` the run trained at."""
-    imported = _meta(run_dir, step).get("max_position_embeddings")
-    if isinstance(imported, int) and imported > 0:
+    imported = imported_context(run_dir, step)
+    if imported:
         return imported, "max_position_embeddings of the imported model"
     return cfg.data.seq_len, f"data.seq_len={cfg.data.seq_len}, the length it was trained at"
 

@@ -82,9 +82,13 @@ def to_hf(run_dir: str, step: int | None, out: str, max_shard_bytes: float) -> s
     dtype = cfg.model.compute_dtype
     layout = hf_moe if cfg.model.moe.enabled else hf
     tensors = layout.hf_from_params(params, cfg.model, jax.numpy.dtype(dtype))
+    config = layout.hf_config(cfg.model, dtype)
+    # An imported model's own context goes back out as it came in; a trained one's: at least its data.seq_len.
+    config["max_position_embeddings"] = (weights.imported_context(run_dir, step)
+                                         or max(config["max_position_embeddings"], cfg.data.seq_len))
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(layout.hf_config(cfg.model, dtype), f, indent=2)
+        json.dump(config, f, indent=2)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, t in tensors.items():  # greedy shards of at most max_shard_bytes (a bigger tensor alone)

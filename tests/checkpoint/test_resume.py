@@ -39,6 +39,7 @@ CHANGES = {
     "model.tie_embeddings": ("dense", True, True),
     "model.qkv_bias": ("dense", True, True),
     "model.qk_norm": ("dense", True, True),
+    "model.sliding_window": ("dense", 16, False),
     "model.norm_eps": ("dense", 1e-6, False),
     "model.rope_theta": ("dense", 10000.0, False),
     "model.rope_scaling": ("dense", "llama3", False),

@@ -52,6 +52,8 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(hf_dirs, tmp_pa
     for k in original:
         np.testing.assert_array_equal(exported[k], original[k], err_msg=k)
     assert_logits_close(hf_logits(back, TOKENS), ref)  # from_pretrained reads our config.json
+    config = json.load(open(os.path.join(back, "config.json")))
+    assert config["max_position_embeddings"] == HF_KW["max_position_embeddings"]  # 128 in, 128 out (was 8192)
 
 
 def _edit_config(src: str, dst: str, **changes) -> str:

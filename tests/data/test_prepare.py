@@ -95,8 +95,12 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_no_half_shard(tmp_path):
     """Ctrl-C (SIGINT to the process group, workers included) while shard 1 is written. Before: the
     workers died of it with tracebacks and the parent waited for their answers forever."""
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": "small"}) + "\n")
-    with open(tmp_path / "b.jsonl", "w") as f:  # a shard that takes a few seconds with 2 workers
-        f.writelines(json.dumps({"text": f"document {i} " * 50}) + "\n" for i in range(40000))
+    # A shard that takes half a minute with 2 workers (300 MB): the interrupt comes within
+    # milliseconds of its start, however loaded the machine (at 30 MB the shard was once done first).
+    line = json.dumps({"text": "document 12345 " * 50}) + "\n"
+    with open(tmp_path / "b.jsonl", "w") as f:
+        for _ in range(40):
+            f.write(line * 10000)
     out = tmp_path / "out"
     argv = [sys.executable, "-m", "lumen_jax.data.prepare", "--input", str(tmp_path / "*.jsonl"), "--tokenizer",
             "byte", "--out", str(out), "--workers", "2"]
@@ -104,7 +108,8 @@ def test_ctrl_c_is_one_line_exit_130_and_leaves_no_half_shard(tmp_path):
                             text=True)
     deadline = time.monotonic() + 60
     while not (out / "shard-00001.bin.partial").exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+        time.sleep(0.001)
+    assert proc.poll() is None, "prepare ended before the interrupt: the test did not test it"
     os.killpg(proc.pid, signal.SIGINT)
     try:
         _, err = proc.communicate(timeout=60)

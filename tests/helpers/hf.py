@@ -160,6 +160,7 @@ def assert_to_hf_round_trips(hf_dir: str, run_dir: str, ref: np.ndarray, back: s
         np.testing.assert_array_equal(exported[k], original[k], err_msg=k)
     config, source = (json.load(open(os.path.join(d, "config.json"))) for d in (back, hf_dir))
     assert (config["architectures"], config["model_type"]) == (source["architectures"], source["model_type"])
+    assert config["max_position_embeddings"] == source["max_position_embeddings"]  # the import's context, back
     np.testing.assert_allclose(hf_logits(back, TOKENS), ref, rtol=FP32_RTOL, atol=FP32_RTOL * float(np.abs(ref).max()))
     return config, source
 
