@@ -11,7 +11,7 @@ for that mesh only; everything else keeps the plain formulations, unchanged:
 - the model traced outside the trainer, e.g. `lumen_jax.plan`'s residual probe, whose counts
   describe the plain formulation that the partitioned and GPU programs run.
 
-The three:
+The two:
 
 - `token_grad_project` (`ops.projection`): the einsum with a custom VJP whose weight gradient is one
   einsum over the token axes, `einsum("btd,btf->df", x, dy)`. JAX transposes the weight's einsum
@@ -23,9 +23,7 @@ The three:
   reads the scanned weights in place. Remat policies see it as its dot (`ops.projection.remat_policy`).
 - `heads_first_attention` (`ops.attention`): the reference attention's output in a heads-first
   layout with the closed-form softmax gradient.
-- `swiglu_recompute` (`ops.swiglu`): saves only gate and up and recomputes the sigmoid in the
-  backward pass: on the CPU benchmark the layer scan's residual stacks (zero fill,
-  dynamic-update-slice, dynamic-slice) cost more than the recomputed sigmoid.
+(A third, SwiGLU saving only gate and up, is now every program's: `ops.swiglu`.)
 """
 
 from __future__ import annotations
@@ -90,23 +88,3 @@ def heads_first_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Arra
     out = jax.lax.dot_general(probs, v_bksh, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
     return out.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype)
 
-
-@jax.custom_vjp
-def swiglu_recompute(gate_btf: jax.Array, up_btf: jax.Array) -> jax.Array:
-    return jax.nn.silu(gate_btf) * up_btf
-
-
-def _swiglu_fwd(gate_btf, up_btf):
-    return swiglu_recompute(gate_btf, up_btf), (gate_btf, up_btf)
-
-
-def _swiglu_bwd(residuals, dh_btf):
-    gate, up = residuals
-    sig = jax.nn.sigmoid(gate)
-    # d silu / d gate = sig + gate * sig * (1 - sig)
-    dgate = dh_btf * up * (sig * (1 + gate * (1 - sig)))
-    dup = dh_btf * (gate * sig)
-    return dgate.astype(gate.dtype), dup.astype(up.dtype)
-
-
-swiglu_recompute.defvjp(_swiglu_fwd, _swiglu_bwd)

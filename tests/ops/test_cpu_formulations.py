@@ -1,6 +1,7 @@
 """The CPU formulations of the ops (`lumen_jax.ops.cpu`, chosen by `ops.choice.choose` as `Ops.cpu`):
-token-axis weight gradients, heads-first attention with the closed-form softmax gradient, SwiGLU
-with the sigmoid recomputed. They run only in the trainer's step on one CPU device; these tests
+token-axis weight gradients and heads-first attention with the closed-form softmax gradient (SwiGLU
+with the sigmoid recomputed is every program's now: `ops.swiglu`). They run only in the trainer's
+step on one CPU device; these tests
 check that they compute what the plain formulations compute, that remat policies still see the
 projections as dots, and that nothing else runs them."""
 
@@ -76,11 +77,13 @@ def test_one_cpu_device_formulations_match_the_plain_ones(segments):
 
 @pytest.mark.parametrize("devices, expected", [(None, False), (1, True), (8, False)])
 def test_only_the_one_cpu_device_step_uses_them(devices, expected):
-    """Outside the trainer (lumen_jax.plan's probe) and on 8 devices the jaxpr is the plain one."""
+    """Outside the trainer (lumen_jax.plan's probe) and on 8 devices the jaxpr is the plain one: no
+    token-gradient projection (the plain program's own custom VJPs, SwiGLU's and RMSNorm's, are in
+    every program)."""
     params = init_params(SHAPE, seed=0)
     grad = jax.grad(loss_fn(SHAPE, devices))
     jaxpr = str(jax.make_jaxpr(traced(grad, None if devices is None else mesh_of(devices)))(params, *batch()))
-    assert ("custom_vjp_call" in jaxpr) == expected
+    assert ("name=token_grad_project" in jaxpr) == expected and "name=swiglu" in jaxpr
     assert ops_for(SHAPE, devices).cpu == expected
 
 

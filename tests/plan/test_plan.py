@@ -514,10 +514,12 @@ def test_our_layer_against_korthikanti():
         6 * a * s * plan.memory.computed_score_fraction(s))
     # Flash attention keeps no score rows: nothing grows with s.
     assert per_token("none", 2 * s, "flash") == per_token("none", s, "flash")
-    # Its s*b*h terms: fp32 norm copies 2 x (4 + 4)h, norm outputs 2 x 2h, q, o (the kernel's output
-    # and the projection's input) and o again, k, v 5 x 2h, SwiGLU's gate, up, and the four
-    # intermediates of silu(gate) * up 6 x 2F, and a log-sum-exp per head: above Korthikanti's 34sbh.
-    assert per_token("none", s, "flash") == 16 * h + 4 * h + 10 * h + 12 * f + 4 * a
+    # Its s*b*h terms: the norms' inputs and outputs 4 x 2h (their VJP keeps the compute-dtype input
+    # and 1 / rms, where autodiff kept two float32 copies: 16h), q, o (the kernel's output and the
+    # projection's input) and o again, k, v 5 x 2h, SwiGLU's gate, up and product 3 x 2F (its VJP
+    # rebuilds the sigmoid: autodiff kept six F-wide rows), and a log-sum-exp per head: 18h + 6F
+    # against Korthikanti's 34h for a GPT layer (whose MLP is 4h wide, F = 8h / 3 x 2 here).
+    assert per_token("none", s, "flash") == 8 * h + 10 * h + 6 * f + 4 * a
     # Tensor + sequence parallelism split everything t ways but the norm outputs a matmul gathers.
     tp = plan.Layout(MeshConfig(fsdp=1, tensor=8, sequence_parallel=True))
     assert plan.saved_bytes_per_token(LLAMA_7B, tp, s, "none", "flash") == pytest.approx(
