@@ -158,3 +158,16 @@ def test_a_window_trains_on_meshes_as_on_one_device(window_reference, mesh):
     if mesh.get("pipeline"):  # and the window is not a no-op at this length
         plain = run(with_mesh(BASE), devices=jax.devices()[:1])
         assert abs(plain["losses"][-1] - window_reference["losses"][-1]) > 100 * FP32_RTOL
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("mesh", [dict(), dict(context=2, fsdp=2)], ids=["one-device", "context2-ring-fsdp2"])
+def test_a_window_trains_with_our_kernel_as_with_the_reference(window_reference, mesh):
+    """`model.attention=flash` (the interpreter) under the window: on one device, and per chunk pair
+    of the ring (the window-edge pairs through the kernel's `q_offset`). Losses, grad norms and the
+    first step's gradients to float32, as the meshes above."""
+    flash = WINDOW.replace(model=dataclasses.replace(WINDOW.model, attention="flash"))
+    got = run(with_mesh(flash, **mesh), devices=jax.devices()[:1] if not mesh else None)
+    np.testing.assert_allclose(got["losses"], window_reference["losses"], rtol=FP32_RTOL)
+    np.testing.assert_allclose(got["grad_norms"], window_reference["grad_norms"], rtol=FP32_RTOL)
+    assert_tree_close(got["grads"], window_reference["grads"], FP32_RTOL, what=f"flash {mesh} first grads ")
