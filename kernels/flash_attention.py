@@ -64,53 +64,17 @@ from jax.experimental.pallas import triton as plgpu
 # BlockSizes is part of this module's public API (ops/choice.py uses it).
 from lumen_jax.kernels.flash_tiles import (
     LN2, LOG2E, MASK_VALUE, MIN_BLOCK, BlockSizes, Static, dot_nn, dot_nt, dot_tn, heavy_first, is_pow2, kv_tail,
-    make_static, pad_axis, q_loop_bounds, run_pallas, stream, stream_bounds, tile_classes, tile_mask)
+    loop_bounds, make_static, optional_inputs, optional_refs, pad_axis, q_loop_bounds, run_pallas, stream,
+    tile_mask)
 
 
 # --------------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------------
 
-def _optional_refs(refs, st: Static, has_seg: bool):
-    """(q_seg ref, kv_seg ref, bounds ref, offset) from a kernel's optional inputs, in the order
-    `_optional_inputs` passes them: None (the offset 0) where absent."""
-    refs = list(refs)
-    qseg_ref, kvseg_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
-    bounds_ref = refs.pop(0) if st.classified(has_seg) else None
-    offset = refs.pop(0)[0] if st.offset else 0
-    return qseg_ref, kvseg_ref, bounds_ref, offset
-
-
-def _optional_inputs(q_seg, kv_seg, offset, st: Static, *, seg_specs, bounds_spec, bounds):
-    """(in_specs, args) of a kernel's optional inputs: the segment ids, the loop bounds (`_bounds`)
-    and the offset (one int32; every program reads it)."""
-    specs, args = [], []
-    if q_seg is not None:
-        specs += seg_specs
-        args += [q_seg, kv_seg]
-    if bounds is not None:
-        specs.append(bounds_spec)
-        args.append(bounds)
-    if st.offset:
-        specs.append(pl.BlockSpec((1,), lambda *_: (0,)))
-        args.append(jnp.reshape(offset, (1,)).astype(jnp.int32))
-    return specs, args
-
-
-def _bounds(q_seg, kv_seg, offset, st: Static, *, batch: int, block_q: int, block_kv: int,
-            keys_own: bool = False):
-    """Each program's loop bounds from the tile classes (`stream_bounds`), or None where the kernel
-    derives them from the causal diagonal; `keys_own`: the dK/dV kernel (owns keys, streams queries)."""
-    if not st.classified(q_seg is not None):
-        return None
-    classes = tile_classes(q_seg, kv_seg, st=st, block_q=block_q, block_kv=block_kv,
-                           offset=0 if offset is None else offset, batch=batch)
-    return stream_bounds(classes.transpose(0, 2, 1) if keys_own else classes)
-
-
 def _fwd_kernel(*refs, st: Static, has_seg: bool):
     q_ref, k_ref, v_ref, *optional, o_ref, lse_ref = refs
-    qseg_ref, kvseg_ref, bounds_ref, offset = _optional_refs(optional, st, has_seg)
+    qseg_ref, kvseg_ref, bounds_ref, offset = optional_refs(optional, st, has_seg)
     bq, bk = st.blocks.block_q, st.blocks.block_kv
     row0 = heavy_first(pl.program_id(2), n=st.q_pad // bq, causal=st.causal) * bq
     q = q_ref[...]  # [bq, H]
@@ -160,12 +124,12 @@ def _forward_triton(q, k, v, q_seg, kv_seg, offset, st: Static):
         pl.BlockSpec((None, st.kv_pad, None, h), lambda ni, bi, i: (bi, 0, lax.div(ni, g), 0)),
         pl.BlockSpec((None, st.kv_pad, None, h), lambda ni, bi, i: (bi, 0, lax.div(ni, g), 0)),
     ]
-    specs, args = _optional_inputs(
+    specs, args = optional_inputs(
         q_seg, kv_seg, offset, st,
         seg_specs=[pl.BlockSpec((None, bq), lambda ni, bi, i: (bi, own(i))),
                    pl.BlockSpec((None, st.kv_pad), lambda ni, bi, i: (bi, 0))],
         bounds_spec=pl.BlockSpec((None, None, 4), lambda ni, bi, i: (bi, own(i), 0)),
-        bounds=_bounds(q_seg, kv_seg, offset, st, batch=b, block_q=bq, block_kv=st.blocks.block_kv))
+        bounds=loop_bounds(q_seg, kv_seg, offset, st, batch=b, block_q=bq, block_kv=st.blocks.block_kv))
     in_specs, args = in_specs + specs, [q, k, v, *args]
     out_specs = [pl.BlockSpec((None, bq, None, h), lambda ni, bi, i: (bi, own(i), ni, 0)),
                  pl.BlockSpec((None, None, bq), lambda ni, bi, i: (bi, ni, own(i)))]
@@ -229,7 +193,7 @@ def _forward(q, k, v, q_seg, kv_seg, offset, st: Static):
 def _dkv_kernel(*refs, st: Static, has_seg: bool, groups: int, fused: bool):
     ins, (dk_ref, dv_ref, *dq_ref) = (refs[:-3], refs[-3:]) if fused else (refs[:-2], refs[-2:])
     q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, *optional = ins
-    qseg_ref, kvseg_ref, bounds_ref, offset = _optional_refs(optional, st, has_seg)
+    qseg_ref, kvseg_ref, bounds_ref, offset = optional_refs(optional, st, has_seg)
     bq, bk = st.blocks.block_q_dkv, st.blocks.block_kv_dkv
     col0 = pl.program_id(2) * bk  # key blocks slowest, the heaviest (j = 0) first
     k = k_ref[...]  # [bk, H]
@@ -286,7 +250,7 @@ def _dkv_kernel(*refs, st: Static, has_seg: bool, groups: int, fused: bool):
 
 def _dq_kernel(*refs, st: Static, has_seg: bool):
     q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, *optional, dq_ref = refs
-    qseg_ref, kvseg_ref, bounds_ref, offset = _optional_refs(optional, st, has_seg)
+    qseg_ref, kvseg_ref, bounds_ref, offset = optional_refs(optional, st, has_seg)
     bq, bk = st.blocks.block_q_dq, st.blocks.block_kv_dq
     row0 = heavy_first(pl.program_id(2), n=st.q_pad // bq, causal=st.causal) * bq
     q = q_ref[...]  # [bq, H]
@@ -340,12 +304,12 @@ def _backward(q, k, v, q_seg, kv_seg, offset, o, lse, do, dlse, st: Static):
         pl.BlockSpec((None, g, tp), lambda ki, bi, j: (bi, ki, 0)),  # lse
         pl.BlockSpec((None, g, tp), lambda ki, bi, j: (bi, ki, 0)),  # delta
     ]
-    specs, args = _optional_inputs(
+    specs, args = optional_inputs(
         q_seg, kv_seg, offset, st,
         seg_specs=[pl.BlockSpec((None, tp), lambda ki, bi, j: (bi, 0)),
                    pl.BlockSpec((None, bk), lambda ki, bi, j: (bi, j))],
         bounds_spec=pl.BlockSpec((None, None, 4), lambda ki, bi, j: (bi, j, 0)),
-        bounds=_bounds(q_seg, kv_seg, offset, st, batch=b, block_q=bl.block_q_dkv, block_kv=bk, keys_own=True))
+        bounds=loop_bounds(q_seg, kv_seg, offset, st, batch=b, block_q=bl.block_q_dkv, block_kv=bk, keys_own=True))
     in_specs, args = in_specs + specs, [qp, kp, vp, dop, lse, delta, *args]
     kv_spec = pl.BlockSpec((None, bk, None, h), lambda ki, bi, j: (bi, j, ki, 0))
     out_specs = [kv_spec, kv_spec]
@@ -368,12 +332,12 @@ def _backward(q, k, v, q_seg, kv_seg, offset, o, lse, do, dlse, st: Static):
     q_spec = pl.BlockSpec((None, bq, None, h), lambda ni, bi, i: (bi, own(i), ni, 0))
     kv_full = pl.BlockSpec((None, sp, None, h), lambda ni, bi, i: (bi, 0, lax.div(ni, g), 0))
     row_spec = pl.BlockSpec((None, None, bq), lambda ni, bi, i: (bi, ni, own(i)))
-    specs, args = _optional_inputs(
+    specs, args = optional_inputs(
         q_seg, kv_seg, offset, st,
         seg_specs=[pl.BlockSpec((None, bq), lambda ni, bi, i: (bi, own(i))),
                    pl.BlockSpec((None, sp), lambda ni, bi, i: (bi, 0))],
         bounds_spec=pl.BlockSpec((None, None, 4), lambda ni, bi, i: (bi, own(i), 0)),
-        bounds=_bounds(q_seg, kv_seg, offset, st, batch=b, block_q=bq, block_kv=bl.block_kv_dq))
+        bounds=loop_bounds(q_seg, kv_seg, offset, st, batch=b, block_q=bq, block_kv=bl.block_kv_dq))
     in_specs = [q_spec, kv_full, kv_full, q_spec, row_spec, row_spec, *specs]
     args = [qp, kp, vp, dop, lse, delta, *args]
     (dq,) = run_pallas(

@@ -318,6 +318,43 @@ def stream_bounds(classes):
     return jnp.stack([lo, full_lo, full_hi, hi], axis=-1)
 
 
+def optional_refs(refs, st: Static, has_seg: bool):
+    """(q_seg ref, kv_seg ref, bounds ref, offset) from a kernel's optional inputs, in the order
+    `optional_inputs` passes them: None (the offset 0) where absent."""
+    refs = list(refs)
+    qseg_ref, kvseg_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
+    bounds_ref = refs.pop(0) if st.classified(has_seg) else None
+    offset = refs.pop(0)[0] if st.offset else 0
+    return qseg_ref, kvseg_ref, bounds_ref, offset
+
+
+def optional_inputs(q_seg, kv_seg, offset, st: Static, *, seg_specs, bounds_spec, bounds):
+    """(in_specs, args) of a kernel's optional inputs: the segment ids, the loop bounds (`loop_bounds`)
+    and the offset (one int32; every program reads it)."""
+    specs, args = [], []
+    if q_seg is not None:
+        specs += seg_specs
+        args += [q_seg, kv_seg]
+    if bounds is not None:
+        specs.append(bounds_spec)
+        args.append(bounds)
+    if st.offset:
+        specs.append(pl.BlockSpec((1,), lambda *_: (0,)))
+        args.append(jnp.reshape(offset, (1,)).astype(jnp.int32))
+    return specs, args
+
+
+def loop_bounds(q_seg, kv_seg, offset, st: Static, *, batch: int, block_q: int, block_kv: int,
+            keys_own: bool = False):
+    """Each program's loop bounds from the tile classes (`stream_bounds`), or None where the kernel
+    derives them from the causal diagonal; `keys_own`: the dK/dV kernel (owns keys, streams queries)."""
+    if not st.classified(q_seg is not None):
+        return None
+    classes = tile_classes(q_seg, kv_seg, st=st, block_q=block_q, block_kv=block_kv,
+                           offset=0 if offset is None else offset, batch=batch)
+    return stream_bounds(classes.transpose(0, 2, 1) if keys_own else classes)
+
+
 def compiler_params(num_warps: int, num_stages: int):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
