@@ -33,7 +33,12 @@ tail) pay for building a mask. With segment ids each (query block, key block) ti
 before the kernels run (`flash_tiles.tile_classes`, from each block's min and max segment id and its
 position): empty tiles are skipped (no loads, no dots), full ones (one document on both sides, below
 the diagonal) run without a mask, partial ones with it; each program's loops run over the bounds
-`flash_tiles.stream_bounds` derives from those classes.
+`flash_tiles.stream_bounds` derives from those classes. A sliding `window` (query t sees keys s with
+t - s < window) classifies the tiles by position too: tiles wholly outside it are empty, tiles wholly
+inside full, those its edge crosses partial. `q_offset` (a traced int32 scalar) shifts the queries'
+positions against the keys' for the causal mask and the window, so context parallelism runs a chunk
+pair by its global positions (a query block that then sees no key writes zeros and a finite, very
+negative log-sum-exp, which merging discards).
 
 On GPU the kernels lower through Pallas's Triton backend (`interpret=False`); on CPU they run in
 Pallas's interpreter (`interpret=True`): the caller says which (the trainer: `lumen_jax.ops.choice`). `BlockSizes(forward="mosaic")`
@@ -59,7 +64,8 @@ from jax.experimental.pallas import triton as plgpu
 # BlockSizes is part of this module's public API (ops/choice.py uses it).
 from lumen_jax.kernels.flash_tiles import (
     LN2, LOG2E, MASK_VALUE, MIN_BLOCK, BlockSizes, Static, dot_nn, dot_nt, dot_tn, heavy_first, is_pow2, kv_tail,
-    make_static, pad_axis, q_loop_bounds, run_pallas, stream, stream_bounds, tile_classes, tile_mask)
+    loop_bounds, make_static, optional_inputs, optional_refs, pad_axis, q_loop_bounds, run_pallas, stream,
+    tile_mask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -67,11 +73,8 @@ from lumen_jax.kernels.flash_tiles import (
 # --------------------------------------------------------------------------------------------------
 
 def _fwd_kernel(*refs, st: Static, has_seg: bool):
-    if has_seg:
-        q_ref, k_ref, v_ref, qseg_ref, kvseg_ref, bounds_ref, o_ref, lse_ref = refs
-    else:
-        q_ref, k_ref, v_ref, o_ref, lse_ref = refs
-        qseg_ref = kvseg_ref = bounds_ref = None
+    q_ref, k_ref, v_ref, *optional, o_ref, lse_ref = refs
+    qseg_ref, kvseg_ref, bounds_ref, offset = optional_refs(optional, st, has_seg)
     bq, bk = st.blocks.block_q, st.blocks.block_kv
     row0 = heavy_first(pl.program_id(2), n=st.q_pad // bq, causal=st.causal) * bq
     q = q_ref[...]  # [bq, H]
@@ -86,8 +89,8 @@ def _fwd_kernel(*refs, st: Static, has_seg: bool):
         s = dot_nt(q, k) * qk_scale  # [bq, bk]
         if masked:
             kv_seg = kvseg_ref[pl.ds(col0, bk)] if has_seg else None
-            s = jnp.where(tile_mask(row0, col0, s.shape, causal=st.causal, kv_len=kv_tail(st),
-                                q_seg=q_seg, kv_seg=kv_seg), s, MASK_VALUE)
+            s = jnp.where(tile_mask(row0 + offset, col0, s.shape, causal=st.causal, kv_len=kv_tail(st),
+                                    q_seg=q_seg, kv_seg=kv_seg, window=st.window), s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp2(m - m_new)  # rescales what was accumulated under the old max
         p = jnp.exp2(s - m_new[:, None])
@@ -98,15 +101,16 @@ def _fwd_kernel(*refs, st: Static, has_seg: bool):
     carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
     acc, m, l = stream(step, carry, bounds_ref, row0, st=st, block_rows=bq, block_cols=bk)
-    if has_seg:  # every tile of the row block empty: l = 0; its rows see no key (out 0, lse ~ -inf)
+    if bounds_ref is not None:  # every tile of the row block empty: l = 0; its rows see no key (out 0, lse ~ -inf)
         o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
-        lse_ref[...] = jnp.where(l == 0, MASK_VALUE, m * LN2 + jnp.log(l))
+        # MASK_VALUE in base 2, as a row that sees no key in a masked tile: finite once scaled back by log2(e)
+        lse_ref[...] = jnp.where(l == 0, MASK_VALUE * LN2, m * LN2 + jnp.log(l))
     else:
         o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
         lse_ref[...] = m * LN2 + jnp.log(l)
 
 
-def _forward_triton(q, k, v, q_seg, kv_seg, st: Static):
+def _forward_triton(q, k, v, q_seg, kv_seg, offset, st: Static):
     """Padded inputs -> (o [B, Tp, N, H], lse [B, N, Tp] f32)."""
     b, tp, n, h = q.shape
     kh = k.shape[2]
@@ -120,13 +124,13 @@ def _forward_triton(q, k, v, q_seg, kv_seg, st: Static):
         pl.BlockSpec((None, st.kv_pad, None, h), lambda ni, bi, i: (bi, 0, lax.div(ni, g), 0)),
         pl.BlockSpec((None, st.kv_pad, None, h), lambda ni, bi, i: (bi, 0, lax.div(ni, g), 0)),
     ]
-    args = [q, k, v]
-    if has_seg:
-        in_specs += [pl.BlockSpec((None, bq), lambda ni, bi, i: (bi, own(i))),
-                     pl.BlockSpec((None, st.kv_pad), lambda ni, bi, i: (bi, 0)),
-                     pl.BlockSpec((None, None, 4), lambda ni, bi, i: (bi, own(i), 0))]
-        classes = tile_classes(q_seg, kv_seg, st=st, block_q=bq, block_kv=st.blocks.block_kv)
-        args += [q_seg, kv_seg, stream_bounds(classes)]
+    specs, args = optional_inputs(
+        q_seg, kv_seg, offset, st,
+        seg_specs=[pl.BlockSpec((None, bq), lambda ni, bi, i: (bi, own(i))),
+                   pl.BlockSpec((None, st.kv_pad), lambda ni, bi, i: (bi, 0))],
+        bounds_spec=pl.BlockSpec((None, None, 4), lambda ni, bi, i: (bi, own(i), 0)),
+        bounds=loop_bounds(q_seg, kv_seg, offset, st, batch=b, block_q=bq, block_kv=st.blocks.block_kv))
+    in_specs, args = in_specs + specs, [q, k, v, *args]
     out_specs = [pl.BlockSpec((None, bq, None, h), lambda ni, bi, i: (bi, own(i), ni, 0)),
                  pl.BlockSpec((None, None, bq), lambda ni, bi, i: (bi, ni, own(i)))]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -149,6 +153,7 @@ def _forward_mosaic(q, k, v, q_seg, st: Static):
     bq, bk = st.blocks.block_q, st.blocks.block_kv
     problems = [
         (q_seg is None, "segment ids are not supported"),
+        (not st.window and not st.offset, "no sliding window or position offset"),
         (q.dtype in (jnp.bfloat16, jnp.float16), f"dtype {q.dtype} is not bfloat16/float16"),
         (h % 64 == 0, f"head_dim={h} is not a multiple of 64"),
         (t == s, f"q length {t} != kv length {s}"),
@@ -167,7 +172,7 @@ def _forward_mosaic(q, k, v, q_seg, st: Static):
     return o, lse2 * LN2  # its log-sum-exp is in base 2
 
 
-def _forward(q, k, v, q_seg, kv_seg, st: Static):
+def _forward(q, k, v, q_seg, kv_seg, offset, st: Static):
     """Unpadded inputs -> (o [B, T, N, H], lse [B, N, T] float32)."""
     if st.blocks.forward == "mosaic":
         if st.interpret:
@@ -177,7 +182,7 @@ def _forward(q, k, v, q_seg, kv_seg, st: Static):
     qp, kp, vp = pad_axis(q, 1, st.q_pad), pad_axis(k, 1, st.kv_pad), pad_axis(v, 1, st.kv_pad)
     if q_seg is not None:
         q_seg, kv_seg = pad_axis(q_seg, 1, st.q_pad), pad_axis(kv_seg, 1, st.kv_pad)
-    o, lse = _forward_triton(qp, kp, vp, q_seg, kv_seg, st)
+    o, lse = _forward_triton(qp, kp, vp, q_seg, kv_seg, offset, st)
     return o[:, :st.q_len], lse[:, :, :st.q_len]
 
 
@@ -187,11 +192,8 @@ def _forward(q, k, v, q_seg, kv_seg, st: Static):
 
 def _dkv_kernel(*refs, st: Static, has_seg: bool, groups: int, fused: bool):
     ins, (dk_ref, dv_ref, *dq_ref) = (refs[:-3], refs[-3:]) if fused else (refs[:-2], refs[-2:])
-    if has_seg:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, qseg_ref, kvseg_ref, bounds_ref = ins
-    else:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref = ins
-        qseg_ref = kvseg_ref = bounds_ref = None
+    q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, *optional = ins
+    qseg_ref, kvseg_ref, bounds_ref, offset = optional_refs(optional, st, has_seg)
     bq, bk = st.blocks.block_q_dkv, st.blocks.block_kv_dkv
     col0 = pl.program_id(2) * bk  # key blocks slowest, the heaviest (j = 0) first
     k = k_ref[...]  # [bk, H]
@@ -214,8 +216,9 @@ def _dkv_kernel(*refs, st: Static, has_seg: bool, groups: int, fused: bool):
             q_seg = qseg_ref[pl.ds(row0, bq)] if has_seg else None
             # Padded keys need no mask for dK/dV (their rows are sliced off and do not enter the
             # real keys' gradients), but they would enter dQ.
-            s = jnp.where(tile_mask(row0, col0, s.shape, causal=st.causal, kv_len=kv_tail(st) if fused else None,
-                                    q_seg=q_seg, kv_seg=kv_seg, keys_first=True), s, MASK_VALUE)
+            s = jnp.where(tile_mask(row0 + offset, col0, s.shape, causal=st.causal,
+                                    kv_len=kv_tail(st) if fused else None, q_seg=q_seg, kv_seg=kv_seg,
+                                    keys_first=True, window=st.window), s, MASK_VALUE)
         p = jnp.exp2(s - lse2[None, :])
         dv = dv + dot_nn(p.astype(do.dtype), do)
         dp = dot_nt(v, do)  # [bk, bq]
@@ -226,7 +229,7 @@ def _dkv_kernel(*refs, st: Static, has_seg: bool, groups: int, fused: bool):
                              dot_tn(ds.astype(k.dtype), k) * st.scale)
         return dk, dv
 
-    if has_seg:
+    if bounds_ref is not None:
         lo, full_lo, full_hi, hi = (bounds_ref[x] for x in range(4))
     else:
         lo, full_lo = q_loop_bounds(col0, st=st, block_rows=bq, block_cols=bk)
@@ -246,11 +249,8 @@ def _dkv_kernel(*refs, st: Static, has_seg: bool, groups: int, fused: bool):
 
 
 def _dq_kernel(*refs, st: Static, has_seg: bool):
-    if has_seg:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, qseg_ref, kvseg_ref, bounds_ref, dq_ref = refs
-    else:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, dq_ref = refs
-        qseg_ref = kvseg_ref = bounds_ref = None
+    q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, *optional, dq_ref = refs
+    qseg_ref, kvseg_ref, bounds_ref, offset = optional_refs(optional, st, has_seg)
     bq, bk = st.blocks.block_q_dq, st.blocks.block_kv_dq
     row0 = heavy_first(pl.program_id(2), n=st.q_pad // bq, causal=st.causal) * bq
     q = q_ref[...]  # [bq, H]
@@ -267,8 +267,8 @@ def _dq_kernel(*refs, st: Static, has_seg: bool):
         s = dot_nt(q, k) * qk_scale
         if masked:
             kv_seg = kvseg_ref[pl.ds(col0, bk)] if has_seg else None
-            s = jnp.where(tile_mask(row0, col0, s.shape, causal=st.causal, kv_len=kv_tail(st),
-                                q_seg=q_seg, kv_seg=kv_seg), s, MASK_VALUE)
+            s = jnp.where(tile_mask(row0 + offset, col0, s.shape, causal=st.causal, kv_len=kv_tail(st),
+                                    q_seg=q_seg, kv_seg=kv_seg, window=st.window), s, MASK_VALUE)
         p = jnp.exp2(s - lse2[:, None])
         ds = p * (dot_nt(do, v) - delta[:, None])
         return dq + dot_nn(ds.astype(k.dtype), k)
@@ -277,7 +277,7 @@ def _dq_kernel(*refs, st: Static, has_seg: bool):
     dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
 
 
-def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, st: Static):
+def _backward(q, k, v, q_seg, kv_seg, offset, o, lse, do, dlse, st: Static):
     """(dq, dk, dv) from unpadded residuals and cotangents."""
     b, t, n, h = q.shape
     kh = k.shape[2]
@@ -304,13 +304,13 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, st: Static):
         pl.BlockSpec((None, g, tp), lambda ki, bi, j: (bi, ki, 0)),  # lse
         pl.BlockSpec((None, g, tp), lambda ki, bi, j: (bi, ki, 0)),  # delta
     ]
-    args = [qp, kp, vp, dop, lse, delta]
-    if has_seg:
-        in_specs += [pl.BlockSpec((None, tp), lambda ki, bi, j: (bi, 0)),
-                     pl.BlockSpec((None, bk), lambda ki, bi, j: (bi, j)),
-                     pl.BlockSpec((None, None, 4), lambda ki, bi, j: (bi, j, 0))]
-        classes = tile_classes(q_seg, kv_seg, st=st, block_q=bl.block_q_dkv, block_kv=bk)
-        args += [q_seg, kv_seg, stream_bounds(classes.transpose(0, 2, 1))]
+    specs, args = optional_inputs(
+        q_seg, kv_seg, offset, st,
+        seg_specs=[pl.BlockSpec((None, tp), lambda ki, bi, j: (bi, 0)),
+                   pl.BlockSpec((None, bk), lambda ki, bi, j: (bi, j))],
+        bounds_spec=pl.BlockSpec((None, None, 4), lambda ki, bi, j: (bi, j, 0)),
+        bounds=loop_bounds(q_seg, kv_seg, offset, st, batch=b, block_q=bl.block_q_dkv, block_kv=bk, keys_own=True))
+    in_specs, args = in_specs + specs, [qp, kp, vp, dop, lse, delta, *args]
     kv_spec = pl.BlockSpec((None, bk, None, h), lambda ki, bi, j: (bi, j, ki, 0))
     out_specs = [kv_spec, kv_spec]
     out_shape = [jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)]
@@ -332,14 +332,14 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, st: Static):
     q_spec = pl.BlockSpec((None, bq, None, h), lambda ni, bi, i: (bi, own(i), ni, 0))
     kv_full = pl.BlockSpec((None, sp, None, h), lambda ni, bi, i: (bi, 0, lax.div(ni, g), 0))
     row_spec = pl.BlockSpec((None, None, bq), lambda ni, bi, i: (bi, ni, own(i)))
-    in_specs = [q_spec, kv_full, kv_full, q_spec, row_spec, row_spec]
-    args = [qp, kp, vp, dop, lse, delta]
-    if has_seg:
-        in_specs += [pl.BlockSpec((None, bq), lambda ni, bi, i: (bi, own(i))),
-                     pl.BlockSpec((None, sp), lambda ni, bi, i: (bi, 0)),
-                     pl.BlockSpec((None, None, 4), lambda ni, bi, i: (bi, own(i), 0))]
-        classes = tile_classes(q_seg, kv_seg, st=st, block_q=bq, block_kv=bl.block_kv_dq)
-        args += [q_seg, kv_seg, stream_bounds(classes)]
+    specs, args = optional_inputs(
+        q_seg, kv_seg, offset, st,
+        seg_specs=[pl.BlockSpec((None, bq), lambda ni, bi, i: (bi, own(i))),
+                   pl.BlockSpec((None, sp), lambda ni, bi, i: (bi, 0))],
+        bounds_spec=pl.BlockSpec((None, None, 4), lambda ni, bi, i: (bi, own(i), 0)),
+        bounds=loop_bounds(q_seg, kv_seg, offset, st, batch=b, block_q=bq, block_kv=bl.block_kv_dq))
+    in_specs = [q_spec, kv_full, kv_full, q_spec, row_spec, row_spec, *specs]
+    args = [qp, kp, vp, dop, lse, delta, *args]
     (dq,) = run_pallas(
         functools.partial(_dq_kernel, st=st, has_seg=has_seg), args=args, grid=(n, b, tp // bq),
         in_specs=in_specs, out_specs=[q_spec], out_shape=[jax.ShapeDtypeStruct(qp.shape, q.dtype)],
@@ -351,9 +351,9 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, st: Static):
 # custom_vjp and the public function
 # --------------------------------------------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, q_seg, kv_seg, st: Static):
-    return _forward(q, k, v, q_seg, kv_seg, st)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, q_seg, kv_seg, offset, st: Static):
+    return _forward(q, k, v, q_seg, kv_seg, offset, st)
 
 
 # The name of the forward's output and log-sum-exp under `jax.checkpoint`: a remat policy that saves
@@ -362,17 +362,17 @@ def _flash(q, k, v, q_seg, kv_seg, st: Static):
 RESIDUAL_NAME = "flash_attention_residual"
 
 
-def _flash_fwd(q, k, v, q_seg, kv_seg, st):
-    o, lse = _forward(q, k, v, q_seg, kv_seg, st)
+def _flash_fwd(q, k, v, q_seg, kv_seg, offset, st):
+    o, lse = _forward(q, k, v, q_seg, kv_seg, offset, st)
     o, lse = checkpoint_name(o, RESIDUAL_NAME), checkpoint_name(lse, RESIDUAL_NAME)
-    return (o, lse), (q, k, v, q_seg, kv_seg, o, lse)
+    return (o, lse), (q, k, v, q_seg, kv_seg, offset, o, lse)
 
 
 def _flash_bwd(st, residuals, cotangents):
-    q, k, v, q_seg, kv_seg, o, lse = residuals
+    q, k, v, q_seg, kv_seg, offset, o, lse = residuals
     do, dlse = cotangents
-    dq, dk, dv = _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, st)
-    return dq, dk, dv, None, None
+    dq, dk, dv = _backward(q, k, v, q_seg, kv_seg, offset, o, lse, do, dlse, st)
+    return dq, dk, dv, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -391,12 +391,29 @@ def check_supported(q_shape, k_shape, *, interpret: bool) -> str | None:
     return None
 
 
+def _offset_input(q_offset):
+    """The offset as the kernels' input (None: none, a Python 0)."""
+    if isinstance(q_offset, int) and q_offset == 0:
+        return None
+    return jnp.asarray(q_offset, jnp.int32)
+
+
+def _static(q_btnh, k_bskh, *, causal, scale, block_sizes, interpret, poison, window, offset) -> Static:
+    t, s, h = q_btnh.shape[1], k_bskh.shape[1], q_btnh.shape[3]
+    if window < 0:
+        raise ValueError(f"flash_attention: window={window} must be >= 0 (0: none)")
+    return make_static(t, s, scale=float(h ** -0.5 if scale is None else scale), causal=bool(causal),
+                       blocks=block_sizes or BlockSizes.default(h), interpret=bool(interpret),
+                       poison=bool(poison), window=int(window), offset=offset is not None)
+
+
 def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
                     segment_ids_bt: jax.Array | None = None,
                     kv_segment_ids_bs: jax.Array | None = None,
                     causal: bool = True, scale: float | None = None,
                     block_sizes: BlockSizes | None = None, interpret: bool = False,
-                    return_lse: bool = False, poison_outputs: bool = False):
+                    return_lse: bool = False, poison_outputs: bool = False,
+                    window: int = 0, q_offset: int | jax.Array = 0):
     """FlashAttention with grouped-query heads; differentiable (custom_vjp with Pallas kernels).
 
     Args:
@@ -412,6 +429,12 @@ def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
       return_lse: also return the log-sum-exp of each row's (scaled, masked) scores.
       poison_outputs: testing aid: NaN-fill every output buffer before the kernels run, so a tile
         that is never written fails a comparison.
+      window: a sliding window: query t sees keys s with t - s < window (the `window` latest,
+        itself included, under causal masking; `ops.reference.mask`); 0: none. Tiles wholly
+        outside it are skipped, tiles wholly inside run unmasked.
+      q_offset: int32 scalar (may be traced): query i sits at position i + q_offset against key j
+        at position j, for the causal mask and the window (a chunk pair under context parallelism:
+        the chunks' global start positions' difference); 0: aligned.
 
     Returns:
       out [B, T, N, H] in q's dtype, and with `return_lse` also lse [B, N, T] float32 (natural log).
@@ -421,7 +444,7 @@ def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
         problem = f"v {tuple(v_bskh.shape)} must have k's shape {tuple(k_bskh.shape)}"
     if problem:
         raise ValueError(f"flash_attention: {problem}")
-    t, s, h = q_btnh.shape[1], k_bskh.shape[1], q_btnh.shape[3]
+    t, s = q_btnh.shape[1], k_bskh.shape[1]
     if segment_ids_bt is not None and kv_segment_ids_bs is None:
         if t != s:
             raise ValueError(f"flash_attention: segment_ids_bt alone needs T == S (got T={t}, S={s});"
@@ -432,26 +455,27 @@ def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
     if segment_ids_bt is not None:
         segment_ids_bt = segment_ids_bt.astype(jnp.int32)
         kv_segment_ids_bs = kv_segment_ids_bs.astype(jnp.int32)
-    blocks = block_sizes or BlockSizes.default(h)
-    st = make_static(t, s, scale=float(h ** -0.5 if scale is None else scale), causal=bool(causal),
-                 blocks=blocks, interpret=bool(interpret), poison=bool(poison_outputs))
-    out, lse = _flash(q_btnh, k_bskh, v_bskh, segment_ids_bt, kv_segment_ids_bs, st)
+    offset = _offset_input(q_offset)
+    st = _static(q_btnh, k_bskh, causal=causal, scale=scale, block_sizes=block_sizes, interpret=interpret,
+                 poison=poison_outputs, window=window, offset=offset)
+    out, lse = _flash(q_btnh, k_bskh, v_bskh, segment_ids_bt, kv_segment_ids_bs, offset, st)
     return (out, lse) if return_lse else out
 
 
 def flash_attention_bwd(q_btnh, k_bskh, v_bskh, o_btnh, lse_bnt, do_btnh, dlse_bnt=None, *,
                         segment_ids_bt=None, kv_segment_ids_bs=None, causal: bool = True,
                         scale: float | None = None, block_sizes: BlockSizes | None = None,
-                        interpret: bool = False):
+                        interpret: bool = False, window: int = 0, q_offset: int | jax.Array = 0):
     """The backward kernels alone: (dq, dk, dv) of this (Q, K/V) pair given an output `o_btnh` and
     log-sum-exp `lse_bnt` that may come from a larger attention (context parallelism merges several
-    K/V chunks: with the merged o and lse, FlashAttention-2's backward gives each chunk's share)."""
-    t, s, h = q_btnh.shape[1], k_bskh.shape[1], q_btnh.shape[3]
+    K/V chunks: with the merged o and lse, FlashAttention-2's backward gives each chunk's share).
+    `window` and `q_offset` as in `flash_attention`."""
     if segment_ids_bt is not None:
         segment_ids_bt = segment_ids_bt.astype(jnp.int32)
         kv_segment_ids_bs = (segment_ids_bt if kv_segment_ids_bs is None else kv_segment_ids_bs).astype(jnp.int32)
-    st = make_static(t, s, scale=float(h ** -0.5 if scale is None else scale), causal=bool(causal),
-                 blocks=block_sizes or BlockSizes.default(h), interpret=bool(interpret), poison=False)
+    offset = _offset_input(q_offset)
+    st = _static(q_btnh, k_bskh, causal=causal, scale=scale, block_sizes=block_sizes, interpret=interpret,
+                 poison=False, window=window, offset=offset)
     dlse_bnt = jnp.zeros_like(lse_bnt) if dlse_bnt is None else dlse_bnt
-    return _backward(q_btnh, k_bskh, v_bskh, segment_ids_bt, kv_segment_ids_bs, o_btnh, lse_bnt,
+    return _backward(q_btnh, k_bskh, v_bskh, segment_ids_bt, kv_segment_ids_bs, offset, o_btnh, lse_bnt,
                      do_btnh, dlse_bnt, st)

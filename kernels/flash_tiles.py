@@ -129,9 +129,17 @@ class Static:
     kv_pad: int
     interpret: bool
     poison: bool
+    window: int = 0  # a sliding window: query t sees keys s with t - s < window; 0: none
+    offset: bool = False  # an offset input: query i sits at position i + offset against key j at j
+
+    def classified(self, has_seg: bool) -> bool:
+        """Whether the loops run over bounds from the tile classes (`tile_classes`, in XLA) rather
+        than the causal diagonal's, computed in the kernel: with segment ids, a window or an offset."""
+        return has_seg or self.window > 0 or self.offset
 
 
-def make_static(q_len, kv_len, *, scale, causal, blocks, interpret, poison) -> Static:
+def make_static(q_len, kv_len, *, scale, causal, blocks, interpret, poison, window: int = 0,
+                offset: bool = False) -> Static:
     fq = functools.partial(fit, length=q_len)
     fk = functools.partial(fit, length=kv_len)
     b = dataclasses.replace(blocks, block_q=fq(blocks.block_q), block_kv=fk(blocks.block_kv),
@@ -140,7 +148,7 @@ def make_static(q_len, kv_len, *, scale, causal, blocks, interpret, poison) -> S
     q_pad = round_up(q_len, max(b.block_q, b.block_q_dkv, b.block_q_dq))  # powers of two: max = lcm
     kv_pad = round_up(kv_len, max(b.block_kv, b.block_kv_dkv, b.block_kv_dq))
     return Static(scale=scale, causal=causal, blocks=b, q_len=q_len, kv_len=kv_len, q_pad=q_pad,
-                   kv_pad=kv_pad, interpret=interpret, poison=poison)
+                   kv_pad=kv_pad, interpret=interpret, poison=poison, window=window, offset=offset)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -163,9 +171,10 @@ def dot_tn(a, b):
 
 
 def tile_mask(row0, col0, shape, *, causal: bool, kv_len: int | None, q_seg, kv_seg,
-              keys_first: bool = False):
-    """Which (row, col) of a [rows, cols] tile of queries from row0 and keys from col0 may attend;
-    with `keys_first` the tile is [keys, queries] (the dK/dV kernel's transposed scores)."""
+              keys_first: bool = False, window: int = 0):
+    """Which (row, col) of a [rows, cols] tile of queries from position row0 and keys from col0 may
+    attend (row0 includes the offset, if any); with `keys_first` the tile is [keys, queries] (the
+    dK/dV kernel's transposed scores)."""
     q_axis, kv_axis = (1, 0) if keys_first else (0, 1)
     rows = row0 + lax.broadcasted_iota(jnp.int32, shape, q_axis)
     cols = col0 + lax.broadcasted_iota(jnp.int32, shape, kv_axis)
@@ -174,6 +183,8 @@ def tile_mask(row0, col0, shape, *, causal: bool, kv_len: int | None, q_seg, kv_
         mask = mask & (cols < kv_len)
     if causal:
         mask = mask & (rows >= cols)
+    if window:
+        mask = mask & (rows - cols < window)
     if q_seg is not None:
         mask = mask & ((kv_seg[:, None] == q_seg[None, :]) if keys_first else (q_seg[:, None] == kv_seg[None, :]))
     return mask
@@ -224,8 +235,9 @@ def heavy_first(i, n: int, causal: bool):
 
 def stream(step, carry, bounds_ref, row0, *, st: Static, block_rows: int, block_cols: int):
     """Run `step(j, carry, masked)` over the K/V blocks a row tile streams (forward and dQ): with
-    segment ids over the bounds `stream_bounds` gave it (`bounds_ref`: empty blocks skipped, the run
-    of full ones unmasked), without them over the causal bounds (`kv_loop_bounds`)."""
+    segment ids, a window or an offset over the bounds `stream_bounds` gave it (`bounds_ref`: empty
+    blocks skipped, the run of full ones unmasked), without them over the causal bounds
+    (`kv_loop_bounds`)."""
     if bounds_ref is None:
         n_plain, n_total = kv_loop_bounds(row0, st=st, block_rows=block_rows, block_cols=block_cols)
         carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False), carry)
@@ -250,28 +262,40 @@ def block_ranges(seg_bt, block: int):
     return jnp.min(blocks, axis=-1), jnp.max(blocks, axis=-1)
 
 
-def tile_classes(q_seg, kv_seg, *, st: Static, block_q: int, block_kv: int):
+def tile_classes(q_seg, kv_seg, *, st: Static, block_q: int, block_kv: int, offset=0, batch: int = 1):
     """[B, Tp // block_q, Sp // block_kv] int32: EMPTY (no query of the tile sees a key of it: the
-    blocks' segment ranges do not meet, the tile lies above the causal diagonal, or it holds only
-    padding), FULL (every query sees every key: both blocks hold one and the same segment, the tile
-    lies below the diagonal and holds no padded key) or PARTIAL (needs the element mask).
+    blocks' segment ranges do not meet, the tile lies above the causal diagonal or wholly outside
+    the window, or it holds only padding), FULL (every query sees every key: both blocks hold one
+    and the same segment, the tile lies below the diagonal and inside the window, no padded key) or
+    PARTIAL (needs the element mask). Without segment ids (None) the batch is `batch`, alike.
 
-    From each block's (min, max) segment id alone: a few [B, blocks] reductions, no [T, S] array.
-    Disjoint ranges prove a tile empty for any ids; a tile inside one document (the usual case of
-    packed rows, whose documents are contiguous runs) is full.
+    From each block's (min, max) segment id and the tile's least and greatest query-key distance
+    (`offset` shifts the queries' positions: a traced scalar under context parallelism): a few
+    [B, blocks] reductions, no [T, S] array. Disjoint ranges prove a tile empty for any ids; a tile
+    inside one document (the usual case of packed rows, whose documents are contiguous runs) is full.
     """
-    q_min, q_max = block_ranges(q_seg, block_q)
-    kv_min, kv_max = block_ranges(kv_seg, block_kv)
-    q_min, q_max = q_min[:, :, None], q_max[:, :, None]
-    kv_min, kv_max = kv_min[:, None, :], kv_max[:, None, :]
     row0 = (jnp.arange(st.q_pad // block_q) * block_q)[None, :, None]
     col0 = (jnp.arange(st.kv_pad // block_kv) * block_kv)[None, None, :]
-    meet = (q_max >= kv_min) & (kv_max >= q_min) & (row0 < st.q_len) & (col0 < st.kv_len)
-    full = (q_min == q_max) & (kv_min == kv_max) & (q_min == kv_min) & (col0 + block_kv <= st.kv_len)
+    meet = (row0 < st.q_len) & (col0 < st.kv_len)
+    full = col0 + block_kv <= st.kv_len
+    if q_seg is not None:
+        q_min, q_max = block_ranges(q_seg, block_q)
+        kv_min, kv_max = block_ranges(kv_seg, block_kv)
+        q_min, q_max = q_min[:, :, None], q_max[:, :, None]
+        kv_min, kv_max = kv_min[:, None, :], kv_max[:, None, :]
+        meet = meet & (q_max >= kv_min) & (kv_max >= q_min)
+        full = full & (q_min == q_max) & (kv_min == kv_max) & (q_min == kv_min)
+    # The query-key distances (query position - key position) the tile spans.
+    near = row0 + offset - (col0 + block_kv - 1)
+    far = row0 + block_q - 1 + offset - col0
     if st.causal:
-        meet = meet & (col0 <= row0 + block_q - 1)
-        full = full & (col0 + block_kv - 1 <= row0)
-    return jnp.where(meet, jnp.where(full, FULL, PARTIAL), EMPTY).astype(jnp.int32)
+        meet = meet & (far >= 0)
+        full = full & (near >= 0)
+    if st.window:
+        meet = meet & (near < st.window)
+        full = full & (far < st.window)
+    classes = jnp.where(meet, jnp.where(full, FULL, PARTIAL), EMPTY).astype(jnp.int32)
+    return jnp.broadcast_to(classes, (classes.shape[0] if q_seg is not None else batch, *classes.shape[1:]))
 
 
 def stream_bounds(classes):
@@ -292,6 +316,43 @@ def stream_bounds(classes):
     after = jnp.where((idx >= full_lo[..., None]) & ~full, idx, n)
     full_hi = jnp.minimum(jnp.min(after, axis=-1), hi).astype(jnp.int32)
     return jnp.stack([lo, full_lo, full_hi, hi], axis=-1)
+
+
+def optional_refs(refs, st: Static, has_seg: bool):
+    """(q_seg ref, kv_seg ref, bounds ref, offset) from a kernel's optional inputs, in the order
+    `optional_inputs` passes them: None (the offset 0) where absent."""
+    refs = list(refs)
+    qseg_ref, kvseg_ref = (refs.pop(0), refs.pop(0)) if has_seg else (None, None)
+    bounds_ref = refs.pop(0) if st.classified(has_seg) else None
+    offset = refs.pop(0)[0] if st.offset else 0
+    return qseg_ref, kvseg_ref, bounds_ref, offset
+
+
+def optional_inputs(q_seg, kv_seg, offset, st: Static, *, seg_specs, bounds_spec, bounds):
+    """(in_specs, args) of a kernel's optional inputs: the segment ids, the loop bounds (`loop_bounds`)
+    and the offset (one int32; every program reads it)."""
+    specs, args = [], []
+    if q_seg is not None:
+        specs += seg_specs
+        args += [q_seg, kv_seg]
+    if bounds is not None:
+        specs.append(bounds_spec)
+        args.append(bounds)
+    if st.offset:
+        specs.append(pl.BlockSpec((1,), lambda *_: (0,)))
+        args.append(jnp.reshape(offset, (1,)).astype(jnp.int32))
+    return specs, args
+
+
+def loop_bounds(q_seg, kv_seg, offset, st: Static, *, batch: int, block_q: int, block_kv: int,
+            keys_own: bool = False):
+    """Each program's loop bounds from the tile classes (`stream_bounds`), or None where the kernel
+    derives them from the causal diagonal; `keys_own`: the dK/dV kernel (owns keys, streams queries)."""
+    if not st.classified(q_seg is not None):
+        return None
+    classes = tile_classes(q_seg, kv_seg, st=st, block_q=block_q, block_kv=block_kv,
+                           offset=0 if offset is None else offset, batch=batch)
+    return stream_bounds(classes.transpose(0, 2, 1) if keys_own else classes)
 
 
 def compiler_params(num_warps: int, num_stages: int):

@@ -156,9 +156,11 @@ def compile_lowered(lowered: Any, arch: int = 90) -> list[KernelResources]:
 
 
 def compile_flash(head_dim: int, blocks: Any, *, segments: bool = True, length: int = 1024,
-                  arch: int = 90) -> list[KernelResources]:
+                  arch: int = 90, window: int = 0, offset: bool = False) -> list[KernelResources]:
     """The flash kernels of a causal forward+backward with GQA (2 query heads, 1 kv head), bf16,
-    [1, length] rows, lowered for CUDA with `blocks` (a `BlockSizes`) and compiled for sm_`arch`."""
+    [1, length] rows, lowered for CUDA with `blocks` (a `BlockSizes`) and compiled for sm_`arch`;
+    with a sliding `window` and, with `offset`, the queries' position offset of a chunk pair under
+    context parallelism (a traced scalar)."""
     import jax
     import jax.numpy as jnp
 
@@ -168,11 +170,13 @@ def compile_flash(head_dim: int, blocks: Any, *, segments: bool = True, length: 
     kv = jax.ShapeDtypeStruct((1, length, 1, head_dim), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((1, length), jnp.int32)
 
-    def fwd_bwd(q, k, v, s):
+    def fwd_bwd(q, k, v, s, shift):
         attend = lambda q, k, v: flash_attention(q, k, v, segment_ids_bt=s if segments else None,  # noqa: E731
-                                                 block_sizes=blocks)
+                                                 block_sizes=blocks, window=window,
+                                                 q_offset=shift if offset else 0)
         out, vjp = jax.vjp(attend, q, k, v)
         return vjp(out)
 
-    lowered = jax.jit(fwd_bwd).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",))
+    shift = jax.ShapeDtypeStruct((), jnp.int32)
+    lowered = jax.jit(fwd_bwd).trace(q, kv, kv, seg, shift).lower(lowering_platforms=("cuda",))
     return compile_lowered(lowered, arch)

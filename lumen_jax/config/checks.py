@@ -257,10 +257,6 @@ def _batch_and_sequence(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bo
     yield (not mesh.sequence_parallel or d.seq_len % (cp * tp) == 0,
            f"mesh.sequence_parallel=true needs data.seq_len={d.seq_len} divisible by mesh.context*mesh.tensor="
            f"{cp * tp}; use a multiple of {need} or set mesh.sequence_parallel=false")
-    window = cfg.model.sliding_window
-    yield (cp == 1 or not 0 < window < d.seq_len,
-           f"model.sliding_window={window} binds at data.seq_len={d.seq_len}, and context parallelism has no "
-           f"sliding window yet (mesh.context={cp}); use mesh.context=1, or a window >= the sequence")
     yield (not zigzag or d.seq_len % (2 * cp) == 0,
            f"mesh.context_balance=zigzag cuts data.seq_len={d.seq_len} into 2*mesh.context={2 * cp} chunks; "
            f"use a multiple of {need} or mesh.context_balance=contiguous")

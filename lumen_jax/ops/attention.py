@@ -3,17 +3,18 @@
 `attention(q, k, v, ..., ops=...)` is the only entry point the model calls. Implementations
 (`Ops.attention`, chosen once when the step is built):
 
-- `xla`: the reference (`ops.reference.reference`: fp32 softmax, GQA without repeating K/V, causal
-  and document masking). In the trainer's step on one CPU device (`Ops.cpu`) the same output in the
+- `xla`: the reference (`ops.reference.reference`: fp32 softmax, GQA without repeating K/V, causal,
+  sliding-window and document masking). In the trainer's step on one CPU device (`Ops.cpu`) the same output in the
   heads-first layout XLA:CPU runs faster (`ops.cpu.heads_first_attention`).
 - `flash`: FlashAttention-2 Pallas kernels (`lumen_jax.kernels.flash_attention`): no [T, S] score
-  matrix in memory, causal blocks above the diagonal skipped, the same masks and GQA. Compiled
+  matrix in memory, causal blocks above the diagonal and outside the window skipped, the same masks
+  and GQA. Compiled
   through Triton on GPU; Pallas's interpreter on CPU (`Ops.interpret`: correct, slow, for tests).
   On a multi-device mesh the kernel runs per shard (`parallel.shard.per_device`: batch over
   data/fsdp, heads over tensor).
 - `cudnn`: cuDNN's fused attention (`ops.cudnn`), per shard like flash; packed documents through
   cuDNN's packed layout, a row with more documents than it holds through flash (or the reference
-  where flash cannot take the shape).
+  where flash cannot take the shape). All three take a sliding window (`window`).
 
 When the trainer's mesh splits sequences (`Ops.context`) the call goes to context parallelism
 (`lumen_jax.parallel.context`: ring or all-gather, load-balanced), which runs the chosen
@@ -41,17 +42,19 @@ _KV_AXES = ("batch", None, "act_kv_heads", None)
 _SEG_AXES = ("batch", None)
 
 
+def _flash_local(ops: Ops, causal: bool, scale: float | None, window: int):
+    """The flash kernel on one shard: (q, k, v, segment ids) -> out, with the tiles and the mode
+    `ops.choice.choose` picked (`ops.flash_blocks`, `ops.interpret`)."""
+    fn = functools.partial(flash_lib.flash_attention, causal=causal, scale=scale, block_sizes=ops.flash_blocks,
+                           interpret=ops.interpret, window=window)
+    return lambda q, k, v, seg: fn(q, k, v, segment_ids_bt=seg)  # noqa: E731
+
+
 def flash_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
                     segment_ids_bt: jax.Array | None = None, causal: bool = True,
-                    scale: float | None = None, ops: Ops = Ops(attention="flash")) -> jax.Array:
-    """The Pallas FlashAttention kernel with the reference's signature, per shard of the mesh.
-
-    `ops.flash_blocks` and `ops.interpret` are the tiles and the mode `ops.choice.choose` picked.
-    """
-    fn = functools.partial(flash_lib.flash_attention, causal=causal, scale=scale, block_sizes=ops.flash_blocks,
-                           interpret=ops.interpret)
-    local = lambda q, k, v, seg: fn(q, k, v, segment_ids_bt=seg)  # noqa: E731
-    return shard.per_device(local, in_axes=(_Q_AXES, _KV_AXES, _KV_AXES, _SEG_AXES),
+                    scale: float | None = None, ops: Ops = Ops(attention="flash"), window: int = 0) -> jax.Array:
+    """The Pallas FlashAttention kernel with the reference's signature, per shard of the mesh."""
+    return shard.per_device(_flash_local(ops, causal, scale, window), in_axes=(_Q_AXES, _KV_AXES, _KV_AXES, _SEG_AXES),
                             out_axes=_Q_AXES)(q_btnh, k_bskh, v_bskh, segment_ids_bt)
 
 
@@ -60,11 +63,9 @@ def cudnn_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
                     scale: float | None = None, ops: Ops = Ops(attention="cudnn"), window: int = 0) -> jax.Array:
     """cuDNN's fused attention (`ops.cudnn.attention`) with the reference's signature, per shard of
     the mesh; its fallback for rows of many documents is flash (`ops.flash_blocks` set) or the
-    reference (always under a sliding `window`, which our kernel has not)."""
-    if ops.flash_blocks is not None and not window:
-        kernel = functools.partial(flash_lib.flash_attention, causal=causal, scale=scale,
-                                   block_sizes=ops.flash_blocks, interpret=ops.interpret)
-        fallback = lambda q, k, v, seg: kernel(q, k, v, segment_ids_bt=seg)  # noqa: E731
+    reference."""
+    if ops.flash_blocks is not None:
+        fallback = _flash_local(ops, causal, scale, window)
     else:
         fallback = lambda q, k, v, seg: reference(q, k, v, segment_ids_bt=seg, causal=causal, scale=scale,  # noqa: E731
                                                   window=window)[0]
@@ -84,21 +85,21 @@ def block_kernel(ops: Ops, head_dim: int, *, scale: float | None = None) -> cont
         raise ValueError("cuDNN's backward drops the log-sum-exp's gradient: context parallelism cannot run it")
     scale = head_dim ** -0.5 if scale is None else scale
     if ops.attention == "xla":
-        def ref_fwd(q, k, v, q_seg, kv_seg, causal):
+        def ref_fwd(q, k, v, q_seg, kv_seg, causal, window, offset):
             return reference(q, k, v, segment_ids_bt=q_seg, kv_segment_ids_bs=kv_seg, causal=causal,
-                             scale=scale, out_dtype=jnp.float32)
+                             scale=scale, out_dtype=jnp.float32, window=window, q_offset=offset)
         return context_lib.BlockKernel(ref_fwd, functools.partial(reference_bwd, scale=scale))
     kw = dict(scale=scale, block_sizes=ops.flash_blocks, interpret=ops.interpret)
 
-    def fwd(q, k, v, q_seg, kv_seg, causal):
+    def fwd(q, k, v, q_seg, kv_seg, causal, window, offset):
         o, lse = flash_lib.flash_attention(q, k, v, segment_ids_bt=q_seg, kv_segment_ids_bs=kv_seg,
-                                           causal=causal, return_lse=True, **kw)
+                                           causal=causal, return_lse=True, window=window, q_offset=offset, **kw)
         return o.astype(jnp.float32), lse
 
-    def bwd(q, k, v, q_seg, kv_seg, o, lse, do, dlse, causal):
+    def bwd(q, k, v, q_seg, kv_seg, o, lse, do, dlse, causal, window, offset):
         return flash_lib.flash_attention_bwd(q, k, v, o.astype(q.dtype), lse, do.astype(q.dtype), dlse,
                                              segment_ids_bt=q_seg, kv_segment_ids_bs=kv_seg,
-                                             causal=causal, **kw)
+                                             causal=causal, window=window, q_offset=offset, **kw)
 
     return context_lib.BlockKernel(fwd, bwd)
 
@@ -114,23 +115,20 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
       causal: mask future positions. scale: softmax scale; default 1/sqrt(H).
       ops: the implementation choice (`ops.choice.choose`).
       window: a sliding window (query t sees keys s > t - window, `ops.reference.mask`); 0, or a
-        window as long as the keys, is none. The reference and cuDNN take it; our flash kernel and
-        context parallelism do not yet (`ops.choice` and the config checks keep them off it).
+        window as long as the keys, is none. Every implementation takes it, context parallelism too
+        (over the original positions).
     """
     window = window if 0 < window < k_bskh.shape[1] else 0
-    if window and (ops.context or ops.attention == "flash"):
-        raise ValueError(f"a sliding window of {window} keys: {'context parallelism' if ops.context else 'flash'} "
-                         "has none yet (ops.choice and the config checks route around it)")
     if ops.context:
         kernel = block_kernel(ops, q_btnh.shape[-1], scale=scale)
         return context_lib.context_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=segment_ids_bt,
-                                             causal=causal, kernel=kernel)[0]
+                                             causal=causal, kernel=kernel, window=window)[0]
     if ops.attention == "cudnn":
         return cudnn_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=segment_ids_bt, causal=causal,
                                scale=scale, ops=ops, window=window)
     if ops.attention == "flash":
         return flash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=segment_ids_bt, causal=causal,
-                               scale=scale, ops=ops)
+                               scale=scale, ops=ops, window=window)
     if ops.cpu:
         h = q_btnh.shape[-1]
         return cpu.heads_first_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, causal,

@@ -11,7 +11,7 @@ trace time where it runs. What is decided:
   parallelism): measured 2.1x faster than our kernel forward+backward at 8k causal
   (docs/PERFORMANCE.md). Else flash where the kernel takes the shapes, else xla; off GPU xla.
   `note` names the choice and why (the trainer's start-up line prints it). A sliding window
-  (`model.sliding_window`) is cuDNN's or the reference's: our kernel has none yet. An explicit `flash` or
+  (`model.sliding_window`) changes nothing here: every implementation takes it. An explicit `flash` or
   `cudnn` that cannot take the case is a `ConfigError` before anything compiles. On CPU the
   kernels run in Pallas's interpreter (`interpret`); the tiles come from the device
   (`flash_blocks`, also set under cudnn where flash takes the shapes: cuDNN's fallback for rows of
@@ -143,8 +143,6 @@ def choose(model: ModelConfig, devices: Sequence[Any], context: int = 1) -> Ops:
     h = model.resolved_head_dim
     flash_problem = flash_lib.check_supported((1, 1, model.num_heads, h), (1, 1, model.num_kv_heads, h),
                                               interpret=interpret)
-    if model.sliding_window and not flash_problem:
-        flash_problem = f"model.sliding_window={model.sliding_window}: our kernel has no sliding window yet"
     cudnn_problem = cudnn_lib.check_supported(platform, getattr(device, "compute_capability", "0.0"),
                                               model.compute_dtype, h)
     attention, note = _attention(model.attention, platform, flash_problem, cudnn_problem, context > 1)

@@ -26,7 +26,7 @@ _MASKED = jnp.finfo(jnp.float32).min  # finite: a row with no visible key gives 
 
 
 def mask(t: int, s: int, causal: bool, q_seg: jax.Array | None, kv_seg: jax.Array | None,
-         window: int = 0) -> jax.Array:
+         window: int = 0, q_offset: int | jax.Array = 0) -> jax.Array:
     """Which of [T] queries see which of [S] keys: [B|1, 1, 1, T, S] bool, against scores [B, K, G, T, S].
 
     Args:
@@ -35,12 +35,15 @@ def mask(t: int, s: int, causal: bool, q_seg: jax.Array | None, kv_seg: jax.Arra
       q_seg, kv_seg: [B, T] and [B, S] document ids (both or neither): tokens see their own document only.
       window: query t sees keys s > t - window (the `window` latest, itself included; Mistral's
         sliding window, as transformers masks it); 0: no window.
+      q_offset: query t sits at position t + q_offset against key s at s, for causal and window (a
+        chunk pair under context parallelism; may be traced); 0: aligned.
     """
     keep = jnp.ones((1, t, s), dtype=bool)
+    distance = (jnp.arange(t) + q_offset)[:, None] - jnp.arange(s)[None, :]
     if causal:
-        keep = keep & (jnp.arange(t)[:, None] >= jnp.arange(s)[None, :])[None]
+        keep = keep & (distance >= 0)[None]
     if window:
-        keep = keep & (jnp.arange(t)[:, None] - jnp.arange(s)[None, :] < window)[None]
+        keep = keep & (distance < window)[None]
     if q_seg is not None:
         keep = keep & (q_seg[:, :, None] == kv_seg[:, None, :])
     return keep[:, None, None]
@@ -49,7 +52,8 @@ def mask(t: int, s: int, causal: bool, q_seg: jax.Array | None, kv_seg: jax.Arra
 def reference(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
               segment_ids_bt: jax.Array | None = None, kv_segment_ids_bs: jax.Array | None = None,
               causal: bool = True, scale: float | None = None,
-              out_dtype: Any = None, window: int = 0) -> tuple[jax.Array, jax.Array]:
+              out_dtype: Any = None, window: int = 0,
+              q_offset: int | jax.Array = 0) -> tuple[jax.Array, jax.Array]:
     """Attention with grouped-query heads: (out [B, T, N, H], lse [B, N, T] float32).
 
     Args:
@@ -62,6 +66,7 @@ def reference(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
       scale: softmax scale; default 1/sqrt(H).
       out_dtype: the output's dtype; default q's.
       window: a sliding window (`mask`); 0: none.
+      q_offset: the queries' positions against the keys' (`mask`); 0: aligned.
 
     Returns:
       The output and the natural-log log-sum-exp of each row's scaled, masked scores. Scores and
@@ -77,16 +82,18 @@ def reference(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
     kv_seg = segment_ids_bt if kv_segment_ids_bs is None else kv_segment_ids_bs
     q_btkgh = q_btnh.reshape(b, t, kh, n // kh, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask(t, s, causal, segment_ids_bt, kv_seg, window), scores, _MASKED)
+    scores = jnp.where(mask(t, s, causal, segment_ids_bt, kv_seg, window, q_offset), scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh, preferred_element_type=jnp.float32)
     lse = jax.nn.logsumexp(scores, axis=-1).reshape(b, n, t)
     return out.reshape(b, t, n, h).astype(q_btnh.dtype if out_dtype is None else out_dtype), lse
 
 
-def reference_bwd(q, k, v, q_seg, kv_seg, o, lse, do, dlse, causal: bool, *, scale: float):
+def reference_bwd(q, k, v, q_seg, kv_seg, o, lse, do, dlse, causal: bool, window: int = 0,
+                  q_offset: int | jax.Array = 0, *, scale: float):
     """(dq, dk, dv) float32 of one (query, key) pair from the merged `o` [B, T, N, H] and `lse`
-    [B, N, T] and their cotangents `do`, `dlse` (FlashAttention-2's backward, in jnp)."""
+    [B, N, T] and their cotangents `do`, `dlse` (FlashAttention-2's backward, in jnp); `window`
+    and `q_offset` as in `mask`."""
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
     g = n // kh
@@ -96,7 +103,7 @@ def reference_bwd(q, k, v, q_seg, kv_seg, o, lse, do, dlse, causal: bool, *, sca
     k, v = k.astype(f32), v.astype(f32)
     delta = (jnp.einsum("btnh,btnh->bnt", do_g.reshape(b, t, n, h), o.astype(f32)) - dlse).reshape(b, kh, g, t)
     scores = jnp.einsum("btkgh,bskh->bkgts", q_g, k) * scale
-    probs = jnp.where(mask(t, s, causal, q_seg, kv_seg),
+    probs = jnp.where(mask(t, s, causal, q_seg, kv_seg, window, q_offset),
                       jnp.exp(scores - lse.reshape(b, kh, g, t)[..., None]), 0.0)
     dv = jnp.einsum("bkgts,btkgh->bskh", probs, do_g)
     ds = probs * (jnp.einsum("btkgh,bskh->bkgts", do_g, v) - delta[..., None])

@@ -20,7 +20,10 @@ chunks i and 2C-1-i, so every device does the same work. The tokens are permuted
 needs no change, and the loss is a sum over tokens, so it does not notice the order. Causal masking
 inside attention uses the layout's global chunk ids: a (query chunk, key chunk) pair is skipped
 when the keys are all later, computed unmasked when they are all earlier, and with the causal mask
-on the diagonal.
+on the diagonal. A sliding window (query t sees keys s with t - s < window) compares global
+positions the same way (`pair_kind`): a pair wholly outside the window is skipped (the ring still
+carries its K/V on), one wholly inside runs unmasked, and one the window's edge crosses runs masked
+with the queries' global offset against the keys' (`BlockKernel`'s `offset`).
 
 The per-pair attention is a `BlockKernel` supplied by `lumen_jax.ops.attention.block_kernel` (the
 Pallas flash kernel or the jnp reference, as `ops.choice` chose): forward -> (o, lse), backward from
@@ -44,17 +47,20 @@ from lumen_jax.parallel import rules as rules_lib
 from lumen_jax.parallel import shard
 
 AXIS = "context"
-SKIP, FULL, DIAGONAL = 0, 1, 2  # how one query chunk attends to one key chunk
+SKIP, FULL, DIAGONAL, WINDOW = 0, 1, 2, 3  # how one query chunk attends to one key chunk
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockKernel:
     """Attention of one query chunk to one key chunk, forward and backward (local, no collectives).
 
-    fwd(q, k, v, q_seg, kv_seg, causal) -> (o [B, T, N, H] float32, lse [B, N, T] float32); a row
-      with no visible key has lse -inf (or a very negative finite value) and contributes nothing.
-    bwd(q, k, v, q_seg, kv_seg, o, lse, do, dlse, causal) -> (dq, dk, dv): this pair's share of
-      the gradients given the *merged* output and log-sum-exp (FlashAttention-2's backward).
+    fwd(q, k, v, q_seg, kv_seg, causal, window, offset) -> (o [B, T, N, H] float32, lse [B, N, T]
+      float32); a row with no visible key has lse -inf (or a very negative finite value) and
+      contributes nothing. `window`: a sliding window (0: none); `offset`: the queries' global
+      position minus the keys' at index 0 (0, or a traced int32), for the causal mask and the window.
+    bwd(q, k, v, q_seg, kv_seg, o, lse, do, dlse, causal, window, offset) -> (dq, dk, dv): this
+      pair's share of the gradients given the *merged* output and log-sum-exp (FlashAttention-2's
+      backward).
     """
 
     fwd: Callable
@@ -103,11 +109,21 @@ def unpermute_tokens(x, layout: Layout, axis: int = 1):
     return jnp.take(x, np.argsort(layout.order(x.shape[axis])), axis=axis)
 
 
-def pair_kind(q_chunk, k_chunk, causal: bool):
-    """SKIP, FULL or DIAGONAL for a (query chunk, key chunk) pair of global chunk ids."""
-    if not causal:
+def pair_kind(q_chunk, k_chunk, causal: bool, window: int = 0, chunk_len: int = 1):
+    """How a (query chunk, key chunk) pair of global chunk ids (ints or traced) of `chunk_len` tokens
+    each attends: SKIP (no query sees a key: the keys all later, or all beyond the sliding `window`),
+    FULL (every query sees every key), DIAGONAL (the same chunk: masked, no offset) or WINDOW (the
+    window's edge crosses the pair: masked with the queries' offset `(q_chunk - k_chunk) * chunk_len`)."""
+    if not causal and not window:
         return FULL
-    return jnp.where(k_chunk > q_chunk, SKIP, jnp.where(k_chunk == q_chunk, DIAGONAL, FULL))
+    gap = (q_chunk - k_chunk) * chunk_len  # the queries' global offset against the keys'
+    near, far = gap - (chunk_len - 1), gap + chunk_len - 1  # the pair's least and greatest distance
+    none_seen, all_seen = False, True
+    if causal:  # the diagonal pair stays masked, even of one-token chunks (`work_per_device` counts it half)
+        none_seen, all_seen = far < 0, (near >= 0) & (gap != 0)
+    if window:
+        none_seen, all_seen = none_seen | (near >= window), all_seen & (far < window)
+    return jnp.where(none_seen, SKIP, jnp.where(all_seen, FULL, jnp.where(gap == 0, DIAGONAL, WINDOW)))
 
 
 def work_per_device(layout: Layout, causal: bool = True) -> list[float]:
@@ -129,6 +145,7 @@ class _Spec:
     strategy: str  # ring | allgather
     causal: bool
     kernel: BlockKernel
+    window: int = 0  # a sliding window over global positions; 0: none
 
 
 def _split(x, parts: int, axis: int):
@@ -159,28 +176,37 @@ def _attend(spec: _Spec, acc, q_ids, qs, q_segs, kv, kv_device):
     p = spec.layout.chunks_per_device
     ks, vs, k_segs = _split(k, p, 1), _split(v, p, 1), _segs(kv_seg, p)
     k_ids = spec.layout.chunk_ids(kv_device)
-    kernel = spec.kernel
 
-    def skip(q, k, v, qs_, ks_):
+    def skip(q, k, v, qs_, ks_, offset):
         b, t, n, _ = q.shape
         return jnp.zeros(q.shape, jnp.float32), jnp.full((b, n, t), -jnp.inf, jnp.float32)
 
-    def full(q, k, v, qs_, ks_):
-        return kernel.fwd(q, k, v, qs_, ks_, False)
-
-    def diagonal(q, k, v, qs_, ks_):
-        return kernel.fwd(q, k, v, qs_, ks_, True)
-
+    branches = (skip, *_masks(spec, spec.kernel.fwd, qs[0].shape[1]))
     acc = list(acc)
     for a in range(p):
         for b in range(p):
             args = (qs[a], ks[b], vs[b], q_segs[a], k_segs[b])
-            if spec.causal:
-                part = lax.switch(pair_kind(q_ids[a], k_ids[b], True), (skip, full, diagonal), *args)
-            else:
-                part = full(*args)
-            acc[a] = _merge(acc[a], part)
+            acc[a] = _merge(acc[a], _pair(spec, branches, q_ids[a], k_ids[b], qs[0].shape[1], args))
     return acc
+
+
+def _masks(spec: _Spec, fn: Callable, chunk_len: int) -> tuple[Callable, ...]:
+    """The kernel `fn` (a BlockKernel's fwd or bwd) as the FULL, DIAGONAL and, with a window,
+    WINDOW branches of `pair_kind`: each takes (*args, offset)."""
+    # Inside the diagonal pair the distances stay below chunk_len: a window that long binds nowhere.
+    diagonal_window = spec.window if spec.window < chunk_len else 0
+    full = lambda *args: fn(*args[:-1], False, 0, 0)  # noqa: E731
+    diagonal = lambda *args: fn(*args[:-1], spec.causal, diagonal_window, 0)  # noqa: E731
+    edge = lambda *args: fn(*args[:-1], spec.causal, spec.window, args[-1])  # noqa: E731
+    return (full, diagonal, edge) if spec.window else (full, diagonal)
+
+
+def _pair(spec: _Spec, branches, q_id, k_id, chunk_len: int, args):
+    """`branches` (SKIP first, then `_masks`) run on the pair of global chunk ids (q_id, k_id)."""
+    if not spec.causal and not spec.window:
+        return branches[FULL](*args, 0)
+    offset = (q_id - k_id) * chunk_len
+    return lax.switch(pair_kind(q_id, k_id, spec.causal, spec.window, chunk_len), branches, *args, offset)
 
 
 def _attend_grads(spec: _Spec, dq, q_ids, res, kv, kv_device):
@@ -190,27 +216,22 @@ def _attend_grads(spec: _Spec, dq, q_ids, res, kv, kv_device):
     p = spec.layout.chunks_per_device
     ks, vs, k_segs = _split(k, p, 1), _split(v, p, 1), _segs(kv_seg, p)
     k_ids = spec.layout.chunk_ids(kv_device)
-    kernel = spec.kernel
 
     def skip(*args):
         q, k = args[0], args[1]
         return jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32)
 
-    def grads(causal):
-        def fn(*args):
-            return tuple(g.astype(jnp.float32) for g in kernel.bwd(*args, causal))
-        return fn
+    def grads(*args):
+        return tuple(g.astype(jnp.float32) for g in spec.kernel.bwd(*args))
 
+    branches = (skip, *_masks(spec, grads, qs[0].shape[1]))
     dq = list(dq)
     dks = [jnp.zeros(x.shape, jnp.float32) for x in ks]
     dvs = [jnp.zeros(x.shape, jnp.float32) for x in vs]
     for a in range(p):
         for b in range(p):
             args = (qs[a], ks[b], vs[b], q_segs[a], k_segs[b], os_[a], lses[a], dos[a], dlses[a])
-            if spec.causal:
-                g = lax.switch(pair_kind(q_ids[a], k_ids[b], True), (skip, grads(False), grads(True)), *args)
-            else:
-                g = grads(False)(*args)
+            g = _pair(spec, branches, q_ids[a], k_ids[b], qs[0].shape[1], args)
             dq[a] = dq[a] + g[0]
             dks[b], dvs[b] = dks[b] + g[1], dvs[b] + g[2]
     return dq, _join(dks, 1), _join(dvs, 1)
@@ -331,7 +352,7 @@ LSE_AXES = ("batch", "act_heads", "seq")
 
 def context_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
                       segment_ids_bt: jax.Array | None, causal: bool,
-                      kernel: BlockKernel) -> tuple[jax.Array, jax.Array]:
+                      kernel: BlockKernel, window: int = 0) -> tuple[jax.Array, jax.Array]:
     """Attention over sequences sharded along the active mesh's `context` axis.
 
     Runs under `rules.activate` with `context` > 1 (`ops.Ops.context`); the strategy and the load
@@ -344,12 +365,15 @@ def context_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *
       segment_ids_bt: [B, T] document ids (same order), or None.
       causal: causal masking by original token position.
       kernel: the local attention of one chunk pair (`ops.attention.block_kernel`).
+      window: a sliding window over the original positions (query t sees keys s with
+        t - s < window); 0: none.
 
     Returns:
       (out [B, T, N, H] in q's dtype, lse [B, N, T] float32), in the same token order.
     """
     mesh, rules = rules_lib.active()
-    spec = _Spec(Layout(mesh.shape[AXIS], rules.context_balance), rules.context_parallel, bool(causal), kernel)
+    spec = _Spec(Layout(mesh.shape[AXIS], rules.context_balance), rules.context_parallel, bool(causal), kernel,
+                 int(window))
     fn = lambda q, k, v, seg: _local(q, k, v, seg, seg, spec)  # noqa: E731
     return shard.per_device(fn, in_axes=(Q_AXES, KV_AXES, KV_AXES, SEQ_AXES),
                             out_axes=(Q_AXES, LSE_AXES))(q_btnh, k_bskh, v_bskh, segment_ids_bt)

@@ -33,7 +33,7 @@ compare a plan with the compiled step: `python -m lumen_jax.lower --against-xla`
 
 from lumen_jax.plan.collectives import Collective, collectives, link_of
 from lumen_jax.plan.cost import (ELEMENTWISE_OPS, bubble_fraction, compiled_flops_per_device, context_score_fraction,
-                                 flops_per_device, planned_flops_per_token)
+                                 flops_per_device, planned_flops_per_token, planned_score_fraction)
 from lumen_jax.plan.hardware import AXES, DEVICES, Hardware, Layout, compute_bytes, layout_from_config
 from lumen_jax.plan.memory import (BACKWARD_ROWS, CONTEXT_BACKWARD_ROWS, STATE_BYTES, TEXTBOOK_BYTES_PER_PARAM,
                                    Activations, Residuals, activation_bytes, fp8_bytes,
@@ -46,6 +46,7 @@ __all__ = [
     "TEXTBOOK_BYTES_PER_PARAM", "Activations", "Collective", "Hardware", "Layout", "Plan", "Residuals",
     "activation_bytes", "bubble_fraction", "collectives", "compute_bytes", "compiled_flops_per_device",
     "context_score_fraction", "flops_per_device", "fp8_bytes", "layer_residuals",
-    "layout_from_config", "link_of", "planned_attention", "planned_flops_per_token", "predict", "recomputes",
+    "layout_from_config", "link_of", "planned_attention", "planned_flops_per_token", "planned_score_fraction",
+    "predict", "recomputes",
     "saved_bytes_per_token", "search", "state_bytes", "working_bytes_per_token",
 ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import numpy as np
+
 from lumen_jax.metrics import flops
 from lumen_jax.config import ModelConfig
 from lumen_jax.parallel import context as context_lib
@@ -25,22 +27,56 @@ from lumen_jax.plan.memory import (STATE_BYTES, computed_score_fraction, loss_ch
 ELEMENTWISE_OPS = {"score": 19, "embed": 58, "logit": 9, "param": 36, "pair": 16}
 
 
+def window_pair_share(gap: int, chunk_len: int, window: int) -> float:
+    """The part of a (query chunk, key chunk) pair's chunk_len^2 (query, key) pairs a causal sliding
+    `window` shows (0 <= query position - key position < window), the queries `gap` positions after
+    the keys: 1 inside the window, 0 outside, between on its edge."""
+    delta = np.arange(1 - chunk_len, chunk_len)  # query index - key index, on chunk_len - |delta| pairs each
+    distance = gap + delta
+    seen = (distance >= 0) & (distance < window)
+    return float(np.sum((chunk_len - np.abs(delta)) * seen)) / chunk_len ** 2
+
+
 @functools.lru_cache(maxsize=256)  # the search asks it for every candidate
-def context_score_fraction(context: int, balance: str = "zigzag", attention: str = "flash") -> float:
+def context_score_fraction(context: int, balance: str = "zigzag", attention: str = "flash", seq_len: int = 0,
+                           window: int = 0) -> float:
     """The part of the S x S score square the busiest context device computes, times C: 1/2 for
     balanced causal work (zigzag with a kernel that skips the upper half of a diagonal block).
 
     Counts the (query chunk, key chunk) pairs `lumen_jax.parallel.context` does not skip: a pair
     below the diagonal in full, a diagonal pair half with the flash kernel and whole with the xla
     one (which masks it). Contiguous chunks leave device C-1 with C - 1/2 blocks against C/2 on average.
+    With a sliding `window` shorter than `seq_len` a pair outside it is skipped too, and the flash
+    kernel computes the window's share of the others (`window_pair_share`: it skips the tiles
+    outside), the xla one each pair it does not skip whole.
     """
     layout = context_lib.Layout(context, balance)
-    diagonal = 0.5 if attention == "flash" else 1.0
     n_chunks = context * layout.chunks_per_device
-    work = [sum(1.0 if k < q else diagonal if k == q else 0.0
-                for j in range(context) for q in layout.chunk_ids(i) for k in layout.chunk_ids(j))
+    if window:
+        chunk = seq_len // n_chunks
+        shares = {gap: window_pair_share(gap * chunk, chunk, window) for gap in range(1 - n_chunks, n_chunks)}
+        weight = {gap: share if attention == "flash" else float(share > 0) for gap, share in shares.items()}
+    else:
+        diagonal = 0.5 if attention == "flash" else 1.0
+        weight = {gap: 1.0 if gap > 0 else diagonal if gap == 0 else 0.0 for gap in range(1 - n_chunks, n_chunks)}
+    work = [sum(weight[q - k] for j in range(context) for q in layout.chunk_ids(i) for k in layout.chunk_ids(j))
             for i in range(context)]
     return max(work) * context / n_chunks ** 2
+
+
+def planned_score_fraction(model: ModelConfig, mesh, seq_len: int, attention: str) -> float:
+    """The part of the S x S score square the step's busiest device computes, times C: the causal
+    half on one device (the MFU convention), or with a sliding window shorter than the sequence and
+    a fused kernel (`attention` flash: ours or cuDNN's, which skip what lies outside) the window's
+    share, as `metrics.flops` counts it (W/S - W^2/2S^2); under context parallelism
+    `context_score_fraction`, with the window."""
+    window = model.sliding_window if 0 < model.sliding_window < seq_len else 0
+    if mesh.context > 1:
+        return context_score_fraction(mesh.context, mesh.context_balance, attention, seq_len if window else 0, window)
+    if window and attention == "flash":
+        return (flops.attention_forward_flops_per_token(model, seq_len)
+                / flops.attention_forward_flops_per_token(model, seq_len, causal=False))
+    return 0.5
 
 
 def planned_flops_per_token(model: ModelConfig, layout: Layout, seq_len: int, remat: str, *,

@@ -11,7 +11,7 @@ from lumen_jax.metrics import flops
 from lumen_jax.config import Config, MeshConfig, ModelConfig
 from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.plan.collectives import Collective, collectives
-from lumen_jax.plan.cost import context_score_fraction, planned_flops_per_token
+from lumen_jax.plan.cost import planned_flops_per_token, planned_score_fraction
 from lumen_jax.plan.efficiency import Compute, Efficiency, Overlap, compute_seconds
 from lumen_jax.plan.hardware import Hardware, Layout, uneven_split
 from lumen_jax.plan.memory import (Activations, activation_bytes, communication_bytes, fp8_bytes, recomputes,
@@ -217,9 +217,9 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     micro_batch, state, fp8, activations = _memory(cfg, layout, remat, attention, moe_backend)
     tokens = cfg.data.global_batch_size * seq
     peak = hw.peak(model.compute_dtype)
-    # Under context parallelism the step waits for the busiest device's share of the score square.
-    fraction = (context_score_fraction(layout.mesh.context, layout.mesh.context_balance, attention)
-                if layout.mesh.context > 1 else 0.5)
+    # Under context parallelism the step waits for the busiest device's share of the score square;
+    # a sliding window leaves its share of it.
+    fraction = planned_score_fraction(model, layout.mesh, seq, attention)
     redo_as = attention if kernel_kept else "xla"  # the reference attention keeps no kernel residuals
     redo = recomputes(remat, layout.mesh.context, layout.mesh.context_parallel, redo_as)
     if kernel == "cudnn" and kernel_kept and remat != "none":  # our cuDNN call's residuals are out of reach

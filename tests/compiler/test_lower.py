@@ -227,16 +227,18 @@ def test_cli_against_xla_prints_both_sides(capsys):
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("backward", ["split", "fused"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_default_hopper_tiles_compile_for_sm90_and_fit(head_dim, backward):
+@pytest.mark.parametrize("head_dim, window", [(64, 0), (128, 0), (64, 256), (128, 256)])
+def test_default_hopper_tiles_compile_for_sm90_and_fit(head_dim, window, backward):
     """The trainer's kernels (causal, segment ids, GQA) with Hopper's default tiles, compiled to sm_90
     by the triton package: shared memory per block and registers within Hopper's limits, no spills,
-    and every dot a wgmma (none falls back to Ampere's mma.sync); also with the one-kernel backward."""
+    and every dot a wgmma (none falls back to Ampere's mma.sync); also with the one-kernel backward,
+    and with a sliding window and a chunk pair's position offset (context parallelism's kernels)."""
     blocks = dataclasses.replace(BlockSizes.default(head_dim, lower.TargetGpu("9.0")), backward=backward)
     tiles = (blocks.block_q, blocks.block_kv, blocks.block_q_dkv, blocks.block_kv_dkv, blocks.block_q_dq,
              blocks.block_kv_dq)
     assert min(tiles) >= 64, blocks
-    found = {r.kernel: r for r in kernel_compile.compile_flash(head_dim, blocks, segments=True)}
+    found = {r.kernel: r for r in kernel_compile.compile_flash(head_dim, blocks, segments=True, window=window,
+                                                               offset=window > 0)}
     assert set(found) == (set(KERNELS) if backward == "split" else {"flash_fwd", "flash_bwd_fused"})
     for r in found.values():
         assert r.fits, r

@@ -66,11 +66,15 @@ class Case:
     dtype: type = jnp.float32
     s: int = 0  # key length; 0: t
     scale: float | None = None
+    window: int = 0  # a sliding window (0: none)
+    q_offset: int = 0  # the queries' positions against the keys'
 
     def __str__(self):
         return (f"B{self.b}-T{self.t}-S{self.s or self.t}-N{self.n}-K{self.kh}-H{self.h}-"
                 f"{'causal' if self.causal else 'full'}-{'seg' if self.segments else 'noseg'}-"
-                f"{jnp.dtype(self.dtype).name}" + (f"-scale{self.scale}" if self.scale else ""))
+                f"{jnp.dtype(self.dtype).name}" + (f"-scale{self.scale}" if self.scale else "")
+                + (f"-window{self.window}" if self.window else "")
+                + (f"-offset{self.q_offset}" if self.q_offset else ""))
 
 
 def inputs(case: Case, seed: int = 0, segment_ids=None):
@@ -99,14 +103,24 @@ def outputs_and_grads(fn, q, k, v, w_o, w_lse):
 
 def check_against_reference(case: Case, blocks: BlockSizes = SMALL, seed: int = 0, segment_ids=None):
     q, k, v, seg, w_o, w_lse = inputs(case, seed, segment_ids)
+    # Rows that see no key (only with an offset: a chunk pair under context parallelism) carry no
+    # weight and are not compared: each implementation gives them its own stand-in, which merging
+    # with the lse discards.
+    seen = jnp.any(reference_mask(case.t, case.s or case.t, case.causal, seg, seg, case.window,
+                                  case.q_offset)[:, 0, 0], axis=-1)  # [B|1, T]
+    seen = jnp.broadcast_to(seen, (case.b, case.t))
+    w_o, w_lse = w_o * seen[:, :, None, None], w_lse * seen[:, None, :]
     got = outputs_and_grads(
         lambda q, k, v: flash_attention(q, k, v, segment_ids_bt=seg, causal=case.causal,
                                         scale=case.scale, block_sizes=blocks, interpret=INTERPRET,
-                                        return_lse=True, poison_outputs=True), q, k, v, w_o, w_lse)
+                                        return_lse=True, poison_outputs=True, window=case.window,
+                                        q_offset=case.q_offset), q, k, v, w_o, w_lse)
     up = [x.astype(jnp.float32) for x in (q, k, v)]
     ref = outputs_and_grads(
         lambda q, k, v: reference(q, k, v, segment_ids_bt=seg, causal=case.causal,
-                                  scale=case.scale), *up, w_o, w_lse)
+                                  scale=case.scale, window=case.window, q_offset=case.q_offset), *up, w_o, w_lse)
+    where = (seen[:, :, None, None], seen[:, None, :], None, None, None)
+    got, ref = ([x if w is None else jnp.where(w, x, 0) for x, w in zip(r, where)] for r in (got, ref))
     for name, g, r, like in zip(("out", "lse", "dq", "dk", "dv"), got, ref, (q, None, q, k, v)):
         assert g.shape == r.shape, (name, g.shape, r.shape)
         if like is not None:
@@ -237,6 +251,27 @@ def documents(*rows) -> np.ndarray:
 PACKED = documents([(1, 50), (2, 3), (3, 67), (4, 37), (0, 3)], [(5, 40), (2, 50), (5, 70)])
 
 
+def assert_classes_agree(classes, mask, st, bq: int, bk: int):
+    """Tile classes [B, Tp // bq, Sp // bk] against the element mask of the unpadded lengths: EMPTY
+    tiles have no visible pair, FULL tiles no hidden one; all three classes occur; the loop bounds
+    skip only empty tiles and leave unmasked only full ones."""
+    visible = np.broadcast_to(np.asarray(mask)[:, 0, 0], (classes.shape[0], st.q_len, st.kv_len))
+    visible = np.pad(visible, ((0, 0), (0, st.q_pad - st.q_len), (0, st.kv_pad - st.kv_len)))
+    tiles = visible.reshape(classes.shape[0], st.q_pad // bq, bq, st.kv_pad // bk, bk)
+    real = (np.arange(st.q_pad) < st.q_len).reshape(1, st.q_pad // bq, bq, 1, 1)  # padded rows are sliced off
+    any_, all_ = tiles.any(axis=(2, 4)), (tiles | ~real).all(axis=(2, 4))
+    assert not np.any(any_ & (classes == flash_tiles.EMPTY)), classes
+    assert not np.any(~all_ & (classes == flash_tiles.FULL)), classes
+    assert set(np.unique(classes)) == {flash_tiles.EMPTY, flash_tiles.PARTIAL, flash_tiles.FULL}
+    for cls in (classes, classes.transpose(0, 2, 1)):  # forward/dQ, and dK/dV's view
+        bounds = np.asarray(flash_tiles.stream_bounds(jnp.asarray(cls)))
+        j = np.arange(cls.shape[-1])
+        lo, full_lo, full_hi, hi = (bounds[..., i, None] for i in range(4))
+        assert np.all((lo <= full_lo) & (full_lo <= full_hi) & (full_hi <= hi))
+        assert not np.any((cls != flash_tiles.EMPTY) & ((j < lo) | (j >= hi)))
+        assert np.all(cls[(j >= full_lo) & (j < full_hi)] == flash_tiles.FULL)
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_tile_classes_agree_with_the_mask(causal):
     """Each tile's class from the blocks' segment ranges against the element mask: EMPTY tiles have no
@@ -246,20 +281,7 @@ def test_tile_classes_agree_with_the_mask(causal):
     seg = jnp.asarray(flash_tiles.pad_axis(jnp.asarray(PACKED[:, :157]), 1, st.q_pad))
     for bq, bk in ((16, 32), (32, 16)):
         classes = np.asarray(flash_tiles.tile_classes(seg, seg, st=st, block_q=bq, block_kv=bk))
-        visible = np.asarray(reference_mask(157, 157, causal, seg[:, :157], seg[:, :157]))[:, 0, 0]
-        visible = np.pad(visible, ((0, 0), (0, st.q_pad - 157), (0, st.kv_pad - 157)))
-        tiles = visible.reshape(2, st.q_pad // bq, bq, st.kv_pad // bk, bk)
-        any_, all_ = tiles.any(axis=(2, 4)), tiles.all(axis=(2, 4))
-        assert not np.any(any_ & (classes == flash_tiles.EMPTY)), classes
-        assert not np.any(~all_ & (classes == flash_tiles.FULL)), classes
-        assert set(np.unique(classes)) == {flash_tiles.EMPTY, flash_tiles.PARTIAL, flash_tiles.FULL}
-        for cls in (classes, classes.transpose(0, 2, 1)):  # forward/dQ, and dK/dV's view
-            bounds = np.asarray(flash_tiles.stream_bounds(jnp.asarray(cls)))
-            j = np.arange(cls.shape[-1])
-            lo, full_lo, full_hi, hi = (bounds[..., i, None] for i in range(4))
-            assert np.all((lo <= full_lo) & (full_lo <= full_hi) & (full_hi <= hi))
-            assert not np.any((cls != flash_tiles.EMPTY) & ((j < lo) | (j >= hi)))
-            assert np.all(cls[(j >= full_lo) & (j < full_hi)] == flash_tiles.FULL)
+        assert_classes_agree(classes, reference_mask(157, 157, causal, seg[:, :157], seg[:, :157]), st, bq, bk)
         # The documents skip more tiles than causality and padding alone (one document per row).
         one_doc = np.asarray(flash_tiles.tile_classes(jnp.ones_like(seg), jnp.ones_like(seg), st=st, block_q=bq,
                                                       block_kv=bk))
@@ -278,6 +300,54 @@ def test_packed_documents_match_reference(case):
 
 
 FUSED = dataclasses.replace(SMALL, backward="fused")
+
+
+# --------------------------------------------------------------------------------------------------
+# A sliding window, and the queries' offset (a chunk pair under context parallelism)
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal, window, offset", [(True, 64, 0), (True, 64, 70), (False, 33, 0), (True, 0, -30)],
+                         ids=["causal-window64", "causal-window64-offset70", "full-window33", "causal-offset-30"])
+def test_window_tile_classes_agree_with_the_mask(causal, window, offset):
+    """Without segment ids, by position alone: tiles wholly outside the window (or, shifted by an
+    offset, above the diagonal) are empty, tiles wholly inside are full, the edges partial; the
+    window skips tiles causality alone would visit."""
+    st = flash_tiles.make_static(157, 157, scale=1.0, causal=causal, blocks=SMALL, interpret=True, poison=False,
+                                 window=window, offset=bool(offset))
+    for bq, bk in ((16, 32), (32, 16)):
+        classes = np.asarray(flash_tiles.tile_classes(None, None, st=st, block_q=bq, block_kv=bk, offset=offset,
+                                                      batch=2))
+        assert classes.shape == (2, st.q_pad // bq, st.kv_pad // bk)
+        assert_classes_agree(classes, reference_mask(157, 157, causal, None, None, window, offset), st, bq, bk)
+        unwindowed = np.asarray(flash_tiles.tile_classes(None, None, st=dataclasses.replace(st, window=0),
+                                                         block_q=bq, block_kv=bk, offset=offset))
+        if window:
+            assert np.sum(classes == flash_tiles.EMPTY) > 2 * np.sum(unwindowed == flash_tiles.EMPTY), classes
+
+
+WINDOW_CASES = [
+    Case(2, 70, 4, 2, 64, causal=True, segments=False, window=20),  # GQA, tiles out, in and on the edge, a tail
+    Case(2, 64, 4, 2, 64, causal=True, segments=True, window=24),  # packed documents
+    Case(1, 64, 4, 1, 128, causal=True, segments=True, dtype=jnp.bfloat16, window=33),
+    Case(1, 48, 2, 1, 64, causal=False, segments=False, window=9),  # no causal mask: later keys too
+    # Chunk pairs under context parallelism: the window's edge crossing the pair; rows (and whole
+    # row blocks) that see no key; an offset without a window (the diagonal shifted).
+    Case(1, 48, 2, 1, 64, causal=True, segments=False, s=80, window=40, q_offset=48),
+    Case(1, 48, 4, 2, 64, causal=True, segments=False, window=16, q_offset=40, dtype=jnp.bfloat16),
+    Case(1, 48, 2, 1, 64, causal=True, segments=False, q_offset=-20),
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=str)
+def test_window_matches_reference(case):
+    """`window` (and `q_offset`): output, log-sum-exp and the three gradients against the reference's
+    mask, with the tiles outside the window skipped and those inside unmasked."""
+    check_against_reference(case)
+
+
+@pytest.mark.parametrize("case", [WINDOW_CASES[1], WINDOW_CASES[4]], ids=str)
+def test_window_fused_backward_matches_reference(case):
+    check_against_reference(case, blocks=FUSED)
 
 
 @pytest.mark.parametrize("case", [*CASES[:4], Case(2, 160, 4, 2, 64, causal=True, segments=True),

@@ -1,7 +1,9 @@
 """`model.sliding_window` (Mistral): each query sees the `window` latest keys, itself included. The
-reference against jax's own windowed attention, the one-CPU formulation against the reference, the
-dispatch and the choice around our kernel (which has no window yet), cuDNN's window in the program
-lowered for CUDA, the FLOP count by hand, and training on meshes against one device."""
+reference against jax's own windowed attention, the one-CPU formulation and the flash dispatch
+against the reference, the choice (every implementation takes a window), cuDNN's window in the
+program lowered for CUDA, the FLOP count by hand, and training on meshes (context parallelism among
+them) against one device. The flash kernel's own window tests: tests/kernels/test_flash_attention.py;
+context parallelism's: tests/parallel/test_context_parallel.py."""
 
 import dataclasses
 import re
@@ -62,31 +64,28 @@ def test_the_one_cpu_formulation_takes_the_window_and_documents():
     np.testing.assert_allclose(got, want, rtol=SAME_MATH_FP32_RTOL, atol=1e-6)
 
 
-def test_dispatch_a_window_as_long_as_the_keys_is_none_and_flash_refuses_one_that_binds():
+def test_dispatch_a_window_as_long_as_the_keys_is_none_and_flash_takes_one_that_binds():
     q, k, v = qkv()
     plain = attention(q, k, v, ops=Ops())
     np.testing.assert_array_equal(attention(q, k, v, ops=Ops(), window=24), plain)
     np.testing.assert_array_equal(attention(q, k, v, ops=Ops(), window=0), plain)
-    assert not np.allclose(attention(q, k, v, ops=Ops(), window=8), plain, atol=1e-3)
-    with pytest.raises(ValueError, match="a sliding window of 8 keys: flash has none yet"):
-        attention(q, k, v, ops=Ops(attention="flash", interpret=True), window=8)
+    windowed = attention(q, k, v, ops=Ops(), window=8)
+    assert not np.allclose(windowed, plain, atol=1e-3)
+    flash = attention(q, k, v, ops=Ops(attention="flash", interpret=True), window=8)  # the interpreter
+    np.testing.assert_allclose(flash, windowed, rtol=FP32_RTOL, atol=1e-6)
 
 
-def test_the_choice_keeps_our_kernel_off_a_window_and_says_why():
+def test_the_choice_takes_any_implementation_under_a_window():
     window = ModelConfig(d_model=256, num_heads=4, num_kv_heads=2, compute_dtype="bfloat16", sliding_window=8)
     assert choose(dataclasses.replace(window, attention="auto"), HOPPER).attention == "cudnn"
     ops = choose(dataclasses.replace(window, attention="auto"), AMPERE)  # cuDNN lacks the packed layout there
-    assert ops.attention == "xla" and "model.sliding_window=8: our kernel has no sliding window yet" in ops.note
-    with pytest.raises(ConfigError, match=r"^model.attention=flash: model.sliding_window=8: our kernel"):
-        choose(dataclasses.replace(window, attention="flash"), HOPPER)
-    assert choose(dataclasses.replace(window, attention="cudnn"), HOPPER).flash_blocks is None  # its fallback: xla
+    assert ops.attention == "flash" and "sliding" not in ops.note
+    assert choose(dataclasses.replace(window, attention="flash"), HOPPER).attention == "flash"
+    assert choose(dataclasses.replace(window, attention="cudnn"), HOPPER).flash_blocks is not None  # its fallback
 
 
-def test_context_parallelism_with_a_window_that_binds_is_one_config_line():
-    cfg = with_mesh(BASE.replace(model=dataclasses.replace(BASE.model, sliding_window=8)), context=2)
-    with pytest.raises(ConfigError, match=r"model.sliding_window=8 binds at data.seq_len=32, and context "
-                                          r"parallelism has no sliding window yet \(mesh.context=2\)"):
-        validate(cfg, 2)
+def test_context_parallelism_takes_a_window_that_binds():
+    validate(with_mesh(BASE.replace(model=dataclasses.replace(BASE.model, sliding_window=8)), context=2), 2)
     validate(with_mesh(BASE.replace(model=dataclasses.replace(BASE.model, sliding_window=32)), context=2), 2)
     with pytest.raises(ConfigError, match="model.sliding_window=-1"):
         validate(BASE.replace(model=dataclasses.replace(BASE.model, sliding_window=-1)), 1)
@@ -110,7 +109,8 @@ def test_the_cuda_program_passes_the_window_to_cudnn():
                 lowering_platforms=("cuda",)).as_text(dialect="hlo")
             windows = re.findall(r'sliding_window_length\W+(\d+)', text)
             assert windows and set(windows) == {"6"}, windows
-            assert "flash_fwd" not in text  # the packed layout's fallback is the reference under a window
+            # The packed layout's fallback for rows of many documents is our kernel, with the window.
+            assert ("flash_fwd" in text) is (segments is not None)
 
 
 def test_flops_of_a_window_by_hand():
@@ -137,8 +137,11 @@ def window_reference():
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2, tensor=2), dict(fsdp=2, tensor=2, sequence_parallel=True),
-                                  dict(pipeline=2, fsdp=2)], ids=["data2-fsdp2-tensor2", "fsdp2-tensor2-sp",
-                                                                   "pipeline2-fsdp2"])
+                                  dict(pipeline=2, fsdp=2), dict(context=2, fsdp=2, tensor=2),
+                                  dict(context=4, fsdp=2, context_parallel="allgather"),
+                                  dict(context=4, data=2, context_balance="contiguous")],
+                         ids=["data2-fsdp2-tensor2", "fsdp2-tensor2-sp", "pipeline2-fsdp2", "context2-ring-fsdp2-tensor2",
+                              "context4-allgather-fsdp2", "context4-ring-contiguous-data2"])
 def test_a_window_trains_on_meshes_as_on_one_device(window_reference, mesh):
     """One device runs the one-CPU formulation, the meshes the reference: the window in both.
     Losses, grad norms and the first step's gradients to float32 (first gradients measured 5e-8 to
@@ -155,3 +158,16 @@ def test_a_window_trains_on_meshes_as_on_one_device(window_reference, mesh):
     if mesh.get("pipeline"):  # and the window is not a no-op at this length
         plain = run(with_mesh(BASE), devices=jax.devices()[:1])
         assert abs(plain["losses"][-1] - window_reference["losses"][-1]) > 100 * FP32_RTOL
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("mesh", [dict(), dict(context=2, fsdp=2)], ids=["one-device", "context2-ring-fsdp2"])
+def test_a_window_trains_with_our_kernel_as_with_the_reference(window_reference, mesh):
+    """`model.attention=flash` (the interpreter) under the window: on one device, and per chunk pair
+    of the ring (the window-edge pairs through the kernel's `q_offset`). Losses, grad norms and the
+    first step's gradients to float32, as the meshes above."""
+    flash = WINDOW.replace(model=dataclasses.replace(WINDOW.model, attention="flash"))
+    got = run(with_mesh(flash, **mesh), devices=jax.devices()[:1] if not mesh else None)
+    np.testing.assert_allclose(got["losses"], window_reference["losses"], rtol=FP32_RTOL)
+    np.testing.assert_allclose(got["grad_norms"], window_reference["grad_norms"], rtol=FP32_RTOL)
+    assert_tree_close(got["grads"], window_reference["grads"], FP32_RTOL, what=f"flash {mesh} first grads ")

@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from helpers.meshes import mesh_shape
 from lumen_jax.ops import attention as attention_ops
 from lumen_jax.ops.choice import Ops
+from lumen_jax.ops.reference import mask as reference_mask
 from lumen_jax.ops.reference import reference as reference_attention
 from lumen_jax.parallel import context as context_lib
 from lumen_jax.parallel.mesh import make_mesh
@@ -39,32 +40,33 @@ def inputs(seed: int = 0, segments: bool = False):
     return q, k, v, seg, ct_o, ct_lse
 
 
-def reference(q, k, v, seg, ct_o, ct_lse, causal):
+def reference(q, k, v, seg, ct_o, ct_lse, causal, window=0):
     def loss(q, k, v):
-        o, lse = reference_attention(q, k, v, segment_ids_bt=seg, causal=causal)
+        o, lse = reference_attention(q, k, v, segment_ids_bt=seg, causal=causal, window=window)
         return jnp.sum(o * ct_o) + jnp.sum(lse * ct_lse), (o, lse)
     grads, (o, lse) = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
     return o, lse, grads
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(c: int, strategy: str, causal: bool, has_seg: bool, balance: str, impl: str):
+def _compiled(c: int, strategy: str, causal: bool, has_seg: bool, balance: str, impl: str, window: int):
     mesh = make_mesh(mesh_shape(data=8 // c, context=c))
     rules = Rules(context_parallel=strategy, context_balance=balance)
     kernel = attention_ops.block_kernel(Ops(attention=impl, interpret=True), H)  # CPU: the interpreter
 
     def loss(q, k, v, seg, ct_o, ct_lse):
         with activate(mesh, rules):
-            o, lse = context_lib.context_attention(q, k, v, segment_ids_bt=seg, causal=causal, kernel=kernel)
+            o, lse = context_lib.context_attention(q, k, v, segment_ids_bt=seg, causal=causal, kernel=kernel,
+                                                   window=window)
         return jnp.sum(o * ct_o) + jnp.sum(lse * ct_lse), (o, lse)
 
     fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
     return mesh, rules, fn
 
 
-def context_parallel(q, k, v, seg, ct_o, ct_lse, *, c, strategy, causal, balance="zigzag", impl="xla"):
+def context_parallel(q, k, v, seg, ct_o, ct_lse, *, c, strategy, causal, balance="zigzag", impl="xla", window=0):
     """Run on the mesh with tokens permuted into the layout; results back in the original order."""
-    mesh, rules, fn = _compiled(c, strategy, causal, seg is not None, balance, impl)
+    mesh, rules, fn = _compiled(c, strategy, causal, seg is not None, balance, impl, window)
     layout = context_lib.Layout(c, balance)
     perm = lambda x, axis=1: jnp.asarray(context_lib.permute_tokens(np.asarray(x), layout, axis))  # noqa: E731
     put = lambda x, names: jax.device_put(x, NamedSharding(mesh, rules.spec(names)))  # noqa: E731
@@ -110,6 +112,54 @@ def test_flash_kernel_per_chunk(strategy):
     data = inputs(seed=7, segments=True)
     assert_matches(context_parallel(*data, c=2, strategy=strategy, causal=True, impl="flash"),
                    reference(*data, causal=True))
+
+
+# A sliding window of 20 over L = 64: with C = 4 zigzag (8 chunks of 8 tokens) the pairs one chunk
+# apart are FULL, two and three apart on the window's edge, four and more SKIP; with C = 2 the
+# window's edge crosses pairs one and two chunks apart (16 tokens each) or the one pair (32).
+WINDOW = 20
+
+
+@pytest.mark.parametrize("c,strategy,balance", [(2, "ring", "zigzag"), (2, "allgather", "contiguous"),
+                                                (4, "ring", "contiguous"), (4, "allgather", "zigzag"),
+                                                (4, "ring", "zigzag")])
+def test_a_sliding_window_matches_single_device(c, strategy, balance):
+    """The window across chunk pairs by global position (packed documents crossing chunk borders
+    too): output, log-sum-exp and gradients equal one device's."""
+    data = inputs(seed=11, segments=True)
+    assert_matches(context_parallel(*data, c=c, strategy=strategy, causal=True, balance=balance, window=WINDOW),
+                   reference(*data, causal=True, window=WINDOW))
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+def test_a_sliding_window_with_the_flash_kernel_per_chunk(strategy):
+    """The Pallas kernel (interpreted) on every chunk pair of C = 4 zigzag: skipped, unmasked,
+    diagonal and window-edge pairs (its `q_offset`)."""
+    data = inputs(seed=13, segments=True)
+    assert_matches(context_parallel(*data, c=4, strategy=strategy, causal=True, impl="flash", window=WINDOW),
+                   reference(*data, causal=True, window=WINDOW))
+
+
+@pytest.mark.parametrize("causal, window, chunk_len", [(True, 20, 8), (True, 5, 8), (False, 20, 8), (True, 0, 8),
+                                                       (True, 16, 16)])
+def test_pair_kinds_agree_with_the_mask(causal, window, chunk_len):
+    """Each (query chunk, key chunk) pair's kind against the element mask of the global positions:
+    SKIP exactly where no query sees a key, FULL exactly where every query sees every key,
+    DIAGONAL on the same chunk, WINDOW elsewhere."""
+    n = 8
+    visible = np.asarray(reference_mask(n * chunk_len, n * chunk_len, causal, None, None, window))[0, 0, 0]
+    blocks = visible.reshape(n, chunk_len, n, chunk_len)
+    kinds = set()
+    for qc in range(n):
+        for kc in range(n):
+            kind = int(context_lib.pair_kind(qc, kc, causal, window, chunk_len))
+            tile = blocks[qc, :, kc, :]
+            kinds.add(kind)
+            assert (kind == context_lib.SKIP) == (not tile.any()), (qc, kc, kind)
+            assert (kind == context_lib.FULL) == bool(tile.all()), (qc, kc, kind)
+            if kind not in (context_lib.SKIP, context_lib.FULL):
+                assert kind == (context_lib.DIAGONAL if qc == kc else context_lib.WINDOW), (qc, kc, kind)
+    assert (context_lib.WINDOW in kinds) == bool(window), kinds
 
 
 @pytest.mark.parametrize("c", [2, 4, 8])
@@ -185,10 +235,10 @@ def test_executed_blocks_per_device(balance):
     xla = attention_ops.block_kernel(Ops(), H)
     seen = []
 
-    def fwd(q, k, v, q_seg, kv_seg, causal):
+    def fwd(q, k, v, q_seg, kv_seg, causal, window, offset):
         jax.debug.callback(lambda d, diag: seen.append((int(d), bool(diag))), jax.lax.axis_index("context"),
                            causal)
-        return xla.fwd(q, k, v, q_seg, kv_seg, causal)
+        return xla.fwd(q, k, v, q_seg, kv_seg, causal, window, offset)
 
     kernel = context_lib.BlockKernel(fwd, xla.bwd)
     q, k, v, *_ = inputs()

@@ -419,6 +419,42 @@ def test_context_parallel_residuals_and_work():
     assert plan.context_score_fraction(4, "contiguous", "flash") == 3.5 / 4
 
 
+def test_a_sliding_window_plans_its_share_of_the_square():
+    """With model.sliding_window the planner's attention core covers the window's share of the
+    square: on one device W/S - W^2/2S^2 (metrics.flops' count) with a fused kernel, the causal half
+    with the reference (which computes the whole square anyway); under context parallelism the
+    busiest device's visible (query, key) pairs with flash, counted here from the element mask, and
+    the pairs it does not skip whole with xla. Mistral-7B at 32k plans less attention time and fewer
+    hardware FLOPs with its 4,096-key window than without."""
+    import numpy as np
+
+    from lumen_jax.ops.reference import mask
+    from lumen_jax.parallel import context as context_lib
+
+    s, w = 64, 20
+    visible = np.asarray(mask(s, s, True, None, None, w))[0, 0, 0]
+    for c, balance in ((4, "zigzag"), (2, "contiguous"), (4, "contiguous")):
+        layout = context_lib.Layout(c, balance)
+        rows = layout.order(s).reshape(c, s // c)  # each device's query positions
+        busiest = max(int(visible[r].sum()) for r in rows)
+        assert plan.context_score_fraction(c, balance, "flash", s, w) == pytest.approx(busiest * c / s ** 2)
+        chunk = s // (c * layout.chunks_per_device)
+        blocks = visible.reshape(s // chunk, chunk, s // chunk, chunk).any(axis=(1, 3))
+        pairs = max(int(sum(blocks[q].sum() for q in layout.chunk_ids(i))) for i in range(c))
+        assert plan.context_score_fraction(c, balance, "xla", s, w) == pytest.approx(pairs * chunk ** 2 * c / s ** 2)
+    model = ModelConfig(sliding_window=1024)
+    assert plan.planned_score_fraction(model, MeshConfig(), 4096, "flash") == (1024 - 1024 ** 2 / 8192) / 4096
+    assert plan.planned_score_fraction(model, MeshConfig(), 4096, "xla") == 0.5
+    assert plan.planned_score_fraction(model, MeshConfig(), 1024, "flash") == 0.5  # a window as long: none
+    assert plan.planned_score_fraction(model, MeshConfig(context=2), 4096, "flash") < plan.context_score_fraction(2)
+    cfg = load_config("configs/mistral_7b.yaml", ["data.seq_len=32768"])
+    plain = cfg.replace(model=dataclasses.replace(cfg.model, sliding_window=0))
+    layout = plan.layout_from_config(cfg, 64)
+    windowed, full = plan.predict(cfg, layout, H100), plan.predict(plain, layout, H100)
+    assert windowed.hardware_flops_per_token < full.hardware_flops_per_token
+    assert windowed.compute_s < full.compute_s
+
+
 # --------------------------------------------------------------------------------------------------
 # Textbook figures
 # --------------------------------------------------------------------------------------------------
