@@ -3,6 +3,7 @@ kinds through the pipeline's stages, the config lines that refuse what it cannot
 against transformers are tests/convert/test_convert_dense.py's."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -96,3 +97,31 @@ def test_flops_count_the_global_layers_whole():
     per_layer = 2 * 2 * m.num_heads * m.resolved_head_dim
     want = per_layer * (6 * (w - w * w / (2 * s)) + 1 * s / 2)
     assert abs(flops.attention_forward_flops_per_token(m, s) - want) <= 1e-9 * want
+
+
+def test_the_cuda_program_runs_cudnn_with_and_without_the_window():
+    """A layer whose kind is traced lowers (for CUDA, without a GPU) to cuDNN calls in both branches of
+    its `lax.cond`: the local branch's carry the window (forward and backward), the global branch's none."""
+    from flax import nnx
+
+    from lumen_jax.compiler.lower import TargetGpu
+    from lumen_jax.model.layers import Attention
+    from lumen_jax.ops import cudnn
+    from lumen_jax.ops.choice import choose
+
+    model = dataclasses.replace(GEMMA.model, compute_dtype="bfloat16", attention="cudnn", sliding_window=6)
+    ops = dataclasses.replace(choose(model, [TargetGpu("9.0")]), interpret=False)
+    with nnx.use_eager_sharding(False):
+        attn = Attention(model, ops, rngs=nnx.Rngs(0))
+    q = jax.ShapeDtypeStruct((2, 32, model.num_heads, 32), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 32, model.num_kv_heads, 32), jnp.bfloat16)
+
+    def loss(q, k, v, local):
+        return jnp.sum(attn.attend(q, k, v, None, ops, local).astype(jnp.float32))
+
+    with cudnn.lowering_without_gpu("9.0"):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, jax.ShapeDtypeStruct((), jnp.bool_)).lower(
+            lowering_platforms=("cuda",)).as_text(dialect="hlo")
+    calls = re.findall(r'custom_call_target="__cudnn\$fmha[^"]*"[^\n]*', text)
+    windowed = [c for c in calls if re.search(r'sliding_window_length\W+6', c)]
+    assert len(windowed) == 2 and len(calls) == 4, (len(windowed), len(calls))  # forward and backward, each branch
