@@ -196,19 +196,23 @@ def gemma_config(hf: dict, dtype: str) -> ModelConfig:
     pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
     types = hf.get("layer_types") or gemma_layer_types(n_layers if isinstance(n_layers, int) else 0, pattern, True)
     params = dict(hf.get("rope_parameters") or {})
-    full = {**(params.get("full_attention") or {}), **(hf.get("rope_scaling") or {})}
+    full = {"rope_type": "default", **(params.get("full_attention") or {}), **(hf.get("rope_scaling") or {})}
     full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
     local = {"rope_type": "default", **(params.get("sliding_attention") or {})}
     local.setdefault("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
-    if set(local) != {"rope_type", "rope_theta"} or local["rope_type"] != "default":
-        raise ConvertError(f"config.json sliding_attention rope {local} is not supported (only default rope)")
     sliding, every = "sliding_attention" in types, 0
-    rope = full if "full_attention" in types or not sliding else local  # every layer sliding: theirs
+    if sliding and "full_attention" in types:
+        every = types.index("full_attention") + 1
+    local_theta = 0.0  # the local layers' rope: the global layers' (0), or a plain one of its own
+    if every and local != full:
+        if set(local) != {"rope_type", "rope_theta"} or local["rope_type"] != "default":
+            raise ConvertError(f"config.json sliding_attention rope {local} is not supported beside another "
+                               "full_attention rope (only a default rope of its own)")
+        local_theta = float(local["rope_theta"])
+    rope = local if sliding and not every else full  # every layer sliding: theirs
     legacy = {"rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_freq"}
     base = base_fields({**{k: v for k, v in hf.items() if k not in legacy}, "rope_parameters": rope},
                        HARMLESS | GEMMA, GEMMA_FIXED, layer_types=True)
-    if sliding and "full_attention" in types:
-        every = types.index("full_attention") + 1
     if list(types) != gemma_layer_types(base["num_layers"], every, sliding) or not set(types) <= {
             "sliding_attention", "full_attention"}:
         raise ConvertError(f"config.json layer_types={list(types)} is not n-1 sliding_attention layers then one "
@@ -220,7 +224,7 @@ def gemma_config(hf: dict, dtype: str) -> ModelConfig:
     if scalar != int(scalar) or scalar <= 0:
         raise ConvertError(f"config.json query_pre_attn_scalar={scalar!r} is not supported (a positive integer)")
     return ModelConfig(**base, sliding_window=window, global_every=every,
-                       rope_local_theta=float(local["rope_theta"]) if every else 0.0, query_scale_dim=int(scalar),
+                       rope_local_theta=local_theta, query_scale_dim=int(scalar),
                        compute_dtype=dtype, **dict(GEMMA_KEYS))
 
 
@@ -300,7 +304,8 @@ def gemma_hf_config(m: ModelConfig, common: dict) -> dict:
     full = out["rope_parameters"]
     local = {"rope_type": "default", "rope_theta": m.rope_local_theta} if m.rope_local_theta else full
     out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=m.query_scale_dim or m.resolved_head_dim,
-               sliding_window=m.sliding_window or None,
+               # transformers builds the sliding mask even with no sliding layer: any window will do
+               sliding_window=m.sliding_window or out["max_position_embeddings"],
                layer_types=gemma_layer_types(m.num_layers, m.global_every, bool(m.sliding_window)),
                rope_parameters={"full_attention": full, "sliding_attention": local},
                final_logit_softcapping=None, attn_logit_softcapping=None, use_bidirectional_attention=False)

@@ -8,11 +8,12 @@ with `save_pretrained`."""
 import dataclasses
 import os
 
+import jax
 import numpy as np
 import pytest
 
-from helpers.hf import (DENSE_MODELS, TOKENS, assert_to_hf_round_trips, from_hf_refusal, hf_greedy, import_each,
-                        logits_close, logits_of, make_hf_dense, our_params)
+from helpers.hf import (DENSE_MODELS, TOKENS, assert_to_hf_round_trips, from_hf_refusal, hf_greedy, hf_logits,
+                        import_each, logits_close, logits_of, make_hf_dense, our_params)
 from helpers.tolerances import FP32_RTOL
 from lumen_jax.convert import hf
 from lumen_jax.convert.__main__ import main as convert
@@ -191,3 +192,27 @@ def test_to_hf_refuses_qk_norm_with_qkv_bias(tmp_path, capsys):
     assert err.startswith("error: model.qkv_bias=true with model.qk_norm=true has no place in LlamaForCausalLM") and (
         "\n" not in err), err
     assert not os.path.exists(back)
+
+
+@pytest.mark.parametrize("layout", ["pattern", "all global", "all local"])
+def test_to_hf_of_our_gemma_layouts_loads_in_transformers_and_imports_back(tmp_path, layout):
+    """configs/tiny_gemma3.yaml (random weights, norms away from 0) exported as Gemma3ForCausalLM: 5 local
+    then 1 global, every layer global (no window: transformers still needs a sliding_window, which binds
+    nothing), every layer local. transformers' logits are ours; from-hf of the export is the same model."""
+    from lumen_jax.checkpoint import weights
+    from lumen_jax.config.files import load_config
+    from lumen_jax.model import init_params
+
+    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny_gemma3.yaml"))
+    change = {"pattern": {}, "all global": dict(sliding_window=0, global_every=0, rope_local_theta=0.0),
+              "all local": dict(global_every=0, rope_local_theta=0.0)}[layout]
+    model = dataclasses.replace(cfg.model, compute_dtype="float32", **change)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda a: a + 0.05 * rng.standard_normal(a.shape).astype(a.dtype), init_params(model, 0))
+    run_dir, back, again = (str(tmp_path / name) for name in ("run", "hf", "again"))
+    weights.save_weights(run_dir, cfg.replace(model=model), params)
+    assert convert(["to-hf", "--run-dir", run_dir, "--out", back]) == 0
+    ref = logits_of(model, params, TOKENS)
+    assert logits_close(hf_logits(back, TOKENS), ref)
+    assert convert(["from-hf", "--hf-dir", back, "--out", again]) == 0
+    assert our_params(again)[0] == model
