@@ -216,3 +216,19 @@ def test_to_hf_of_our_gemma_layouts_loads_in_transformers_and_imports_back(tmp_p
     assert logits_close(hf_logits(back, TOKENS), ref)
     assert convert(["from-hf", "--hf-dir", back, "--out", again]) == 0
     assert our_params(again)[0] == model
+
+
+def test_init_from_a_gemma_takes_its_numerics(imported, tmp_path):
+    """train.init_from of the Hugging Face Gemma 3 takes its window, pattern, ropes and numerics (the
+    shape keys must match it, block_norms among them), so fine-tuning runs Gemma's layer, not Llama's."""
+    from lumen_jax.config import Config
+    from lumen_jax.train.init_from import defined_by_init_from
+
+    hf_dir, run_dir, _ = imported["gemma3"]
+    model = our_params(run_dir)[0]
+    shape = {k: getattr(model, k) for k in ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",
+                                            "vocab_size", "qk_norm", "block_norms", "tie_embeddings")}
+    cfg = Config(model=dataclasses.replace(Config().model, **shape))
+    cfg = cfg.replace(train=dataclasses.replace(cfg.train, init_from=hf_dir))
+    got = defined_by_init_from(cfg, str(tmp_path / "fresh"))[0].model
+    assert got == dataclasses.replace(model, compute_dtype=got.compute_dtype, attention=got.attention)
