@@ -61,8 +61,9 @@ def gemma_reference():
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2, tensor=2), dict(pipeline=2, fsdp=2, pipeline_layers=(4, 3))],
-                         ids=["data2-fsdp2-tensor2", "pipeline2-fsdp2-uneven"])
+@pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2, tensor=2), dict(fsdp=2, tensor=2, sequence_parallel=True),
+                                  dict(pipeline=2, fsdp=2, pipeline_layers=(4, 3))],
+                         ids=["data2-fsdp2-tensor2", "fsdp2-tensor2-sp", "pipeline2-fsdp2-uneven"])
 def test_gemma_trains_on_meshes_as_on_one_device(gemma_reference, mesh):
     """The pipeline's second stage holds layers 4, 5, 6: its slot 1 is global (the stage passes its first
     layer), and the stages are uneven (4 + 3: 7 layers)."""
