@@ -29,8 +29,9 @@ _NUMERIC_MODEL_KEYS = frozenset({
     "model.norm_eps", "model.rope_theta", "model.rope_scaling", "model.rope_scaling_factor",
     "model.rope_low_freq_factor", "model.rope_high_freq_factor", "model.rope_original_max_len",
     "model.init_std", "model.attention", "model.flash_block_q", "model.flash_block_kv", "model.remat",
-    "model.loss_chunk_tokens", "model.sliding_window",
-    "model.compute_dtype"})
+    "model.loss_chunk_tokens", "model.compute_dtype", "model.sliding_window", "model.global_every",
+    "model.rope_local_theta", "model.query_scale_dim", "model.norm_scale", "model.mlp_activation",
+    "model.embed_scale"})
 
 
 def state_shapes(state: Any) -> list[list]:

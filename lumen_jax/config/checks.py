@@ -34,8 +34,9 @@ SEED_LIMIT = 2**63
 _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("model.d_model", ">=", 1), ("model.num_layers", ">=", 1), ("model.num_heads", ">=", 1),
     ("model.num_kv_heads", ">=", 1), ("model.head_dim", ">=", 0), ("model.ffn_dim", ">=", 1),
-    ("model.sliding_window", ">=", 0), ("model.vocab_size", ">=", 1), ("model.norm_eps", ">", 0), ("model.rope_theta", ">", 0),
-    ("model.rope_scaling_factor", ">", 0), ("model.rope_original_max_len", ">=", 1),
+    ("model.sliding_window", ">=", 0), ("model.global_every", ">=", 0), ("model.rope_local_theta", ">=", 0),
+    ("model.query_scale_dim", ">=", 0), ("model.vocab_size", ">=", 1), ("model.norm_eps", ">", 0),
+    ("model.rope_theta", ">", 0), ("model.rope_scaling_factor", ">", 0), ("model.rope_original_max_len", ">=", 1),
     ("model.init_std", ">", 0), ("model.fp8.amax_history", ">=", 1),
     ("model.moe.num_experts", ">=", 0), ("model.moe.top_k", ">=", 1), ("model.moe.every_n_layers", ">=", 1),
     ("model.moe.shared_experts", ">=", 0), ("model.moe.aux_loss_weight", ">=", 0),
@@ -140,6 +141,15 @@ def _model_shape(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str
     yield (m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor,
            f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be > model.rope_low_freq_factor="
            f"{m.rope_low_freq_factor} for rope_scaling=llama3; raise the high or lower the low factor")
+    yield (not m.global_every or m.sliding_window,
+           f"model.global_every={m.global_every} alternates windowed and global layers but model.sliding_window=0; "
+           "set the local layers' window or model.global_every=0")
+    yield (not m.rope_local_theta or m.global_every,
+           f"model.rope_local_theta={m.rope_local_theta} is the local layers' RoPE base but model.global_every=0 "
+           "makes every layer alike; set model.global_every or model.rope_local_theta=0")
+    yield (not m.global_every or not m.moe.enabled,
+           f"model.global_every={m.global_every} with model.moe.num_experts={m.moe.num_experts}: local and global "
+           "layers are not yet grouped with MoE layers; use model.global_every=0 or a dense model")
 
 
 @rule

@@ -34,7 +34,11 @@ CONTEXT_BALANCE = ("zigzag", "contiguous")  # which sequence chunks each context
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
                   "save_attention_out", "offload_dots")
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
-ROPE_SCALINGS = ("none", "llama3")
+ROPE_SCALINGS = ("none", "llama3", "linear")
+NORM_SCALES = ("weight", "one_plus_weight")  # RMSNorm times w (w from 1) | times 1 + w (w from 0: Gemma)
+BLOCK_NORMS = ("pre", "sandwich")  # a norm before each sublayer | also one after it, before the residual add (Gemma)
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's gate: SwiGLU (Llama) | GeGLU, tanh-approximated GELU (Gemma)
+EMBED_SCALES = ("none", "sqrt_d_model")  # the embedding rows as stored | times sqrt(d_model) (Gemma; not the tied head)
 FP8_RECIPES = ("none", "current", "delayed", "blockwise")
 FP8_LAYERS = ("attention", "mlp")
 FP8_KEEP_BF16 = ("first", "last")
@@ -102,6 +106,15 @@ class ModelConfig:
     qkv_bias: bool = False  # learned biases on the query, key and value projections (Qwen2, Qwen2-MoE)
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding (Qwen3, Qwen3-MoE)
     sliding_window: int = 0  # keys a query sees, itself included (Mistral); 0: every earlier key
+    # With sliding_window: layer i is global (every earlier key) when (i + 1) % global_every == 0, local
+    # (the window) otherwise (Gemma 3: 6); 0: every layer has the window.
+    global_every: int = 0
+    rope_local_theta: float = 0.0  # global_every > 0: the local layers' plain RoPE base (Gemma 3: 10,000); 0: as global
+    query_scale_dim: int = 0  # scores times query_scale_dim**-0.5 (Gemma's query_pre_attn_scalar); 0: head_dim
+    norm_scale: str = "weight"  # one of NORM_SCALES
+    block_norms: str = "pre"  # one of BLOCK_NORMS
+    mlp_activation: str = "silu"  # one of MLP_ACTIVATIONS
+    embed_scale: str = "none"  # one of EMBED_SCALES
     init_std: float = 0.02
     attention: str = "xla"  # xla | flash | cudnn | auto (auto: cudnn or flash on GPU, xla on CPU)
     flash_block_q: int = 0  # flash kernel's query tile (forward, dQ); 0: tuned default
@@ -370,6 +383,10 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "model.remat": REMAT_POLICIES,
     "model.compute_dtype": COMPUTE_DTYPES,
     "model.rope_scaling": ROPE_SCALINGS,
+    "model.norm_scale": NORM_SCALES,
+    "model.block_norms": BLOCK_NORMS,
+    "model.mlp_activation": MLP_ACTIVATIONS,
+    "model.embed_scale": EMBED_SCALES,
     "model.fp8.recipe": FP8_RECIPES,
     "model.fp8.layers": FP8_LAYERS,  # list fields: every item
     "model.fp8.keep_bf16": FP8_KEEP_BF16,
@@ -412,7 +429,8 @@ MOVED: dict[str, str] = {
 
 
 __all__ = ["ConfigError", "ATTENTION_IMPLS", "CONTEXT_PARALLEL", "CONTEXT_BALANCE", "REMAT_POLICIES",
-           "COMPUTE_DTYPES", "ROPE_SCALINGS", "FP8_RECIPES", "FP8_LAYERS", "FP8_KEEP_BF16",
+           "COMPUTE_DTYPES", "ROPE_SCALINGS", "NORM_SCALES", "BLOCK_NORMS", "MLP_ACTIVATIONS", "EMBED_SCALES",
+           "FP8_RECIPES", "FP8_LAYERS", "FP8_KEEP_BF16",
            "MOE_ROUTERS", "MOE_BALANCE", "Fp8Config", "MoeConfig", "MixtureSource", "DATA_ORDERS", "ITEMS", "ModelConfig", "MeshConfig", "OptimConfig",
            "DataConfig", "TrainConfig", "CheckpointConfig", "LogConfig", "RuntimeConfig",
            "DistributedConfig", "Config", "SCHEDULES", "ZERO_STAGES", "PIPELINE_SCHEDULES",

@@ -1,4 +1,4 @@
-"""The Hugging Face dense decoders <-> ours: Llama, Mistral, Qwen2, Qwen3 (pure numpy, no I/O).
+"""The Hugging Face dense decoders <-> ours: Llama, Mistral, Qwen2, Qwen3, Gemma 3 (pure numpy, no I/O).
 
 `FAMILIES` names each by its `model_type`; config fields and tensors go both ways, and the tensor table
 (`Row`, `KINDS`) is the one hf_moe.py builds its mixtures of experts from.
@@ -23,6 +23,19 @@ Both Qwen configs carry sliding-window fields (`use_sliding_window`, `sliding_wi
 is true, so an import takes them while every layer is full attention and refuses them otherwise.
 Mistral is Llama's tensors with a sliding window over every layer (`sliding_window`, null for none:
 `model.sliding_window`, 0 for none); to-hf writes a dense model with a window as Mistral.
+
+Gemma 3 (`Gemma3ForCausalLM`, model_type gemma3_text) is Qwen3's tensors with two more norms per layer
+and its own numerics, each a model key: norms times (1 + w) (`model.norm_scale=one_plus_weight`, w kept as
+stored, so the round trip is exact), sandwich norms (`model.block_norms`):
+
+    input_layernorm -> attn_norm, post_attention_layernorm -> post_attn_norm,
+    pre_feedforward_layernorm -> mlp_norm, post_feedforward_layernorm -> post_mlp_norm;
+
+GeGLU (`model.mlp_activation=gelu_tanh`), the embedding times sqrt(hidden_size) (`model.embed_scale`), scores
+times query_pre_attn_scalar**-0.5 (`model.query_scale_dim`); `layer_types` as n-1 sliding layers then a full one,
+repeated (`model.global_every` n; all full: no window; all sliding: every layer windowed), the full layers'
+rope (default or linear) `model.rope_theta`/`rope_scaling`, the sliding layers' (default) `model.rope_local_theta`.
+Soft-capping (`attn_logit_softcapping`, `final_logit_softcapping`) is refused unless null, as Gemma 3 sets it.
 
 Rotary layout: HF Llama's `rotate_half` pairs dimension i with i + H/2 of each head, and so does
 our `apply_rope` (half-split), so q/k need no permutation (the logits test checks it).
@@ -65,11 +78,23 @@ class Dense:
     fields: frozenset  # config.json fields it adds to HARMLESS that the import reads or checks
 
 
+# Gemma 3's fields beyond Llama's; the 4.x spellings too (rope_local_base_freq, sliding_window_pattern).
+GEMMA = frozenset({"hidden_activation", "query_pre_attn_scalar", "sliding_window", "layer_types",
+                   "sliding_window_pattern", "_sliding_window_pattern", "rope_local_base_freq", "cache_implementation",
+                   "final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"})
+GEMMA_FIXED = (("hidden_activation", "gelu_pytorch_tanh"), ("final_logit_softcapping", None),
+               ("attn_logit_softcapping", None), ("use_bidirectional_attention", False), ("attention_bias", False),
+               ("attention_dropout", 0.0))
+# Gemma's model keys, each at the value Gemma 3 needs (every other family: the schema's defaults).
+GEMMA_KEYS = (("norm_scale", "one_plus_weight"), ("block_norms", "sandwich"), ("mlp_activation", "gelu_tanh"),
+              ("embed_scale", "sqrt_d_model"), ("qk_norm", True), ("qkv_bias", False))
+
 FAMILIES = {
     "llama": Dense("LlamaForCausalLM", False, False, frozenset()),
     "qwen2": Dense("Qwen2ForCausalLM", True, False, SLIDING),
     "qwen3": Dense("Qwen3ForCausalLM", False, True, SLIDING),
     "mistral": Dense("MistralForCausalLM", False, False, frozenset({"sliding_window"})),
+    "gemma3_text": Dense("Gemma3ForCausalLM", False, True, GEMMA),
 }
 
 
@@ -95,6 +120,8 @@ def model_config(hf: dict, dtype: str) -> ModelConfig:
     kind = hf.get("model_type", "llama")
     fam = FAMILIES[kind]
     check_architecture(hf, kind, fam.architecture)
+    if kind == "gemma3_text":
+        return gemma_config(hf, dtype)
     window = 0
     if kind == "mistral":
         window = hf.get("sliding_window") or 0
@@ -112,9 +139,10 @@ def check_architecture(hf: dict, kind: str, architecture: str) -> None:
                            f"from-hf reads model_type {kind!r} as [{architecture!r}]")
 
 
-def base_fields(hf: dict, harmless: frozenset, fixed: tuple) -> dict[str, Any]:
+def base_fields(hf: dict, harmless: frozenset, fixed: tuple, layer_types: bool = False) -> dict[str, Any]:
     """The ModelConfig fields every Llama-like decoder shares (shape, norm, rope, tying) from `hf`;
-    ConvertError for a field not in `harmless`, a `fixed` field at another value, or a rope we lack."""
+    ConvertError for a field not in `harmless`, a `fixed` field at another value, or a rope we lack.
+    `layer_types`: the caller reads sliding layers (Gemma); else only full ones are taken."""
     unknown = sorted(set(hf) - harmless)
     if unknown:
         raise ConvertError(f"config.json field {unknown[0]}={hf[unknown[0]]!r} is not understood by the converter "
@@ -122,9 +150,9 @@ def base_fields(hf: dict, harmless: frozenset, fixed: tuple) -> dict[str, Any]:
     for field, value in fixed:
         if field in hf and hf[field] != value:
             raise ConvertError(f"config.json {field}={hf[field]!r} is not supported (only {value!r})")
-    layer_types = hf.get("layer_types")
-    if layer_types is not None and set(layer_types) != {"full_attention"}:
-        raise ConvertError(f"config.json layer_types={sorted(set(layer_types))} is not supported (only "
+    types = hf.get("layer_types")
+    if not layer_types and types is not None and set(types) != {"full_attention"}:
+        raise ConvertError(f"config.json layer_types={sorted(set(types))} is not supported (only "
                            "full_attention: no sliding-window layers)")
     for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if not isinstance(hf.get(field), int):
@@ -142,10 +170,13 @@ def base_fields(hf: dict, harmless: frozenset, fixed: tuple) -> dict[str, Any]:
             raise ConvertError(f"config.json rope scaling 'llama3' lacks {e.args[0]}") from None
         known = {"rope_type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
                  "original_max_position_embeddings"}
+    elif kind == "linear":
+        scaling = dict(rope_scaling="linear", rope_scaling_factor=float(rope.get("factor", 1.0)))
+        known = {"rope_type", "rope_theta", "factor"}
     elif kind == "default":
         known = {"rope_type", "rope_theta"}
     else:
-        raise ConvertError(f"config.json rope_type={kind!r} is not supported; only default and llama3 rope")
+        raise ConvertError(f"config.json rope_type={kind!r} is not supported; only default, linear and llama3 rope")
     extra = sorted(set(rope) - known)
     if extra:
         raise ConvertError(f"config.json rope field {extra[0]}={rope[extra[0]]!r} is not supported "
@@ -158,8 +189,65 @@ def base_fields(hf: dict, harmless: frozenset, fixed: tuple) -> dict[str, Any]:
         rope_theta=float(rope["rope_theta"]), tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **scaling)
 
 
+def gemma_config(hf: dict, dtype: str) -> ModelConfig:
+    """Our ModelConfig of a Gemma 3 text `config.json` (see the module docstring); ConvertError otherwise."""
+    hf = {"tie_word_embeddings": True, **hf}  # Gemma3TextConfig's default, which hub configs leave out
+    n_layers = hf.get("num_hidden_layers")
+    pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
+    types = hf.get("layer_types") or gemma_layer_types(n_layers if isinstance(n_layers, int) else 0, pattern, True)
+    params = dict(hf.get("rope_parameters") or {})
+    full = {"rope_type": "default", **(params.get("full_attention") or {}), **(hf.get("rope_scaling") or {})}
+    full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
+    local = {"rope_type": "default", **(params.get("sliding_attention") or {})}
+    local.setdefault("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
+    sliding, every = "sliding_attention" in types, 0
+    if sliding and "full_attention" in types:
+        every = types.index("full_attention") + 1
+    local_theta = 0.0  # the local layers' rope: the global layers' (0), or a plain one of its own
+    if every and local != full:
+        if set(local) != {"rope_type", "rope_theta"} or local["rope_type"] != "default":
+            raise ConvertError(f"config.json sliding_attention rope {local} is not supported beside another "
+                               "full_attention rope (only a default rope of its own)")
+        local_theta = float(local["rope_theta"])
+    rope = local if sliding and not every else full  # every layer sliding: theirs
+    legacy = {"rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_freq"}
+    base = base_fields({**{k: v for k, v in hf.items() if k not in legacy}, "rope_parameters": rope},
+                       HARMLESS | GEMMA, GEMMA_FIXED, layer_types=True)
+    if list(types) != gemma_layer_types(base["num_layers"], every, sliding) or not set(types) <= {
+            "sliding_attention", "full_attention"}:
+        raise ConvertError(f"config.json layer_types={list(types)} is not n-1 sliding_attention layers then one "
+                           "full_attention, repeated (model.global_every); this layer pattern is not supported")
+    window = hf.get("sliding_window") if sliding else 0
+    if not isinstance(window, int) or window < (1 if sliding else 0):
+        raise ConvertError(f"config.json sliding_window={window!r} must be a positive integer with sliding layers")
+    scalar = hf.get("query_pre_attn_scalar", 256)
+    if scalar != int(scalar) or scalar <= 0:
+        raise ConvertError(f"config.json query_pre_attn_scalar={scalar!r} is not supported (a positive integer)")
+    return ModelConfig(**base, sliding_window=window, global_every=every,
+                       rope_local_theta=local_theta, query_scale_dim=int(scalar),
+                       compute_dtype=dtype, **dict(GEMMA_KEYS))
+
+
+def gemma_layer_types(num_layers: int, every: int, window: bool) -> list[str]:
+    """transformers' layer_types: without a window every layer full_attention; with one, layer i
+    full_attention when (i + 1) % every == 0 (`model.global_every`; 0: every layer sliding)."""
+    return ["sliding_attention" if window and (not every or (i + 1) % every) else "full_attention"
+            for i in range(num_layers)]
+
+
 def family_of(m: ModelConfig) -> str:
     """The model_type that expresses our dense model `m`; ConvertError naming what none of them has."""
+    gemma = dict(GEMMA_KEYS)
+    if any(getattr(m, k) != ModelConfig.__dataclass_fields__[k].default for k in gemma if k not in (
+            "qk_norm", "qkv_bias")) or m.global_every or m.rope_local_theta or m.query_scale_dim:
+        for key, want in GEMMA_KEYS:
+            if getattr(m, key) != want:
+                raise ConvertError(f"model.{key}={getattr(m, key)} with Gemma's numerics: Gemma3ForCausalLM has "
+                                   f"{key}={want}; to-hf cannot export this dense model")
+        if m.rope_scaling == "llama3":
+            raise ConvertError("model.rope_scaling=llama3 has no place in Gemma3ForCausalLM (default or linear "
+                               "rope); to-hf cannot export this dense model")
+        return "gemma3_text"
     if m.sliding_window and (m.qkv_bias or m.qk_norm):
         raise ConvertError(f"model.sliding_window={m.sliding_window} with model.qkv_bias or model.qk_norm has no "
                            "place in MistralForCausalLM (a window, Llama's projections); to-hf cannot export it")
@@ -180,11 +268,13 @@ def common_config(m: ModelConfig, dtype: str) -> dict:
         rope.update(rope_type="llama3", factor=m.rope_scaling_factor, low_freq_factor=m.rope_low_freq_factor,
                     high_freq_factor=m.rope_high_freq_factor,
                     original_max_position_embeddings=m.rope_original_max_len)
+    elif m.rope_scaling == "linear":
+        rope.update(rope_type="linear", factor=m.rope_scaling_factor)
     return {
         "hidden_act": "silu", "hidden_size": m.d_model, "num_hidden_layers": m.num_layers,
         "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.resolved_head_dim,
         "intermediate_size": m.ffn_dim, "vocab_size": m.vocab_size, "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta, "rope_scaling": rope if m.rope_scaling == "llama3" else None,
+        "rope_theta": m.rope_theta, "rope_scaling": rope if m.rope_scaling != "none" else None,
         "rope_parameters": rope, "tie_word_embeddings": m.tie_embeddings, "attention_bias": False,
         "max_position_embeddings": max(m.rope_original_max_len, 8192), "torch_dtype": dtype, "dtype": dtype,
     }
@@ -195,6 +285,8 @@ def hf_config(m: ModelConfig, dtype: str) -> dict:
     kind = family_of(m)
     out = common_config(m, dtype)
     out.update(architectures=[FAMILIES[kind].architecture], model_type=kind)
+    if kind == "gemma3_text":
+        return gemma_hf_config(m, out)
     if kind == "llama":
         out["mlp_bias"] = False
     elif kind == "mistral":
@@ -203,6 +295,20 @@ def hf_config(m: ModelConfig, dtype: str) -> dict:
         out.update(use_sliding_window=False, sliding_window=None)
     if kind == "qwen2":
         out.pop("attention_bias")  # its q/k/v biases are not a setting
+    return out
+
+
+def gemma_hf_config(m: ModelConfig, common: dict) -> dict:
+    """Gemma 3's `config.json` of our model `m` from `common_config`'s fields."""
+    out = {k: v for k, v in common.items() if k not in ("hidden_act", "rope_theta", "rope_scaling")}
+    full = out["rope_parameters"]
+    local = {"rope_type": "default", "rope_theta": m.rope_local_theta} if m.rope_local_theta else full
+    out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=m.query_scale_dim or m.resolved_head_dim,
+               # transformers builds the sliding mask even with no sliding layer: any window will do
+               sliding_window=m.sliding_window or out["max_position_embeddings"],
+               layer_types=gemma_layer_types(m.num_layers, m.global_every, bool(m.sliding_window)),
+               rope_parameters={"full_attention": full, "sliding_attention": local},
+               final_logit_softcapping=None, attn_logit_softcapping=None, use_bidirectional_attention=False)
     return out
 
 
@@ -249,8 +355,11 @@ def attention_rows(m: ModelConfig, layer: int, stack: str, i: int, qkv_bias: boo
     if qk_norm:
         rows += [(pre + "self_attn.q_norm.weight", (*at, "q_norm", "scale"), (i,), "vector", (h,)),
                  (pre + "self_attn.k_norm.weight", (*at, "k_norm", "scale"), (i,), "vector", (h,))]
-    return rows + [(pre + "input_layernorm.weight", (stack, "attn_norm", "scale"), (i,), "vector", (d,)),
-                   (pre + "post_attention_layernorm.weight", (stack, "mlp_norm", "scale"), (i,), "vector", (d,))]
+    norms = {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"}
+    if m.block_norms == "sandwich":  # Gemma: post_attention_layernorm is the attention's post-norm
+        norms = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attn_norm",
+                 "pre_feedforward_layernorm": "mlp_norm", "post_feedforward_layernorm": "post_mlp_norm"}
+    return rows + [(f"{pre}{n}.weight", (stack, ours, "scale"), (i,), "vector", (d,)) for n, ours in norms.items()]
 
 
 def mlp_rows(name: str, path: tuple[str, ...], index: tuple[int, ...], d: int, f: int,

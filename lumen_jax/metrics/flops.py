@@ -30,8 +30,9 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     d, h, v = cfg.d_model, cfg.resolved_head_dim, cfg.vocab_size
     attn = d * cfg.num_heads * h * 2 + d * cfg.num_kv_heads * h * 2  # wq, wo; wk, wv
     mlp = 3 * d * cfg.ffn_dim  # w_gate, w_up, w_down
-    # attn_norm, mlp_norm; q/k/v biases (Qwen2), per-head q/k norms (Qwen3)
-    small = 2 * d + (cfg.num_heads + 2 * cfg.num_kv_heads) * h * cfg.qkv_bias + 2 * h * cfg.qk_norm
+    # attn_norm, mlp_norm (and their post-norms, Gemma); q/k/v biases (Qwen2), per-head q/k norms (Qwen3, Gemma)
+    small = (2 * d * (1 + (cfg.block_norms == "sandwich")) + (cfg.num_heads + 2 * cfg.num_kv_heads) * h * cfg.qkv_bias
+             + 2 * h * cfg.qk_norm)
     layer = attn + mlp + small
     embedding = v * d
     lm_head = 0 if cfg.tie_embeddings else d * v
@@ -56,9 +57,13 @@ def attention_forward_flops_per_token(cfg: ModelConfig, seq_len: int, *,
                                       causal: bool = True) -> float:
     """Forward FLOPs per token of QK^T and AV over all layers: 2 * 2*S*N*H * L, halved if causal.
     Under a sliding window W < S (`cfg.sliding_window`, causal) a query sees W keys once it is W
-    deep: W - W^2 / 2S keys per query on average instead of S / 2 (equal at W = S)."""
+    deep: W - W^2 / 2S keys per query on average instead of S / 2 (equal at W = S); with
+    `cfg.global_every` n, one layer in n (the global ones) sees S / 2."""
     per_key = 2 * 2 * cfg.num_heads * cfg.resolved_head_dim * cfg.num_layers
     w = cfg.sliding_window
+    if causal and 0 < w < seq_len and cfg.global_every:
+        global_share = (cfg.num_layers // cfg.global_every) / cfg.num_layers
+        return per_key * ((1 - global_share) * (w - w * w / (2 * seq_len)) + global_share * seq_len / 2)
     if causal and 0 < w < seq_len:
         return per_key * (w - w * w / (2 * seq_len))
     return per_key * seq_len / 2 if causal else float(per_key * seq_len)

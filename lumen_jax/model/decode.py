@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lumen_jax.model.layers import rope_frequencies
+from lumen_jax.model.layers import layer_rope, local_layers
 from lumen_jax.model.transformer import Transformer, embedding_lookup
 from lumen_jax.ops.attention import attention, cached_attention
 from lumen_jax.ops.projection import project
@@ -47,26 +47,28 @@ def _logits(model: Transformer, x_btd: jax.Array) -> jax.Array:
 
 
 def _layers(model: Transformer, x_btd: jax.Array, cache: dict, attend) -> tuple[jax.Array, dict]:
-    """Runs the blocks (a scan); `attend(attn_module, h_btd, k_cache, v_cache) -> (o, k_cache, v_cache)`.
+    """Runs the blocks (a scan); `attend(attn_module, h_btd, k_cache, v_cache, local) -> (o, k_cache,
+    v_cache)`, `local` whether the layer has the window (`layers.local_layers`; None: every layer alike).
 
     With mixture-of-experts layers the stack is, as in training, groups of `moe.every_n_layers`: n-1
     dense blocks, then an MoE block (its routing losses are dropped); the cache's layer l is layer l."""
-    def scan(stack: nnx.Module, x_btd: jax.Array, k_cache: jax.Array, v_cache: jax.Array):
+    def scan(stack: nnx.Module, x_btd: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+             local: jax.Array | None = None):
         graphdef, layer_state = nnx.split(stack)
 
         def body(x_btd: jax.Array, xs: tuple) -> tuple[jax.Array, tuple]:
-            state, k_cache, v_cache = xs
+            state, k_cache, v_cache, local = xs
             block = nnx.merge(graphdef, state)
-            o, k_cache, v_cache = attend(block.attn, block.attn_norm(x_btd), k_cache, v_cache)
-            x_btd = x_btd + block.attn.out(o, model.ops)
-            y_btd = block.mlp(block.mlp_norm(x_btd), model.ops)
-            x_btd = x_btd + (y_btd[0] if isinstance(y_btd, tuple) else y_btd)  # MoE: (y, aux)
+            o, k_cache, v_cache = attend(block.attn, block.attn_norm(x_btd), k_cache, v_cache, local)
+            x_btd = x_btd + block.after_attention(block.attn.out(o, model.ops))
+            x_btd = x_btd + block.feed_forward(block.mlp_norm(x_btd), model.ops)[0]  # MoE's aux dropped
             return x_btd, (constrain(k_cache, CACHE_AXES), constrain(v_cache, CACHE_AXES))
 
-        return jax.lax.scan(body, x_btd, (layer_state, k_cache, v_cache))
+        return jax.lax.scan(body, x_btd, (layer_state, k_cache, v_cache, local))
 
     if not model.cfg.moe.enabled:
-        x_btd, (k, v) = scan(model.blocks, x_btd, cache["k"], cache["v"])
+        local = local_layers(model.cfg, 0, model.cfg.num_layers)
+        x_btd, (k, v) = scan(model.blocks, x_btd, cache["k"], cache["v"], local)
         return x_btd, {"k": k, "v": v}
     n = model.cfg.moe.every_n_layers
     grouped = {name: c.reshape(-1, n, *c.shape[1:]) for name, c in cache.items()}  # [L/n, n, B, S, K, H]
@@ -99,11 +101,10 @@ def prefill(model: Transformer, tokens_bt: jax.Array, valid_bt: jax.Array, cache
     """
     positions = jnp.maximum(jnp.cumsum(valid_bt, axis=1) - 1, 0).astype(jnp.int32)
     segments = valid_bt.astype(jnp.int32)  # padding is its own document: real tokens never see it
-    inv_freq = rope_frequencies(model.cfg)
 
-    def attend(attn, h_btd, k_cache, v_cache):
-        q, k, v = attn.qkv(h_btd, positions, inv_freq, model.ops)
-        o = attention(q, k, v, segment_ids_bt=segments, causal=True, ops=model.ops, window=attn.window)
+    def attend(attn, h_btd, k_cache, v_cache, local):
+        q, k, v = attn.qkv(h_btd, positions, layer_rope(model.cfg, local), model.ops)
+        o = attn.attend(q, k, v, segments, model.ops, local)
         zero = jnp.zeros((), jnp.int32)
         k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (zero,) * 4)
         v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (zero,) * 4)
@@ -123,18 +124,19 @@ def decode(model: Transformer, tokens_b: jax.Array, positions_b: jax.Array, slot
       valid_bs: [B, S] bool, False on the prompts' padding; slots after `slot` are ignored.
       cache: the cache after `prefill` and earlier `decode`s.
     """
-    inv_freq = rope_frequencies(model.cfg)
     s = cache["k"].shape[2]
     visible = valid_bs & (jnp.arange(s) <= slot)[None]  # [B, S]: filled, and not a prompt's padding
-    if model.cfg.sliding_window:  # the latest `window` slots: rows are left-padded alike, so slots are positions
-        visible &= (jnp.arange(s) > slot - model.cfg.sliding_window)[None]
+    windowed = visible  # the latest `window` slots: rows are left-padded alike, so slots are positions
+    if model.cfg.sliding_window:
+        windowed = visible & (jnp.arange(s) > slot - model.cfg.sliding_window)[None]
 
-    def attend(attn, h_btd, k_cache, v_cache):
-        q, k, v = attn.qkv(h_btd, positions_b[:, None], inv_freq, model.ops)
+    def attend(attn, h_btd, k_cache, v_cache, local):
+        q, k, v = attn.qkv(h_btd, positions_b[:, None], layer_rope(model.cfg, local), model.ops)
         at = (jnp.zeros((), jnp.int32), slot, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
         k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), at)
         v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), at)
-        return cached_attention(q, k_cache, v_cache, visible), k_cache, v_cache
+        seen = windowed if local is None else jnp.where(local, windowed, visible)  # a global layer: every slot
+        return cached_attention(q, k_cache, v_cache, seen, scale=attn.scale), k_cache, v_cache
 
     x_btd, cache = _layers(model, _embed(model, tokens_b[:, None]), cache, attend)
     return _logits(model, x_btd)[:, 0], cache

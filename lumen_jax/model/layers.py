@@ -1,4 +1,5 @@
-"""Llama building blocks in Flax NNX: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP.
+"""Llama building blocks in Flax NNX: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP; Gemma 3's
+variants of each where the config asks (norms times 1 + w, sandwich norms, GeGLU, local and global layers).
 
 Single-device math only. Every parameter carries logical axis names (`out_sharding` metadata);
 activations are pinned with `constrain(x, logical names)`. How each op runs (attention kernel,
@@ -43,12 +44,17 @@ def _projector(module: nnx.Module, ops: Ops, layer_type: str, state: nnx.Dict | 
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=("norm",))
+    """x / rms(x) times `scale` (from 1), or times 1 + `scale` (from 0) when `plus_one` (Gemma's
+    parameterisation, `model.norm_scale=one_plus_weight`: the checkpoint's weight kept as it is)."""
+
+    def __init__(self, dim: int, eps: float, plus_one: bool = False):
+        self.scale = nnx.Param((jnp.zeros if plus_one else jnp.ones)((dim,), jnp.float32), out_sharding=("norm",))
         self.eps = eps
+        self.plus_one = plus_one
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
-        return rms_norm(x_btd, self.scale[...], self.eps)
+        scale = self.scale[...]
+        return rms_norm(x_btd, 1.0 + scale if self.plus_one else scale, self.eps)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -78,10 +84,21 @@ def _rms_norm_bwd(eps, residuals, dy_btd):
 rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
-def rope_frequencies(cfg: ModelConfig) -> jax.Array:
-    """Inverse frequencies [H/2], with Llama 3.1 frequency scaling when `rope_scaling == 'llama3'`."""
+def norm(cfg: ModelConfig, dim: int) -> RMSNorm:
+    """The model's RMSNorm over `dim` (`model.norm_eps`, `model.norm_scale`)."""
+    return RMSNorm(dim, cfg.norm_eps, cfg.norm_scale == "one_plus_weight")
+
+
+def rope_frequencies(cfg: ModelConfig, local: bool = False) -> jax.Array:
+    """Inverse frequencies [H/2], with Llama 3.1 frequency scaling when `rope_scaling == 'llama3'`, divided
+    by the factor when `linear`. `local`: the local layers' (`model.rope_local_theta`, unscaled; the
+    global layers' when it is 0)."""
     h = cfg.resolved_head_dim
+    if local and cfg.rope_local_theta:
+        return 1.0 / (cfg.rope_local_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
     inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    if cfg.rope_scaling == "linear":
+        return inv_freq / cfg.rope_scaling_factor
     if cfg.rope_scaling == "llama3":
         low_wavelen = cfg.rope_original_max_len / cfg.rope_low_freq_factor
         high_wavelen = cfg.rope_original_max_len / cfg.rope_high_freq_factor
@@ -92,6 +109,23 @@ def rope_frequencies(cfg: ModelConfig) -> jax.Array:
         inv_freq = jnp.where(wavelen > low_wavelen, inv_freq / cfg.rope_scaling_factor,
                              jnp.where(wavelen < high_wavelen, inv_freq, mid))
     return inv_freq
+
+
+def local_layers(cfg: ModelConfig, first: jax.Array | int, count: int) -> jax.Array | None:
+    """[count] bool: which of the layers first, ..., first + count - 1 have the sliding window when
+    local and global layers alternate (`model.global_every`: layer i is global when (i + 1) % n == 0);
+    None when every layer is alike (`model.sliding_window` static for all). `first` may be traced (a
+    pipeline stage's first layer); a padded slot past the model's layers is a zero layer, any kind."""
+    if not cfg.global_every:
+        return None
+    return (first + jnp.arange(count) + 1) % cfg.global_every != 0
+
+
+def layer_rope(cfg: ModelConfig, local: jax.Array | None) -> jax.Array:
+    """The inverse frequencies [H/2] of a layer that is `local` (traced bool; None: every layer alike)."""
+    if local is None:
+        return rope_frequencies(cfg)
+    return jnp.where(local, rope_frequencies(cfg, local=True), rope_frequencies(cfg))
 
 
 def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) -> jax.Array:
@@ -118,17 +152,29 @@ class Attention(nnx.Module):
             self.bq = nnx.Param(jnp.zeros((n, h), jnp.float32), out_sharding=("heads", "head_dim"))
             self.bk = nnx.Param(jnp.zeros((k, h), jnp.float32), out_sharding=("kv_heads", "head_dim"))
             self.bv = nnx.Param(jnp.zeros((k, h), jnp.float32), out_sharding=("kv_heads", "head_dim"))
-        if cfg.qk_norm:  # Qwen3: RMSNorm over each query and key head's H dims, before the rotation
-            self.q_norm = RMSNorm(h, cfg.norm_eps)
-            self.k_norm = RMSNorm(h, cfg.norm_eps)
+        if cfg.qk_norm:  # Qwen3, Gemma 3: RMSNorm over each query and key head's H dims, before the rotation
+            self.q_norm = norm(cfg, h)
+            self.k_norm = norm(cfg, h)
         self.projections = projection_state(ops, "attention", ("q", "k", "v", "o"))
         self.window = cfg.sliding_window  # static: the keys each query sees, 0 all (ops.attention)
+        self.scale = cfg.query_scale_dim ** -0.5 if cfg.query_scale_dim else None  # None: 1/sqrt(H)
 
     def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array | None,
-                 inv_freq: jax.Array, ops: Ops, tape: Tape | None = None) -> jax.Array:
+                 inv_freq: jax.Array, ops: Ops, tape: Tape | None = None, local: jax.Array | None = None) -> jax.Array:
         q, k, v = self.qkv(x_btd, positions_bt, inv_freq, ops, tape)
-        return self.out(attention(q, k, v, segment_ids_bt=segment_ids_bt, causal=True, ops=ops,
-                                  window=self.window), ops, tape)
+        return self.out(self.attend(q, k, v, segment_ids_bt, ops, local), ops, tape)
+
+    def attend(self, q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, segment_ids_bt: jax.Array | None,
+               ops: Ops, local: jax.Array | None = None) -> jax.Array:
+        """Causal attention [B, T, N, H] of the rotated q, k, v: with the window when `local` (traced
+        bool: a `lax.cond`, so each branch keeps its window static, as cuDNN needs), or as the model's
+        every layer when None."""
+        def run(window: int) -> jax.Array:
+            return attention(q_btnh, k_btkh, v_btkh, segment_ids_bt=segment_ids_bt, causal=True, scale=self.scale,
+                             ops=ops, window=window)
+        if local is None:
+            return run(self.window)
+        return jax.lax.cond(local, lambda: run(self.window), lambda: run(0))
 
     def qkv(self, x_btd: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array,
             ops: Ops, tape: Tape | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -153,7 +199,8 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(x @ gate) * (x @ up)); gate/up column-split, down row-split over `mlp`."""
+    """SwiGLU: down(silu(x @ gate) * (x @ up)), or GeGLU with gelu_tanh (`model.mlp_activation`, Gemma);
+    gate/up column-split, down row-split over `mlp`."""
 
     def __init__(self, cfg: ModelConfig, ops: Ops, *, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.ffn_dim
@@ -161,17 +208,20 @@ class MLP(nnx.Module):
         self.w_up = _param(rngs, (d, f), ("embed", "mlp"), cfg.init_std)
         self.w_down = _param(rngs, (f, d), ("mlp", "embed"), cfg.init_std / math.sqrt(2 * cfg.num_layers))
         self.projections = projection_state(ops, "mlp", ("gate", "up", "down"))
+        self.activation = cfg.mlp_activation
 
     def __call__(self, x_btd: jax.Array, ops: Ops, tape: Tape | None = None) -> jax.Array:
         proj = _projector(self, ops, "mlp", self.projections, tape)
         gate = proj("btd,df->btf", x_btd, "w_gate", "gate")
         up = proj("btd,df->btf", x_btd, "w_up", "up")
-        h = constrain(swiglu(gate, up), ("batch", "seq", "act_mlp"))
+        gated = swiglu(gate, up) if self.activation == "silu" else jax.nn.gelu(gate, approximate=True) * up
+        h = constrain(gated, ("batch", "seq", "act_mlp"))
         return proj("btf,fd->btd", h, "w_down", "down")
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)).
+    """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)); with `model.block_norms=sandwich`
+    (Gemma) x + norm(attn(norm(x))), then x + norm(mlp(norm(x))).
 
     `mlp` is the MLP's class: `MLP`, or `model.moe.MoE` (which returns auxiliary terms with its output).
     `__call__` returns (x_btd, aux): aux the MLP's auxiliary terms, {} for a dense one; `tape` taps
@@ -179,13 +229,18 @@ class Block(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, ops: Ops, *, rngs: nnx.Rngs, mlp: type = MLP):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = norm(cfg, cfg.d_model)
         self.attn = Attention(cfg, ops, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp_norm = norm(cfg, cfg.d_model)
         self.mlp = mlp(cfg, ops, rngs=rngs)
+        if cfg.block_norms == "sandwich":
+            self.post_attn_norm = norm(cfg, cfg.d_model)
+            self.post_mlp_norm = norm(cfg, cfg.d_model)
 
     def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array | None,
-                 inv_freq: jax.Array, ops: Ops, tape: Tape | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                 inv_freq: jax.Array, ops: Ops, tape: Tape | None = None,
+                 local: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`local`: this layer has the window (traced bool, `local_layers`); None: as every layer."""
         residual = ("batch", "act_seq", "act_embed")
         # Under sequence parallelism the normed input is gathered along the sequence over `tensor`
         # here, once, before the column-parallel projections (Megatron's g); left to itself the
@@ -193,7 +248,17 @@ class Block(nnx.Module):
         gathered = ("batch", "seq", "act_embed")
         h_btd = constrain(self.attn_norm(x_btd), gathered)
         scope = (lambda name: None) if tape is None else tape.scope  # noqa: E731
-        x_btd = constrain(x_btd + self.attn(h_btd, positions_bt, segment_ids_bt, inv_freq, ops, scope("attn")), residual)
-        y_btd = self.mlp(constrain(self.mlp_norm(x_btd), gathered), ops, scope("mlp"))
-        y_btd, aux = y_btd if isinstance(y_btd, tuple) else (y_btd, {})
+        a_btd = self.attn(h_btd, positions_bt, segment_ids_bt, inv_freq, ops, scope("attn"), local)
+        x_btd = constrain(x_btd + self.after_attention(a_btd), residual)
+        y_btd, aux = self.feed_forward(constrain(self.mlp_norm(x_btd), gathered), ops, scope("mlp"))
         return constrain(x_btd + y_btd, residual), aux
+
+    def after_attention(self, a_btd: jax.Array) -> jax.Array:
+        """What the attention's output adds to the residual stream (its post-norm under sandwich norms)."""
+        return self.post_attn_norm(a_btd) if hasattr(self, "post_attn_norm") else a_btd
+
+    def feed_forward(self, h_btd: jax.Array, ops: Ops, tape: Tape | None = None) -> tuple[jax.Array, dict]:
+        """(what the MLP adds to the residual stream from its normed input, its aux terms: {} for a dense one)."""
+        y_btd = self.mlp(h_btd, ops, tape)
+        y_btd, aux = y_btd if isinstance(y_btd, tuple) else (y_btd, {})
+        return (self.post_mlp_norm(y_btd) if hasattr(self, "post_mlp_norm") else y_btd), aux

@@ -16,7 +16,7 @@ from flax import nnx
 
 from lumen_jax.config import ModelConfig
 from lumen_jax.kernels import flash_attention as flash_lib
-from lumen_jax.model.layers import MLP, Block, RMSNorm, _param, rope_frequencies
+from lumen_jax.model.layers import MLP, Block, _param, layer_rope, local_layers, norm
 from lumen_jax.model.moe import MoE
 from lumen_jax.ops.choice import Ops
 from lumen_jax.ops.loss import output_objective
@@ -75,7 +75,7 @@ class Transformer(nnx.Module):
             self.blocks = stack(cfg.num_layers - num_moe, MLP)
         if num_moe:  # layers n-1, 2n-1, ... (n = moe.every_n_layers)
             self.moe_blocks = stack(num_moe, MoE)
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.final_norm = norm(cfg, cfg.d_model)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
 
@@ -107,13 +107,20 @@ class Transformer(nnx.Module):
     def embed_table(self) -> jax.Array:
         """The embedding table [V, D] as the lookup reads it: in the compute dtype, its `embed` shards
         gathered (the FSDP all-gather: a lookup from a table sharded along `embed` into a
-        batch-sharded output has no efficient partitioning), the vocabulary split over `tensor`."""
-        return constrain(self.embed[...].astype(jnp.dtype(self.cfg.compute_dtype)), ("act_vocab", "act_embed"))
+        batch-sharded output has no efficient partitioning), the vocabulary split over `tensor`; times
+        sqrt(d_model) in the compute dtype under `model.embed_scale=sqrt_d_model` (Gemma: the rows it
+        looks up are scaled, as transformers scales them, and the tied head is not)."""
+        dt = jnp.dtype(self.cfg.compute_dtype)
+        table = self.embed[...].astype(dt)
+        if self.cfg.embed_scale == "sqrt_d_model":  # rounded to float32, then to the compute dtype, as transformers
+            table = table * jnp.float32(self.cfg.d_model ** 0.5).astype(dt)
+        return constrain(table, ("act_vocab", "act_embed"))
 
     def run_layers(self, x_btd: jax.Array, positions_bt: jax.Array,
                    segment_ids_bt: jax.Array | None = None,
                    real_layers: jax.Array | None = None, taps: Taps | None = None,
-                   runs: list[tuple[int, int, Ops]] | None = None) -> tuple[jax.Array, dict]:
+                   runs: list[tuple[int, int, Ops]] | None = None,
+                   first_layer: jax.Array | int = 0) -> tuple[jax.Array, dict]:
         """The stacked blocks this module holds (all `num_layers`, or one pipeline stage's slice of
         them): (residual stream, aux as in `forward`).
 
@@ -124,15 +131,17 @@ class Transformer(nnx.Module):
         `taps`: the projections' taps of a split backward (`ops.projection.Taps`: per stack [L, ...],
         scanned with the layers), or a probe; None: none.
         `runs`: the held layers as runs [start, stop) with their `Ops` (a pipeline stage's slots,
-        `Ops.stage_runs`); None: `Ops.layer_runs` of the model's layers."""
+        `Ops.stage_runs`); None: `Ops.layer_runs` of the model's layers.
+        `first_layer`: the model's index of the first held layer (traced: a pipeline stage's), which
+        says which layers are local and which global (`model.global_every`)."""
         cfg = self.cfg
-        inv_freq = rope_frequencies(cfg)
 
         def make_body(graphdef: nnx.GraphDef, ops: Ops, stack: str):
             def body(x_btd: jax.Array, xs: tuple) -> tuple[jax.Array, dict]:
-                state, layer_taps = xs
+                state, layer_taps, local = xs if len(xs) == 3 else (*xs, None)
                 tape = None if taps is None else taps.layer(stack, layer_taps)
-                return nnx.merge(graphdef, state)(x_btd, positions_bt, segment_ids_bt, inv_freq, ops, tape)
+                return nnx.merge(graphdef, state)(x_btd, positions_bt, segment_ids_bt, layer_rope(cfg, local), ops,
+                                                  tape, local)
 
             if cfg.remat != "none":
                 return jax.checkpoint(body, policy=remat_policy(_REMAT_POLICIES[cfg.remat]), prevent_cse=False)
@@ -142,7 +151,8 @@ class Transformer(nnx.Module):
         if cfg.moe.enabled:
             return self._moe_stack(x_btd, make_body, real_layers, stack_taps)
         graphdef, layer_state = nnx.split(self.blocks)
-        xs = (layer_state, stack_taps("blocks"))
+        xs = (layer_state, stack_taps("blocks"),
+              local_layers(cfg, first_layer, jax.tree.leaves(layer_state)[0].shape[0]))
         runs = self.ops.layer_runs(cfg.num_layers) if runs is None else runs
         if len(runs) == 1:
             x_btd, _ = jax.lax.scan(make_body(graphdef, runs[0][2], "blocks"), x_btd, xs)

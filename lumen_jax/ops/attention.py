@@ -137,10 +137,11 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
                      window=window)[0]
 
 
-def cached_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, visible_bs: jax.Array) -> jax.Array:
+def cached_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, visible_bs: jax.Array,
+                     scale: float | None = None) -> jax.Array:
     """Attention of new queries to a KV cache (generation): every query of row b sees the keys where
-    `visible_bs[b]` [B, S] bool is set. One implementation, the reference (decode reads the cache once
-    per token: memory-bound, where a fused kernel would be chosen here)."""
+    `visible_bs[b]` [B, S] bool is set; `scale` as `attention`'s. One implementation, the reference
+    (decode reads the cache once per token: memory-bound, where a fused kernel would be chosen here)."""
     q_seg = jnp.ones(q_btnh.shape[:2], jnp.int32)
     return reference(q_btnh, k_bskh, v_bskh, segment_ids_bt=q_seg, kv_segment_ids_bs=visible_bs.astype(jnp.int32),
-                     causal=False)[0]
+                     causal=False, scale=scale)[0]

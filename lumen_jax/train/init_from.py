@@ -23,14 +23,16 @@ def _is_hf_dir(path: str) -> bool:
 
 
 # What the weights of `train.init_from` define besides their shapes: a run starting from them takes these
-# from them (rotary embedding, norm epsilon, routing), and its tokenizer when they name one.
+# from them (rotary embedding, norm epsilon, windows, Gemma's numerics, routing), and its tokenizer when they name one.
 DEFINED_BY_WEIGHTS = ("norm_eps", "rope_theta", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
-                      "rope_high_freq_factor", "rope_original_max_len", "moe.top_k", "moe.router",
-                      "moe.normalize_top_k", "moe.routed_scaling", "moe.groups", "moe.top_groups")
+                      "rope_high_freq_factor", "rope_original_max_len", "sliding_window", "global_every",
+                      "rope_local_theta", "query_scale_dim", "norm_scale", "mlp_activation", "embed_scale",
+                      "moe.top_k", "moe.router", "moe.normalize_top_k", "moe.routed_scaling", "moe.groups",
+                      "moe.top_groups")
 # Their shapes: the config must give the same (one line naming the key otherwise).
 SHAPED_BY_WEIGHTS = ("vocab_size", "tie_embeddings", "d_model", "num_layers", "num_heads", "num_kv_heads",
-                     "resolved_head_dim", "ffn_dim", "qkv_bias", "qk_norm", "moe.num_experts", "moe.every_n_layers",
-                     "moe.shared_experts", "moe.shared_gate", "expert_ffn_dim")
+                     "resolved_head_dim", "ffn_dim", "qkv_bias", "qk_norm", "block_norms", "moe.num_experts",
+                     "moe.every_n_layers", "moe.shared_experts", "moe.shared_gate", "expert_ffn_dim")
 
 
 def _get(model: Any, key: str) -> Any:

@@ -94,8 +94,10 @@ def stage_fns(sc: StepConfig) -> pipeline_step.StageFns:
     def layers(params: dict, state: dict, x_btd: jax.Array, mb: Batch, real_layers: jax.Array | None = None,
                taps: Taps | None = None, *, stage: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
         model = merge(sc.graphdef, params, state)
-        runs = model.ops.stage_runs(sc.pipeline.stage_layers(model.cfg.num_layers), stage)
-        y_btd, aux = model.run_layers(x_btd, mb["positions"], mb["segment_ids"], real_layers, taps, runs)
+        split = sc.pipeline.stage_layers(model.cfg.num_layers)
+        first = jnp.asarray([sum(split[:w]) for w in range(len(split))], jnp.int32)[stage]  # its first layer
+        y_btd, aux = model.run_layers(x_btd, mb["positions"], mb["segment_ids"], real_layers, taps,
+                                      model.ops.stage_runs(split, stage), first)
         return y_btd, aux.get("loss", jnp.zeros((), jnp.float32)), aux.get("metrics", {})
 
     def head(params: dict, y_btd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array, weight: jax.Array):

@@ -26,6 +26,8 @@ BASES = {
     "moe": ModelConfig(compute_dtype="float32", moe=MoeConfig(num_experts=4)),
     # delayed fp8 keeps amax histories (model state); with 3 layers the middle one runs fp8
     "fp8": ModelConfig(compute_dtype="float32", num_layers=3, fp8=Fp8Config(recipe="delayed", amax_history=16)),
+    # local and global layers (Gemma 3's pattern)
+    "window": ModelConfig(compute_dtype="float32", sliding_window=8, global_every=2),
 }
 # key: (base, new value, whether the state's arrays change). Every key of ModelConfig must be here.
 CHANGES = {
@@ -39,7 +41,14 @@ CHANGES = {
     "model.tie_embeddings": ("dense", True, True),
     "model.qkv_bias": ("dense", True, True),
     "model.qk_norm": ("dense", True, True),
-    "model.sliding_window": ("dense", 16, False),
+    "model.block_norms": ("dense", "sandwich", True),
+    "model.sliding_window": ("dense", 8, False),
+    "model.global_every": ("window", 3, False),
+    "model.rope_local_theta": ("window", 10000.0, False),
+    "model.query_scale_dim": ("dense", 32, False),
+    "model.norm_scale": ("dense", "one_plus_weight", False),
+    "model.mlp_activation": ("dense", "gelu_tanh", False),
+    "model.embed_scale": ("dense", "sqrt_d_model", False),
     "model.norm_eps": ("dense", 1e-6, False),
     "model.rope_theta": ("dense", 10000.0, False),
     "model.rope_scaling": ("dense", "llama3", False),

@@ -25,7 +25,7 @@ CONFIGS = os.path.join(ROOT, "configs")
 # Device counts each shipped file is sized for (see the comment at the top of each file).
 DEVICES = {"base": 8, "tiny": 8, "llama3_1b": 64, "llama3_8b": 64, "llama3_70b": 512, "llama3_405b": 16384,
            "tiny_moe": 8, "mixtral_8x7b": 64, "qwen3_30b_a3b": 64, "qwen3_8b": 64, "tiny_qwen3": 8,
-           "mistral_7b": 64, "tiny_mistral": 8}
+           "mistral_7b": 64, "tiny_mistral": 8, "gemma3_12b": 64, "tiny_gemma3": 8}
 
 
 def cfg_path(name: str) -> str:
@@ -126,6 +126,25 @@ def test_mistral_presets():
     assert flops.param_counts(m)["total"] == 7_241_732_096
     tiny = load_config(cfg_path("tiny_mistral.yaml"))
     assert 0 < tiny.model.sliding_window < tiny.data.seq_len and tiny.model.d_model == TINY.model.d_model
+
+
+def test_gemma3_presets():
+    """Gemma 3 12B's text model (11,766,034,176 parameters by hand: 48 layers of 3840 x (4096 + 2048 + 2048
+    + 4096) + 3 x 3840 x 15360 + 4 x 3840 + 2 x 256, one tied 262208 x 3840 table, 3840) in its pattern of
+    5 local layers (a 1,024-key window, RoPE 1e4) then 1 global (RoPE 1e6 / 8); the tiny sibling's 7 layers
+    show the pattern and its window binds at its 128 tokens."""
+    from lumen_jax.metrics import flops
+
+    m = load_config(cfg_path("gemma3_12b.yaml")).model
+    assert (m.d_model, m.num_layers, m.num_heads, m.num_kv_heads, m.resolved_head_dim, m.ffn_dim, m.vocab_size,
+            m.sliding_window, m.global_every, m.query_scale_dim) == (3840, 48, 16, 8, 256, 15360, 262208, 1024, 6, 256)
+    assert (m.rope_theta, m.rope_scaling, m.rope_scaling_factor, m.rope_local_theta) == (1e6, "linear", 8.0, 1e4)
+    assert (m.norm_scale, m.block_norms, m.mlp_activation, m.embed_scale, m.qk_norm, m.tie_embeddings) == (
+        "one_plus_weight", "sandwich", "gelu_tanh", "sqrt_d_model", True, True)
+    assert flops.param_counts(m)["total"] == 11_766_034_176
+    tiny = load_config(cfg_path("tiny_gemma3.yaml"))
+    assert tiny.model.num_layers > tiny.model.global_every and 0 < tiny.model.sliding_window < tiny.data.seq_len
+    assert tiny.model.d_model == TINY.model.d_model and tiny.model.block_norms == "sandwich"
 
 
 def test_an_error_quotes_a_huge_value_in_brief():

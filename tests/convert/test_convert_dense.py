@@ -1,17 +1,19 @@
-"""Qwen3, Qwen2 and Mistral dense import and export against `transformers` itself (CPU torch): logits
-and a swapped-norms / dropped-biases / no-window control, greedy generation, the round trip, real
-models' config.json, bad inputs. One small random model per layout (helpers.hf.DENSE_MODELS: Qwen3
-untied and tied with a head_dim that is not d_model / heads, Qwen2 with q/k/v biases, Mistral with a
-sliding window of 6 keys), written with `save_pretrained`."""
+"""Qwen3, Qwen2, Mistral and Gemma 3 dense import and export against `transformers` itself (CPU torch):
+logits and a swapped-norms / dropped-biases / no-window / each-Gemma-feature-dropped control, greedy
+generation, the round trip, real models' config.json, bad inputs. One small random model per layout
+(helpers.hf.DENSE_MODELS: Qwen3 untied and tied with a head_dim that is not d_model / heads, Qwen2 with q/k/v
+biases, Mistral with a sliding window of 6 keys, Gemma 3 of 7 layers in its local/global pattern), written
+with `save_pretrained`."""
 
 import dataclasses
 import os
 
+import jax
 import numpy as np
 import pytest
 
-from helpers.hf import (DENSE_MODELS, TOKENS, assert_to_hf_round_trips, from_hf_refusal, hf_greedy, import_each,
-                        logits_close, logits_of, make_hf_dense, our_params)
+from helpers.hf import (DENSE_MODELS, TOKENS, assert_to_hf_round_trips, from_hf_refusal, hf_greedy, hf_logits,
+                        import_each, logits_close, logits_of, make_hf_dense, our_params)
 from helpers.tolerances import FP32_RTOL
 from lumen_jax.convert import hf
 from lumen_jax.convert.__main__ import main as convert
@@ -29,8 +31,8 @@ def imported(tmp_path_factory):
 def _control(params: dict, kind: str) -> dict:
     """`params` with what the family adds to Llama misplaced: q_norm and k_norm swapped (Qwen3), the
     q/k/v biases dropped (Qwen2); Mistral's window is the model's, not the parameters' (its control
-    drops the window from the model instead)."""
-    if kind == "mistral":
+    drops the window from the model instead; Gemma's control is `GEMMA_DROPPED`)."""
+    if kind in ("mistral", "gemma3"):
         return params
     attn = dict(params["blocks"]["attn"])
     if kind.startswith("qwen3"):
@@ -46,11 +48,40 @@ def test_from_hf_logits_match_transformers_and_a_misplaced_norm_or_bias_does_not
     model, params = our_params(run_dir)
     assert (model.qk_norm, model.qkv_bias, model.tie_embeddings, model.resolved_head_dim, model.sliding_window) == {
         "qwen3": (True, False, False, 32, 0), "qwen3_tied": (True, False, True, 32, 0),
-        "qwen2": (False, True, False, 16, 0), "mistral": (False, False, False, 16, 6)}[kind]
+        "qwen2": (False, True, False, 16, 0), "mistral": (False, False, False, 16, 6),
+        "gemma3": (True, False, True, 32, 4)}[kind]
     ours = logits_of(model, params, TOKENS)
     np.testing.assert_allclose(ours, ref, rtol=FP32_RTOL, atol=FP32_RTOL * float(np.abs(ref).max()))
     control = dataclasses.replace(model, sliding_window=0) if kind == "mistral" else model
+    if kind == "gemma3":
+        control = dataclasses.replace(model, **GEMMA_DROPPED["norm +1"])
     assert not logits_close(logits_of(control, _control(params, kind), TOKENS), ref)
+
+
+# Each of Gemma 3's features dropped alone, on the imported random Gemma 3: its logits must move.
+GEMMA_DROPPED = {
+    "norm +1": dict(norm_scale="weight"), "embedding scale": dict(embed_scale="none"),
+    "query scale": dict(query_scale_dim=0), "geglu": dict(mlp_activation="silu"),
+    "global layers": dict(global_every=0, rope_local_theta=0.0), "local rope": dict(rope_local_theta=0.0),
+    "linear rope": dict(rope_scaling="none"), "sandwich norms": dict(block_norms="pre"),
+}
+
+
+def test_gemma3_import_reads_its_pattern_and_numerics(imported):
+    model, _ = our_params(imported["gemma3"][1])
+    assert (model.global_every, model.rope_theta, model.rope_scaling, model.rope_scaling_factor,
+            model.rope_local_theta, model.query_scale_dim, model.norm_scale, model.block_norms, model.mlp_activation,
+            model.embed_scale) == (6, 1e4, "linear", 4.0, 100.0, 24, "one_plus_weight", "sandwich", "gelu_tanh",
+                                   "sqrt_d_model")
+
+
+@pytest.mark.parametrize("feature", list(GEMMA_DROPPED))
+def test_gemma3_logits_need_each_of_its_features(imported, feature):
+    _, run_dir, ref = imported["gemma3"]
+    model, params = our_params(run_dir)
+    if feature == "sandwich norms":
+        params = {**params, "blocks": {k: v for k, v in params["blocks"].items() if not k.startswith("post_")}}
+    assert not logits_close(logits_of(dataclasses.replace(model, **GEMMA_DROPPED[feature]), params, TOKENS), ref)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -87,6 +118,30 @@ QWEN3_06B = {
 }
 
 
+# google/gemma-3-1b-pt's config.json (4.x spelling: rope_local_base_freq, sliding_window_pattern, no layer_types).
+GEMMA3_1B = {
+    "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": 1,
+    "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+    "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768,
+    "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+    "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0", "use_cache": True, "vocab_size": 262144,
+}
+
+
+def test_real_gemma3_config_maps_onto_its_pattern():
+    """Gemma 3 1B: 26 layers (not a multiple of 6), 5 local then 1 global, each kind its rope base."""
+    g = hf.model_config(GEMMA3_1B, "bfloat16")
+    assert (g.num_layers, g.global_every, g.sliding_window, g.rope_theta, g.rope_local_theta, g.rope_scaling,
+            g.query_scale_dim, g.resolved_head_dim, g.num_kv_heads, g.tie_embeddings) == (
+        26, 6, 512, 1e6, 1e4, "none", 256, 256, 1, True)
+    assert hf.family_of(g) == "gemma3_text"
+    assert hf.hf_config(g, "bfloat16")["layer_types"] == [
+        "full_attention" if i in (5, 11, 17, 23) else "sliding_attention" for i in range(26)]
+
+
 def test_real_qwen_configs_map_onto_qkv_bias_and_qk_norm():
     """Qwen2.5-0.5B and Qwen3-0.6B's config.json (an inactive sliding_window, 4.x rope_theta) convert."""
     q2, q3 = hf.model_config(QWEN25_05B, "bfloat16"), hf.model_config(QWEN3_06B, "bfloat16")
@@ -106,6 +161,12 @@ BAD = {
     "unknown field": ("qwen2", {"rope_interleaved": True}, "config.json field rope_interleaved=True is not understood"),
     "architecture": ("qwen3", {"architectures": ["Qwen3ForSequenceClassification"]},
                      "model_type='qwen3' with architectures=['Qwen3ForSequenceClassification'] is not supported"),
+    "final softcap": ("gemma3", {"final_logit_softcapping": 30.0},
+                      "config.json final_logit_softcapping=30.0 is not supported (only None)"),
+    "attention softcap": ("gemma3", {"attn_logit_softcapping": 50.0},
+                          "config.json attn_logit_softcapping=50.0 is not supported (only None)"),
+    "gemma layer pattern": ("gemma3", {"layer_types": ["full_attention"] + ["sliding_attention"] * 6},
+                            "is not n-1 sliding_attention layers then one full_attention, repeated"),
 }
 
 
@@ -131,3 +192,43 @@ def test_to_hf_refuses_qk_norm_with_qkv_bias(tmp_path, capsys):
     assert err.startswith("error: model.qkv_bias=true with model.qk_norm=true has no place in LlamaForCausalLM") and (
         "\n" not in err), err
     assert not os.path.exists(back)
+
+
+@pytest.mark.parametrize("layout", ["pattern", "all global", "all local"])
+def test_to_hf_of_our_gemma_layouts_loads_in_transformers_and_imports_back(tmp_path, layout):
+    """configs/tiny_gemma3.yaml (random weights, norms away from 0) exported as Gemma3ForCausalLM: 5 local
+    then 1 global, every layer global (no window: transformers still needs a sliding_window, which binds
+    nothing), every layer local. transformers' logits are ours; from-hf of the export is the same model."""
+    from lumen_jax.checkpoint import weights
+    from lumen_jax.config.files import load_config
+    from lumen_jax.model import init_params
+
+    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny_gemma3.yaml"))
+    change = {"pattern": {}, "all global": dict(sliding_window=0, global_every=0, rope_local_theta=0.0),
+              "all local": dict(global_every=0, rope_local_theta=0.0)}[layout]
+    model = dataclasses.replace(cfg.model, compute_dtype="float32", **change)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda a: a + 0.05 * rng.standard_normal(a.shape).astype(a.dtype), init_params(model, 0))
+    run_dir, back, again = (str(tmp_path / name) for name in ("run", "hf", "again"))
+    weights.save_weights(run_dir, cfg.replace(model=model), params)
+    assert convert(["to-hf", "--run-dir", run_dir, "--out", back]) == 0
+    ref = logits_of(model, params, TOKENS)
+    assert logits_close(hf_logits(back, TOKENS), ref)
+    assert convert(["from-hf", "--hf-dir", back, "--out", again]) == 0
+    assert our_params(again)[0] == model
+
+
+def test_init_from_a_gemma_takes_its_numerics(imported, tmp_path):
+    """train.init_from of the Hugging Face Gemma 3 takes its window, pattern, ropes and numerics (the
+    shape keys must match it, block_norms among them), so fine-tuning runs Gemma's layer, not Llama's."""
+    from lumen_jax.config import Config
+    from lumen_jax.train.init_from import defined_by_init_from
+
+    hf_dir, run_dir, _ = imported["gemma3"]
+    model = our_params(run_dir)[0]
+    shape = {k: getattr(model, k) for k in ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",
+                                            "vocab_size", "qk_norm", "block_norms", "tie_embeddings")}
+    cfg = Config(model=dataclasses.replace(Config().model, **shape))
+    cfg = cfg.replace(train=dataclasses.replace(cfg.train, init_from=hf_dir))
+    got = defined_by_init_from(cfg, str(tmp_path / "fresh"))[0].model
+    assert got == dataclasses.replace(model, compute_dtype=got.compute_dtype, attention=got.attention)

@@ -1,6 +1,6 @@
-"""Small random Hugging Face models (transformers, CPU torch: Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE)
-and a run directory's logits, for the converter and generation tests. torch is imported only inside
-these functions."""
+"""Small random Hugging Face models (transformers, CPU torch: Llama, Qwen2, Qwen3, Mistral, Gemma 3, Mixtral,
+Qwen2-MoE, Qwen3-MoE) and a run directory's logits, for the converter and generation tests. torch is imported
+only inside these functions."""
 
 import json
 import os
@@ -45,7 +45,7 @@ def _save_random(path: str, config_cls: str, model_cls: str, kw: dict, seed: int
 
 
 # Tiny dense models (2 layers, d_model 64, GQA, plain rope): Qwen3 (q/k norms) with a head_dim
-# that is not d_model / heads, untied and tied; Qwen2 (q/k/v biases); Mistral (a sliding window).
+# that is not d_model / heads, untied and tied; Qwen2 (q/k/v biases); Mistral (a sliding window); Gemma 3.
 DENSE_KW = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=128,
                 rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
@@ -55,6 +55,12 @@ DENSE_MODELS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
     # A window of 6 keys binds over TOKENS' 20 and over generation's prompts and new tokens.
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=6, tie_word_embeddings=False)),
+    # Gemma 3: 7 layers in its pattern (5 sliding, 1 full, 1 sliding) with a window of 4 keys, each kind
+    # its own rope (the full layers' linearly scaled), queries scaled by 24**-0.5 (not head_dim 32's), tied.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=7, head_dim=32, sliding_window=4, query_pre_attn_scalar=24, tie_word_embeddings=True,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}})),
 }
 
 

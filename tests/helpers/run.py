@@ -83,13 +83,16 @@ def run(cfg: Config, devices=None) -> dict:
             "model_state": jax.device_get(real(state.model_state)), "trainer": trainer, "state": state}
 
 
-def assert_same_run(got: dict, ref: dict, name: str) -> None:
+def assert_same_run(got: dict, ref: dict, name: str, grads_end_rtol: float = FP32_RTOL) -> None:
+    """Losses, grad norms and the first gradients to FP32_RTOL; the gradients after 3 steps (one vector)
+    to `grads_end_rtol`, for a model whose Adam steps amplify reduction-order rounding (each caller
+    measures it)."""
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=FP32_RTOL, err_msg=f"{name} losses")
     np.testing.assert_allclose(got["grad_norms"], ref["grad_norms"], rtol=FP32_RTOL,
                                err_msg=f"{name} grad norms")
     assert_tree_close(got["grads"], ref["grads"], FP32_RTOL, what=f"{name} first grads ")
     diff = optax.tree.norm(jax.tree.map(lambda a, b: a - b, got["grads_end"], ref["grads_end"]))
-    assert diff <= FP32_RTOL * optax.tree.norm(ref["grads_end"]), f"{name} grads after 3 steps: {diff}"
+    assert diff <= grads_end_rtol * optax.tree.norm(ref["grads_end"]), f"{name} grads after 3 steps: {diff}"
 
 
 def fp8_run(cfg: Config) -> dict:

@@ -74,7 +74,9 @@ class Pipeline:
         is padded in the same share.
 
         A slot of zeros is exactly the identity of the pre-norm residual block (zero norm scales give a
-        zero input, zero output projections add 0, a zero MoE layer's experts add 0) and its gradients
+        zero input; Gemma's norms, times 1 + w, do not, but its zero projections then give zero queries,
+        keys, values and MLP, and a post-norm of zero is zero; zero output projections add 0, a zero MoE
+        layer's experts add 0) and its gradients
         are exactly 0, so AdamW keeps it zero: it is computed in lock step (a tick lasts as long as the
         dearest stage anyway) and adds nothing. A zero router still routes: its balance loss and
         metrics are left out (`real_layers`).
