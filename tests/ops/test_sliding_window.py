@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from helpers.run import BASE, assert_same_run, run, with_mesh
-from helpers.tolerances import FP32_RTOL, SAME_MATH_FP32_RTOL
+from helpers.tolerances import FP32_RTOL, SAME_MATH_FP32_RTOL, assert_tree_close
 from lumen_jax.compiler.lower import TargetGpu
 from lumen_jax.config import ConfigError, ModelConfig
 from lumen_jax.config.checks import validate
