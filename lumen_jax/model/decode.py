@@ -1,7 +1,11 @@
 """Inference with a KV cache: `prefill` runs the prompt and fills the cache, `decode` adds one token.
 
 The cache holds every layer's rotated keys and values, [L, B, S, K, H] each (K kv heads: grouped-query
-sized), S = the longest prompt plus the tokens to generate. Prompts of different lengths are
+sized), S = the longest prompt plus the tokens to generate. When every layer has the sliding window
+(`model.sliding_window` without `model.global_every`: Mistral) and that is shorter, S is the window and
+the cache is a ring: slot s (a position, see below) lives at index s mod S, a new token overwrites the
+one that just left the window, and prefill keeps only a prompt's last S keys. A pattern of local and
+global layers (Gemma 3) keeps the whole length for every layer. Prompts of different lengths are
 left-padded: slot s of row b holds a real token when `valid_bs[b, s]`; a padded slot is never attended
 to, and positions count from each row's first real token, so a row's result does not depend on its
 padding. Prefill is the training forward (causal attention, padding as its own document) that also
@@ -16,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lumen_jax.config import ModelConfig
 from lumen_jax.model.layers import layer_rope, local_layers
 from lumen_jax.model.transformer import Transformer, embedding_lookup
 from lumen_jax.ops.attention import attention, cached_attention
@@ -25,10 +30,15 @@ from lumen_jax.parallel.rules import constrain
 CACHE_AXES = ("batch", "seq", "act_kv_heads", None)  # of one layer's [B, S, K, H]
 
 
+def cache_length(cfg: ModelConfig, length: int) -> int:
+    """Slots of the cache for `length` tokens: the window when every layer has one shorter (a ring)."""
+    return min(length, cfg.sliding_window) if cfg.sliding_window and not cfg.global_every else length
+
+
 def init_cache(model: Transformer, batch: int, length: int) -> dict[str, jax.Array]:
-    """Zero K/V cache {"k", "v"}: [L, B, S, K, H] in the compute dtype."""
+    """Zero K/V cache {"k", "v"}: [L, B, S, K, H] in the compute dtype, S = `cache_length(model.cfg, length)`."""
     cfg = model.cfg
-    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.resolved_head_dim)
+    shape = (cfg.num_layers, batch, cache_length(cfg, length), cfg.num_kv_heads, cfg.resolved_head_dim)
     zeros = jnp.zeros(shape, jnp.dtype(cfg.compute_dtype))
     return {"k": zeros, "v": zeros}
 
@@ -97,18 +107,23 @@ def prefill(model: Transformer, tokens_bt: jax.Array, valid_bt: jax.Array, cache
 
     Args:
       tokens_bt: left-padded prompts [B, T]; valid_bt: [B, T] bool, False on the padding.
-      cache: `init_cache(model, B, S)` with S >= T.
+      cache: `init_cache(model, B, S)` with S >= T, or a ring of the window's S slots.
     """
     positions = jnp.maximum(jnp.cumsum(valid_bt, axis=1) - 1, 0).astype(jnp.int32)
     segments = valid_bt.astype(jnp.int32)  # padding is its own document: real tokens never see it
+    t, s = tokens_bt.shape[1], cache["k"].shape[2]
+
+    def keep(x_btkh: jax.Array, x_cache: jax.Array) -> jax.Array:
+        """The cache with slots [0, T) written; a ring of S < T slots keeps the last S at slot mod S."""
+        x_btkh = x_btkh.astype(x_cache.dtype)
+        if t > s:
+            return jnp.roll(x_btkh[:, t - s:], (t - s) % s, axis=1)
+        return jax.lax.dynamic_update_slice(x_cache, x_btkh, (jnp.zeros((), jnp.int32),) * 4)
 
     def attend(attn, h_btd, k_cache, v_cache, local):
         q, k, v = attn.qkv(h_btd, positions, layer_rope(model.cfg, local), model.ops)
         o = attn.attend(q, k, v, segments, model.ops, local)
-        zero = jnp.zeros((), jnp.int32)
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (zero,) * 4)
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (zero,) * 4)
-        return o, k_cache, v_cache
+        return o, keep(k, k_cache), keep(v, v_cache)
 
     x_btd, cache = _layers(model, _embed(model, tokens_bt), cache, attend)
     return _logits(model, x_btd[:, -1:])[:, 0], cache
@@ -121,18 +136,24 @@ def decode(model: Transformer, tokens_b: jax.Array, positions_b: jax.Array, slot
     Args:
       tokens_b, positions_b: the new tokens [B] and their positions [B] (int32).
       slot: int32 scalar, the cache slot of the new tokens (the same for every row: rows are left-padded).
-      valid_bs: [B, S] bool, False on the prompts' padding; slots after `slot` are ignored.
-      cache: the cache after `prefill` and earlier `decode`s.
+      valid_bs: [B, N] bool over every slot of the generation, False on the prompts' padding; slots
+        after `slot` are ignored.
+      cache: the cache after `prefill` and earlier `decode`s (a ring when it has fewer than N slots).
     """
     s = cache["k"].shape[2]
-    visible = valid_bs & (jnp.arange(s) <= slot)[None]  # [B, S]: filled, and not a prompt's padding
+    held = jnp.arange(s)  # the slot each cache index holds: itself, or in a ring the latest one = index mod S
+    if s < valid_bs.shape[1]:
+        held = slot - (slot - held) % s
+    filled = (held >= 0) & (held <= slot)
+    visible = jnp.take_along_axis(valid_bs, jnp.broadcast_to(jnp.maximum(held, 0), valid_bs.shape[:1] + (s,)),
+                                  axis=1) & filled[None]  # [B, S]: filled, and not a prompt's padding
     windowed = visible  # the latest `window` slots: rows are left-padded alike, so slots are positions
     if model.cfg.sliding_window:
-        windowed = visible & (jnp.arange(s) > slot - model.cfg.sliding_window)[None]
+        windowed = visible & (held > slot - model.cfg.sliding_window)[None]
 
     def attend(attn, h_btd, k_cache, v_cache, local):
         q, k, v = attn.qkv(h_btd, positions_b[:, None], layer_rope(model.cfg, local), model.ops)
-        at = (jnp.zeros((), jnp.int32), slot, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+        at = (jnp.zeros((), jnp.int32), slot % s, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
         k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), at)
         v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), at)
         seen = windowed if local is None else jnp.where(local, windowed, visible)  # a global layer: every slot

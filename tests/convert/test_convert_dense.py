@@ -232,3 +232,25 @@ def test_init_from_a_gemma_takes_its_numerics(imported, tmp_path):
     cfg = cfg.replace(train=dataclasses.replace(cfg.train, init_from=hf_dir))
     got = defined_by_init_from(cfg, str(tmp_path / "fresh"))[0].model
     assert got == dataclasses.replace(model, compute_dtype=got.compute_dtype, attention=got.attention)
+
+
+def test_mistral_decodes_from_a_ring_of_its_window_as_transformers(imported):
+    """Every Mistral layer has the window (6 keys), so the cache is a ring of 6 slots, not the 16 of a
+    prompt of 9 plus 7 new tokens: prefill keeps the prompt's last 6 keys, each new token overwrites the
+    one that left the window. Each token's logits equal transformers' forward of the whole sequence, for
+    the long prompt alone and left-padded in a batch with a short one (padding inside the ring)."""
+    from lumen_jax.checkpoint import weights
+    from lumen_jax.generate import ONE_DEVICE, Generator, Sampling
+    from lumen_jax.model import decode
+
+    hf_dir, run_dir, _ = imported["mistral"]
+    loaded = weights.load_onto_mesh(run_dir, None, base_mesh=ONE_DEVICE)
+    prompts, new = [[5, 17, 60, 3, 88, 41, 12, 9, 30], [70, 2, 9]], 7
+    gen = Generator(loaded, Sampling())
+    batch, logits = gen.generate(prompts, new, return_logits=True)
+    for row, (prompt, tokens) in enumerate(zip(prompts, batch)):
+        ref = hf_logits(hf_dir, np.array([prompt + tokens]))[0, len(prompt) - 1:-1]
+        np.testing.assert_allclose(logits[row], ref, rtol=FP32_RTOL, atol=FP32_RTOL * float(np.abs(ref).max()))
+    assert batch[0] == gen.generate(prompts[:1], new)[0] == hf_greedy(hf_dir, prompts[0], new)
+    model = weights.read_config(run_dir, weights.resolve_step(run_dir, None)).model
+    assert (decode.cache_length(model, 16), decode.cache_length(dataclasses.replace(model, global_every=2), 16)) == (6, 16)

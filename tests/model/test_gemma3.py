@@ -72,6 +72,20 @@ def test_gemma_trains_on_meshes_as_on_one_device(gemma_reference, mesh):
     assert gemma_reference["losses"][-1] < gemma_reference["losses"][0]
 
 
+@pytest.mark.heavy
+@pytest.mark.parametrize("mesh", [dict(context=2, fsdp=2, tensor=2), dict(context=2, fsdp=2, attention="flash")],
+                         ids=["context2-ring-fsdp2-tensor2", "context2-ring-flash-fsdp2"])
+def test_gemma_trains_with_context_parallelism_and_our_kernel_as_on_one_device(gemma_reference, mesh):
+    """The ring takes each layer's kind (a window of 8 on the local layers, none on the global one) per
+    chunk pair, through the reference and through our flash kernel (the interpreter): losses, grad norms,
+    the gradients as the meshes above."""
+    mesh = dict(mesh)
+    attention = mesh.pop("attention", None)
+    cfg = GEMMA if attention is None else GEMMA.replace(model=dataclasses.replace(GEMMA.model, attention=attention))
+    got = run(with_mesh(cfg, **mesh))
+    assert_same_run(got, gemma_reference, f"{mesh} {attention}", GRADS_END_RTOL)
+
+
 def test_the_global_layers_change_the_loss(gemma_reference):
     """Without its global layers (every layer windowed) the same model trains to another loss: the
     pattern is not a no-op at this length."""
