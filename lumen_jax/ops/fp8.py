@@ -145,9 +145,13 @@ def _dims_xg(x: jax.Array) -> Any:  # dw = x^T . g: every batch axis of x with g
 
 
 def _scaled_dot(a: jax.Array, b: jax.Array, dims: Any, inv_scale: jax.Array, dtype: Any) -> jax.Array:
-    """fp8 x fp8 GEMM with fp32 accumulation, then one scalar rescale (cuBLASLt fuses both)."""
-    out = jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-    return (out * inv_scale).astype(dtype)
+    """fp8 x fp8 GEMM accumulated in fp32, its result written in `dtype` times one scalar: XLA's GPU
+    GEMM rewriter makes this one cuBLASLt fp8 GEMM whose epilogue applies the scale (in fp32) and
+    writes `dtype`. (A dot to fp32 followed by the rescale and the cast is not fused: the GEMM then
+    writes an fp32 [tokens, N] array that a separate pass converts, and the remat policy saves
+    that fp32 product for the backward pass: twice the bytes of the bf16 step's.)"""
+    out = jax.lax.dot_general(a, b, dims, preferred_element_type=dtype)
+    return out * inv_scale.astype(dtype)
 
 
 def _tensor_scales(recipe: str, hist: dict, x: jax.Array, w: jax.Array) -> tuple[jax.Array, ...]:
