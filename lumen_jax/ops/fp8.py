@@ -22,9 +22,10 @@ Recipes (`model.fp8.recipe`):
   the quantized operands are dequantized and multiplied in the compute dtype: fp8 numerics, not
   fp8 speed (that needs a block-scaled GEMM kernel).
 
-On GPUs with fp8 tensor cores (sm_89+), the per-tensor recipes' `dot_general(fp8, fp8) -> f32`
-followed by a scalar multiply is what XLA's GEMM rewriter turns into a cuBLASLt fp8 GEMM
-(`__cublas$lt$matmul$f8`); `fp8_gemms(hlo_text)` finds them. On CPU XLA upcasts the operands:
+On GPUs with fp8 tensor cores (sm_89+), the per-tensor recipes' `dot_general(fp8, fp8) -> bf16`
+times a scalar is what XLA's GEMM rewriter turns into one cuBLASLt fp8 GEMM
+(`__cublas$lt$matmul$f8`) that scales in fp32 and writes bf16 (`_scaled_dot`; the compiled program:
+`benchmarks/gpu_aot.py`); `fp8_gemms(hlo_text)` finds them. On CPU XLA upcasts the operands:
 numerics only.
 """
 
