@@ -9,7 +9,7 @@ Deviceless ahead-of-time compilation (`lumen_jax/compiler/aot.py`): the trainer'
 `python -m lumen_jax.lower` builds it, compiled by XLA's GPU compiler for a one-GPU topology
 described in text; nothing runs, nothing is autotuned (cuBLAS's default algorithms; Triton GEMM
 fusions off, as the GPU's autotuner chose). It needs the CUDA plugin (`pip install
-"jax[cuda12]"`, see docs/GPU.md); without it the script exits 2. About 20 s per recipe on 2 cores.
+"jax[cuda12]"`, see docs/GPU.md); without it the script exits 2. 15-50 s per recipe on 2 cores.
 
 Columns, per step (loops counted): GEMMs in bf16 and in fp8 (cuBLAS(Lt) custom calls); the fp8
 GEMMs whose epilogue writes f32 or bf16; GEMMs writing an f32 [tokens, N] array; fusions that
