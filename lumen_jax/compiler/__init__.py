@@ -12,4 +12,6 @@ They build a trainer (`train.build`), so they sit above train/ and plan/; the an
   matmul FLOPs on the critical path.
 - `kernels`: the flash kernels' Triton IR compiled for a GPU with the `triton` package (shared
   memory, registers, spills).
+- `aot`: the step compiled for an H100/H200 by XLA's GPU compiler without a GPU (needs the CUDA
+  plugin), and `gemm_report`: its GEMMs, fp8 epilogues and the fusions around them.
 """

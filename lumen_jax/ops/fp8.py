@@ -22,9 +22,10 @@ Recipes (`model.fp8.recipe`):
   the quantized operands are dequantized and multiplied in the compute dtype: fp8 numerics, not
   fp8 speed (that needs a block-scaled GEMM kernel).
 
-On GPUs with fp8 tensor cores (sm_89+), the per-tensor recipes' `dot_general(fp8, fp8) -> f32`
-followed by a scalar multiply is what XLA's GEMM rewriter turns into a cuBLASLt fp8 GEMM
-(`__cublas$lt$matmul$f8`); `fp8_gemms(hlo_text)` finds them. On CPU XLA upcasts the operands:
+On GPUs with fp8 tensor cores (sm_89+), the per-tensor recipes' `dot_general(fp8, fp8) -> bf16`
+times a scalar is what XLA's GEMM rewriter turns into one cuBLASLt fp8 GEMM
+(`__cublas$lt$matmul$f8`) that scales in fp32 and writes bf16 (`_scaled_dot`; the compiled program:
+`benchmarks/gpu_aot.py`); `fp8_gemms(hlo_text)` finds them. On CPU XLA upcasts the operands:
 numerics only.
 """
 
@@ -145,9 +146,13 @@ def _dims_xg(x: jax.Array) -> Any:  # dw = x^T . g: every batch axis of x with g
 
 
 def _scaled_dot(a: jax.Array, b: jax.Array, dims: Any, inv_scale: jax.Array, dtype: Any) -> jax.Array:
-    """fp8 x fp8 GEMM with fp32 accumulation, then one scalar rescale (cuBLASLt fuses both)."""
-    out = jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-    return (out * inv_scale).astype(dtype)
+    """fp8 x fp8 GEMM accumulated in fp32, its result written in `dtype` times one scalar: XLA's GPU
+    GEMM rewriter makes this one cuBLASLt fp8 GEMM whose epilogue applies the scale (in fp32) and
+    writes `dtype`. (A dot to fp32 followed by the rescale and the cast is not fused: the GEMM then
+    writes an fp32 [tokens, N] array that a separate pass converts, and the remat policy saves
+    that fp32 product for the backward pass: twice the bytes of the bf16 step's.)"""
+    out = jax.lax.dot_general(a, b, dims, preferred_element_type=dtype)
+    return out * inv_scale.astype(dtype)
 
 
 def _tensor_scales(recipe: str, hist: dict, x: jax.Array, w: jax.Array) -> tuple[jax.Array, ...]:

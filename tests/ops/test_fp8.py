@@ -195,6 +195,21 @@ def test_hlo_check_finds_fp8_dots():
     assert len(fp8.fp8_gemms(cublas)) == 1 and fp8.fp8_gemms(upcast) == [] and len(fp8.fp8_gemms(untyped)) == 1
 
 
+def test_fp8_dots_produce_the_compute_dtype_and_the_weight_gradient_fp32():
+    """The forward and dgrad fp8 dots produce bf16 (XLA's GPU rewriter then makes one cuBLASLt GEMM
+    that scales in fp32 and writes bf16); a dot to f32 would make the GEMM write f32 [tokens, N] and
+    the remat policy save it (docs/PERFORMANCE.md, where fp8's saving went). The weight gradient, for
+    the f32 master weight, stays f32."""
+    x, w, _ = _operands()
+    x = x.astype(jnp.bfloat16)
+    for recipe in ("current", "delayed"):
+        hist = {k: jnp.zeros((8,), jnp.float32) for k in fp8.HISTORY_KEYS}
+        loss = lambda x, w: fp8.dot(x, w, recipe, hist).astype(jnp.float32).sum()  # noqa: E731
+        text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).as_text(dialect="hlo")
+        results = sorted(line.split(" = ")[1].split("[")[0] for line in fp8.fp8_gemms(text))
+        assert results == ["bf16", "bf16", "f32"], (recipe, results)  # forward, dgrad; wgrad
+
+
 # --------------------------------------------------------------------------------------------------
 # The model: per-layer flags, the train step, checkpoints
 # --------------------------------------------------------------------------------------------------
