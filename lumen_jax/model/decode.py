@@ -26,11 +26,12 @@ CACHE_AXES = ("batch", "seq", "act_kv_heads", None)  # of one layer's [B, S, K, 
 
 
 def init_cache(model: Transformer, batch: int, length: int) -> dict[str, jax.Array]:
-    """Zero K/V cache {"k", "v"}: [L, B, S, K, H] in the compute dtype."""
+    """Zero K/V cache {"k", "v"}: [L, B, S, K, H] in the compute dtype (MLA: K/V expanded per head, the
+    values' H their own v_head_dim)."""
     cfg = model.cfg
-    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.resolved_head_dim)
-    zeros = jnp.zeros(shape, jnp.dtype(cfg.compute_dtype))
-    return {"k": zeros, "v": zeros}
+    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads)
+    dt = jnp.dtype(cfg.compute_dtype)
+    return {"k": jnp.zeros((*shape, cfg.resolved_head_dim), dt), "v": jnp.zeros((*shape, cfg.value_head_dim), dt)}
 
 
 def _embed(model: Transformer, tokens_bt: jax.Array) -> jax.Array:
@@ -50,8 +51,9 @@ def _layers(model: Transformer, x_btd: jax.Array, cache: dict, attend) -> tuple[
     """Runs the blocks (a scan); `attend(attn_module, h_btd, k_cache, v_cache, local) -> (o, k_cache,
     v_cache)`, `local` whether the layer has the window (`layers.local_layers`; None: every layer alike).
 
-    With mixture-of-experts layers the stack is, as in training, groups of `moe.every_n_layers`: n-1
-    dense blocks, then an MoE block (its routing losses are dropped); the cache's layer l is layer l."""
+    With mixture-of-experts layers the stack is, as in training, the first `moe.first_dense_layers`
+    dense blocks, then groups of `moe.every_n_layers`: n-1 dense blocks, then an MoE block (its routing
+    losses are dropped); the cache's layer l is layer l."""
     def scan(stack: nnx.Module, x_btd: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
              local: jax.Array | None = None):
         graphdef, layer_state = nnx.split(stack)
@@ -70,12 +72,20 @@ def _layers(model: Transformer, x_btd: jax.Array, cache: dict, attend) -> tuple[
         local = local_layers(model.cfg, 0, model.cfg.num_layers)
         x_btd, (k, v) = scan(model.blocks, x_btd, cache["k"], cache["v"], local)
         return x_btd, {"k": k, "v": v}
-    n = model.cfg.moe.every_n_layers
-    grouped = {name: c.reshape(-1, n, *c.shape[1:]) for name, c in cache.items()}  # [L/n, n, B, S, K, H]
-    dense = None
-    if n > 1:
+    n, first = model.cfg.moe.every_n_layers, model.cfg.moe.first_dense_layers
+    dense = head = None
+    if n > 1 or first:
         dense_graph, dense_state = nnx.split(model.blocks)
-        dense = jax.tree.map(lambda v: v.reshape(-1, n - 1, *v.shape[1:]), dense_state)
+        if first:  # the first dense layers, then the groups
+            head = nnx.merge(dense_graph, jax.tree.map(lambda v: v[:first], dense_state))
+            dense_state = jax.tree.map(lambda v: v[first:], dense_state)
+        if n > 1:
+            dense = jax.tree.map(lambda v: v.reshape(-1, n - 1, *v.shape[1:]), dense_state)
+    heads = {}
+    if head is not None:
+        x_btd, (k, v) = scan(head, x_btd, cache["k"][:first], cache["v"][:first])
+        heads = {"k": k, "v": v}
+    grouped = {name: c[first:].reshape(-1, n, *c.shape[1:]) for name, c in cache.items()}  # [L'/n, n, B, S, K, H]
     moe_graph, moe_state = nnx.split(model.moe_blocks)
 
     def group(x_btd: jax.Array, xs: tuple) -> tuple[jax.Array, tuple]:
@@ -89,7 +99,10 @@ def _layers(model: Transformer, x_btd: jax.Array, cache: dict, attend) -> tuple[
         return x_btd, (jnp.concatenate([*ks, k]), jnp.concatenate([*vs, v]))
 
     x_btd, (k, v) = jax.lax.scan(group, x_btd, (dense, moe_state, grouped["k"], grouped["v"]))
-    return x_btd, {"k": k.reshape(cache["k"].shape), "v": v.reshape(cache["v"].shape)}
+    out = {"k": k.reshape(-1, *cache["k"].shape[1:]), "v": v.reshape(-1, *cache["v"].shape[1:])}
+    if heads:
+        out = {name: jnp.concatenate([heads[name], out[name]]) for name in out}
+    return x_btd, out
 
 
 def prefill(model: Transformer, tokens_bt: jax.Array, valid_bt: jax.Array, cache: dict) -> tuple[jax.Array, dict]:

@@ -93,7 +93,7 @@ def rope_frequencies(cfg: ModelConfig, local: bool = False) -> jax.Array:
     """Inverse frequencies [H/2], with Llama 3.1 frequency scaling when `rope_scaling == 'llama3'`, divided
     by the factor when `linear`. `local`: the local layers' (`model.rope_local_theta`, unscaled; the
     global layers' when it is 0)."""
-    h = cfg.resolved_head_dim
+    h = cfg.rope_dim
     if local and cfg.rope_local_theta:
         return 1.0 / (cfg.rope_local_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
     inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
@@ -223,14 +223,15 @@ class Block(nnx.Module):
     """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)); with `model.block_norms=sandwich`
     (Gemma) x + norm(attn(norm(x))), then x + norm(mlp(norm(x))).
 
-    `mlp` is the MLP's class: `MLP`, or `model.moe.MoE` (which returns auxiliary terms with its output).
+    `mlp` is the MLP's class: `MLP`, or `model.moe.MoE` (which returns auxiliary terms with its output);
+    `attention` the attention's: `Attention`, or `model.mla.LatentAttention` (`model.kv_lora_rank` > 0).
     `__call__` returns (x_btd, aux): aux the MLP's auxiliary terms, {} for a dense one; `tape` taps
     the projections for a split backward (`ops.projection.Taps`), None: not split.
     """
 
-    def __init__(self, cfg: ModelConfig, ops: Ops, *, rngs: nnx.Rngs, mlp: type = MLP):
+    def __init__(self, cfg: ModelConfig, ops: Ops, *, rngs: nnx.Rngs, mlp: type = MLP, attention: type = Attention):
         self.attn_norm = norm(cfg, cfg.d_model)
-        self.attn = Attention(cfg, ops, rngs=rngs)
+        self.attn = attention(cfg, ops, rngs=rngs)
         self.mlp_norm = norm(cfg, cfg.d_model)
         self.mlp = mlp(cfg, ops, rngs=rngs)
         if cfg.block_norms == "sandwich":

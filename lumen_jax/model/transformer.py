@@ -16,7 +16,8 @@ from flax import nnx
 
 from lumen_jax.config import ModelConfig
 from lumen_jax.kernels import flash_attention as flash_lib
-from lumen_jax.model.layers import MLP, Block, _param, layer_rope, local_layers, norm
+from lumen_jax.model.layers import MLP, Attention, Block, _param, layer_rope, local_layers, norm
+from lumen_jax.model.mla import LatentAttention
 from lumen_jax.model.moe import MoE
 from lumen_jax.ops.choice import Ops
 from lumen_jax.ops.loss import output_objective
@@ -62,18 +63,18 @@ class Transformer(nnx.Module):
         # ~1,300 for llama3_1b, against ln(V) = 11.8): init_std, as Hugging Face initialises it.
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
                             cfg.init_std if cfg.tie_embeddings else 1.0)
-        num_moe = cfg.num_layers // cfg.moe.every_n_layers if cfg.moe.enabled else 0
+        num_moe = cfg.num_moe_layers
 
         def stack(count: int, mlp: type) -> Block:
             @nnx.split_rngs(splits=count)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
             def make_blocks(rngs: nnx.Rngs) -> Block:
-                return Block(cfg, ops, rngs=rngs, mlp=mlp)
+                return Block(cfg, ops, rngs=rngs, mlp=mlp, attention=LatentAttention if cfg.mla else Attention)
             return make_blocks(rngs)
 
         if cfg.num_layers > num_moe:  # dense layers (all of them without MoE)
             self.blocks = stack(cfg.num_layers - num_moe, MLP)
-        if num_moe:  # layers n-1, 2n-1, ... (n = moe.every_n_layers)
+        if num_moe:  # layers k+n-1, k+2n-1, ... (n = moe.every_n_layers, k = moe.first_dense_layers)
             self.moe_blocks = stack(num_moe, MoE)
         self.final_norm = norm(cfg, cfg.d_model)
         if not cfg.tie_embeddings:
@@ -187,17 +188,23 @@ class Transformer(nnx.Module):
 
     def _moe_stack(self, x_btd: jax.Array, make_body, real_layers: jax.Array | None,
                    stack_taps: Callable[[str], dict | None]) -> tuple[jax.Array, dict]:
-        """The layers as one scan over groups of `moe.every_n_layers`: n-1 dense layers (a scan of
-        their own), then an MoE layer. Returns the residual stream and the aux terms (see `forward`;
+        """The layers as the first `moe.first_dense_layers` dense ones (a scan; `blocks`' first
+        entries), then one scan over groups of `moe.every_n_layers`: n-1 dense layers (a scan of their
+        own), then an MoE layer. Returns the residual stream and the aux terms (see `forward`;
         `real_layers`, the stacks' taps: see `run_layers`)."""
-        n = self.cfg.moe.every_n_layers
+        n, first = self.cfg.moe.every_n_layers, self.cfg.moe.first_dense_layers
         moe_graph, moe_state = nnx.split(self.moe_blocks)
         moe_body = make_body(moe_graph, self.ops, "moe_blocks")
         dense = None
-        if n > 1:
+        if n > 1 or first:
             dense_graph, dense_state = nnx.split(self.blocks)
             dense_body = make_body(dense_graph, self.ops, "blocks")
-            dense = jax.tree.map(lambda v: v.reshape(-1, n - 1, *v.shape[1:]), (dense_state, stack_taps("blocks")))
+            dense_xs = (dense_state, stack_taps("blocks"))
+            if first:  # a pipeline never cuts such a stack (config checks)
+                x_btd, _ = jax.lax.scan(dense_body, x_btd, jax.tree.map(lambda v: v[:first], dense_xs))
+                dense_xs = jax.tree.map(lambda v: v[first:], dense_xs)
+            if n > 1:
+                dense = jax.tree.map(lambda v: v.reshape(-1, n - 1, *v.shape[1:]), dense_xs)
 
         def group(x_btd: jax.Array, xs: tuple) -> tuple[jax.Array, dict]:
             dense_g, moe_g = xs

@@ -1,0 +1,115 @@
+"""DeepSeek-V3 import and export against `transformers` itself (CPU torch): multi-head latent attention
+(with and without a query latent, interleaved and half-split rope), the first layers dense then MoE,
+logits, controls, the round trip, greedy generation, refusals."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from helpers.hf import (DEEPSEEK_MODELS, TOKENS, assert_to_hf_round_trips, from_hf_refusal, hf_greedy, hf_logits,
+                        import_each, logits_close, logits_of, make_hf_deepseek, our_params, tensors)
+from helpers.paths import REPO
+from helpers.tolerances import FP32_RTOL
+from lumen_jax.convert.__main__ import main as convert
+
+KINDS = list(DEEPSEEK_MODELS)
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """{kind: (HF dir, run dir imported with from-hf, transformers' logits of TOKENS)}."""
+    return import_each(str(tmp_path_factory.mktemp("hf_deepseek")), make_hf_deepseek, KINDS)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_from_hf_logits_match_transformers(imported, kind):
+    """Our logits equal transformers' (float32); controls: the rotated dims left interleaved, and the
+    MoE layers' group choice off, each must show."""
+    hf_dir, run_dir, ref = imported[kind]
+    model, params = our_params(run_dir)
+    raw = json.load(open(os.path.join(hf_dir, "config.json")))
+    assert (model.mla, model.kv_lora_rank, model.q_lora_rank, model.v_head_dim) == (
+        True, 16, raw["q_lora_rank"] or 0, 12)
+    assert (model.moe.first_dense_layers, model.moe.router, model.moe.groups, model.moe.top_groups,
+            model.moe.routed_scaling, model.moe.balance) == (raw["first_k_dense_replace"], "sigmoid", 4, 2, 2.5, "bias")
+    ours = logits_of(model, params, TOKENS)
+    np.testing.assert_allclose(ours, ref, rtol=FP32_RTOL, atol=FP32_RTOL * float(np.abs(ref).max()))
+    # control 1: the shared key's rotated columns in the other order (interleaved <-> half-split)
+    e = model.qk_rope_head_dim
+    other = np.concatenate([np.arange(0, e, 2), np.arange(1, e, 2)])
+    moved = {**params, "moe_blocks": {**params["moe_blocks"], "attn": dict(params["moe_blocks"]["attn"])}}
+    moved["moe_blocks"]["attn"]["wk_rope"] = np.asarray(params["moe_blocks"]["attn"]["wk_rope"])[..., other]
+    assert not logits_close(logits_of(model, moved, TOKENS), ref)
+    # control 2: routing without the group limit (every group open) must differ
+    import dataclasses
+    ungrouped = dataclasses.replace(model, moe=dataclasses.replace(model.moe, top_groups=4))
+    assert not logits_close(logits_of(ungrouped, params, TOKENS), ref)
+
+
+def test_to_hf_round_trips_every_tensor_and_transformers_loads_it(imported, tmp_path):
+    config, source = assert_to_hf_round_trips(*imported["deepseek_v3"], str(tmp_path / "back"))
+    for k in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "n_group",
+              "topk_group", "routed_scaling_factor", "rope_interleave"):
+        assert config[k] == source[k], k
+
+
+def test_to_hf_of_half_split_rope_writes_it_interleaved(imported, tmp_path):
+    """rope_interleave false comes back true with the rotated rows permuted: the same logits."""
+    hf_dir, run_dir, ref = imported["deepseek_v3_plain_q"]
+    back = str(tmp_path / "back")
+    assert convert(["to-hf", "--run-dir", run_dir, "--out", back]) == 0
+    config = json.load(open(os.path.join(back, "config.json")))
+    assert config["rope_interleave"] is True and config["q_lora_rank"] is None
+    assert sorted(tensors(back)) == sorted(tensors(hf_dir))
+    np.testing.assert_allclose(hf_logits(back, TOKENS), ref, rtol=FP32_RTOL, atol=FP32_RTOL * float(np.abs(ref).max()))
+
+
+def test_generate_on_an_imported_deepseek_equals_transformers(imported):
+    """Greedy tokens equal transformers' generate (the KV cache holds K/V expanded per head)."""
+    hf_dir, run_dir, _ = imported["deepseek_v3"]
+    prompt = [5, 17, 60, 3, 88]
+    want = hf_greedy(hf_dir, prompt, 6)
+    gen = subprocess.run([sys.executable, "-m", "lumen_jax.generate", "--run-dir", run_dir, "--prompt-ids",
+                          ",".join(map(str, prompt)), "--max-new-tokens", "6"],
+                         cwd=REPO, timeout=300, capture_output=True, text=True)
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    assert [int(t) for t in gen.stdout.split()] == want
+
+
+BAD = {
+    "yarn": ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 40.0}}, "rope_type='yarn'"),
+    "gqa": ({"num_key_value_heads": 2}, "config.json num_key_value_heads=2 is not supported"),
+    "scoring": ({"scoring_func": "softmax"}, "config.json scoring_func='softmax' is not supported"),
+    "all dense": ({"first_k_dense_replace": 3}, "config.json first_k_dense_replace=3 leaves no MoE layer"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_from_hf_bad_deepseek_config_exits_2_with_one_line(imported, tmp_path, capsys, case):
+    change, fragment = BAD[case]
+    err = from_hf_refusal(imported["deepseek_v3"][0], str(tmp_path), change, capsys)
+    assert fragment in err, err
+
+
+def test_from_hf_refuses_a_nonzero_router_bias(imported, tmp_path, capsys):
+    """A trained checkpoint's e_score_correction_bias would be dropped (model state is not imported yet):
+    one line naming the tensor, exit 2, nothing written."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    hf_dir = str(tmp_path / "hf")
+    shutil.copytree(imported["deepseek_v3"][0], hf_dir)
+    path = os.path.join(hf_dir, "model.safetensors")
+    t = load_file(path)
+    t["model.layers.2.mlp.gate.e_score_correction_bias"] = np.full(8, 0.25, np.float32)
+    save_file(t, path, metadata={"format": "pt"})
+    out = str(tmp_path / "run")
+    assert convert(["from-hf", "--hf-dir", hf_dir, "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "model.layers.2.mlp.gate.e_score_correction_bias is nonzero" in err and "\n" not in err, err
+    assert not os.path.exists(out)
