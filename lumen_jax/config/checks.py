@@ -125,10 +125,10 @@ def _model_shape(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str
            f"model.num_kv_heads={m.num_kv_heads} does not divide model.num_heads={m.num_heads}; grouped-query "
            f"attention needs num_kv_heads among the divisors of {m.num_heads} "
            f"({_divisors(m.num_heads, m.num_heads)})")
-    yield (m.head_dim > 0 or m.d_model % m.num_heads == 0,
+    yield (m.mla or m.head_dim > 0 or m.d_model % m.num_heads == 0,  # MLA: its own head dims, checked below
            f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}, so model.head_dim=0 "
            "cannot be derived; set model.head_dim explicitly or make d_model a multiple of num_heads")
-    yield (m.resolved_head_dim % 2 == 0 or (m.head_dim == 0 and m.d_model % m.num_heads),
+    yield (m.mla or m.resolved_head_dim % 2 == 0 or (m.head_dim == 0 and m.d_model % m.num_heads),
            (f"model.head_dim={m.head_dim}" if m.head_dim else
             f"model.head_dim=0 derives d_model/num_heads={m.d_model}/{m.num_heads}={m.resolved_head_dim}, which")
            + " must be even: RoPE rotates pairs of dimensions; set model.head_dim to an even value")
