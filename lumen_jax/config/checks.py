@@ -43,7 +43,7 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("model.moe.router_z_loss_weight", ">=", 0), ("model.moe.expert_ffn_dim", ">=", 0),
     ("model.moe.routed_scaling", ">", 0), ("model.moe.groups", ">=", 1), ("model.moe.top_groups", ">=", 1),
     ("model.moe.bias_update_rate", ">=", 0), ("model.moe.sequence_aux_loss_weight", ">=", 0),
-    ("model.moe.first_dense_layers", ">=", 0), ("model.kv_lora_rank", ">=", 0), ("model.q_lora_rank", ">=", 0),
+    ("model.mtp_depth", ">=", 0), ("model.mtp_loss_weight", ">=", 0), ("model.moe.first_dense_layers", ">=", 0), ("model.kv_lora_rank", ">=", 0), ("model.q_lora_rank", ">=", 0),
     ("model.qk_nope_head_dim", ">=", 0), ("model.qk_rope_head_dim", ">=", 0), ("model.v_head_dim", ">=", 0),
     ("optim.lr", ">", 0), ("optim.min_lr_ratio", ">=", 0), ("optim.min_lr_ratio", "<=", 1),
     ("model.loss_chunk_tokens", ">=", 0), ("optim.warmup_steps", ">=", 0), ("optim.decay_steps", ">=", 0),
@@ -173,6 +173,11 @@ def _model_shape(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str
         for k in ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             yield (not getattr(m, k), f"model.{k}={getattr(m, k)} is a latent-attention key but model.kv_lora_rank=0; "
                                       f"set model.kv_lora_rank > 0 (MLA) or model.{k}=0")
+    for axis in ("context", "pipeline"):
+        yield (not m.mtp_depth or shape[axis] == 1,
+               f"model.mtp_depth={m.mtp_depth} with mesh.{axis}={shape[axis]}: multi-token prediction shifts whole, "
+               f"in-order rows and runs after the last layer, not yet under {axis} parallelism; use mesh.{axis}=1 "
+               "or model.mtp_depth=0")
     yield (not m.global_every or not m.moe.enabled,
            f"model.global_every={m.global_every} with model.moe.num_experts={m.moe.num_experts}: local and global "
            "layers are not yet grouped with MoE layers; use model.global_every=0 or a dense model")

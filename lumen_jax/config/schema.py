@@ -128,6 +128,11 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # Multi-token prediction (DeepSeek-V3): mtp_depth modules after the model, module k predicting the token
+    # k+1 ahead (model/mtp.py); its cross-entropy, times mtp_loss_weight / mtp_depth summed over the depths,
+    # joins the objective (training only). 0: off.
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
     init_std: float = 0.02
     attention: str = "xla"  # xla | flash | cudnn | auto (auto: cudnn or flash on GPU, xla on CPU)
     flash_block_q: int = 0  # flash kernel's query tile (forward, dQ); 0: tuned default

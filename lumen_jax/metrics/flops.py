@@ -49,13 +49,18 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     moe_active = (moe.top_k + moe.shared_experts) * expert + router
     moe_all = (moe.num_experts + moe.shared_experts) * expert + router
     layers_matmul = (cfg.num_layers - n_moe) * (attn + mlp) + n_moe * (attn + moe_active)
+    # Multi-token prediction: per depth hnorm, enorm, eh_proj [2D, D], a layer (MoE where the model has
+    # MoE layers), its output norm; a token goes through it and the shared output projection again.
+    mtp_layer = (attn + moe_all + small) if n_moe else layer
+    mtp_total = cfg.mtp_depth * (2 * d * d + 3 * d + mtp_layer)
+    mtp_matmul = cfg.mtp_depth * (2 * d * d + attn + (moe_active if n_moe else mlp) + d * v)
     return {
         "total": (embedding + (cfg.num_layers - n_moe) * layer + n_moe * (attn + moe_all + small)
-                  + d + lm_head),  # + final_norm
+                  + d + lm_head + mtp_total),  # + final_norm
         "embedding": embedding,
         "layer_matmul": attn + mlp if not n_moe else layers_matmul / cfg.num_layers,
-        "matmul": layers_matmul + d * v,
-        "experts": n_moe * moe.num_experts * expert,
+        "matmul": layers_matmul + d * v + mtp_matmul,
+        "experts": (n_moe + (cfg.mtp_depth if n_moe else 0)) * moe.num_experts * expert,
     }
 
 
@@ -66,7 +71,8 @@ def attention_forward_flops_per_token(cfg: ModelConfig, seq_len: int, *,
     Under a sliding window W < S (`cfg.sliding_window`, causal) a query sees W keys once it is W
     deep: W - W^2 / 2S keys per query on average instead of S / 2 (equal at W = S); with
     `cfg.global_every` n, one layer in n (the global ones) sees S / 2."""
-    per_key = 2 * cfg.num_heads * (cfg.resolved_head_dim + cfg.value_head_dim) * cfg.num_layers  # QK^T, AV
+    # QK^T, AV of every layer and of the multi-token-prediction modules' blocks
+    per_key = 2 * cfg.num_heads * (cfg.resolved_head_dim + cfg.value_head_dim) * (cfg.num_layers + cfg.mtp_depth)
     w = cfg.sliding_window
     if causal and 0 < w < seq_len and cfg.global_every:
         global_share = (cfg.num_layers // cfg.global_every) / cfg.num_layers

@@ -34,7 +34,7 @@ SHAPED_BY_WEIGHTS = ("vocab_size", "tie_embeddings", "d_model", "num_layers", "n
                      "resolved_head_dim", "ffn_dim", "qkv_bias", "qk_norm", "block_norms", "moe.num_experts",
                      "moe.every_n_layers", "moe.shared_experts", "moe.shared_gate", "expert_ffn_dim",
                      "moe.first_dense_layers", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                     "v_head_dim")
+                     "v_head_dim", "mtp_depth")
 
 
 def _get(model: Any, key: str) -> Any:

@@ -93,6 +93,8 @@ CHANGES = {
     "model.qk_nope_head_dim": ("mla", 16, True),
     "model.qk_rope_head_dim": ("mla", 4, True),
     "model.v_head_dim": ("mla", 4, True),
+    "model.mtp_depth": ("dense", 1, True),
+    "model.mtp_loss_weight": ("dense", 0.1, False),
 }
 
 
