@@ -86,9 +86,10 @@ def to_hf(run_dir: str, step: int | None, out: str, max_shard_bytes: float) -> s
     step, (cfg, params, state) = weights.newest_usable(run_dir, step, load)
     dtype = cfg.model.compute_dtype
     if cfg.model.mla:  # the routers' selection bias is model state (balance=bias), zeros otherwise
-        bias = state.get("moe_blocks", {}).get("mlp", {}).get("balance", {}).get("bias")
+        biases = [np.asarray(b) for b in (_at(state, "moe_blocks", "mlp", "balance", "bias"),
+                                          _at(state, "mtp", "block", "mlp", "balance", "bias")) if b is not None]
         tensors = hf_deepseek.hf_from_params(params, cfg.model, jax.numpy.dtype(dtype),
-                                             None if bias is None else np.asarray(bias))
+                                             np.concatenate(biases) if biases else None)
         config = hf_deepseek.hf_config(cfg.model, dtype)
     else:
         layout = hf_moe if cfg.model.moe.enabled else hf
@@ -123,6 +124,15 @@ def to_hf(run_dir: str, step: int | None, out: str, max_shard_bytes: float) -> s
         shutil.copyfile(cfg.data.tokenizer, os.path.join(out, "tokenizer.json"))
     _one_mode(out)
     return out
+
+
+def _at(tree: dict, *keys: str) -> object:
+    """tree[k1][k2]..., or None where a key is missing."""
+    for k in keys:
+        if not isinstance(tree, dict) or k not in tree:
+            return None
+        tree = tree[k]
+    return tree
 
 
 def _one_mode(folder: str) -> None:

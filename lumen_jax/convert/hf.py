@@ -328,6 +328,10 @@ KINDS: dict[str, tuple[Callable, Callable, Callable]] = {
     "vector": (lambda w, s: w, lambda w, s: w, lambda s: s),
     "bias": (lambda w, s: w.reshape(s), lambda w, s: w.reshape(-1), lambda s: (s[0] * s[1],)),
     "row": (lambda w, s: w[0], lambda w, s: w[None], lambda s: (1, s[0])),
+    # DeepSeek-V3's MTP eh_proj [D, 2D] reads [embedding; hidden] (vLLM's deepseek_mtp, which runs the
+    # released weights); ours [2D, D] reads [hidden; embedding] (the paper's order)
+    "eh": (lambda w, s: np.concatenate([w[:, s[1]:], w[:, :s[1]]], axis=1).T,
+           lambda w, s: np.concatenate([w[s[1]:].T, w[:s[1]].T], axis=1), lambda s: (s[1], s[0])),
 }
 
 

@@ -63,8 +63,10 @@ def _int(raw: dict, name: str, default: Any = None) -> int:
     return value
 
 
-def model_config(raw: dict, dtype: str) -> ModelConfig:
-    """Our ModelConfig of a DeepSeek-V3 `config.json` dict `raw` (module docstring); ConvertError otherwise."""
+def model_config(raw: dict, dtype: str, names: frozenset | set = frozenset()) -> ModelConfig:
+    """Our ModelConfig of a DeepSeek-V3 `config.json` dict `raw` (module docstring); ConvertError otherwise.
+    `names`: the checkpoint's tensors: `model.mtp_depth` counts the multi-token-prediction layers it holds
+    (of num_nextn_predict_layers; transformers' own saves hold none)."""
     hf.check_architecture(raw, "deepseek_v3", ARCHITECTURE)
     base = hf.base_fields(raw, hf.HARMLESS | FIELDS, FIXED)
     n = base["num_heads"]
@@ -84,7 +86,12 @@ def model_config(raw: dict, dtype: str) -> ModelConfig:
                     groups=raw.get("n_group") or 1, top_groups=raw.get("topk_group") or 1, balance="bias",
                     aux_loss_weight=0.0, sequence_aux_loss_weight=SEQUENCE_AUX, router_z_loss_weight=0.0,
                     expert_ffn_dim=_int(raw, "moe_intermediate_size"))
-    return ModelConfig(**{**base, "head_dim": 0, "num_kv_heads": n}, kv_lora_rank=_int(raw, "kv_lora_rank"),
+    depth = 0
+    while (depth < _int(raw, "num_nextn_predict_layers", 0)
+           and f"model.layers.{base['num_layers'] + depth}.eh_proj.weight" in names):
+        depth += 1
+    return ModelConfig(**{**base, "head_dim": 0, "num_kv_heads": n}, mtp_depth=depth,
+                       kv_lora_rank=_int(raw, "kv_lora_rank"),
                        q_lora_rank=0 if q_lora is None else _int(raw, "q_lora_rank"),
                        qk_nope_head_dim=_int(raw, "qk_nope_head_dim"), qk_rope_head_dim=_int(raw, "qk_rope_head_dim"),
                        v_head_dim=_int(raw, "v_head_dim"), moe=moe, compute_dtype=dtype)
@@ -115,7 +122,7 @@ def hf_config(m: ModelConfig, dtype: str) -> dict:
                n_routed_experts=moe.num_experts, num_experts_per_tok=moe.top_k, n_shared_experts=moe.shared_experts,
                moe_intermediate_size=m.expert_ffn_dim, norm_topk_prob=moe.normalize_top_k,
                routed_scaling_factor=moe.routed_scaling, n_group=moe.groups, topk_group=moe.top_groups,
-               rope_interleave=True, num_nextn_predict_layers=0, output_router_logits=False)
+               rope_interleave=True, num_nextn_predict_layers=m.mtp_depth, output_router_logits=False)
     return out
 
 
@@ -132,53 +139,84 @@ def _where(m: ModelConfig, layer: int) -> tuple[str, int]:
     return ("blocks", layer) if layer < first else ("moe_blocks", layer - first)
 
 
-def _table(m: ModelConfig) -> list[hf.Row]:
+def _layer_rows(m: ModelConfig, pre: str, at: tuple[str, ...], i: int, moe: bool) -> list[hf.Row]:
+    """The rows of one decoder layer whose HF names start with `pre`, at index `i` of our stack `at`."""
     d, n, e_ = m.d_model, m.num_heads, m.moe.num_experts
     r, a, e, u = m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
-    rows = hf.outer_rows(m)
-    for layer in range(m.num_layers):
-        stack, i = _where(m, layer)
-        pre, at = f"model.layers.{layer}.", (stack, "attn")
-        if m.q_lora_rank:
-            rows += [(pre + "self_attn.q_a_proj.weight", (*at, "wq_a"), (i,), "linear", (d, m.q_lora_rank)),
-                     (pre + "self_attn.q_a_layernorm.weight", (*at, "q_norm", "scale"), (i,), "vector", (m.q_lora_rank,)),
-                     (pre + "self_attn.q_b_proj.weight", (*at, "wq_b"), (i,), "q", (m.q_lora_rank, n, a + e))]
-        else:
-            rows.append((pre + "self_attn.q_proj.weight", (*at, "wq"), (i,), "q", (d, n, a + e)))
-        rows += [(pre + _KV_A + ":latent", (*at, "wkv_a"), (i,), "linear", (d, r)),
-                 (pre + _KV_A + ":rope", (*at, "wk_rope"), (i,), "linear", (d, e)),
-                 (pre + "self_attn.kv_a_layernorm.weight", (*at, "kv_norm", "scale"), (i,), "vector", (r,)),
-                 (pre + _KV_B + ":k", (*at, "wk_b"), (i,), "q", (r, n, a)),
-                 (pre + _KV_B + ":v", (*at, "wv_b"), (i,), "q", (r, n, u)),
-                 (pre + "self_attn.o_proj.weight", (*at, "wo"), (i,), "o", (n, u, d)),
-                 (pre + "input_layernorm.weight", (stack, "attn_norm", "scale"), (i,), "vector", (d,)),
-                 (pre + "post_attention_layernorm.weight", (stack, "mlp_norm", "scale"), (i,), "vector", (d,))]
-        if stack == "blocks":
-            rows += hf.mlp_rows(pre + "mlp", (stack, "mlp"), (i,), d, m.ffn_dim)
-            continue
-        rows.append((pre + "mlp.gate.weight", (stack, "mlp", "router"), (i,), "linear", (d, e_)))
-        for x in range(e_):
-            rows += hf.mlp_rows(f"{pre}mlp.experts.{x}", (stack, "mlp"), (i, x), d, m.expert_ffn_dim)
-        if m.moe.shared_experts:
-            rows += hf.mlp_rows(pre + "mlp.shared_experts", (stack, "mlp", "shared"), (i,), d,
-                                m.moe.shared_experts * m.expert_ffn_dim)
+    attn = (*at, "attn")
+    rows: list[hf.Row] = []
+    if m.q_lora_rank:
+        rows += [(pre + "self_attn.q_a_proj.weight", (*attn, "wq_a"), (i,), "linear", (d, m.q_lora_rank)),
+                 (pre + "self_attn.q_a_layernorm.weight", (*attn, "q_norm", "scale"), (i,), "vector", (m.q_lora_rank,)),
+                 (pre + "self_attn.q_b_proj.weight", (*attn, "wq_b"), (i,), "q", (m.q_lora_rank, n, a + e))]
+    else:
+        rows.append((pre + "self_attn.q_proj.weight", (*attn, "wq"), (i,), "q", (d, n, a + e)))
+    rows += [(pre + _KV_A + ":latent", (*attn, "wkv_a"), (i,), "linear", (d, r)),
+             (pre + _KV_A + ":rope", (*attn, "wk_rope"), (i,), "linear", (d, e)),
+             (pre + "self_attn.kv_a_layernorm.weight", (*attn, "kv_norm", "scale"), (i,), "vector", (r,)),
+             (pre + _KV_B + ":k", (*attn, "wk_b"), (i,), "q", (r, n, a)),
+             (pre + _KV_B + ":v", (*attn, "wv_b"), (i,), "q", (r, n, u)),
+             (pre + "self_attn.o_proj.weight", (*attn, "wo"), (i,), "o", (n, u, d)),
+             (pre + "input_layernorm.weight", (*at, "attn_norm", "scale"), (i,), "vector", (d,)),
+             (pre + "post_attention_layernorm.weight", (*at, "mlp_norm", "scale"), (i,), "vector", (d,))]
+    if not moe:
+        return rows + hf.mlp_rows(pre + "mlp", (*at, "mlp"), (i,), d, m.ffn_dim)
+    rows.append((pre + "mlp.gate.weight", (*at, "mlp", "router"), (i,), "linear", (d, e_)))
+    for x in range(e_):
+        rows += hf.mlp_rows(f"{pre}mlp.experts.{x}", (*at, "mlp"), (i, x), d, m.expert_ffn_dim)
+    if m.moe.shared_experts:
+        rows += hf.mlp_rows(pre + "mlp.shared_experts", (*at, "mlp", "shared"), (i,), d,
+                            m.moe.shared_experts * m.expert_ffn_dim)
     return rows
 
 
-def _bias_name(m: ModelConfig, i: int) -> str:
-    return f"model.layers.{m.moe.first_dense_layers + i}.mlp.gate.e_score_correction_bias"
+def _table(m: ModelConfig) -> list[hf.Row]:
+    """Every tensor of our DeepSeek-V3 `m`, the multi-token-prediction layers' too (`model.layers.{L + k}`:
+    hnorm, enorm, eh_proj, shared_head.norm and a decoder layer; its embed_tokens and shared_head.head are
+    the model's own, checked and written apart)."""
+    d = m.d_model
+    rows = hf.outer_rows(m)
+    for layer in range(m.num_layers):
+        stack, i = _where(m, layer)
+        rows += _layer_rows(m, f"model.layers.{layer}.", (stack,), i, stack == "moe_blocks")
+    for k in range(m.mtp_depth):
+        pre = f"model.layers.{m.num_layers + k}."
+        rows += [(pre + "hnorm.weight", ("mtp", "hnorm", "scale"), (k,), "vector", (d,)),
+                 (pre + "enorm.weight", ("mtp", "enorm", "scale"), (k,), "vector", (d,)),
+                 (pre + "eh_proj.weight", ("mtp", "eh_proj"), (k,), "eh", (2 * d, d)),
+                 (pre + "shared_head.norm.weight", ("mtp", "norm", "scale"), (k,), "vector", (d,))]
+        rows += _layer_rows(m, pre, ("mtp", "block"), k, m.moe.enabled)
+    return rows
+
+
+def _bias_names(m: ModelConfig) -> list[str]:
+    """The routers' e_score_correction_bias of every MoE layer, the multi-token-prediction layers' last."""
+    layers = [*range(m.moe.first_dense_layers, m.num_layers), *range(m.num_layers, m.num_layers + m.mtp_depth)]
+    return [f"model.layers.{layer}.mlp.gate.e_score_correction_bias" for layer in layers]
+
+
+def _mtp_copies(m: ModelConfig) -> dict[str, str]:
+    """{the MTP layers' copies of the embedding and the output head: the model's tensor they equal}."""
+    out = {}
+    for k in range(m.mtp_depth):
+        pre = f"model.layers.{m.num_layers + k}."
+        out[pre + "embed_tokens.weight"] = "model.embed_tokens.weight"
+        out[pre + "shared_head.head.weight"] = "lm_head.weight"
+    return out
 
 
 def expected_tensors(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name of our DeepSeek-V3 model `m` and its shape (the real names)."""
     want = {k: v for k, v in hf.shapes(_table(m)).items() if ":" not in k}
     n, r, a, e, u = m.num_heads, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
-    for layer in range(m.num_layers):
+    for layer in range(m.num_layers + m.mtp_depth):
         pre = f"model.layers.{layer}."
         want[pre + _KV_A] = (r + e, m.d_model)
         want[pre + _KV_B] = (n * (a + u), r)
-    for i in range(m.num_moe_layers):
-        want[_bias_name(m, i)] = (m.moe.num_experts,)
+    for name in _bias_names(m):
+        want[name] = (m.moe.num_experts,)
+    for copy, source in _mtp_copies(m).items():
+        want[copy] = want[source]
     return want
 
 
@@ -192,10 +230,13 @@ def _permute_rope(params: dict, m: ModelConfig, order: np.ndarray) -> dict:
     a = m.qk_nope_head_dim
     out = {k: ({kk: dict(vv) if isinstance(vv, dict) else vv for kk, vv in v.items()} if isinstance(v, dict) else v)
            for k, v in params.items()}
-    for stack in ("blocks", "moe_blocks"):
+    for stack in ("blocks", "moe_blocks", "mtp"):
         if stack not in out:
             continue
-        attn = out[stack]["attn"]
+        if stack == "mtp":
+            out[stack] = {**out[stack], "block": dict(out[stack]["block"])}
+            out[stack]["block"]["attn"] = dict(out[stack]["block"]["attn"])
+        attn = out[stack]["block"]["attn"] if stack == "mtp" else out[stack]["attn"]
         q = "wq_b" if "wq_b" in attn else "wq"
         w = np.asarray(attn[q])
         attn[q] = np.concatenate([w[..., :a], w[..., a:][..., order]], axis=-1)
@@ -207,7 +248,7 @@ def params_from_hf(get: Callable[[str], np.ndarray], names: set[str], m: ModelCo
     """Our float32 parameter tree of the DeepSeek-V3 `m` from HF tensors (`get(name)` reads one, `names`:
     all in the checkpoint; the multi-token-prediction layers' are dropped). ConvertError naming the first
     missing, misshapen or unexpected tensor, or a nonzero router bias."""
-    mtp = f"model.layers.{m.num_layers}."
+    mtp = tuple(f"model.layers.{layer}." for layer in range(m.num_layers + m.mtp_depth, m.num_layers + 64))
     read = hf.checked_reader(get, {x for x in names if not x.startswith(mtp)}, expected_tensors(m), False,
                              f"a {ARCHITECTURE}")
     n, r, a, u = m.num_heads, m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim
@@ -222,12 +263,15 @@ def params_from_hf(get: Callable[[str], np.ndarray], names: set[str], m: ModelCo
         w = w.reshape(n, a + u, r)
         return (w[:, :a] if part == "k" else w[:, a:]).reshape(-1, r)
 
-    for i in range(m.num_moe_layers):
-        bias = read(_bias_name(m, i))
-        if np.any(bias != 0):
-            raise ConvertError(f"checkpoint tensor {_bias_name(m, i)} is nonzero: the router's selection bias is "
+    for name in _bias_names(m):
+        if np.any(read(name) != 0):
+            raise ConvertError(f"checkpoint tensor {name} is nonzero: the router's selection bias is "
                                "model state here (model.moe.balance=bias), which from-hf does not yet write; "
                                "this trained DeepSeek-V3 cannot be imported faithfully yet")
+    for copy, source in _mtp_copies(m).items():
+        if not np.array_equal(read(copy), read(source)):
+            raise ConvertError(f"checkpoint tensor {copy} differs from {source}: multi-token prediction shares "
+                               "the model's embedding and output head here, so this checkpoint cannot be imported")
     params = hf.params_from_rows(_table(m), virtual)
     if raw.get("rope_interleave", True):
         params = _permute_rope(params, m, _rope_order(m.qk_rope_head_dim))
@@ -242,13 +286,14 @@ def hf_from_params(params: dict, m: ModelConfig, dtype: Any, bias: np.ndarray | 
     params = _permute_rope(params, m, np.argsort(_rope_order(m.qk_rope_head_dim)))
     parts = hf.hf_from_rows(_table(m), params, dtype)
     out = {k: v for k, v in parts.items() if ":" not in k}
-    for layer in range(m.num_layers):
+    for layer in range(m.num_layers + m.mtp_depth):
         pre = f"model.layers.{layer}."
         out[pre + _KV_A] = np.concatenate([parts[pre + _KV_A + ":latent"], parts[pre + _KV_A + ":rope"]])
         k = parts[pre + _KV_B + ":k"].reshape(m.num_heads, m.qk_nope_head_dim, -1)
         v = parts[pre + _KV_B + ":v"].reshape(m.num_heads, m.v_head_dim, -1)
         out[pre + _KV_B] = np.ascontiguousarray(np.concatenate([k, v], axis=1).reshape(-1, m.kv_lora_rank))
-    for i in range(m.num_moe_layers):  # float32 in transformers (_keep_in_fp32_modules_strict)
-        out[_bias_name(m, i)] = (np.zeros(m.moe.num_experts, np.float32) if bias is None
-                                 else np.asarray(bias[i], np.float32))
+    for i, name in enumerate(_bias_names(m)):  # float32 in transformers (_keep_in_fp32_modules_strict)
+        out[name] = np.zeros(m.moe.num_experts, np.float32) if bias is None else np.asarray(bias[i], np.float32)
+    for copy, source in _mtp_copies(m).items():
+        out[copy] = out[source]
     return out

@@ -135,7 +135,7 @@ def read_hf_config(hf_dir: str) -> tuple[Config, dict[str, str], dict]:
         raise hf.ConvertError(f"config.json dtype={dtype!r} is not supported; use float32, bfloat16 or float16")
     kind = config.get("model_type", "llama")
     if kind == "deepseek_v3":
-        m = hf_deepseek.model_config(config, hf.DTYPES[dtype])
+        m = hf_deepseek.model_config(config, hf.DTYPES[dtype], frozenset(files))
     elif kind in hf_moe.FAMILIES:
         m = hf_moe.model_config(config, hf.DTYPES[dtype])
     elif kind in hf.FAMILIES:

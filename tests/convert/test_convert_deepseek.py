@@ -113,3 +113,71 @@ def test_from_hf_refuses_a_nonzero_router_bias(imported, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "model.layers.2.mlp.gate.e_score_correction_bias is nonzero" in err and "\n" not in err, err
     assert not os.path.exists(out)
+
+
+def _with_mtp_layer(src: str, dst: str) -> dict:
+    """A copy of the DeepSeek-V3 `src` with a hand-made multi-token-prediction layer 3 (its block from
+    layer 2's tensors, perturbed; hnorm, enorm, eh_proj random; the embedding and head copied, as the
+    released checkpoint stores them); returns its tensors."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    t = load_file(path)
+    rng = np.random.default_rng(0)
+    for name in [n for n in t if n.startswith("model.layers.2.")]:
+        w = t[name]
+        t[name.replace("layers.2.", "layers.3.")] = w if name.endswith("e_score_correction_bias") else (
+            w + 0.01 * rng.standard_normal(w.shape).astype(w.dtype))
+    d = t["model.norm.weight"].shape[0]
+    t.update({"model.layers.3.hnorm.weight": rng.standard_normal(d).astype(np.float32),
+              "model.layers.3.enorm.weight": rng.standard_normal(d).astype(np.float32),
+              "model.layers.3.eh_proj.weight": rng.standard_normal((d, 2 * d)).astype(np.float32),
+              "model.layers.3.shared_head.norm.weight": rng.standard_normal(d).astype(np.float32),
+              "model.layers.3.shared_head.head.weight": t["lm_head.weight"],
+              "model.layers.3.embed_tokens.weight": t["model.embed_tokens.weight"]})
+    save_file(t, path, metadata={"format": "pt"})
+    raw = json.load(open(os.path.join(dst, "config.json")))
+    json.dump({**raw, "num_nextn_predict_layers": 1}, open(os.path.join(dst, "config.json"), "w"))
+    return t
+
+
+def test_from_hf_imports_the_mtp_layer_and_to_hf_writes_it_back(imported, tmp_path, capsys):
+    """model.layers.{L}.*: enorm, hnorm, eh_proj (its [embedding; hidden] columns as our [hidden; embedding]
+    rows), shared_head.norm and the block land in model.mtp (mtp_depth 1); the main logits are unchanged;
+    to-hf writes every tensor back bit for bit. A head copy that differs from lm_head: one line, exit 2."""
+    _, _, ref = imported["deepseek_v3"]
+    hf_dir, run_dir = str(tmp_path / "hf"), str(tmp_path / "run")
+    t = _with_mtp_layer(imported["deepseek_v3"][0], hf_dir)
+    assert convert(["from-hf", "--hf-dir", hf_dir, "--out", run_dir]) == 0
+    model, params = our_params(run_dir)
+    assert model.mtp_depth == 1
+    mtp = params["mtp"]
+    w, d = t["model.layers.3.eh_proj.weight"], model.d_model
+    np.testing.assert_array_equal(mtp["eh_proj"][0][:d], w[:, d:].T)  # the hidden state's rows
+    np.testing.assert_array_equal(mtp["eh_proj"][0][d:], w[:, :d].T)  # the embedding's
+    np.testing.assert_array_equal(mtp["hnorm"]["scale"][0], t["model.layers.3.hnorm.weight"])
+    np.testing.assert_array_equal(mtp["norm"]["scale"][0], t["model.layers.3.shared_head.norm.weight"])
+    np.testing.assert_array_equal(mtp["block"]["mlp"]["router"][0], t["model.layers.3.mlp.gate.weight"].T)
+    np.testing.assert_array_equal(mtp["block"]["attn"]["wkv_a"][0],
+                                  t["model.layers.3.self_attn.kv_a_proj_with_mqa.weight"][:16].T)
+    np.testing.assert_allclose(logits_of(model, params, TOKENS), ref, rtol=FP32_RTOL,
+                               atol=FP32_RTOL * float(np.abs(ref).max()))
+    back = str(tmp_path / "back")
+    assert convert(["to-hf", "--run-dir", run_dir, "--out", back]) == 0
+    exported = tensors(back)
+    assert sorted(exported) == sorted(t)
+    for k in t:
+        np.testing.assert_array_equal(exported[k], t[k], err_msg=k)
+    assert json.load(open(os.path.join(back, "config.json")))["num_nextn_predict_layers"] == 1
+    # the head's copy must be the head
+    from safetensors.numpy import load_file, save_file
+    path = os.path.join(hf_dir, "model.safetensors")
+    bad = load_file(path)
+    bad["model.layers.3.shared_head.head.weight"] = bad["model.layers.3.shared_head.head.weight"] * 2
+    save_file(bad, path, metadata={"format": "pt"})
+    assert convert(["from-hf", "--hf-dir", hf_dir, "--out", str(tmp_path / "run2")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "model.layers.3.shared_head.head.weight differs from lm_head.weight" in err, err
