@@ -34,7 +34,7 @@ CONTEXT_BALANCE = ("zigzag", "contiguous")  # which sequence chunks each context
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
                   "save_attention_out", "offload_dots")
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
-ROPE_SCALINGS = ("none", "llama3", "linear")
+ROPE_SCALINGS = ("none", "llama3", "linear", "yarn")
 NORM_SCALES = ("weight", "one_plus_weight")  # RMSNorm times w (w from 1) | times 1 + w (w from 0: Gemma)
 BLOCK_NORMS = ("pre", "sandwich")  # a norm before each sublayer | also one after it, before the residual add (Gemma)
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's gate: SwiGLU (Llama) | GeGLU, tanh-approximated GELU (Gemma)
@@ -105,6 +105,15 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
+    # rope_scaling=yarn (YaRN, DeepSeek-V3's 128k extension): the ramp between extrapolated and
+    # interpolated frequencies (beta_fast, beta_slow rotations over rope_original_max_len), the rotated
+    # dims scaled by m(mscale) / m(mscale_all_dim) with m(s) = 0.1 s ln(factor) + 1 (by m(1) when
+    # mscale_all_dim is 0), and latent attention's scores by m(mscale_all_dim)^2 (transformers'
+    # yarn_get_mscale and yarn_apply_mscale).
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
+    rope_yarn_mscale: float = 1.0
+    rope_yarn_mscale_all_dim: float = 0.0
     tie_embeddings: bool = False
     qkv_bias: bool = False  # learned biases on the query, key and value projections (Qwen2, Qwen2-MoE)
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding (Qwen3, Qwen3-MoE)

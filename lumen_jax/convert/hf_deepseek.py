@@ -29,11 +29,12 @@ the E rotated dims; that is the half-split rotation of those dims de-interleaved
 so the import permutes the rotated output columns of wq/wq_b and wk_rope (exact: q.k is unchanged by
 a permutation applied to both) and the export permutes them back and writes rope_interleave true.
 
-Refused: yarn rope (rope_type 'yarn', DeepSeek-V3's own 671B config: its mscale is not implemented;
-base_fields names it), a nonzero e_score_correction_bias (the router bias is model state here, which an
-import does not yet write: trained checkpoints carry one), attention_bias. The multi-token-prediction
-layers (`model.layers.{num_hidden_layers}.*`, num_nextn_predict_layers) are dropped, as transformers
-drops them.
+YaRN rope (the released 671B's: factor 40 over 4k) is `model.rope_scaling=yarn` with its beta and mscale
+keys; as transformers' DeepSeek-V3 the scores are also scaled by m(mscale_all_dim)^2.
+Refused: a nonzero e_score_correction_bias (the router bias is model state here, which an import does
+not yet write: trained checkpoints carry one), attention_bias, yarn's attention_factor. The
+multi-token-prediction layers (`model.layers.{num_hidden_layers + k}.*`) become `model.mtp` when the
+checkpoint holds them (num_nextn_predict_layers of them).
 """
 
 from __future__ import annotations

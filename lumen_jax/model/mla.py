@@ -27,7 +27,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from lumen_jax.config import ModelConfig
-from lumen_jax.model.layers import _param, _projector, apply_rope, norm
+from lumen_jax.model.layers import _param, _projector, apply_rope, norm, rope_attention_factor, yarn_mscale
 from lumen_jax.ops.attention import attention
 from lumen_jax.ops.choice import Ops
 from lumen_jax.ops.projection import Tape, projection_state
@@ -58,6 +58,9 @@ class LatentAttention(nnx.Module):
         self.projections = projection_state(ops, "attention", PROJECTIONS)
         self.window = 0
         self.scale = (a + e) ** -0.5
+        self.rope_factor = rope_attention_factor(cfg)  # YaRN: the rotated dims scaled, and the scores
+        if cfg.rope_scaling == "yarn" and cfg.rope_yarn_mscale_all_dim:
+            self.scale *= yarn_mscale(cfg.rope_scaling_factor, cfg.rope_yarn_mscale_all_dim) ** 2
         self.nope = a
 
     def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array | None,
@@ -78,6 +81,8 @@ class LatentAttention(nnx.Module):
         c_btr = self.kv_norm(proj("btd,dr->btr", x_btd, "wkv_a", "kv_a"))
         k_rope = proj("btd,de->bte", x_btd, "wk_rope", "k_rope")
         k_rope = apply_rope(k_rope[:, :, None], positions_bt, inv_freq)[:, :, 0]
+        if self.rope_factor != 1.0:
+            k_rope = k_rope * jnp.asarray(self.rope_factor, k_rope.dtype)
         return constrain(c_btr, ("batch", "seq", None)), constrain(k_rope, ("batch", "seq", None))
 
     def queries(self, x_btd: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array, ops: Ops,
@@ -89,7 +94,10 @@ class LatentAttention(nnx.Module):
             q = proj("btq,qnh->btnh", constrain(cq, ("batch", "seq", None)), "wq_b", "q_b")
         else:
             q = proj("btd,dnh->btnh", x_btd, "wq", "q")
-        q = jnp.concatenate([q[..., :self.nope], apply_rope(q[..., self.nope:], positions_bt, inv_freq)], axis=-1)
+        q_rope = apply_rope(q[..., self.nope:], positions_bt, inv_freq)
+        if self.rope_factor != 1.0:
+            q_rope = q_rope * jnp.asarray(self.rope_factor, q_rope.dtype)
+        q = jnp.concatenate([q[..., :self.nope], q_rope], axis=-1)
         return constrain(q, ("batch", "seq", "act_heads", None))
 
     def qkv(self, x_btd: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array,

@@ -95,6 +95,10 @@ CHANGES = {
     "model.v_head_dim": ("mla", 4, True),
     "model.mtp_depth": ("dense", 1, True),
     "model.mtp_loss_weight": ("dense", 0.1, False),
+    "model.rope_yarn_beta_fast": ("dense", 16.0, False),
+    "model.rope_yarn_beta_slow": ("dense", 2.0, False),
+    "model.rope_yarn_mscale": ("dense", 0.7, False),
+    "model.rope_yarn_mscale_all_dim": ("dense", 0.7, False),
 }
 
 

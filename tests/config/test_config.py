@@ -344,7 +344,7 @@ def test_coercions():
 
 @pytest.mark.parametrize("key,value", [
     ("model.attention", "flashy"), ("model.remat", "some"), ("model.compute_dtype", "float64"),
-    ("model.rope_scaling", "yarn"), ("optim.schedule", "step"), ("mesh.zero_stage", 4),
+    ("model.rope_scaling", "ntk"), ("optim.schedule", "step"), ("mesh.zero_stage", 4),
     ("mesh.context_parallel", "tree"), ("mesh.context_balance", "striped"), ("data.source", "web"),
 ])
 def test_enum_errors(key, value):

@@ -34,6 +34,7 @@ def test_from_hf_logits_match_transformers(imported, kind):
     raw = json.load(open(os.path.join(hf_dir, "config.json")))
     assert (model.mla, model.kv_lora_rank, model.q_lora_rank, model.v_head_dim) == (
         True, 16, raw["q_lora_rank"] or 0, 12)
+    assert model.rope_scaling == ("yarn" if kind == "deepseek_v3_yarn" else "none")
     assert (model.moe.first_dense_layers, model.moe.router, model.moe.groups, model.moe.top_groups,
             model.moe.routed_scaling, model.moe.balance) == (raw["first_k_dense_replace"], "sigmoid", 4, 2, 2.5, "bias")
     ours = logits_of(model, params, TOKENS)
@@ -50,8 +51,9 @@ def test_from_hf_logits_match_transformers(imported, kind):
     assert not logits_close(logits_of(ungrouped, params, TOKENS), ref)
 
 
-def test_to_hf_round_trips_every_tensor_and_transformers_loads_it(imported, tmp_path):
-    config, source = assert_to_hf_round_trips(*imported["deepseek_v3"], str(tmp_path / "back"))
+@pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v3_yarn"])
+def test_to_hf_round_trips_every_tensor_and_transformers_loads_it(imported, tmp_path, kind):
+    config, source = assert_to_hf_round_trips(*imported[kind], str(tmp_path / "back"))
     for k in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "n_group",
               "topk_group", "routed_scaling_factor", "rope_interleave"):
         assert config[k] == source[k], k
@@ -81,7 +83,9 @@ def test_generate_on_an_imported_deepseek_equals_transformers(imported):
 
 
 BAD = {
-    "yarn": ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 40.0}}, "rope_type='yarn'"),
+    "yarn factor": ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 8, "attention_factor": 2.0}},
+                    "config.json yarn rope attention_factor=2.0 is not supported"),
     "gqa": ({"num_key_value_heads": 2}, "config.json num_key_value_heads=2 is not supported"),
     "scoring": ({"scoring_func": "softmax"}, "config.json scoring_func='softmax' is not supported"),
     "all dense": ({"first_k_dense_replace": 3}, "config.json first_k_dense_replace=3 leaves no MoE layer"),

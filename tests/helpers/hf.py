@@ -95,7 +95,12 @@ DEEPSEEK_KW = dict(vocab_size=320, hidden_size=32, intermediate_size=48, moe_int
                    rms_norm_eps=1e-6, max_position_embeddings=128,
                    rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
 DEEPSEEK_MODELS = {"deepseek_v3": {}, "deepseek_v3_plain_q": dict(q_lora_rank=None, rope_interleave=False,
-                                                                   first_k_dense_replace=2, num_hidden_layers=4)}
+                                                                   first_k_dense_replace=2, num_hidden_layers=4),
+                   # YaRN as the released 671B has it (factor 40 over 4k), scaled down: 4 over 8 positions,
+                   # the two mscales apart so that the rotated dims and the scores are both scaled
+                   "deepseek_v3_yarn": dict(rope_parameters={
+                       "rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+                       "beta_fast": 32, "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 0.6})}
 
 
 def make_hf_deepseek(path: str, kind: str) -> str:
