@@ -23,14 +23,23 @@ from lumen_jax.ops.projection import project
 from lumen_jax.parallel.rules import constrain
 
 CACHE_AXES = ("batch", "seq", "act_kv_heads", None)  # of one layer's [B, S, K, H]
+LATENT_AXES = ("batch", "seq", None)  # of one layer's MLA latent cache [B, S, R] (or its rope key [B, S, Hr])
+
+
+def _cache_axes(c: jax.Array) -> tuple:
+    return CACHE_AXES if c.ndim == 4 else LATENT_AXES
 
 
 def init_cache(model: Transformer, batch: int, length: int) -> dict[str, jax.Array]:
-    """Zero K/V cache {"k", "v"}: [L, B, S, K, H] in the compute dtype (MLA: K/V expanded per head, the
-    values' H their own v_head_dim)."""
+    """Zero K/V cache {"k", "v"}: [L, B, S, K, H] in the compute dtype; with latent attention (MLA) the
+    absorbed form's: the latent [L, B, S, R] as "k" and the rotated shared key [L, B, S, Hr] as "v"
+    (R + Hr numbers per token and layer instead of N (Hn + Hr + Hv))."""
     cfg = model.cfg
-    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads)
     dt = jnp.dtype(cfg.compute_dtype)
+    if cfg.mla:  # the absorbed form: "k" the latent, "v" the rotated shared key
+        shape = (cfg.num_layers, batch, length)
+        return {"k": jnp.zeros((*shape, cfg.kv_lora_rank), dt), "v": jnp.zeros((*shape, cfg.qk_rope_head_dim), dt)}
+    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads)
     return {"k": jnp.zeros((*shape, cfg.resolved_head_dim), dt), "v": jnp.zeros((*shape, cfg.value_head_dim), dt)}
 
 
@@ -64,7 +73,7 @@ def _layers(model: Transformer, x_btd: jax.Array, cache: dict, attend) -> tuple[
             o, k_cache, v_cache = attend(block.attn, block.attn_norm(x_btd), k_cache, v_cache, local)
             x_btd = x_btd + block.after_attention(block.attn.out(o, model.ops))
             x_btd = x_btd + block.feed_forward(block.mlp_norm(x_btd), model.ops)[0]  # MoE's aux dropped
-            return x_btd, (constrain(k_cache, CACHE_AXES), constrain(v_cache, CACHE_AXES))
+            return x_btd, (constrain(k_cache, _cache_axes(k_cache)), constrain(v_cache, _cache_axes(v_cache)))
 
         return jax.lax.scan(body, x_btd, (layer_state, k_cache, v_cache, local))
 
@@ -118,9 +127,11 @@ def prefill(model: Transformer, tokens_bt: jax.Array, valid_bt: jax.Array, cache
     def attend(attn, h_btd, k_cache, v_cache, local):
         q, k, v = attn.qkv(h_btd, positions, layer_rope(model.cfg, local), model.ops)
         o = attn.attend(q, k, v, segments, model.ops, local)
+        if model.cfg.mla:  # the cache holds the latent and the rotated shared key
+            k, v = attn.latent(h_btd, positions, layer_rope(model.cfg, local), model.ops)
         zero = jnp.zeros((), jnp.int32)
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (zero,) * 4)
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (zero,) * 4)
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (zero,) * k_cache.ndim)
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (zero,) * v_cache.ndim)
         return o, k_cache, v_cache
 
     x_btd, cache = _layers(model, _embed(model, tokens_bt), cache, attend)
@@ -144,7 +155,15 @@ def decode(model: Transformer, tokens_b: jax.Array, positions_b: jax.Array, slot
         windowed = visible & (jnp.arange(s) > slot - model.cfg.sliding_window)[None]
 
     def attend(attn, h_btd, k_cache, v_cache, local):
-        q, k, v = attn.qkv(h_btd, positions_b[:, None], layer_rope(model.cfg, local), model.ops)
+        rope = layer_rope(model.cfg, local)
+        if model.cfg.mla:  # the absorbed form over the latent cache
+            c, k_rope = attn.latent(h_btd, positions_b[:, None], rope, model.ops)
+            at = (jnp.zeros((), jnp.int32), slot, jnp.zeros((), jnp.int32))
+            k_cache = jax.lax.dynamic_update_slice(k_cache, c.astype(k_cache.dtype), at)
+            v_cache = jax.lax.dynamic_update_slice(v_cache, k_rope.astype(v_cache.dtype), at)
+            q = attn.queries(h_btd, positions_b[:, None], rope, model.ops)
+            return attn.absorbed(q, k_cache, v_cache, visible), k_cache, v_cache
+        q, k, v = attn.qkv(h_btd, positions_b[:, None], rope, model.ops)
         at = (jnp.zeros((), jnp.int32), slot, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
         k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), at)
         v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), at)

@@ -111,6 +111,22 @@ class LatentAttention(nnx.Module):
         k = constrain(jnp.concatenate([k_nope, k_rope], axis=-1), ("batch", "seq", "act_heads", None))
         return self.queries(x_btd, positions_bt, inv_freq, ops, tape), k, constrain(v, ("batch", "seq", "act_heads", None))
 
+    def absorbed(self, q_btnh: jax.Array, c_bsr: jax.Array, k_rope_bse: jax.Array, visible_bs: jax.Array) -> jax.Array:
+        """Attention [B, T, N, Hv] of rotated queries to a latent cache (decoding): wk_b absorbed into the
+        queries (q_nope . (c wk_b) = (q_nope wk_b^T) . c) and wv_b applied after the weighted sum of the
+        latents, so the cache holds c [B, S, R] and the rotated shared key [B, S, Hr] per token, not
+        K/V per head. Every query of row b sees the slots where `visible_bs[b]` is set; float32 scores
+        and softmax, as `ops.attention.cached_attention`."""
+        f32 = jnp.float32
+        q_nope, q_rope = q_btnh[..., :self.nope], q_btnh[..., self.nope:]
+        q_lat = jnp.einsum("btna,rna->btnr", q_nope, self.wk_b[...].astype(q_nope.dtype), preferred_element_type=f32)
+        scores = (jnp.einsum("btnr,bsr->bnts", q_lat, c_bsr.astype(f32))
+                  + jnp.einsum("btne,bse->bnts", q_rope, k_rope_bse, preferred_element_type=f32)) * self.scale
+        scores = jnp.where(visible_bs[:, None, None, :], scores, jnp.finfo(f32).min)
+        probs = jax.nn.softmax(scores, axis=-1)
+        o_lat = jnp.einsum("bnts,bsr->btnr", probs, c_bsr.astype(f32))
+        return jnp.einsum("btnr,rnu->btnu", o_lat, self.wv_b[...].astype(f32)).astype(q_btnh.dtype)
+
     def out(self, o_btnu: jax.Array, ops: Ops, tape: Tape | None = None) -> jax.Array:
         """The output projection of the attention result [B, T, N, Hv] -> [B, T, D]."""
         o = checkpoint_name(constrain(o_btnu, ("batch", "seq", "act_heads", None)), "attention_out")

@@ -114,3 +114,37 @@ def test_first_dense_layers_refuse_a_pipeline():
     with pytest.raises(ConfigError) as e:
         validate(with_mesh(DEEPSEEK, micro_batches=2, pipeline=2), 2)
     assert "model.moe.first_dense_layers=1 with mesh.pipeline=2" in str(e.value)
+
+
+def test_absorbed_decoding_equals_the_full_forward():
+    """Prefill then decode over MLA's latent cache (wk_b absorbed into the queries, wv_b after the weighted
+    latents: [B, S, R + Hr] per layer) gives, token after token, the logits the training forward gives
+    each position of the whole sequence (K/V expanded per head), for left-padded rows of two lengths."""
+    from lumen_jax.model import decode, init
+    from lumen_jax.model.transformer import merge
+    from lumen_jax.model import abstract_model
+
+    cfg = DEEPSEEK.model
+    params, state = init(cfg, 0)
+    model = merge(abstract_model(cfg).graphdef, params, state)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, (2, 12)).astype(np.int32)
+    prompt, total = 5, 12
+    valid = np.ones((2, prompt), bool)
+    valid[1, :2] = False  # row 1: a 3-token prompt, left-padded
+    cache = decode.init_cache(model, 2, total)
+    assert cache["k"].shape == (3, 2, total, 16) and cache["v"].shape == (3, 2, total, 8)
+    logits, cache = decode.prefill(model, jnp.asarray(tokens[:, :prompt]), jnp.asarray(valid), cache)
+    got = [np.asarray(logits)]
+    valid_bs = np.concatenate([valid, np.ones((2, total - prompt), bool)], axis=1)
+    for slot in range(prompt, total - 1):
+        positions = np.asarray([slot, slot - 2], np.int32)
+        logits, cache = decode.decode(model, jnp.asarray(tokens[:, slot]), jnp.asarray(positions), jnp.int32(slot),
+                                      jnp.asarray(valid_bs), cache)
+        got.append(np.asarray(logits))
+    for row, start in ((0, 0), (1, 2)):  # each row's own sequence through the forward
+        seq = tokens[row:row + 1, start:total - 1]
+        full = np.asarray(model(jnp.asarray(seq), jnp.arange(seq.shape[1])[None]))[0]
+        want = full[prompt - 1 - start:]
+        np.testing.assert_allclose(np.stack([g[row] for g in got]), want, rtol=FP32_RTOL,
+                                   atol=FP32_RTOL * float(np.abs(want).max()))
