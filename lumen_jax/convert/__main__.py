@@ -86,8 +86,9 @@ def to_hf(run_dir: str, step: int | None, out: str, max_shard_bytes: float) -> s
     step, (cfg, params, state) = weights.newest_usable(run_dir, step, load)
     dtype = cfg.model.compute_dtype
     if cfg.model.mla:  # the routers' selection bias is model state (balance=bias), zeros otherwise
-        biases = [np.asarray(b) for b in (_at(state, "moe_blocks", "mlp", "balance", "bias"),
-                                          _at(state, "mtp", "block", "mlp", "balance", "bias")) if b is not None]
+        rate = cfg.model.moe.bias_update_rate
+        biases = [hf_deepseek.choice_bias(np.asarray(b["bias"]), np.asarray(b["load"]), rate) for b in (
+            _at(state, "moe_blocks", "mlp", "balance"), _at(state, "mtp", "block", "mlp", "balance")) if b is not None]
         tensors = hf_deepseek.hf_from_params(params, cfg.model, jax.numpy.dtype(dtype),
                                              np.concatenate(biases) if biases else None)
         config = hf_deepseek.hf_config(cfg.model, dtype)

@@ -221,6 +221,12 @@ def expected_tensors(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     return want
 
 
+def choice_bias(bias: np.ndarray, load: np.ndarray, rate: float) -> np.ndarray:
+    """The selection bias [L', E] the next step (and inference) chooses with, from the model state's last
+    bias and load: `bias + rate * sign(mean(load) - load)` (`ops.moe.choice_bias`, per layer)."""
+    return (bias + rate * np.sign(load.mean(-1, keepdims=True) - load)).astype(np.float32)
+
+
 def _rope_order(e: int) -> np.ndarray:
     """The interleaved rotary dims (2i, 2i+1 pairs) in half-split order: the even ones, then the odd."""
     return np.concatenate([np.arange(0, e, 2), np.arange(1, e, 2)])

@@ -185,3 +185,43 @@ def test_from_hf_imports_the_mtp_layer_and_to_hf_writes_it_back(imported, tmp_pa
     assert convert(["from-hf", "--hf-dir", hf_dir, "--out", str(tmp_path / "run2")]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "model.layers.3.shared_head.head.weight differs from lm_head.weight" in err, err
+
+
+@pytest.mark.heavy
+def test_to_hf_of_a_trained_run_writes_its_router_bias(tmp_path):
+    """configs/tiny_deepseek_v3.yaml trained 2 steps (a large bias_update_rate, so that the selection bias
+    changes the routing): to-hf writes the bias the model state chooses with (its last bias updated by its
+    last load) as e_score_correction_bias, and transformers' logits equal ours with that state (and differ
+    from ours without it)."""
+    import jax
+
+    from lumen_jax.checkpoint import weights
+    from lumen_jax.model import abstract_model, apply
+
+    run_dir, back = str(tmp_path / "run"), str(tmp_path / "back")
+    train = subprocess.run([sys.executable, "-m", "lumen_jax.train", "--config", "configs/tiny_deepseek_v3.yaml",
+                            "train.steps=2", "checkpoint.every_steps=2", f"train.run_dir={run_dir}",
+                            "model.moe.bias_update_rate=0.5", "runtime.cpu_devices=1", "mesh.fsdp=1"],
+                           cwd=REPO, timeout=600, capture_output=True, text=True)
+    assert train.returncode == 0, train.stderr[-2000:]
+    assert convert(["to-hf", "--run-dir", run_dir, "--out", back]) == 0
+    cfg = weights.read_config(run_dir, 2)
+    a = abstract_model(cfg.model)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    on_one = lambda tree: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), tree)  # noqa: E731
+    params = weights.load_params(run_dir, 2, on_one(a.params))
+    state = weights.load_model_state(run_dir, 2, on_one(a.state))
+    balance = state["moe_blocks"]["mlp"]["balance"]
+    bias, load = np.asarray(balance["bias"]), np.asarray(balance["load"])
+    bias = bias + 0.5 * np.sign(load.mean(-1, keepdims=True) - load)  # what the next step chooses with
+    assert np.abs(bias).max() > 0.1
+    exported = tensors(back)
+    for i in range(bias.shape[0]):
+        np.testing.assert_array_equal(exported[f"model.layers.{i + 1}.mlp.gate.e_score_correction_bias"], bias[i])
+    tokens = TOKENS % cfg.model.vocab_size
+    positions = np.arange(tokens.shape[1])[None]
+    ours = np.asarray(apply(a.graphdef, params, tokens, positions, state=state))
+    ref = hf_logits(back, tokens)
+    np.testing.assert_allclose(ours, ref, rtol=FP32_RTOL, atol=FP32_RTOL * float(np.abs(ref).max()))
+    zero = jax.tree.map(np.zeros_like, state)
+    assert not logits_close(np.asarray(apply(a.graphdef, params, tokens, positions, state=zero)), ref)
