@@ -62,11 +62,19 @@ def test_deepseek_trains_on_meshes_as_on_one_device(reference, mesh):
     assert reference["losses"][-1] < reference["losses"][0]
 
 
+@pytest.fixture(scope="module")
+def reference_pp():
+    return run(with_mesh(DEEPSEEK_PP), devices=jax.devices()[:1])
+
+
 @pytest.mark.heavy
-def test_deepseek_without_dense_layers_trains_on_a_pipeline_as_on_one_device():
-    ref = run(with_mesh(DEEPSEEK_PP), devices=jax.devices()[:1])
-    got = run(with_mesh(DEEPSEEK_PP, micro_batches=2, pipeline=2, tensor=2, fsdp=2))
-    assert_same_run(got, ref, "pipeline2-tensor2-fsdp2", GRADS_END_RTOL)
+@pytest.mark.parametrize("mesh", [dict(pipeline=2, tensor=2, fsdp=2),
+                                  dict(pipeline=2, fsdp=4, pipeline_schedule="zero_bubble")],
+                         ids=["pipeline2-tensor2-fsdp2", "pipeline2-fsdp4-zero_bubble"])
+def test_deepseek_without_dense_layers_trains_on_a_pipeline_as_on_one_device(reference_pp, mesh):
+    """1F1B, and zero-bubble's split backward (the latent attention's projections tapped)."""
+    got = run(with_mesh(DEEPSEEK_PP, micro_batches=2, **mesh))
+    assert_same_run(got, reference_pp, str(mesh), GRADS_END_RTOL)
 
 
 def test_flash_takes_narrower_values_by_padding():
