@@ -79,7 +79,8 @@ def to_hf(run_dir: str, step: int | None, out: str, max_shard_bytes: float) -> s
         else:
             (hf_moe if cfg.model.moe.enabled else hf).family_of(cfg.model)
         a = abstract_model(cfg.model)
-        on_cpu = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu), tree)  # noqa: E731
+        on_cpu = lambda tree: jax.tree.map(  # noqa: E731
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu), tree)
         state = weights.load_model_state(run_dir, s, on_cpu(a.state)) if cfg.model.mla else {}
         return cfg, weights.to_numpy(weights.load_params(run_dir, s, on_cpu(a.params))), state
 

@@ -287,7 +287,8 @@ def common_config(m: ModelConfig, dtype: str) -> dict:
     elif m.rope_scaling == "linear":
         rope.update(rope_type="linear", factor=m.rope_scaling_factor)
     elif m.rope_scaling == "yarn":
-        rope.update(rope_type="yarn", factor=m.rope_scaling_factor, original_max_position_embeddings=m.rope_original_max_len,
+        rope.update(rope_type="yarn", factor=m.rope_scaling_factor,
+                    original_max_position_embeddings=m.rope_original_max_len,
                     beta_fast=m.rope_yarn_beta_fast, beta_slow=m.rope_yarn_beta_slow, mscale=m.rope_yarn_mscale,
                     mscale_all_dim=m.rope_yarn_mscale_all_dim)
     return {

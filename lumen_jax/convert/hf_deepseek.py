@@ -18,7 +18,8 @@ Tensors (per layer l; ours stacked [L', ...] on `blocks` for the dense layers, `
     self_attn.q_proj.weight            [N*(A+E), D]       ->  attn/wq    [D, N, A+E]  (q_lora_rank null)
     self_attn.kv_a_proj_with_mqa.weight [R+E, D]          ->  attn/wkv_a [D, R] (rows :R), attn/wk_rope [D, E] (rows R:)
     self_attn.kv_a_layernorm.weight    [R]                ->  attn/kv_norm/scale
-    self_attn.kv_b_proj.weight         [N*(A+U), R]       ->  attn/wk_b [R, N, A], attn/wv_b [R, N, U] (per head: A then U)
+    self_attn.kv_b_proj.weight         [N*(A+U), R]       ->  attn/wk_b [R, N, A], attn/wv_b [R, N, U]
+                                                              (per head: A key rows, then U value rows)
     self_attn.o_proj.weight            [D, N*U]           ->  attn/wo    [N, U, D]
     mlp.gate.weight [E', D] -> mlp/router [D, E'];  mlp.experts.{e}.{gate,up,down}_proj.weight -> mlp/w_*[e]
     mlp.shared_experts.{gate,up,down}_proj.weight -> mlp/shared/w_*;  mlp.gate.e_score_correction_bias [E']
@@ -119,7 +120,8 @@ def hf_config(m: ModelConfig, dtype: str) -> dict:
     out.pop("head_dim")
     out.update(architectures=[ARCHITECTURE], model_type="deepseek_v3", num_key_value_heads=m.num_heads,
                kv_lora_rank=m.kv_lora_rank, q_lora_rank=m.q_lora_rank or None, qk_nope_head_dim=m.qk_nope_head_dim,
-               qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, first_k_dense_replace=moe.first_dense_layers,
+               qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+               first_k_dense_replace=moe.first_dense_layers,
                n_routed_experts=moe.num_experts, num_experts_per_tok=moe.top_k, n_shared_experts=moe.shared_experts,
                moe_intermediate_size=m.expert_ffn_dim, norm_topk_prob=moe.normalize_top_k,
                routed_scaling_factor=moe.routed_scaling, n_group=moe.groups, topk_group=moe.top_groups,

@@ -109,7 +109,8 @@ class LatentAttention(nnx.Module):
         v = proj("btr,rnu->btnu", c_btr, "wv_b", "v_b")
         k_rope = jnp.broadcast_to(k_rope[:, :, None].astype(k_nope.dtype), (*k_nope.shape[:3], k_rope.shape[-1]))
         k = constrain(jnp.concatenate([k_nope, k_rope], axis=-1), ("batch", "seq", "act_heads", None))
-        return self.queries(x_btd, positions_bt, inv_freq, ops, tape), k, constrain(v, ("batch", "seq", "act_heads", None))
+        v = constrain(v, ("batch", "seq", "act_heads", None))
+        return self.queries(x_btd, positions_bt, inv_freq, ops, tape), k, v
 
     def absorbed(self, q_btnh: jax.Array, c_bsr: jax.Array, k_rope_bse: jax.Array, visible_bs: jax.Array) -> jax.Array:
         """Attention [B, T, N, Hv] of rotated queries to a latent cache (decoding): wk_b absorbed into the

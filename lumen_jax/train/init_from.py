@@ -26,7 +26,8 @@ def _is_hf_dir(path: str) -> bool:
 # from them (rotary embedding, norm epsilon, windows, Gemma's numerics, routing), and its tokenizer when they name one.
 DEFINED_BY_WEIGHTS = ("norm_eps", "rope_theta", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
                       "rope_high_freq_factor", "rope_original_max_len",
-                      "rope_yarn_beta_fast", "rope_yarn_beta_slow", "rope_yarn_mscale", "rope_yarn_mscale_all_dim", "sliding_window", "global_every",
+                      "rope_yarn_beta_fast", "rope_yarn_beta_slow", "rope_yarn_mscale", "rope_yarn_mscale_all_dim",
+                      "sliding_window", "global_every",
                       "rope_local_theta", "query_scale_dim", "norm_scale", "mlp_activation", "embed_scale",
                       "moe.top_k", "moe.router", "moe.normalize_top_k", "moe.routed_scaling", "moe.groups",
                       "moe.top_groups")

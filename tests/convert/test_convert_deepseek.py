@@ -208,7 +208,8 @@ def test_to_hf_of_a_trained_run_writes_its_router_bias(tmp_path):
     cfg = weights.read_config(run_dir, 2)
     a = abstract_model(cfg.model)
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    on_one = lambda tree: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), tree)  # noqa: E731
+    on_one = lambda tree: jax.tree.map(  # noqa: E731
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), tree)
     params = weights.load_params(run_dir, 2, on_one(a.params))
     state = weights.load_model_state(run_dir, 2, on_one(a.state))
     balance = state["moe_blocks"]["mlp"]["balance"]
