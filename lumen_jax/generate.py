@@ -80,7 +80,8 @@ class Generator:
         mesh, rules, graphdef = loaded.mesh, loaded.rules, loaded.model.graphdef
         sh = lambda *names: NamedSharding(mesh, rules.spec(names))  # noqa: E731
         self.row_sh, self.rows_sh, self.scalar_sh = sh("batch"), sh("batch", None), sh()
-        cache_sh = sh(None, *decode_lib.CACHE_AXES)
+        # MLA's latent cache has no heads axis (model/decode.py: the absorbed form)
+        cache_sh = sh(None, *(decode_lib.LATENT_AXES if loaded.cfg.model.mla else decode_lib.CACHE_AXES))
         self.cache_sh = {"k": cache_sh, "v": cache_sh}
         # The parameters and the model state that is not a parameter (an MoE router's balancing bias).
         weights_sh = jax.tree.map(lambda x: x.sharding, (loaded.params, loaded.model_state))

@@ -31,7 +31,8 @@ _NUMERIC_MODEL_KEYS = frozenset({
     "model.init_std", "model.attention", "model.flash_block_q", "model.flash_block_kv", "model.remat",
     "model.loss_chunk_tokens", "model.compute_dtype", "model.sliding_window", "model.global_every",
     "model.rope_local_theta", "model.query_scale_dim", "model.norm_scale", "model.mlp_activation",
-    "model.embed_scale"})
+    "model.embed_scale", "model.mtp_loss_weight", "model.rope_yarn_beta_fast", "model.rope_yarn_beta_slow",
+    "model.rope_yarn_mscale", "model.rope_yarn_mscale_all_dim"})
 
 
 def state_shapes(state: Any) -> list[list]:

@@ -43,6 +43,10 @@ _BOUNDS: tuple[tuple[str, str, float], ...] = (
     ("model.moe.router_z_loss_weight", ">=", 0), ("model.moe.expert_ffn_dim", ">=", 0),
     ("model.moe.routed_scaling", ">", 0), ("model.moe.groups", ">=", 1), ("model.moe.top_groups", ">=", 1),
     ("model.moe.bias_update_rate", ">=", 0), ("model.moe.sequence_aux_loss_weight", ">=", 0),
+    ("model.rope_yarn_beta_fast", ">", 0), ("model.rope_yarn_beta_slow", ">", 0), ("model.rope_yarn_mscale", ">=", 0),
+    ("model.rope_yarn_mscale_all_dim", ">=", 0), ("model.mtp_depth", ">=", 0), ("model.mtp_loss_weight", ">=", 0),
+    ("model.moe.first_dense_layers", ">=", 0), ("model.kv_lora_rank", ">=", 0), ("model.q_lora_rank", ">=", 0),
+    ("model.qk_nope_head_dim", ">=", 0), ("model.qk_rope_head_dim", ">=", 0), ("model.v_head_dim", ">=", 0),
     ("optim.lr", ">", 0), ("optim.min_lr_ratio", ">=", 0), ("optim.min_lr_ratio", "<=", 1),
     ("model.loss_chunk_tokens", ">=", 0), ("optim.warmup_steps", ">=", 0), ("optim.decay_steps", ">=", 0),
     ("optim.b1", ">=", 0), ("optim.b1", "<", 1), ("optim.b2", ">=", 0), ("optim.b2", "<", 1),
@@ -123,10 +127,10 @@ def _model_shape(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str
            f"model.num_kv_heads={m.num_kv_heads} does not divide model.num_heads={m.num_heads}; grouped-query "
            f"attention needs num_kv_heads among the divisors of {m.num_heads} "
            f"({_divisors(m.num_heads, m.num_heads)})")
-    yield (m.head_dim > 0 or m.d_model % m.num_heads == 0,
+    yield (m.mla or m.head_dim > 0 or m.d_model % m.num_heads == 0,  # MLA: its own head dims, checked below
            f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}, so model.head_dim=0 "
            "cannot be derived; set model.head_dim explicitly or make d_model a multiple of num_heads")
-    yield (m.resolved_head_dim % 2 == 0 or (m.head_dim == 0 and m.d_model % m.num_heads),
+    yield (m.mla or m.resolved_head_dim % 2 == 0 or (m.head_dim == 0 and m.d_model % m.num_heads),
            (f"model.head_dim={m.head_dim}" if m.head_dim else
             f"model.head_dim=0 derives d_model/num_heads={m.d_model}/{m.num_heads}={m.resolved_head_dim}, which")
            + " must be even: RoPE rotates pairs of dimensions; set model.head_dim to an even value")
@@ -147,6 +151,35 @@ def _model_shape(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str
     yield (not m.rope_local_theta or m.global_every,
            f"model.rope_local_theta={m.rope_local_theta} is the local layers' RoPE base but model.global_every=0 "
            "makes every layer alike; set model.global_every or model.rope_local_theta=0")
+    if m.mla:
+        for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            yield (getattr(m, k) > 0, f"model.{k}={getattr(m, k)} must be > 0 with model.kv_lora_rank="
+                                      f"{m.kv_lora_rank} (multi-head latent attention); set it, e.g. DeepSeek-V3's "
+                                      f"{dict(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)[k]}")
+        yield (m.qk_rope_head_dim % 2 == 0,
+               f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even: RoPE rotates pairs of dimensions")
+        yield (m.num_kv_heads == m.num_heads,
+               f"model.num_kv_heads={m.num_kv_heads} with model.kv_lora_rank={m.kv_lora_rank}: latent attention "
+               f"expands keys and values per query head; set model.num_kv_heads={m.num_heads} (model.num_heads)")
+        yield (m.v_head_dim <= m.resolved_head_dim,
+               f"model.v_head_dim={m.v_head_dim} exceeds qk_nope_head_dim+qk_rope_head_dim={m.resolved_head_dim}: "
+               "the kernels take narrower values only (zero-padded); lower model.v_head_dim")
+        for k in ("sliding_window", "global_every", "qkv_bias", "qk_norm"):
+            yield (not getattr(m, k), f"model.{k}={show(getattr(m, k))} with model.kv_lora_rank={m.kv_lora_rank}: "
+                                      f"latent attention has none; set model.{k} to its default")
+        for k in ("kv_lora_rank", "q_lora_rank"):
+            yield (getattr(m, k) % shape["fsdp"] == 0,
+                   f"mesh.fsdp={shape['fsdp']} does not divide model.{k}={getattr(m, k)} (the latent axis of the "
+                   f"up-projections is sharded over fsdp); choose mesh.fsdp among the divisors of {getattr(m, k)}")
+    else:
+        for k in ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            yield (not getattr(m, k), f"model.{k}={getattr(m, k)} is a latent-attention key but model.kv_lora_rank=0; "
+                                      f"set model.kv_lora_rank > 0 (MLA) or model.{k}=0")
+    for axis in ("context", "pipeline"):
+        yield (not m.mtp_depth or shape[axis] == 1,
+               f"model.mtp_depth={m.mtp_depth} with mesh.{axis}={shape[axis]}: multi-token prediction shifts whole, "
+               f"in-order rows and runs after the last layer, not yet under {axis} parallelism; use mesh.{axis}=1 "
+               "or model.mtp_depth=0")
     yield (not m.global_every or not m.moe.enabled,
            f"model.global_every={m.global_every} with model.moe.num_experts={m.moe.num_experts}: local and global "
            "layers are not yet grouped with MoE layers; use model.global_every=0 or a dense model")
@@ -183,9 +216,19 @@ def _moe(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
     yield (moe.capacity_factor is None or moe.capacity_factor > 0,
            f"model.moe.capacity_factor={show(moe.capacity_factor)} must be > 0; "
            "use e.g. 1.25, or null for dropless")
-    yield (m.num_layers % moe.every_n_layers == 0,
-           f"model.moe.every_n_layers={moe.every_n_layers} does not divide model.num_layers={m.num_layers}; "
-           f"choose it among the divisors of {m.num_layers} ({_divisors(m.num_layers, m.num_layers)})")
+    first, rest = moe.first_dense_layers, m.num_layers - moe.first_dense_layers
+    yield (0 <= first < m.num_layers,
+           f"model.moe.first_dense_layers={first} must be between 0 and model.num_layers-1={m.num_layers - 1} "
+           "(at least one layer after them is MoE); lower it or set model.moe.num_experts=0 for a dense model")
+    yield (rest <= 0 or rest % moe.every_n_layers == 0,
+           (f"model.moe.every_n_layers={moe.every_n_layers} does not divide model.num_layers={m.num_layers}; "
+            f"choose it among the divisors of {m.num_layers} ({_divisors(m.num_layers, m.num_layers)})") if not first
+           else (f"model.moe.every_n_layers={moe.every_n_layers} does not divide the {rest} layers after "
+                 f"model.moe.first_dense_layers={first}; choose it among the divisors of {rest}"))
+    yield (not first or shape["pipeline"] == 1,
+           f"model.moe.first_dense_layers={first} with mesh.pipeline={shape['pipeline']}: the pipeline cuts "
+           "stacks of fixed shares (n-1 dense, one MoE) and the first dense layers are not yet placed on a stage; "
+           "use mesh.pipeline=1 or model.moe.first_dense_layers=0")
     yield (m.expert_ffn_dim % tp == 0,
            f"mesh.tensor={tp} does not divide the experts' ffn dim {m.expert_ffn_dim} (model.moe.expert_ffn_dim, "
            "0: model.ffn_dim); choose an expert_ffn_dim that is a multiple of mesh.tensor")

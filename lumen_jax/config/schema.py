@@ -34,7 +34,7 @@ CONTEXT_BALANCE = ("zigzag", "contiguous")  # which sequence chunks each context
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
                   "save_attention_out", "offload_dots")
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
-ROPE_SCALINGS = ("none", "llama3", "linear")
+ROPE_SCALINGS = ("none", "llama3", "linear", "yarn")
 NORM_SCALES = ("weight", "one_plus_weight")  # RMSNorm times w (w from 1) | times 1 + w (w from 0: Gemma)
 BLOCK_NORMS = ("pre", "sandwich")  # a norm before each sublayer | also one after it, before the residual add (Gemma)
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's gate: SwiGLU (Llama) | GeGLU, tanh-approximated GELU (Gemma)
@@ -78,6 +78,9 @@ class MoeConfig:
     sequence_aux_loss_weight: float = 0.0  # the same loss per sequence, averaged (DeepSeek-V3: 0.0001)
     router_z_loss_weight: float = 0.001  # mean logsumexp(router logits)^2 (ST-MoE)
     expert_ffn_dim: int = 0  # each expert's (and shared expert's) hidden width; 0: model.ffn_dim
+    # The first n layers dense (model.ffn_dim wide), then the every_n_layers pattern over the rest
+    # (DeepSeek-V3's first_k_dense_replace: 3)
+    first_dense_layers: int = 0
 
     @property
     def enabled(self) -> bool:
@@ -102,6 +105,15 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
+    # rope_scaling=yarn (YaRN, DeepSeek-V3's 128k extension): the ramp between extrapolated and
+    # interpolated frequencies (beta_fast, beta_slow rotations over rope_original_max_len), the rotated
+    # dims scaled by m(mscale) / m(mscale_all_dim) with m(s) = 0.1 s ln(factor) + 1 (by m(1) when
+    # mscale_all_dim is 0), and latent attention's scores by m(mscale_all_dim)^2 (transformers'
+    # yarn_get_mscale and yarn_apply_mscale).
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
+    rope_yarn_mscale: float = 1.0
+    rope_yarn_mscale_all_dim: float = 0.0
     tie_embeddings: bool = False
     qkv_bias: bool = False  # learned biases on the query, key and value projections (Qwen2, Qwen2-MoE)
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding (Qwen3, Qwen3-MoE)
@@ -115,6 +127,21 @@ class ModelConfig:
     block_norms: str = "pre"  # one of BLOCK_NORMS
     mlp_activation: str = "silu"  # one of MLP_ACTIVATIONS
     embed_scale: str = "none"  # one of EMBED_SCALES
+    # Multi-head latent attention (DeepSeek-V2/V3) when kv_lora_rank > 0: keys and values expanded per head
+    # from a normed [kv_lora_rank] latent, each query/key head qk_nope_head_dim unrotated dims then
+    # qk_rope_head_dim rotated ones (the key's rotated part one per token, shared by the heads), value heads
+    # v_head_dim wide; queries through a normed [q_lora_rank] latent (0: straight from x). num_kv_heads
+    # equals num_heads and head_dim is unused (the q/k head is qk_nope_head_dim + qk_rope_head_dim).
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # Multi-token prediction (DeepSeek-V3): mtp_depth modules after the model, module k predicting the token
+    # k+1 ahead (model/mtp.py); its cross-entropy, times mtp_loss_weight / mtp_depth summed over the depths,
+    # joins the objective (training only). 0: off.
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
     init_std: float = 0.02
     attention: str = "xla"  # xla | flash | cudnn | auto (auto: cudnn or flash on GPU, xla on CPU)
     flash_block_q: int = 0  # flash kernel's query tile (forward, dQ); 0: tuned default
@@ -130,8 +157,37 @@ class ModelConfig:
         return self.moe.expert_ffn_dim or self.ffn_dim
 
     @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (`kv_lora_rank` > 0)."""
+        return self.kv_lora_rank > 0
+
+    @property
     def resolved_head_dim(self) -> int:
+        """Each query and key head's width (MLA: qk_nope_head_dim + qk_rope_head_dim)."""
+        if self.mla:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def value_head_dim(self) -> int:
+        """Each value head's width (MLA: v_head_dim; else the query's)."""
+        return self.v_head_dim if self.mla else self.resolved_head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotated dims of a query/key head (MLA: qk_rope_head_dim; else all of them)."""
+        return self.qk_rope_head_dim if self.mla else self.resolved_head_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        """MoE layers: one in every_n_layers after the first_dense_layers (0 without MoE)."""
+        moe = self.moe
+        return (self.num_layers - moe.first_dense_layers) // moe.every_n_layers if moe.enabled else 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` (from 0) is an MoE layer."""
+        j = layer - self.moe.first_dense_layers
+        return self.moe.enabled and j >= 0 and (j + 1) % self.moe.every_n_layers == 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,8 @@ from-hf reads `config.json` and `model.safetensors` (or the shards named by
 `model.safetensors.index.json`) with the `safetensors` package, writes the weights as step 0 of a
 run directory (weights.py; any mesh restores it) and copies the tokenizer files to
 `RUN_DIR/tokenizer/`, which becomes `data.tokenizer`. It reads LlamaForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM (hf.py), MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM (hf_moe.py); to-hf
+Qwen3ForCausalLM (hf.py), MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM (hf_moe.py),
+DeepseekV3ForCausalLM (hf_deepseek.py); to-hf
 writes what their `from_pretrained` loads (a model as the family that expresses it, hf.family_of and
 hf_moe.family_of). Bad input: one line, exit 2, nothing written.
 """
@@ -25,7 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from lumen_jax.config import ConfigError
-from lumen_jax.convert import hf, hf_moe
+from lumen_jax.convert import hf, hf_deepseek, hf_moe
 from lumen_jax.convert.hf_dir import INDEX, read_hf, read_hf_config, tokenizer_files
 
 def from_hf(hf_dir: str, out: str) -> str:
@@ -73,16 +74,29 @@ def to_hf(run_dir: str, step: int | None, out: str, max_shard_bytes: float) -> s
 
     def load(s: int) -> tuple:
         cfg = weights.read_config(run_dir, s)
-        (hf_moe if cfg.model.moe.enabled else hf).family_of(cfg.model)  # one line before any read when none fits
-        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu),
-                              abstract_model(cfg.model).params)
-        return cfg, weights.to_numpy(weights.load_params(run_dir, s, target))
+        if cfg.model.mla:  # one line before any read when none fits
+            hf_deepseek.check_exportable(cfg.model)
+        else:
+            (hf_moe if cfg.model.moe.enabled else hf).family_of(cfg.model)
+        a = abstract_model(cfg.model)
+        on_cpu = lambda tree: jax.tree.map(  # noqa: E731
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu), tree)
+        state = weights.load_model_state(run_dir, s, on_cpu(a.state)) if cfg.model.mla else {}
+        return cfg, weights.to_numpy(weights.load_params(run_dir, s, on_cpu(a.params))), state
 
-    step, (cfg, params) = weights.newest_usable(run_dir, step, load)
+    step, (cfg, params, state) = weights.newest_usable(run_dir, step, load)
     dtype = cfg.model.compute_dtype
-    layout = hf_moe if cfg.model.moe.enabled else hf
-    tensors = layout.hf_from_params(params, cfg.model, jax.numpy.dtype(dtype))
-    config = layout.hf_config(cfg.model, dtype)
+    if cfg.model.mla:  # the routers' selection bias is model state (balance=bias), zeros otherwise
+        rate = cfg.model.moe.bias_update_rate
+        biases = [hf_deepseek.choice_bias(np.asarray(b["bias"]), np.asarray(b["load"]), rate) for b in (
+            _at(state, "moe_blocks", "mlp", "balance"), _at(state, "mtp", "block", "mlp", "balance")) if b is not None]
+        tensors = hf_deepseek.hf_from_params(params, cfg.model, jax.numpy.dtype(dtype),
+                                             np.concatenate(biases) if biases else None)
+        config = hf_deepseek.hf_config(cfg.model, dtype)
+    else:
+        layout = hf_moe if cfg.model.moe.enabled else hf
+        tensors = layout.hf_from_params(params, cfg.model, jax.numpy.dtype(dtype))
+        config = layout.hf_config(cfg.model, dtype)
     # An imported model's own context goes back out as it came in; a trained one's: at least its data.seq_len.
     config["max_position_embeddings"] = (weights.imported_context(run_dir, step)
                                          or max(config["max_position_embeddings"], cfg.data.seq_len))
@@ -112,6 +126,15 @@ def to_hf(run_dir: str, step: int | None, out: str, max_shard_bytes: float) -> s
         shutil.copyfile(cfg.data.tokenizer, os.path.join(out, "tokenizer.json"))
     _one_mode(out)
     return out
+
+
+def _at(tree: dict, *keys: str) -> object:
+    """tree[k1][k2]..., or None where a key is missing."""
+    for k in keys:
+        if not isinstance(tree, dict) or k not in tree:
+            return None
+        tree = tree[k]
+    return tree
 
 
 def _one_mode(folder: str) -> None:

@@ -173,10 +173,26 @@ def base_fields(hf: dict, harmless: frozenset, fixed: tuple, layer_types: bool =
     elif kind == "linear":
         scaling = dict(rope_scaling="linear", rope_scaling_factor=float(rope.get("factor", 1.0)))
         known = {"rope_type", "rope_theta", "factor"}
+    elif kind == "yarn":
+        try:
+            scaling = dict(rope_scaling="yarn", rope_scaling_factor=float(rope["factor"]),
+                           rope_original_max_len=int(rope["original_max_position_embeddings"]),
+                           rope_yarn_beta_fast=float(rope.get("beta_fast") or 32),
+                           rope_yarn_beta_slow=float(rope.get("beta_slow") or 1),
+                           rope_yarn_mscale=float(rope.get("mscale") or 0.0),
+                           rope_yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0))
+        except (KeyError, TypeError) as e:
+            raise ConvertError(f"config.json rope scaling 'yarn' lacks {e.args[0]}") from None
+        for field, value in (("attention_factor", None), ("truncate", True)):
+            if rope.get(field, value) != value:
+                raise ConvertError(f"config.json yarn rope {field}={rope[field]!r} is not supported (only {value!r})")
+        known = {"rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                 "mscale", "mscale_all_dim", "attention_factor", "truncate"}
     elif kind == "default":
         known = {"rope_type", "rope_theta"}
     else:
-        raise ConvertError(f"config.json rope_type={kind!r} is not supported; only default, linear and llama3 rope")
+        raise ConvertError(f"config.json rope_type={kind!r} is not supported; only default, linear, llama3 and "
+                           "yarn rope")
     extra = sorted(set(rope) - known)
     if extra:
         raise ConvertError(f"config.json rope field {extra[0]}={rope[extra[0]]!r} is not supported "
@@ -270,6 +286,11 @@ def common_config(m: ModelConfig, dtype: str) -> dict:
                     original_max_position_embeddings=m.rope_original_max_len)
     elif m.rope_scaling == "linear":
         rope.update(rope_type="linear", factor=m.rope_scaling_factor)
+    elif m.rope_scaling == "yarn":
+        rope.update(rope_type="yarn", factor=m.rope_scaling_factor,
+                    original_max_position_embeddings=m.rope_original_max_len,
+                    beta_fast=m.rope_yarn_beta_fast, beta_slow=m.rope_yarn_beta_slow, mscale=m.rope_yarn_mscale,
+                    mscale_all_dim=m.rope_yarn_mscale_all_dim)
     return {
         "hidden_act": "silu", "hidden_size": m.d_model, "num_hidden_layers": m.num_layers,
         "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.resolved_head_dim,
@@ -328,6 +349,10 @@ KINDS: dict[str, tuple[Callable, Callable, Callable]] = {
     "vector": (lambda w, s: w, lambda w, s: w, lambda s: s),
     "bias": (lambda w, s: w.reshape(s), lambda w, s: w.reshape(-1), lambda s: (s[0] * s[1],)),
     "row": (lambda w, s: w[0], lambda w, s: w[None], lambda s: (1, s[0])),
+    # DeepSeek-V3's MTP eh_proj [D, 2D] reads [embedding; hidden] (vLLM's deepseek_mtp, which runs the
+    # released weights); ours [2D, D] reads [hidden; embedding] (the paper's order)
+    "eh": (lambda w, s: np.concatenate([w[:, s[1]:], w[:, :s[1]]], axis=1).T,
+           lambda w, s: np.concatenate([w[s[1]:].T, w[:s[1]].T], axis=1), lambda s: (s[1], s[0])),
 }
 
 

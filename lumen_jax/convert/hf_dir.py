@@ -1,7 +1,8 @@
 """A Hugging Face directory read into our config and parameters: `config.json` and
 `model.safetensors` (or the shards its index names). Used by `convert from-hf` and by
 `train.init_from` of a Hugging Face directory (checkpoint/weights.py); the name and shape
-mapping is hf.py's (Llama, Qwen2, Qwen3) or hf_moe.py's (Mixtral, Qwen2-MoE, Qwen3-MoE), chosen by
+mapping is hf.py's (Llama, Qwen2, Qwen3, ...), hf_moe.py's (Mixtral, Qwen2-MoE, Qwen3-MoE) or
+hf_deepseek.py's (DeepSeek-V3), chosen by
 `model_type`.
 """
 
@@ -16,7 +17,7 @@ import numpy as np
 
 from lumen_jax.config import Config, DataConfig
 from lumen_jax.config.files import pin_tokenizer
-from lumen_jax.convert import hf, hf_moe
+from lumen_jax.convert import hf, hf_deepseek, hf_moe
 from lumen_jax.runtime.paths import escape
 
 INDEX = "model.safetensors.index.json"
@@ -133,12 +134,15 @@ def read_hf_config(hf_dir: str) -> tuple[Config, dict[str, str], dict]:
     if dtype not in hf.DTYPES:
         raise hf.ConvertError(f"config.json dtype={dtype!r} is not supported; use float32, bfloat16 or float16")
     kind = config.get("model_type", "llama")
-    if kind in hf_moe.FAMILIES:
+    if kind == "deepseek_v3":
+        m = hf_deepseek.model_config(config, hf.DTYPES[dtype], frozenset(files))
+    elif kind in hf_moe.FAMILIES:
         m = hf_moe.model_config(config, hf.DTYPES[dtype])
     elif kind in hf.FAMILIES:
         m = hf.model_config(config, hf.DTYPES[dtype])
     else:
-        known = ", ".join(f.architecture for f in (*hf.FAMILIES.values(), *hf_moe.FAMILIES.values()))
+        known = ", ".join([*(f.architecture for f in (*hf.FAMILIES.values(), *hf_moe.FAMILIES.values())),
+                           hf_deepseek.ARCHITECTURE])
         raise hf.ConvertError(f"config.json: model_type={kind!r} architectures={config.get('architectures')} is "
                               f"not supported; from-hf reads {known}")
     tokenizer = os.path.join(hf_dir, "tokenizer.json")
@@ -167,6 +171,8 @@ def read_hf(hf_dir: str) -> tuple[Config, dict]:
                                       "download or save it again") from None
 
         kind = raw.get("model_type")
+        if kind == "deepseek_v3":
+            return cfg, hf_deepseek.params_from_hf(get, set(files), cfg.model, raw)
         if kind not in hf_moe.FAMILIES:
             return cfg, hf.params_from_hf(get, set(files), cfg.model)
         m = cfg.model

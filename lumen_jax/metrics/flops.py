@@ -29,37 +29,50 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     """
     d, h, v = cfg.d_model, cfg.resolved_head_dim, cfg.vocab_size
     attn = d * cfg.num_heads * h * 2 + d * cfg.num_kv_heads * h * 2  # wq, wo; wk, wv
+    latent_norms = 0
+    if cfg.mla:  # wq (or wq_a, wq_b), wkv_a, wk_rope, wk_b, wv_b, wo; the latents' norms
+        n, r, rq = cfg.num_heads, cfg.kv_lora_rank, cfg.q_lora_rank
+        attn = ((d * rq + rq * n * h) if rq else d * n * h) + d * (r + cfg.qk_rope_head_dim) + r * n * (
+            cfg.qk_nope_head_dim + cfg.v_head_dim) + n * cfg.v_head_dim * d
+        latent_norms = r + rq
     mlp = 3 * d * cfg.ffn_dim  # w_gate, w_up, w_down
     # attn_norm, mlp_norm (and their post-norms, Gemma); q/k/v biases (Qwen2), per-head q/k norms (Qwen3, Gemma)
     small = (2 * d * (1 + (cfg.block_norms == "sandwich")) + (cfg.num_heads + 2 * cfg.num_kv_heads) * h * cfg.qkv_bias
-             + 2 * h * cfg.qk_norm)
+             + 2 * h * cfg.qk_norm + latent_norms)
     layer = attn + mlp + small
     embedding = v * d
     lm_head = 0 if cfg.tie_embeddings else d * v
     moe = cfg.moe
-    n_moe = cfg.num_layers // moe.every_n_layers if moe.enabled else 0
+    n_moe = cfg.num_moe_layers
     expert = 3 * d * cfg.expert_ffn_dim
     router = d * moe.num_experts + d * moe.shared_gate  # + the shared experts' gate vector
     moe_active = (moe.top_k + moe.shared_experts) * expert + router
     moe_all = (moe.num_experts + moe.shared_experts) * expert + router
     layers_matmul = (cfg.num_layers - n_moe) * (attn + mlp) + n_moe * (attn + moe_active)
+    # Multi-token prediction: per depth hnorm, enorm, eh_proj [2D, D], a layer (MoE where the model has
+    # MoE layers), its output norm; a token goes through it and the shared output projection again.
+    mtp_layer = (attn + moe_all + small) if n_moe else layer
+    mtp_total = cfg.mtp_depth * (2 * d * d + 3 * d + mtp_layer)
+    mtp_matmul = cfg.mtp_depth * (2 * d * d + attn + (moe_active if n_moe else mlp) + d * v)
     return {
         "total": (embedding + (cfg.num_layers - n_moe) * layer + n_moe * (attn + moe_all + small)
-                  + d + lm_head),  # + final_norm
+                  + d + lm_head + mtp_total),  # + final_norm
         "embedding": embedding,
         "layer_matmul": attn + mlp if not n_moe else layers_matmul / cfg.num_layers,
-        "matmul": layers_matmul + d * v,
-        "experts": n_moe * moe.num_experts * expert,
+        "matmul": layers_matmul + d * v + mtp_matmul,
+        "experts": (n_moe + (cfg.mtp_depth if n_moe else 0)) * moe.num_experts * expert,
     }
 
 
 def attention_forward_flops_per_token(cfg: ModelConfig, seq_len: int, *,
                                       causal: bool = True) -> float:
-    """Forward FLOPs per token of QK^T and AV over all layers: 2 * 2*S*N*H * L, halved if causal.
+    """Forward FLOPs per token of QK^T and AV over all layers: 2 * 2*S*N*H * L, halved if causal (MLA:
+    2*S*N*(H + Hv) * L, its values Hv wide; the kernels' zero-padded values are not model FLOPs).
     Under a sliding window W < S (`cfg.sliding_window`, causal) a query sees W keys once it is W
     deep: W - W^2 / 2S keys per query on average instead of S / 2 (equal at W = S); with
     `cfg.global_every` n, one layer in n (the global ones) sees S / 2."""
-    per_key = 2 * 2 * cfg.num_heads * cfg.resolved_head_dim * cfg.num_layers
+    # QK^T, AV of every layer and of the multi-token-prediction modules' blocks
+    per_key = 2 * cfg.num_heads * (cfg.resolved_head_dim + cfg.value_head_dim) * (cfg.num_layers + cfg.mtp_depth)
     w = cfg.sliding_window
     if causal and 0 < w < seq_len and cfg.global_every:
         global_share = (cfg.num_layers // cfg.global_every) / cfg.num_layers

@@ -28,6 +28,11 @@ from lumen_jax.ops.projection import project
 from lumen_jax.parallel.rules import constrain
 
 CACHE_AXES = ("batch", "seq", "act_kv_heads", None)  # of one layer's [B, S, K, H]
+LATENT_AXES = ("batch", "seq", None)  # of one layer's MLA latent cache [B, S, R] (or its rope key [B, S, Hr])
+
+
+def _cache_axes(c: jax.Array) -> tuple:
+    return CACHE_AXES if c.ndim == 4 else LATENT_AXES
 
 
 def cache_length(cfg: ModelConfig, length: int) -> int:
@@ -36,11 +41,18 @@ def cache_length(cfg: ModelConfig, length: int) -> int:
 
 
 def init_cache(model: Transformer, batch: int, length: int) -> dict[str, jax.Array]:
-    """Zero K/V cache {"k", "v"}: [L, B, S, K, H] in the compute dtype, S = `cache_length(model.cfg, length)`."""
+    """Zero K/V cache {"k", "v"}: [L, B, S, K, H] in the compute dtype, S = `cache_length(model.cfg,
+    length)`; with latent attention (MLA) the
+    absorbed form's: the latent [L, B, S, R] as "k" and the rotated shared key [L, B, S, Hr] as "v"
+    (R + Hr numbers per token and layer instead of N (Hn + Hr + Hv))."""
     cfg = model.cfg
-    shape = (cfg.num_layers, batch, cache_length(cfg, length), cfg.num_kv_heads, cfg.resolved_head_dim)
-    zeros = jnp.zeros(shape, jnp.dtype(cfg.compute_dtype))
-    return {"k": zeros, "v": zeros}
+    dt = jnp.dtype(cfg.compute_dtype)
+    length = cache_length(cfg, length)  # S: the window's slots when the cache is a ring
+    if cfg.mla:  # the absorbed form: "k" the latent, "v" the rotated shared key
+        shape = (cfg.num_layers, batch, length)
+        return {"k": jnp.zeros((*shape, cfg.kv_lora_rank), dt), "v": jnp.zeros((*shape, cfg.qk_rope_head_dim), dt)}
+    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads)
+    return {"k": jnp.zeros((*shape, cfg.resolved_head_dim), dt), "v": jnp.zeros((*shape, cfg.value_head_dim), dt)}
 
 
 def _embed(model: Transformer, tokens_bt: jax.Array) -> jax.Array:
@@ -60,8 +72,9 @@ def _layers(model: Transformer, x_btd: jax.Array, cache: dict, attend) -> tuple[
     """Runs the blocks (a scan); `attend(attn_module, h_btd, k_cache, v_cache, local) -> (o, k_cache,
     v_cache)`, `local` whether the layer has the window (`layers.local_layers`; None: every layer alike).
 
-    With mixture-of-experts layers the stack is, as in training, groups of `moe.every_n_layers`: n-1
-    dense blocks, then an MoE block (its routing losses are dropped); the cache's layer l is layer l."""
+    With mixture-of-experts layers the stack is, as in training, the first `moe.first_dense_layers`
+    dense blocks, then groups of `moe.every_n_layers`: n-1 dense blocks, then an MoE block (its routing
+    losses are dropped); the cache's layer l is layer l."""
     def scan(stack: nnx.Module, x_btd: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
              local: jax.Array | None = None):
         graphdef, layer_state = nnx.split(stack)
@@ -72,7 +85,7 @@ def _layers(model: Transformer, x_btd: jax.Array, cache: dict, attend) -> tuple[
             o, k_cache, v_cache = attend(block.attn, block.attn_norm(x_btd), k_cache, v_cache, local)
             x_btd = x_btd + block.after_attention(block.attn.out(o, model.ops))
             x_btd = x_btd + block.feed_forward(block.mlp_norm(x_btd), model.ops)[0]  # MoE's aux dropped
-            return x_btd, (constrain(k_cache, CACHE_AXES), constrain(v_cache, CACHE_AXES))
+            return x_btd, (constrain(k_cache, _cache_axes(k_cache)), constrain(v_cache, _cache_axes(v_cache)))
 
         return jax.lax.scan(body, x_btd, (layer_state, k_cache, v_cache, local))
 
@@ -80,12 +93,20 @@ def _layers(model: Transformer, x_btd: jax.Array, cache: dict, attend) -> tuple[
         local = local_layers(model.cfg, 0, model.cfg.num_layers)
         x_btd, (k, v) = scan(model.blocks, x_btd, cache["k"], cache["v"], local)
         return x_btd, {"k": k, "v": v}
-    n = model.cfg.moe.every_n_layers
-    grouped = {name: c.reshape(-1, n, *c.shape[1:]) for name, c in cache.items()}  # [L/n, n, B, S, K, H]
-    dense = None
-    if n > 1:
+    n, first = model.cfg.moe.every_n_layers, model.cfg.moe.first_dense_layers
+    dense = head = None
+    if n > 1 or first:
         dense_graph, dense_state = nnx.split(model.blocks)
-        dense = jax.tree.map(lambda v: v.reshape(-1, n - 1, *v.shape[1:]), dense_state)
+        if first:  # the first dense layers, then the groups
+            head = nnx.merge(dense_graph, jax.tree.map(lambda v: v[:first], dense_state))
+            dense_state = jax.tree.map(lambda v: v[first:], dense_state)
+        if n > 1:
+            dense = jax.tree.map(lambda v: v.reshape(-1, n - 1, *v.shape[1:]), dense_state)
+    heads = {}
+    if head is not None:
+        x_btd, (k, v) = scan(head, x_btd, cache["k"][:first], cache["v"][:first])
+        heads = {"k": k, "v": v}
+    grouped = {name: c[first:].reshape(-1, n, *c.shape[1:]) for name, c in cache.items()}  # [L'/n, n, B, S, K, H]
     moe_graph, moe_state = nnx.split(model.moe_blocks)
 
     def group(x_btd: jax.Array, xs: tuple) -> tuple[jax.Array, tuple]:
@@ -99,7 +120,10 @@ def _layers(model: Transformer, x_btd: jax.Array, cache: dict, attend) -> tuple[
         return x_btd, (jnp.concatenate([*ks, k]), jnp.concatenate([*vs, v]))
 
     x_btd, (k, v) = jax.lax.scan(group, x_btd, (dense, moe_state, grouped["k"], grouped["v"]))
-    return x_btd, {"k": k.reshape(cache["k"].shape), "v": v.reshape(cache["v"].shape)}
+    out = {"k": k.reshape(-1, *cache["k"].shape[1:]), "v": v.reshape(-1, *cache["v"].shape[1:])}
+    if heads:
+        out = {name: jnp.concatenate([heads[name], out[name]]) for name in out}
+    return x_btd, out
 
 
 def prefill(model: Transformer, tokens_bt: jax.Array, valid_bt: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
@@ -118,11 +142,13 @@ def prefill(model: Transformer, tokens_bt: jax.Array, valid_bt: jax.Array, cache
         x_btkh = x_btkh.astype(x_cache.dtype)
         if t > s:
             return jnp.roll(x_btkh[:, t - s:], (t - s) % s, axis=1)
-        return jax.lax.dynamic_update_slice(x_cache, x_btkh, (jnp.zeros((), jnp.int32),) * 4)
+        return jax.lax.dynamic_update_slice(x_cache, x_btkh, (jnp.zeros((), jnp.int32),) * x_cache.ndim)
 
     def attend(attn, h_btd, k_cache, v_cache, local):
         q, k, v = attn.qkv(h_btd, positions, layer_rope(model.cfg, local), model.ops)
         o = attn.attend(q, k, v, segments, model.ops, local)
+        if model.cfg.mla:  # the cache holds the latent and the rotated shared key
+            k, v = attn.latent(h_btd, positions, layer_rope(model.cfg, local), model.ops)
         return o, keep(k, k_cache), keep(v, v_cache)
 
     x_btd, cache = _layers(model, _embed(model, tokens_bt), cache, attend)
@@ -152,7 +178,15 @@ def decode(model: Transformer, tokens_b: jax.Array, positions_b: jax.Array, slot
         windowed = visible & (held > slot - model.cfg.sliding_window)[None]
 
     def attend(attn, h_btd, k_cache, v_cache, local):
-        q, k, v = attn.qkv(h_btd, positions_b[:, None], layer_rope(model.cfg, local), model.ops)
+        rope = layer_rope(model.cfg, local)
+        if model.cfg.mla:  # the absorbed form over the latent cache
+            c, k_rope = attn.latent(h_btd, positions_b[:, None], rope, model.ops)
+            at = (jnp.zeros((), jnp.int32), slot % s, jnp.zeros((), jnp.int32))
+            k_cache = jax.lax.dynamic_update_slice(k_cache, c.astype(k_cache.dtype), at)
+            v_cache = jax.lax.dynamic_update_slice(v_cache, k_rope.astype(v_cache.dtype), at)
+            q = attn.queries(h_btd, positions_b[:, None], rope, model.ops)
+            return attn.absorbed(q, k_cache, v_cache, visible), k_cache, v_cache
+        q, k, v = attn.qkv(h_btd, positions_b[:, None], rope, model.ops)
         at = (jnp.zeros((), jnp.int32), slot % s, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
         k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), at)
         v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), at)

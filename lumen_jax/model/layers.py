@@ -93,12 +93,14 @@ def rope_frequencies(cfg: ModelConfig, local: bool = False) -> jax.Array:
     """Inverse frequencies [H/2], with Llama 3.1 frequency scaling when `rope_scaling == 'llama3'`, divided
     by the factor when `linear`. `local`: the local layers' (`model.rope_local_theta`, unscaled; the
     global layers' when it is 0)."""
-    h = cfg.resolved_head_dim
+    h = cfg.rope_dim
     if local and cfg.rope_local_theta:
         return 1.0 / (cfg.rope_local_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
     inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
     if cfg.rope_scaling == "linear":
         return inv_freq / cfg.rope_scaling_factor
+    if cfg.rope_scaling == "yarn":
+        return yarn_frequencies(cfg, inv_freq)
     if cfg.rope_scaling == "llama3":
         low_wavelen = cfg.rope_original_max_len / cfg.rope_low_freq_factor
         high_wavelen = cfg.rope_original_max_len / cfg.rope_high_freq_factor
@@ -109,6 +111,36 @@ def rope_frequencies(cfg: ModelConfig, local: bool = False) -> jax.Array:
         inv_freq = jnp.where(wavelen > low_wavelen, inv_freq / cfg.rope_scaling_factor,
                              jnp.where(wavelen < high_wavelen, inv_freq, mid))
     return inv_freq
+
+
+def yarn_frequencies(cfg: ModelConfig, inv_freq: jax.Array) -> jax.Array:
+    """YaRN's inverse frequencies [H/2] from the plain ones: interpolated (divided by the factor) below a
+    ramp over the dims whose rotations within rope_original_max_len lie between beta_slow and beta_fast,
+    extrapolated (kept) above it (transformers' _compute_yarn_parameters, truncated bounds)."""
+    h, base, n = cfg.rope_dim, cfg.rope_theta, cfg.rope_original_max_len
+
+    def dim_of(rotations: float) -> float:  # the dim whose wavelength makes `rotations` turns in n positions
+        return h * math.log(n / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(dim_of(cfg.rope_yarn_beta_fast)), 0)
+    high = min(math.ceil(dim_of(cfg.rope_yarn_beta_slow)), h - 1)
+    ramp = jnp.clip((jnp.arange(h // 2, dtype=jnp.float32) - low) / (high - low if high != low else 0.001), 0, 1)
+    return inv_freq / cfg.rope_scaling_factor * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's m(s) = 0.1 s ln(factor) + 1 (1 when factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What YaRN multiplies the rotated dims by (1 without yarn): m(mscale) / m(mscale_all_dim), or m(1)."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    f = cfg.rope_scaling_factor
+    if cfg.rope_yarn_mscale and cfg.rope_yarn_mscale_all_dim:
+        return yarn_mscale(f, cfg.rope_yarn_mscale) / yarn_mscale(f, cfg.rope_yarn_mscale_all_dim)
+    return yarn_mscale(f, 1.0)
 
 
 def local_layers(cfg: ModelConfig, first: jax.Array | int, count: int) -> jax.Array | None:
@@ -157,6 +189,7 @@ class Attention(nnx.Module):
             self.k_norm = norm(cfg, h)
         self.projections = projection_state(ops, "attention", ("q", "k", "v", "o"))
         self.window = cfg.sliding_window  # static: the keys each query sees, 0 all (ops.attention)
+        self.rope_factor = rope_attention_factor(cfg)  # YaRN's scaling of the rotated dims; 1: none
         self.scale = cfg.query_scale_dim ** -0.5 if cfg.query_scale_dim else None  # None: 1/sqrt(H)
 
     def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, segment_ids_bt: jax.Array | None,
@@ -187,8 +220,11 @@ class Attention(nnx.Module):
             q, k, v = (y + b[...].astype(y.dtype) for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = constrain(apply_rope(q, positions_bt, inv_freq), ("batch", "seq", "act_heads", None))
-        k = constrain(apply_rope(k, positions_bt, inv_freq), ("batch", "seq", "act_kv_heads", None))
+        q, k = apply_rope(q, positions_bt, inv_freq), apply_rope(k, positions_bt, inv_freq)
+        if self.rope_factor != 1.0:
+            q, k = q * jnp.asarray(self.rope_factor, q.dtype), k * jnp.asarray(self.rope_factor, k.dtype)
+        q = constrain(q, ("batch", "seq", "act_heads", None))
+        k = constrain(k, ("batch", "seq", "act_kv_heads", None))
         return q, k, constrain(v, ("batch", "seq", "act_kv_heads", None))
 
     def out(self, o_btnh: jax.Array, ops: Ops, tape: Tape | None = None) -> jax.Array:
@@ -223,14 +259,15 @@ class Block(nnx.Module):
     """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)); with `model.block_norms=sandwich`
     (Gemma) x + norm(attn(norm(x))), then x + norm(mlp(norm(x))).
 
-    `mlp` is the MLP's class: `MLP`, or `model.moe.MoE` (which returns auxiliary terms with its output).
+    `mlp` is the MLP's class: `MLP`, or `model.moe.MoE` (which returns auxiliary terms with its output);
+    `attention` the attention's: `Attention`, or `model.mla.LatentAttention` (`model.kv_lora_rank` > 0).
     `__call__` returns (x_btd, aux): aux the MLP's auxiliary terms, {} for a dense one; `tape` taps
     the projections for a split backward (`ops.projection.Taps`), None: not split.
     """
 
-    def __init__(self, cfg: ModelConfig, ops: Ops, *, rngs: nnx.Rngs, mlp: type = MLP):
+    def __init__(self, cfg: ModelConfig, ops: Ops, *, rngs: nnx.Rngs, mlp: type = MLP, attention: type = Attention):
         self.attn_norm = norm(cfg, cfg.d_model)
-        self.attn = Attention(cfg, ops, rngs=rngs)
+        self.attn = attention(cfg, ops, rngs=rngs)
         self.mlp_norm = norm(cfg, cfg.d_model)
         self.mlp = mlp(cfg, ops, rngs=rngs)
         if cfg.block_norms == "sandwich":

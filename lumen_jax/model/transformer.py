@@ -16,7 +16,10 @@ from flax import nnx
 
 from lumen_jax.config import ModelConfig
 from lumen_jax.kernels import flash_attention as flash_lib
-from lumen_jax.model.layers import MLP, Block, _param, layer_rope, local_layers, norm
+from lumen_jax.model.layers import MLP, Attention, Block, _param, layer_rope, local_layers, norm
+from lumen_jax.model import mtp as mtp_lib
+from lumen_jax.model.mla import LatentAttention
+from lumen_jax.model.mtp import MTPModule
 from lumen_jax.model.moe import MoE
 from lumen_jax.ops.choice import Ops
 from lumen_jax.ops.loss import output_objective
@@ -62,19 +65,23 @@ class Transformer(nnx.Module):
         # ~1,300 for llama3_1b, against ln(V) = 11.8): init_std, as Hugging Face initialises it.
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
                             cfg.init_std if cfg.tie_embeddings else 1.0)
-        num_moe = cfg.num_layers // cfg.moe.every_n_layers if cfg.moe.enabled else 0
+        num_moe = cfg.num_moe_layers
 
-        def stack(count: int, mlp: type) -> Block:
+        attention = LatentAttention if cfg.mla else Attention
+
+        def stack(count: int, mlp: type, module: type = Block) -> Block:
             @nnx.split_rngs(splits=count)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
             def make_blocks(rngs: nnx.Rngs) -> Block:
-                return Block(cfg, ops, rngs=rngs, mlp=mlp)
+                return module(cfg, ops, rngs=rngs, mlp=mlp, attention=attention)
             return make_blocks(rngs)
 
         if cfg.num_layers > num_moe:  # dense layers (all of them without MoE)
             self.blocks = stack(cfg.num_layers - num_moe, MLP)
-        if num_moe:  # layers n-1, 2n-1, ... (n = moe.every_n_layers)
+        if num_moe:  # layers k+n-1, k+2n-1, ... (n = moe.every_n_layers, k = moe.first_dense_layers)
             self.moe_blocks = stack(num_moe, MoE)
+        if cfg.mtp_depth:  # multi-token prediction: its blocks are MoE where the model's last layer is
+            self.mtp = stack(cfg.mtp_depth, MoE if num_moe else MLP, MTPModule)
         self.final_norm = norm(cfg, cfg.d_model)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
@@ -95,7 +102,37 @@ class Transformer(nnx.Module):
         `positions`, `segment_ids`, `targets` and `loss_mask` [B, T]: the training objective, with
         no [B, T, V] logits (`objective`)."""
         x_btd, aux = self.run_layers(self.embed_tokens(batch["inputs"]), batch["positions"], batch["segment_ids"])
-        return (*self.objective(x_btd, batch["targets"], batch["loss_mask"], weight, z_loss), aux)
+        objective, ce_sum = self.objective(x_btd, batch["targets"], batch["loss_mask"], weight, z_loss)
+        if self.cfg.mtp_depth:
+            objective, aux = self.mtp_objective(x_btd, batch, weight, z_loss, objective, aux)
+        return objective, ce_sum, aux
+
+    def mtp_objective(self, h_btd: jax.Array, batch: dict, weight: jax.Array, z_loss: float, objective: jax.Array,
+                      aux: dict) -> tuple[jax.Array, dict]:
+        """The objective plus multi-token prediction's (`model.mtp`: mtp_loss_weight / mtp_depth times the
+        depths' weighted objectives), and aux with its blocks' auxiliary losses and the metric `mtp_loss`
+        (the depths' mean cross-entropy per counted token). `h_btd`: the last layer's output."""
+        cfg = self.cfg
+        graphdef, state = nnx.split(self.mtp)
+        w_dv = (self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]).astype(jnp.dtype(cfg.compute_dtype))
+        table, share = self.embed_table(), cfg.mtp_loss_weight / cfg.mtp_depth
+        extra, ce_mean, metrics = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), dict(aux.get("metrics", {}))
+        for k in range(1, cfg.mtp_depth + 1):
+            module = nnx.merge(graphdef, jax.tree.map(lambda v: v[k - 1], state))  # noqa: B023
+            inputs_k, targets_k, mask_k = mtp_lib.shifted(batch, k)
+            e_btd = constrain(embedding_lookup(table, inputs_k), ("batch", "act_seq", "act_embed"))
+            h_btd, block_aux = module(h_btd, e_btd, batch["positions"], batch["segment_ids"], layer_rope(cfg, None),
+                                      self.ops)
+            x_btd = constrain(module.norm(h_btd), ("batch", "seq", "act_embed"))
+            obj_k, ce_k = output_objective(x_btd, w_dv, targets_k, mask_k, weight, z_loss, cfg.loss_chunk_tokens)
+            objective = objective + share * obj_k
+            ce_mean = ce_mean + ce_k / jnp.maximum(mask_k.sum(), 1).astype(jnp.float32) / cfg.mtp_depth
+            if "loss" in block_aux:
+                extra = extra + block_aux["loss"]
+        out = {**aux, "metrics": {**metrics, "mtp_loss": ce_mean}}
+        if "loss" in aux or cfg.moe.enabled:
+            out["loss"] = aux.get("loss", jnp.zeros((), jnp.float32)) + extra
+        return objective, out
 
     # The three parts of `forward`, also run one by one when the stack is cut into pipeline stages
     # (the first embeds, each runs its slice of the stacked blocks, the last makes the logits).
@@ -187,17 +224,23 @@ class Transformer(nnx.Module):
 
     def _moe_stack(self, x_btd: jax.Array, make_body, real_layers: jax.Array | None,
                    stack_taps: Callable[[str], dict | None]) -> tuple[jax.Array, dict]:
-        """The layers as one scan over groups of `moe.every_n_layers`: n-1 dense layers (a scan of
-        their own), then an MoE layer. Returns the residual stream and the aux terms (see `forward`;
+        """The layers as the first `moe.first_dense_layers` dense ones (a scan; `blocks`' first
+        entries), then one scan over groups of `moe.every_n_layers`: n-1 dense layers (a scan of their
+        own), then an MoE layer. Returns the residual stream and the aux terms (see `forward`;
         `real_layers`, the stacks' taps: see `run_layers`)."""
-        n = self.cfg.moe.every_n_layers
+        n, first = self.cfg.moe.every_n_layers, self.cfg.moe.first_dense_layers
         moe_graph, moe_state = nnx.split(self.moe_blocks)
         moe_body = make_body(moe_graph, self.ops, "moe_blocks")
         dense = None
-        if n > 1:
+        if n > 1 or first:
             dense_graph, dense_state = nnx.split(self.blocks)
             dense_body = make_body(dense_graph, self.ops, "blocks")
-            dense = jax.tree.map(lambda v: v.reshape(-1, n - 1, *v.shape[1:]), (dense_state, stack_taps("blocks")))
+            dense_xs = (dense_state, stack_taps("blocks"))
+            if first:  # a pipeline never cuts such a stack (config checks)
+                x_btd, _ = jax.lax.scan(dense_body, x_btd, jax.tree.map(lambda v: v[:first], dense_xs))
+                dense_xs = jax.tree.map(lambda v: v[first:], dense_xs)
+            if n > 1:
+                dense = jax.tree.map(lambda v: v.reshape(-1, n - 1, *v.shape[1:]), dense_xs)
 
         def group(x_btd: jax.Array, xs: tuple) -> tuple[jax.Array, dict]:
             dense_g, moe_g = xs

@@ -110,7 +110,9 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
     """Grouped-query attention [B, T, N, H] by the implementation `ops` names (module docstring).
 
     Args:
-      q_btnh: queries [B, T, N, H]; k_bskh, v_bskh: keys/values [B, S, K, H], N % K == 0.
+      q_btnh: queries [B, T, N, H]; k_bskh, v_bskh: keys/values [B, S, K, H], N % K == 0; the values'
+        head dim may be narrower (MLA): the reference takes it as it is, flash, cuDNN and context
+        parallelism with the values zero-padded to H and the output sliced back (exact).
       segment_ids_bt: [B, T] document ids of packed sequences (None: one document per row).
       causal: mask future positions. scale: softmax scale; default 1/sqrt(H).
       ops: the implementation choice (`ops.choice.choose`).
@@ -119,6 +121,16 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
         (over the original positions).
     """
     window = window if 0 < window < k_bskh.shape[1] else 0
+    h, hv = q_btnh.shape[-1], v_bskh.shape[-1]
+    if hv != h and (ops.context or ops.attention in ("flash", "cudnn")):
+        # Values narrower than queries/keys (MLA): the kernels and the ring take one head dim, so the
+        # values are padded with zero columns and the output's sliced back (exact; the PV matmul
+        # costs h / hv of its own FLOPs).
+        if hv > h:
+            raise ValueError(f"value head dim {hv} > query head dim {h}: the kernels cannot pad the queries")
+        v_pad = jnp.pad(v_bskh, ((0, 0), (0, 0), (0, 0), (0, h - hv)))
+        return attention(q_btnh, k_bskh, v_pad, segment_ids_bt=segment_ids_bt, causal=causal, scale=scale,
+                         ops=ops, window=window)[..., :hv]
     if ops.context:
         kernel = block_kernel(ops, q_btnh.shape[-1], scale=scale)
         return context_lib.context_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=segment_ids_bt,

@@ -86,5 +86,6 @@ def heads_first_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Arra
     with jax.softmax_custom_jvp(True):
         probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
     out = jax.lax.dot_general(probs, v_bksh, (((3,), (2,)), batch), preferred_element_type=jnp.float32)
-    return out.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_btnh.dtype)
+    hv = v_bskh.shape[-1]  # the values' head dim (MLA's may differ from the queries')
+    return out.reshape(b, kh, g, t, hv).transpose(0, 3, 1, 2, 4).reshape(b, t, n, hv).astype(q_btnh.dtype)
 

@@ -58,7 +58,8 @@ def reference(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
 
     Args:
       q_btnh: queries [B, T, N, H].
-      k_bskh, v_bskh: keys/values [B, S, K, H] with N % K == 0 (each K/V head serves N//K queries).
+      k_bskh, v_bskh: keys/values [B, S, K, H] with N % K == 0 (each K/V head serves N//K queries); the
+        values' head dim may differ from the queries' and keys' (MLA): the output has the values'.
       segment_ids_bt: [B, T] document ids of packed sequences; tokens attend only within their own
         document. None: one document per row.
       kv_segment_ids_bs: [B, S] the keys' document ids; default `segment_ids_bt` (T == S).
@@ -86,7 +87,7 @@ def reference(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh, preferred_element_type=jnp.float32)
     lse = jax.nn.logsumexp(scores, axis=-1).reshape(b, n, t)
-    return out.reshape(b, t, n, h).astype(q_btnh.dtype if out_dtype is None else out_dtype), lse
+    return out.reshape(b, t, n, v_bskh.shape[-1]).astype(q_btnh.dtype if out_dtype is None else out_dtype), lse
 
 
 def reference_bwd(q, k, v, q_seg, kv_seg, o, lse, do, dlse, causal: bool, window: int = 0,

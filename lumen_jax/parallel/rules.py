@@ -16,7 +16,8 @@ vocab           tensor                 vocab-parallel embedding and logits (Mega
 heads/kv_heads  tensor                 column split of Q/K/V, row split of the attention output
 mlp             tensor                 column split of MLP-in, row split of MLP-out (each expert's too)
 experts         expert                 MoE: each device of the `expert` axis holds num_experts/E experts
-embed           fsdp (params)          ZeRO-3: parameters sharded over `fsdp`
+embed, latent   fsdp (params)          ZeRO-3: parameters sharded over `fsdp` (latent: MLA's compressed
+                                       width, the input of its up-projections; replicated over tensor)
                 fsdp (optimizer)       ZeRO-1/2/3: optimizer state always sharded
                 fsdp (gradients)       ZeRO-2/3: gradients reduce-scattered
 layers          pipeline               the stacked blocks cut into pipeline stages
@@ -66,6 +67,7 @@ class Rules:
             # parameter axes
             "vocab": "tensor",
             "embed": "fsdp" if embed_sharded else None,
+            "latent": "fsdp" if embed_sharded else None,
             "heads": "tensor",
             "kv_heads": "tensor",
             "mlp": "tensor",

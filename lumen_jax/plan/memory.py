@@ -422,7 +422,7 @@ def split_backward(model: ModelConfig) -> SplitBackward:
     under sequence parallelism: `G`)."""
     plain = {t for t in ("attention", "mlp") if Ops.plain(model).projection(t) in ("einsum", "token_grad")}
     d, h = model.d_model, model.resolved_head_dim
-    n_moe = model.num_layers // model.moe.every_n_layers if model.moe.enabled else 0
+    n_moe = model.num_moe_layers
     # MLPs per layer on average: the dense layers' and the MoE layers' shared experts (one MLP of
     # shared_experts * expert_ffn_dim), each tapped when plain
     mlps = [(model.num_layers - n_moe, model.ffn_dim)] + (

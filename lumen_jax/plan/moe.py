@@ -56,7 +56,7 @@ def moe_layers(model: ModelConfig, layout: Layout) -> int:
     """MoE layers on one pipeline stage."""
     if not model.moe.enabled:
         return 0
-    return -(-(model.num_layers // model.moe.every_n_layers) // layout.pipeline)
+    return -(-model.num_moe_layers // layout.pipeline)
 
 
 def dispatch(model: ModelConfig, layout: Layout, tokens: float, backend: str = "gpu") -> Dispatch:

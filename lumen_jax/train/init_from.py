@@ -25,14 +25,18 @@ def _is_hf_dir(path: str) -> bool:
 # What the weights of `train.init_from` define besides their shapes: a run starting from them takes these
 # from them (rotary embedding, norm epsilon, windows, Gemma's numerics, routing), and its tokenizer when they name one.
 DEFINED_BY_WEIGHTS = ("norm_eps", "rope_theta", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
-                      "rope_high_freq_factor", "rope_original_max_len", "sliding_window", "global_every",
+                      "rope_high_freq_factor", "rope_original_max_len",
+                      "rope_yarn_beta_fast", "rope_yarn_beta_slow", "rope_yarn_mscale", "rope_yarn_mscale_all_dim",
+                      "sliding_window", "global_every",
                       "rope_local_theta", "query_scale_dim", "norm_scale", "mlp_activation", "embed_scale",
                       "moe.top_k", "moe.router", "moe.normalize_top_k", "moe.routed_scaling", "moe.groups",
                       "moe.top_groups")
 # Their shapes: the config must give the same (one line naming the key otherwise).
 SHAPED_BY_WEIGHTS = ("vocab_size", "tie_embeddings", "d_model", "num_layers", "num_heads", "num_kv_heads",
                      "resolved_head_dim", "ffn_dim", "qkv_bias", "qk_norm", "block_norms", "moe.num_experts",
-                     "moe.every_n_layers", "moe.shared_experts", "moe.shared_gate", "expert_ffn_dim")
+                     "moe.every_n_layers", "moe.shared_experts", "moe.shared_gate", "expert_ffn_dim",
+                     "moe.first_dense_layers", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                     "v_head_dim", "mtp_depth")
 
 
 def _get(model: Any, key: str) -> Any:

@@ -28,6 +28,9 @@ BASES = {
     "fp8": ModelConfig(compute_dtype="float32", num_layers=3, fp8=Fp8Config(recipe="delayed", amax_history=16)),
     # local and global layers (Gemma 3's pattern)
     "window": ModelConfig(compute_dtype="float32", sliding_window=8, global_every=2),
+    # multi-head latent attention (DeepSeek-V3)
+    "mla": ModelConfig(compute_dtype="float32", num_kv_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                       v_head_dim=8),
 }
 # key: (base, new value, whether the state's arrays change). Every key of ModelConfig must be here.
 CHANGES = {
@@ -84,6 +87,18 @@ CHANGES = {
     "model.moe.aux_loss_weight": ("moe", 0.1, False),
     "model.moe.router_z_loss_weight": ("moe", 0.0, False),
     "model.moe.expert_ffn_dim": ("moe", 64, True),
+    "model.moe.first_dense_layers": ("moe", 1, True),
+    "model.kv_lora_rank": ("mla", 32, True),
+    "model.q_lora_rank": ("mla", 16, True),
+    "model.qk_nope_head_dim": ("mla", 16, True),
+    "model.qk_rope_head_dim": ("mla", 4, True),
+    "model.v_head_dim": ("mla", 4, True),
+    "model.mtp_depth": ("dense", 1, True),
+    "model.mtp_loss_weight": ("dense", 0.1, False),
+    "model.rope_yarn_beta_fast": ("dense", 16.0, False),
+    "model.rope_yarn_beta_slow": ("dense", 2.0, False),
+    "model.rope_yarn_mscale": ("dense", 0.7, False),
+    "model.rope_yarn_mscale_all_dim": ("dense", 0.7, False),
 }
 
 

@@ -25,7 +25,8 @@ CONFIGS = os.path.join(ROOT, "configs")
 # Device counts each shipped file is sized for (see the comment at the top of each file).
 DEVICES = {"base": 8, "tiny": 8, "llama3_1b": 64, "llama3_8b": 64, "llama3_70b": 512, "llama3_405b": 16384,
            "tiny_moe": 8, "mixtral_8x7b": 64, "qwen3_30b_a3b": 64, "qwen3_8b": 64, "tiny_qwen3": 8,
-           "mistral_7b": 64, "tiny_mistral": 8, "gemma3_12b": 64, "tiny_gemma3": 8}
+           "mistral_7b": 64, "tiny_mistral": 8, "gemma3_12b": 64, "tiny_gemma3": 8,
+           "deepseek_v3": 1024, "tiny_deepseek_v3": 8}
 
 
 def cfg_path(name: str) -> str:
@@ -145,6 +146,24 @@ def test_gemma3_presets():
     tiny = load_config(cfg_path("tiny_gemma3.yaml"))
     assert tiny.model.num_layers > tiny.model.global_every and 0 < tiny.model.sliding_window < tiny.data.seq_len
     assert tiny.model.d_model == TINY.model.d_model and tiny.model.block_norms == "sandwich"
+
+
+def test_deepseek_v3_presets():
+    """DeepSeek-V3's 671,026,404,352 parameters by hand (without its multi-token-prediction module): an
+    untied 129280 x 7168 embedding and head, 61 latent-attention layers of 7168 x 1536 + 1536 x 128 x 192
+    + 7168 x (512 + 64) + 512 x 128 x (128 + 128) + 128 x 128 x 7168 and norms 1536 + 512 + 2 x 7168, 3
+    dense MLPs of 3 x 7168 x 18432, 58 MoE layers of a 7168 x 256 router and 257 experts of 3 x 7168 x 2048,
+    the final norm; the tiny sibling keeps the pattern (a dense first layer, then MoE)."""
+    from lumen_jax.metrics import flops
+
+    m = load_config(cfg_path("deepseek_v3.yaml")).model
+    d = 7168
+    attn = d * 1536 + 1536 + 1536 * 128 * 192 + d * 576 + 512 + 512 * 128 * 256 + 128 * 128 * d + 2 * d
+    by_hand = 2 * 129280 * d + d + 61 * attn + 3 * 3 * d * 18432 + 58 * (d * 256 + 257 * 3 * d * 2048)
+    assert by_hand == 671_026_404_352 == flops.param_counts(m)["total"]
+    assert (m.num_moe_layers, m.moe.first_dense_layers, m.moe.groups, m.moe.top_groups) == (58, 3, 8, 4)
+    tiny = load_config(cfg_path("tiny_deepseek_v3.yaml")).model
+    assert tiny.mla and 0 < tiny.moe.first_dense_layers < tiny.num_layers and tiny.d_model == TINY.model.d_model
 
 
 def test_an_error_quotes_a_huge_value_in_brief():
@@ -325,7 +344,7 @@ def test_coercions():
 
 @pytest.mark.parametrize("key,value", [
     ("model.attention", "flashy"), ("model.remat", "some"), ("model.compute_dtype", "float64"),
-    ("model.rope_scaling", "yarn"), ("optim.schedule", "step"), ("mesh.zero_stage", 4),
+    ("model.rope_scaling", "ntk"), ("optim.schedule", "step"), ("mesh.zero_stage", 4),
     ("mesh.context_parallel", "tree"), ("mesh.context_balance", "striped"), ("data.source", "web"),
 ])
 def test_enum_errors(key, value):

@@ -1,5 +1,5 @@
 """Small random Hugging Face models (transformers, CPU torch: Llama, Qwen2, Qwen3, Mistral, Gemma 3, Mixtral,
-Qwen2-MoE, Qwen3-MoE) and a run directory's logits, for the converter and generation tests. torch is imported
+Qwen2-MoE, Qwen3-MoE, DeepSeek-V3) and a run directory's logits, for the converter and generation tests. torch is imported
 only inside these functions."""
 
 import json
@@ -85,6 +85,29 @@ MOE_MODELS = {
 }
 
 
+# Tiny DeepSeek-V3s: latent attention (kv rank 16, rope 8 + nope 16 q/k dims, values 12 wide), the first
+# layer dense, then MoE layers of 8 sigmoid-scored experts in 4 groups (2 kept), top-2, a shared expert,
+# routed scaling 2.5; one with a query latent and interleaved rope, one with neither.
+DEEPSEEK_KW = dict(vocab_size=320, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+                   routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
+                   qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+                   rms_norm_eps=1e-6, max_position_embeddings=128,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+DEEPSEEK_MODELS = {"deepseek_v3": {}, "deepseek_v3_plain_q": dict(q_lora_rank=None, rope_interleave=False,
+                                                                   first_k_dense_replace=2, num_hidden_layers=4),
+                   # YaRN as the released 671B has it (factor 40 over 4k), scaled down: 4 over 8 positions,
+                   # the two mscales apart so that the rotated dims and the scores are both scaled
+                   "deepseek_v3_yarn": dict(rope_parameters={
+                       "rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+                       "beta_fast": 32, "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 0.6})}
+
+
+def make_hf_deepseek(path: str, kind: str) -> str:
+    """A random DeepSeek-V3 `kind` (DEEPSEEK_MODELS) written with save_pretrained."""
+    return _save_random(path, "DeepseekV3Config", "DeepseekV3ForCausalLM", {**DEEPSEEK_KW, **DEEPSEEK_MODELS[kind]}, 7)
+
+
 def make_hf_moe(path: str, kind: str, max_shard_size: str | None = None) -> str:
     """A random `kind` (MOE_MODELS) written with save_pretrained."""
     config_cls, model_cls, extra = MOE_MODELS[kind]
@@ -139,7 +162,9 @@ def our_params(run_dir: str) -> tuple:
 
 def logits_of(model_cfg, params: dict, tokens: np.ndarray) -> np.ndarray:
     positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
-    return np.asarray(apply(abstract_model(model_cfg).graphdef, params, tokens, positions))
+    a = abstract_model(model_cfg)  # model state (a router's selection bias): zeros, as an import starts
+    state = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), a.state)
+    return np.asarray(apply(a.graphdef, params, tokens, positions, state=state))
 
 
 def our_logits(run_dir: str, tokens: np.ndarray) -> np.ndarray:

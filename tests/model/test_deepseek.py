@@ -1,0 +1,158 @@
+"""DeepSeek-V3's model: multi-head latent attention and the first layers dense then MoE, trained on every
+mesh axis as on one device; MLA's narrower values through the flash kernel; its config refusals."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers.run import BASE, assert_same_run, run, with_mesh
+from helpers.tolerances import FP32_RTOL
+from lumen_jax.config import ConfigError
+from lumen_jax.config.checks import validate
+from lumen_jax.config.schema import MoeConfig
+from lumen_jax.metrics import flops
+
+# BASE as a small DeepSeek-V3: latent attention (K/V rank 16, a query latent of 24, q/k heads 16 + 8 rotated,
+# values 12 wide), 3 layers, the first dense, then MoE layers of 8 sigmoid experts in 4 groups (2 kept),
+# top-2, a shared expert, routed scaling 2.5, the selection bias; lr 1e-3 (see GRADS_END_RTOL).
+MLA = dict(num_kv_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
+DS_MOE = MoeConfig(num_experts=8, top_k=2, first_dense_layers=1, shared_experts=1, router="sigmoid", groups=4,
+                   top_groups=2, routed_scaling=2.5, balance="bias", bias_update_rate=0.01, expert_ffn_dim=32,
+                   aux_loss_weight=0.0, sequence_aux_loss_weight=1e-4)
+DEEPSEEK = BASE.replace(optim=dataclasses.replace(BASE.optim, lr=1e-3), model=dataclasses.replace(
+    BASE.model, num_layers=3, **MLA, moe=DS_MOE))
+# Every layer MoE (no first dense layer): the pipeline cuts it.
+DEEPSEEK_PP = DEEPSEEK.replace(model=dataclasses.replace(
+    DEEPSEEK.model, num_layers=2, moe=dataclasses.replace(DS_MOE, first_dense_layers=0)))
+# Measured after 3 Adam steps against one device: see the commit; losses, grad norms and first gradients
+# within FP32_RTOL.
+GRADS_END_RTOL = 1e-4
+
+
+def test_mla_parameters_and_count():
+    from lumen_jax.model import init_params
+
+    params = init_params(DEEPSEEK.model, 0)
+    attn = params["moe_blocks"]["attn"]
+    assert attn["wkv_a"].shape == (2, 64, 16) and attn["wk_rope"].shape == (2, 64, 8)
+    assert attn["wk_b"].shape == (2, 16, 4, 16) and attn["wv_b"].shape == (2, 16, 4, 12)
+    assert attn["wq_b"].shape == (2, 24, 4, 24) and attn["wo"].shape == (2, 4, 12, 64)
+    assert params["blocks"]["mlp"]["w_gate"].shape == (1, 64, 128)  # the dense first layer: ffn_dim
+    n = sum(x.size for x in jax.tree.leaves(params))
+    assert n == flops.param_counts(DEEPSEEK.model)["total"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run(with_mesh(DEEPSEEK), devices=jax.devices()[:1])
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2, tensor=2), dict(fsdp=2, tensor=2, sequence_parallel=True),
+                                  dict(expert=2, context=2, fsdp=2)],
+                         ids=["data2-fsdp2-tensor2", "fsdp2-tensor2-sp", "expert2-context2-fsdp2"])
+def test_deepseek_trains_on_meshes_as_on_one_device(reference, mesh):
+    """Heads over tensor with the latent replicated; the expanded K/V around the context ring (values
+    padded to the q/k head dim); experts over expert."""
+    got = run(with_mesh(DEEPSEEK, **mesh))
+    assert_same_run(got, reference, str(mesh), GRADS_END_RTOL)
+    assert reference["losses"][-1] < reference["losses"][0]
+
+
+@pytest.fixture(scope="module")
+def reference_pp():
+    return run(with_mesh(DEEPSEEK_PP), devices=jax.devices()[:1])
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("mesh", [dict(pipeline=2, tensor=2, fsdp=2),
+                                  dict(pipeline=2, fsdp=4, pipeline_schedule="zero_bubble")],
+                         ids=["pipeline2-tensor2-fsdp2", "pipeline2-fsdp4-zero_bubble"])
+def test_deepseek_without_dense_layers_trains_on_a_pipeline_as_on_one_device(reference_pp, mesh):
+    """1F1B, and zero-bubble's split backward (the latent attention's projections tapped)."""
+    got = run(with_mesh(DEEPSEEK_PP, micro_batches=2, **mesh))
+    assert_same_run(got, reference_pp, str(mesh), GRADS_END_RTOL)
+
+
+def test_flash_takes_narrower_values_by_padding():
+    """The flash kernel (interpreted) on q/k heads of 24 and values of 12 equals the reference, forward
+    and gradients."""
+    from lumen_jax.ops.attention import attention
+    from lumen_jax.ops.choice import Ops
+    from lumen_jax.kernels import flash_attention as flash_lib
+
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (1, 32, 2, 24))
+    k = jax.random.normal(ks[1], (1, 32, 2, 24))
+    v = jax.random.normal(ks[2], (1, 32, 2, 12))
+    w = jax.random.normal(ks[3], (1, 32, 2, 12))
+    flash = Ops(attention="flash", interpret=True, flash_blocks=flash_lib.BlockSizes())
+
+    def loss(ops):
+        return lambda q, k, v: jnp.sum(attention(q, k, v, ops=ops, scale=0.3) * w)
+
+    want, want_g = jax.value_and_grad(loss(Ops()), argnums=(0, 1, 2))(q, k, v)
+    got, got_g = jax.value_and_grad(loss(flash), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(got, want, rtol=FP32_RTOL)
+    for a, b in zip(got_g, want_g):
+        np.testing.assert_allclose(a, b, rtol=FP32_RTOL, atol=FP32_RTOL * float(jnp.abs(b).max()))
+
+
+BAD = {
+    "gqa": (dict(num_kv_heads=2), "model.num_kv_heads=2 with model.kv_lora_rank=16"),
+    "rope odd": (dict(qk_rope_head_dim=7), "model.qk_rope_head_dim=7 must be even"),
+    "window": (dict(sliding_window=8), "model.sliding_window=8 with model.kv_lora_rank=16"),
+    "no rank": (dict(kv_lora_rank=0), "model.q_lora_rank=24 is a latent-attention key but model.kv_lora_rank=0"),
+    "wide values": (dict(v_head_dim=32), "model.v_head_dim=32 exceeds qk_nope_head_dim+qk_rope_head_dim=24"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_what_mla_cannot_do_is_one_config_line(case):
+    change, fragment = BAD[case]
+    with pytest.raises(ConfigError) as e:
+        validate(DEEPSEEK.replace(model=dataclasses.replace(DEEPSEEK.model, **change)), 1)
+    assert fragment in str(e.value), str(e.value)
+
+
+def test_first_dense_layers_refuse_a_pipeline():
+    with pytest.raises(ConfigError) as e:
+        validate(with_mesh(DEEPSEEK, micro_batches=2, pipeline=2), 2)
+    assert "model.moe.first_dense_layers=1 with mesh.pipeline=2" in str(e.value)
+
+
+def test_absorbed_decoding_equals_the_full_forward():
+    """Prefill then decode over MLA's latent cache (wk_b absorbed into the queries, wv_b after the weighted
+    latents: [B, S, R + Hr] per layer) gives, token after token, the logits the training forward gives
+    each position of the whole sequence (K/V expanded per head), for left-padded rows of two lengths."""
+    from lumen_jax.model import decode, init
+    from lumen_jax.model.transformer import merge
+    from lumen_jax.model import abstract_model
+
+    cfg = DEEPSEEK.model
+    params, state = init(cfg, 0)
+    model = merge(abstract_model(cfg).graphdef, params, state)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, (2, 12)).astype(np.int32)
+    prompt, total = 5, 12
+    valid = np.ones((2, prompt), bool)
+    valid[1, :2] = False  # row 1: a 3-token prompt, left-padded
+    cache = decode.init_cache(model, 2, total)
+    assert cache["k"].shape == (3, 2, total, 16) and cache["v"].shape == (3, 2, total, 8)
+    logits, cache = decode.prefill(model, jnp.asarray(tokens[:, :prompt]), jnp.asarray(valid), cache)
+    got = [np.asarray(logits)]
+    valid_bs = np.concatenate([valid, np.ones((2, total - prompt), bool)], axis=1)
+    for slot in range(prompt, total - 1):
+        positions = np.asarray([slot, slot - 2], np.int32)
+        logits, cache = decode.decode(model, jnp.asarray(tokens[:, slot]), jnp.asarray(positions), jnp.int32(slot),
+                                      jnp.asarray(valid_bs), cache)
+        got.append(np.asarray(logits))
+    for row, start in ((0, 0), (1, 2)):  # each row's own sequence through the forward
+        seq = tokens[row:row + 1, start:total - 1]
+        full = np.asarray(model(jnp.asarray(seq), jnp.arange(seq.shape[1])[None]))[0]
+        want = full[prompt - 1 - start:]
+        np.testing.assert_allclose(np.stack([g[row] for g in got]), want, rtol=FP32_RTOL,
+                                   atol=FP32_RTOL * float(np.abs(want).max()))

@@ -1,0 +1,103 @@
+"""Multi-token prediction (`model.mtp_depth`) against the DeepSeek-V3 paper's formula written by hand
+(section 2.2): objective and gradients; it trains on a mesh as on one device and reports `mtp_loss`."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from helpers.data import packed_batch
+from helpers.run import BASE, assert_same_run, run, with_mesh
+from helpers.tolerances import FP32_RTOL
+from lumen_jax.config import ConfigError
+from lumen_jax.config.checks import validate
+from lumen_jax.metrics import flops
+from lumen_jax.model import abstract_model, init
+from lumen_jax.model.transformer import merge
+from lumen_jax.model.layers import rope_frequencies
+
+# Latent attention, 2 layers, 2 MTP depths, lambda 0.3.
+MTP = BASE.replace(model=dataclasses.replace(
+    BASE.model, num_kv_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+    mtp_depth=2, mtp_loss_weight=0.3))
+
+
+def _ce(x_btd, w_dv, targets_bt):
+    logp = jax.nn.log_softmax(jnp.einsum("btd,dv->btv", x_btd, w_dv), axis=-1)
+    return -jnp.take_along_axis(logp, targets_bt[..., None], axis=-1)[..., 0]
+
+
+def paper_objective(model, batch, weight):
+    """The main objective plus lambda / D * sum_k L^k, by the paper: depth k runs on the T - k positions
+    whose token t_{i+k+1} exists; its input is h^{k-1} there and the embedding of t_{i+k}; a position
+    counts when that target is real and in its own document."""
+    cfg = model.cfg
+    t = batch["inputs"].shape[1]
+    seg, mask, targets = batch["segment_ids"], batch["loss_mask"], batch["targets"]
+    h = model.run_layers(model.embed[...][batch["inputs"]], batch["positions"], seg)[0]
+    w_dv = model.lm_head[...]
+    total = jnp.sum(_ce(model.final_norm(h), w_dv, targets) * mask) * weight
+    graphdef, state = nnx.split(model.mtp)
+    for k in range(1, cfg.mtp_depth + 1):
+        mod = nnx.merge(graphdef, jax.tree.map(lambda v: v[k - 1], state))  # noqa: B023
+        n = t - k
+        emb = model.embed[...][targets[:, k - 1:t - 1]]  # t_{i+k} for i < T - k
+        x = jnp.concatenate([mod.hnorm(h[:, :n]), mod.enorm(emb)], axis=-1) @ mod.eh_proj[...]
+        h = mod.block(x, batch["positions"][:, :n], seg[:, :n], rope_frequencies(cfg), model.ops)[0]
+        counts = mask[:, k:] * (seg[:, k:] == seg[:, :n])
+        total = total + cfg.mtp_loss_weight / cfg.mtp_depth * jnp.sum(
+            _ce(mod.norm(h), w_dv, targets[:, k:]) * counts) * weight
+    return total
+
+
+@pytest.fixture(scope="module")
+def setup():
+    params, state = init(MTP.model, 0)
+    params = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(jax.random.key(1), p.shape), params)  # norms off 1
+    batch = {k: jnp.asarray(v) for k, v in packed_batch(4, 32, MTP.model.vocab_size, seed=3).items()}
+    return abstract_model(MTP.model).graphdef, params, state, batch
+
+
+def test_mtp_objective_and_gradients_equal_the_papers_formula(setup):
+    graphdef, params, state, batch = setup
+    weight = 1.0 / float(batch["loss_mask"].sum())
+
+    def ours(p):
+        return merge(graphdef, p, state).forward_objective(batch, jnp.float32(weight), 0.0)[0]
+
+    def theirs(p):
+        return paper_objective(merge(graphdef, p, state), batch, weight)
+
+    (got, g_got), (want, g_want) = jax.value_and_grad(ours)(params), jax.value_and_grad(theirs)(params)
+    np.testing.assert_allclose(got, want, rtol=FP32_RTOL)
+    flat_got, flat_want = jax.tree.leaves(g_got), jax.tree.leaves(g_want)
+    for a, b in zip(flat_got, flat_want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=FP32_RTOL * float(jnp.abs(b).max()) + 1e-12)
+    assert float(jnp.abs(g_got["mtp"]["eh_proj"]).max()) > 0  # the modules learn
+
+
+def test_mtp_counts_in_flops_and_is_refused_with_context_and_pipeline():
+    m = MTP.model
+    off = dataclasses.replace(m, mtp_depth=0)
+    params = init(m, 0)[0]
+    assert sum(x.size for x in jax.tree.leaves(params)) == flops.param_counts(m)["total"]
+    d, v = m.d_model, m.vocab_size
+    layer = flops.param_counts(off)["layer_matmul"]
+    assert flops.param_counts(m)["matmul"] - flops.param_counts(off)["matmul"] == 2 * (2 * d * d + layer + d * v)
+    for mesh, fragment in ((dict(context=2), "mesh.context=2"), (dict(pipeline=2), "mesh.pipeline=2")):
+        with pytest.raises(ConfigError) as e:
+            validate(with_mesh(MTP, micro_batches=2, **mesh), 2)
+        assert f"model.mtp_depth=2 with {fragment}" in str(e.value)
+
+
+@pytest.mark.heavy
+def test_mtp_trains_on_a_mesh_as_on_one_device():
+    ref = run(with_mesh(MTP), devices=jax.devices()[:1])
+    got = run(with_mesh(MTP, data=2, fsdp=2, tensor=2))
+    assert_same_run(got, ref, "data2-fsdp2-tensor2", 1e-4)
+    assert all(0 < float(m["mtp_loss"]) < 10 for m in ref["metrics"])
+    np.testing.assert_allclose([float(m["mtp_loss"]) for m in got["metrics"]],
+                               [float(m["mtp_loss"]) for m in ref["metrics"]], rtol=FP32_RTOL)
