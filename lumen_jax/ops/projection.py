@@ -34,6 +34,7 @@ from flax import nnx
 
 from lumen_jax.ops import cpu, fp8, grouped
 from lumen_jax.ops.choice import Ops
+from lumen_jax.parallel import collective_matmul
 
 
 def project(spec: str, x: jax.Array, w: jax.Array, ops: Ops, layer_type: str | None = None,
@@ -61,6 +62,35 @@ def project(spec: str, x: jax.Array, w: jax.Array, ops: Ops, layer_type: str | N
     if how == "token_grad":
         return cpu.token_grad_project(spec, x, w, out_dtype)
     return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
+
+
+def project_columns(specs: tuple[str, ...], x: jax.Array, ws: tuple[jax.Array, ...], ops: Ops,
+                    layer_type: str | None = None, states: tuple[nnx.Dict | None, ...] | None = None
+                    ) -> tuple[jax.Array, ...]:
+    """The column-parallel projections of one input (Q/K/V, gate/up): `project(spec, x, w, ...)` for
+    each of `specs` and `ws`, weights split over their output features by the rules (`heads`, `mlp`).
+
+    Under `mesh.tensor_overlap=collective_matmul` (with sequence parallelism over `tensor`) `x`
+    arrives split along the sequence (`proj_seq`) and the plain einsums run as one all-gather
+    matmul (`parallel.collective_matmul`): x's blocks travel under the partial matmuls of every
+    weight. Otherwise, and for fp8 projections (whose scales see the whole operand), each runs as
+    `project`, x gathered before them by the partitioner.
+    """
+    states = states if states is not None else (None,) * len(specs)
+    if ops.projection(layer_type) == "einsum" and collective_matmul.active():
+        return collective_matmul.all_gather_matmul(specs, x, tuple(w.astype(x.dtype) for w in ws))
+    return tuple(project(spec, x, w, ops, layer_type, st) for spec, w, st in zip(specs, ws, states))
+
+
+def project_rows(spec: str, x: jax.Array, w: jax.Array, ops: Ops, layer_type: str | None = None,
+                 state: nnx.Dict | None = None) -> jax.Array:
+    """A row-parallel projection (O, down: the weight split over its input features, the output
+    summed over `tensor`): `project(spec, x, w, ...)`, or under `mesh.tensor_overlap=collective_matmul`
+    a reduce-scatter matmul whose result is split along the sequence as the residual stream
+    (`parallel.collective_matmul`)."""
+    if ops.projection(layer_type) == "einsum" and collective_matmul.active():
+        return collective_matmul.reduce_scatter_matmul(spec, x, w.astype(x.dtype))
+    return project(spec, x, w, ops, layer_type, state)
 
 
 @jax.custom_vjp
