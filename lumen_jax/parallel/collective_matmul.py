@@ -26,7 +26,8 @@ output gradient by the weight) with the weight gradient summed over the steps' b
 of the reduce-scatter matmul is an all-gather matmul of the output gradient.
 
 Only the axes of the sequence are manual (`tensor`, and `context` where it splits the sequence
-outside the replica vmap): a partial-manual `shard_map` (`axis_names=`). The batch stays automatic
+outside the replica vmap), and the replica vmap's axes where the step accumulates micro-batches: a
+partial-manual `shard_map` (`axis_names=`). The batch stays automatic
 over `data`/`fsdp`/`expert`, and the weights arrive as GSPMD places them: under ZeRO-3 gathered
 over `fsdp` before the `shard_map` (as the plain program gathers them before its einsum), their
 gradients reduced over `fsdp` and `data` by the partitioner as without this option. Inside a
@@ -38,7 +39,8 @@ Shape letters: B batch, T sequence (this device's block: Tl), D model, F a proje
 
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +76,10 @@ def _run(local, args: Sequence[jax.Array], in_specs: Sequence[P], out_specs) -> 
     inner = jax.sharding.get_abstract_mesh()
     if not inner.empty and inner.manual_axes:  # inside a pipeline stage's shard_map
         mesh = inner
-    manual = set(_seq_axes(rules)) - set(getattr(mesh, "manual_axes", ()))
+    # the replica axes too: under the step's replica vmap (`spmd_axis_name`) the batching rule puts
+    # them into the specs of the batched operands, which only manual axes may appear in. The
+    # weights are not batched there; their gradients are per replica, summed once per step.
+    manual = (set(_seq_axes(rules)) | set(rules.replica_axes)) - set(getattr(mesh, "manual_axes", ()))
     return jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
                          axis_names=manual, check_vma=False)(*args)
 
@@ -89,6 +94,122 @@ def _token_spec(spec: str) -> tuple[str, str, str]:
     return xs, ws, out
 
 
+def _left(n: int) -> list[tuple[int, int]]:
+    return [(j, (j - 1) % n) for j in range(n)]  # device j receives j + 1's block
+
+
+def _right(n: int) -> list[tuple[int, int]]:
+    return [(j, (j + 1) % n) for j in range(n)]  # device j receives j - 1's accumulator
+
+
+def _transpose_x(spec: str, w: jax.Array, x_shape: tuple[int, ...], dtype) -> Callable:
+    """dy -> the cotangent of x in `einsum(spec, x, w)` (linear in x)."""
+    return jax.linear_transpose(lambda x: jnp.einsum(spec, x, w), jax.ShapeDtypeStruct(x_shape, dtype))
+
+
+def _weight_grad(spec: str, x: jax.Array, w: jax.Array, dy: jax.Array) -> jax.Array:
+    """The cotangent of w in `einsum(spec, x, w)` at output cotangent dy: one dot over all of x's tokens
+    (the partitioner then reduces it over the batch's axes once, as the plain einsum's)."""
+    return jax.linear_transpose(lambda v: jnp.einsum(spec, x, v), jax.ShapeDtypeStruct(w.shape, w.dtype))(dy)[0]
+
+
+def _gather(specs: tuple[str, ...], x: jax.Array, ws: tuple[jax.Array, ...], gathered: bool = False):
+    """Per device: the einsums of the blocks of x ([B, Tl, ...], one per `tensor` device) gathered
+    in n steps, each block passed on while its dots run; with `gathered`, also the gathered x."""
+    n, me, tl = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS), x.shape[1]
+    outs: list = [None] * len(ws)
+    full = jnp.zeros((x.shape[0], tl * n, *x.shape[2:]), x.dtype) if gathered else None
+    block = x
+    for i in range(n):
+        # pass the block on before multiplying it: the transfer reads the block, not a dot's
+        # result, and the dots do not read the transfer's: they run side by side
+        nxt = jax.lax.ppermute(block, AXIS, _left(n)) if i < n - 1 else None
+        src = (me + i) % n  # whose tokens `block` holds at step i
+        for k, (spec, w) in enumerate(zip(specs, ws)):
+            y = jnp.einsum(spec, block, w)
+            if outs[k] is None:
+                outs[k] = jnp.zeros((y.shape[0], tl * n, *y.shape[2:]), y.dtype)
+            outs[k] = jax.lax.dynamic_update_slice_in_dim(outs[k], y, src * tl, axis=1)
+        if gathered:
+            full = jax.lax.dynamic_update_slice_in_dim(full, block, src * tl, axis=1)
+        block = nxt
+    return tuple(outs), full
+
+
+def _scatter(parts: Callable, n: int) -> jax.Array:
+    """Per device: sum over the `tensor` devices of `parts(blk)` (this device's partial sum for the
+    tokens of block `blk`), each device ending with its own block's: n steps, the accumulator
+    passed on under the next block's dots (its transfer reads the previous step's sum)."""
+    me = jax.lax.axis_index(AXIS)
+    acc = parts((me - 1) % n)
+    for i in range(1, n):
+        acc = jax.lax.ppermute(acc, AXIS, _right(n)) + parts((me - i - 1) % n)
+    return acc
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _all_gather_matmul_local(specs: tuple[str, ...], x: jax.Array, ws: tuple[jax.Array, ...]) -> tuple:
+    return _gather(specs, x, ws)[0]
+
+
+def _ag_fwd(specs, x, ws):
+    outs, full = _gather(specs, x, ws, gathered=True)
+    return outs, (full, ws)
+
+
+def _ag_bwd(specs, res, dys):
+    """The mirror: x's cotangent reduce-scattered in steps under the dots dy_k[block] w_k^T; each
+    weight's gradient one dot of the gathered x (kept from the forward) and dy_k."""
+    full, ws = res
+    n = jax.lax.axis_size(AXIS)
+    tl = full.shape[1] // n
+    shape = (full.shape[0], tl, *full.shape[2:])
+
+    def parts(blk):
+        return sum(_transpose_x(spec, w, shape, full.dtype)(jax.lax.dynamic_slice_in_dim(dy, blk * tl, tl, axis=1))[0]
+                   for spec, w, dy in zip(specs, ws, dys))
+    dws = tuple(_weight_grad(spec, full, w, dy) for spec, w, dy in zip(specs, ws, dys))
+    return _scatter(parts, n), dws
+
+
+_all_gather_matmul_local.defvjp(_ag_fwd, _ag_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _reduce_scatter_matmul_local(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    n = jax.lax.axis_size(AXIS)
+    tl = x.shape[1] // n
+    return _scatter(lambda blk: jnp.einsum(spec, jax.lax.dynamic_slice_in_dim(x, blk * tl, tl, axis=1), w), n)
+
+
+def _rs_fwd(spec, x, w):
+    return _reduce_scatter_matmul_local(spec, x, w), (x, w)
+
+
+def _rs_bwd(spec, res, dy):
+    """The mirror: dy's blocks gathered in steps, each under its dot dy[block] w^T (x's cotangent
+    for those tokens); w's gradient one dot of x and the gathered dy."""
+    x, w = res
+    n = jax.lax.axis_size(AXIS)
+    tl = dy.shape[1]
+    # x = einsum^T: the gather of dy with, per block, the transpose in x (einsum(spec_t, dy, w))
+    tx = _transpose_x(spec, w, (x.shape[0], tl, *x.shape[2:]), x.dtype)
+    me = jax.lax.axis_index(AXIS)
+    dx = jnp.zeros_like(x)
+    dy_full = jnp.zeros((dy.shape[0], tl * n, *dy.shape[2:]), dy.dtype)
+    block = dy
+    for i in range(n):
+        nxt = jax.lax.ppermute(block, AXIS, _left(n)) if i < n - 1 else None
+        src = (me + i) % n
+        dx = jax.lax.dynamic_update_slice_in_dim(dx, tx(block)[0], src * tl, axis=1)
+        dy_full = jax.lax.dynamic_update_slice_in_dim(dy_full, block, src * tl, axis=1)
+        block = nxt
+    return dx, _weight_grad(spec, x, w, dy_full)
+
+
+_reduce_scatter_matmul_local.defvjp(_rs_fwd, _rs_bwd)
+
+
 def all_gather_matmul(specs: Sequence[str], x_btd: jax.Array, ws: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
     """`tuple(jnp.einsum(spec, x, w) for spec, w in zip(specs, ws))` of a sequence-parallel `x`
     ([B, T, D], T split over the residual stream's axes `act_seq`) and column-parallel weights
@@ -100,43 +221,16 @@ def all_gather_matmul(specs: Sequence[str], x_btd: jax.Array, ws: Sequence[jax.A
     """
     _, rules = rules_lib.active()
     seq = _seq_axes(rules)
-    outer = seq[:-1] or None  # `context` (or nothing): the sequence's split that stays
-    seq_spec = seq if len(seq) > 1 else seq[0]
+    outer = seq[0] if len(seq) > 1 else None  # `context` (or nothing): the sequence's split that stays
     letters = [_token_spec(s) for s in specs]
 
-    def w_spec(ws_letters: str, out_letters: str, w: jax.Array) -> P:
-        # the weight's axis split over `tensor`: its first letter kept in the output past the tokens
-        split = next(c for c in ws_letters if c in out_letters[2:])
-        return P(*(AXIS if c == split else None for c in ws_letters))
+    def split(ws_letters: str, out_letters: str) -> str:  # the weight's axis split over `tensor`
+        return next(c for c in ws_letters if c in out_letters[2:])
 
-    def out_spec(ws_letters: str, out_letters: str) -> P:
-        split = next(c for c in ws_letters if c in out_letters[2:])
-        return P(None, outer[0] if outer else None, *(AXIS if c == split else None for c in out_letters[2:]))
-
-    in_specs = [P(None, seq_spec, *([None] * (x_btd.ndim - 2)))]
-    in_specs += [w_spec(wl, ol, w) for (_, wl, ol), w in zip(letters, ws)]
-    out_specs = tuple(out_spec(wl, ol) for _, wl, ol in letters)
-
-    def local(x, *ws_local):
-        n = jax.lax.axis_size(AXIS)
-        me = jax.lax.axis_index(AXIS)
-        tl = x.shape[1]
-        outs = [None] * len(ws_local)
-        block = x
-        for i in range(n):
-            # pass the block on (device j gets j + 1's) before multiplying it: the transfer reads
-            # the block, not the dot's result, and runs under the dot
-            nxt = jax.lax.ppermute(block, AXIS, [(j, (j - 1) % n) for j in range(n)]) if i < n - 1 else None
-            src = (me + i) % n  # whose tokens `block` holds at step i
-            for k, (spec, w) in enumerate(zip(specs, ws_local)):
-                y = jnp.einsum(spec, block, w)
-                if outs[k] is None:
-                    outs[k] = jnp.zeros((y.shape[0], tl * n, *y.shape[2:]), y.dtype)
-                outs[k] = jax.lax.dynamic_update_slice_in_dim(outs[k], y, src * tl, axis=1)
-            block = nxt
-        return tuple(outs)
-
-    return _run(local, (x_btd, *ws), in_specs, out_specs)
+    in_specs = [P(None, seq if len(seq) > 1 else seq[0], *([None] * (x_btd.ndim - 2)))]
+    in_specs += [P(*(AXIS if c == split(wl, ol) else None for c in wl)) for _, wl, ol in letters]
+    out_specs = tuple(P(None, outer, *(AXIS if c == split(wl, ol) else None for c in ol[2:])) for _, wl, ol in letters)
+    return _run(lambda x, *w: _all_gather_matmul_local(tuple(specs), x, w), (x_btd, *ws), in_specs, out_specs)
 
 
 def reduce_scatter_matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -147,28 +241,10 @@ def reduce_scatter_matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     matmuls (module docstring)."""
     _, rules = rules_lib.active()
     seq = _seq_axes(rules)
-    outer = seq[:-1] or None
-    seq_spec = seq if len(seq) > 1 else seq[0]
+    outer = seq[0] if len(seq) > 1 else None
     xs, ws_letters, out = _token_spec(spec)
     split = next(c for c in ws_letters if c in xs[2:])  # the contracted feature axis split over `tensor`
-    in_specs = (P(None, outer[0] if outer else None, *(AXIS if c == split else None for c in xs[2:])),
+    in_specs = (P(None, outer, *(AXIS if c == split else None for c in xs[2:])),
                 P(*(AXIS if c == split else None for c in ws_letters)))
-    out_specs = P(None, seq_spec, *([None] * (len(out) - 2)))
-
-    def local(x_local, w_local):
-        n = jax.lax.axis_size(AXIS)
-        me = jax.lax.axis_index(AXIS)
-        tl = x_local.shape[1] // n
-
-        def partial(i):  # the partial sum of the block that reaches its home after n - 1 - i more hops
-            blk = (me - i - 1) % n
-            return jnp.einsum(spec, jax.lax.dynamic_slice_in_dim(x_local, blk * tl, tl, axis=1), w_local)
-
-        acc = partial(0)
-        for i in range(1, n):
-            # the accumulator travels to the next device while this step's dot runs: its operand is
-            # the previous step's sum, not this step's dot
-            acc = jax.lax.ppermute(acc, AXIS, [(j, (j + 1) % n) for j in range(n)]) + partial(i)
-        return acc
-
-    return _run(local, (x, w), in_specs, out_specs)
+    out_specs = P(None, seq if len(seq) > 1 else seq[0], *([None] * (len(out) - 2)))
+    return _run(lambda x, w: _reduce_scatter_matmul_local(spec, x, w), (x, w), in_specs, out_specs)
