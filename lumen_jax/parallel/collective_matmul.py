@@ -153,23 +153,33 @@ def _all_gather_matmul_local(specs: tuple[str, ...], x: jax.Array, ws: tuple[jax
 
 
 def _ag_fwd(specs, x, ws):
-    outs, full = _gather(specs, x, ws, gathered=True)
-    return outs, (full, ws)
+    return _gather(specs, x, ws)[0], (x, ws)
 
 
 def _ag_bwd(specs, res, dys):
-    """The mirror: x's cotangent reduce-scattered in steps under the dots dy_k[block] w_k^T; each
-    weight's gradient one dot of the gathered x (kept from the forward) and dy_k."""
-    full, ws = res
-    n = jax.lax.axis_size(AXIS)
-    tl = full.shape[1] // n
-    shape = (full.shape[0], tl, *full.shape[2:])
+    """The mirror: x's cotangent reduce-scattered in steps under the dots dy_k[block] w_k^T, while
+    x's blocks travel the other way again (kept 1/n per device, as the plain program keeps the
+    sequence-parallel input and gathers it again for the weight gradients); each weight's gradient
+    is then one dot of the gathered x and dy_k."""
+    x, ws = res
+    n, me, tl = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS), x.shape[1]
+    transposes = [_transpose_x(spec, w, x.shape, x.dtype) for spec, w in zip(specs, ws)]
 
-    def parts(blk):
-        return sum(_transpose_x(spec, w, shape, full.dtype)(jax.lax.dynamic_slice_in_dim(dy, blk * tl, tl, axis=1))[0]
-                   for spec, w, dy in zip(specs, ws, dys))
+    def parts(blk):  # this device's share of block blk's input gradient
+        return sum(t(jax.lax.dynamic_slice_in_dim(dy, blk * tl, tl, axis=1))[0] for t, dy in zip(transposes, dys))
+
+    full = jnp.zeros((x.shape[0], tl * n, *x.shape[2:]), x.dtype)
+    block, acc = x, None
+    for i in range(n):
+        # x's block on around the ring (its transfer reads the block) and the accumulator the other
+        # way (its transfer reads the previous step's sum); this step's dots read neither transfer
+        nxt = jax.lax.ppermute(block, AXIS, _left(n)) if i < n - 1 else None
+        full = jax.lax.dynamic_update_slice_in_dim(full, block, ((me + i) % n) * tl, axis=1)
+        part = parts((me - i - 1) % n)
+        acc = part if acc is None else jax.lax.ppermute(acc, AXIS, _right(n)) + part
+        block = nxt
     dws = tuple(_weight_grad(spec, full, w, dy) for spec, w, dy in zip(specs, ws, dys))
-    return _scatter(parts, n), dws
+    return acc, dws
 
 
 _all_gather_matmul_local.defvjp(_ag_fwd, _ag_bwd)

@@ -158,6 +158,8 @@ def _windows(compute: Compute, m: int) -> dict[str, float]:
 
 def _window_of(c: Collective) -> str:
     axis = c.axis.split("+")[0]
+    if axis == "tensor" and c.overlapped:  # collective matmul's steps (`collectives._collective_matmul`)
+        return "collective_matmul"
     if axis in ("tensor", "context") or (axis in ("expert", "pipeline") and not c.overlapped):
         return axis
     if c.kind == "all-gather":
@@ -170,15 +172,22 @@ def exposed_seconds(comms: tuple[Collective, ...], compute: Compute, m: int, ove
     window of compute (`_windows`) hide `overlap.of(axis)` of min(their transfer, the window); the
     rest shows. A collective the program cannot overlap (`Collective.overlapped` false: the
     all-gather attention's K/V) is all exposed; the tensor, pipeline and expert axes' collectives
-    hide as far as `overlap` says (0 for our program's tensor axis)."""
+    hide as far as `overlap` says (0 for our program's tensor axis), except collective matmul's
+    steps (`mesh.tensor_overlap`), which hide under (tensor-1)/tensor of the matmuls."""
     windows = _windows(compute, m)
+    # collective matmul: n - 1 of a projection's n partial matmuls have a step's transfer beside
+    # them (a gather's last dot and a scatter's first have none), so its steps hide, whole, under
+    # (n - 1)/n of the matmuls, whatever `overlap.tensor` says of the recipes' programs
+    steps = [c for c in comms if _window_of(c) == "collective_matmul"]
+    windows["collective_matmul"] = compute.matmul_s * (1 - 1 / steps[0].size) if steps else 0.0
     keys = [(_window_of(c), c.axis.split("+")[0]) for c in comms]
     groups: dict[tuple[str, str], float] = {}
     for c, key in zip(comms, keys):
         groups[key] = groups.get(key, 0.0) + c.seconds
     out = []
     for c, key in zip(comms, keys):
-        share = overlap.of(key[1]) if c.overlapped or key[1] in ("tensor", "pipeline", "expert") else 0.0
+        share = (1.0 if key[0] == "collective_matmul" else
+                 overlap.of(key[1]) if c.overlapped or key[1] in ("tensor", "pipeline", "expert") else 0.0)
         total = groups[key]
         hidden = share * min(total, windows[key[0]])
         out.append(c.seconds * (1 - hidden / total) if total else 0.0)

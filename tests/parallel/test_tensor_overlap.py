@@ -173,3 +173,56 @@ def test_weight_gradients_cross_data_and_fsdp_as_without_it(m, mesh):
     plain = batch_bytes("none")
     assert plain
     assert batch_bytes(CM) == plain
+
+
+# --------------------------------------------------------------------------------------------------
+# The planner
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("model,m,mesh,remat", [
+    ("kv4", 1, dict(data=2, tensor=4), "none"),  # 4 forward + 4 mirrors + 2 gathered again, per layer
+    ("kv4", 1, dict(data=2, tensor=4), "full"),  # 4 + 4 + 3 recomputed
+    ("base", 2, dict(pipeline=2, fsdp=2, tensor=2), "none"),  # per executed tick
+])
+def test_planner_counts_the_steps_the_compiled_program_sends(model, m, mesh, remat):
+    """The planner's collective-matmul steps (`collectives._collective_matmul`) are the compiled
+    step's collective-permutes over `tensor`, byte for byte."""
+    from lumen_jax.compiler.compiled import against_xla
+    from lumen_jax.plan.hardware import DEVICES
+    from lumen_jax.plan.predict import predict
+    base = KV4 if model == "kv4" else BASE
+    cfg = with_mesh(base.replace(model=dataclasses.replace(base.model, remat=remat)), m, **mesh,
+                    sequence_parallel=True, tensor_overlap=CM)
+    plan = predict(cfg, layout_from_config(cfg, jax.device_count()), DEVICES["h100"], attention="xla")
+    predicted, compiled = against_xla(cfg, plan).collectives["tensor permute"]
+    assert compiled > 0
+    assert predicted == pytest.approx(compiled, rel=1e-9)
+
+
+def test_planner_hides_the_steps_under_the_matmuls_and_no_more():
+    """With the option the layers' tensor collectives hide under (n-1)/n of the matmuls: a step
+    shorter than that shows nothing of them; a layout whose transfers outgrow the matmuls shows the
+    rest. The option off, our program hides none (`Overlap().tensor` = 0)."""
+    from lumen_jax.config import Config, DataConfig, ModelConfig, TrainConfig
+    from lumen_jax.plan.hardware import DEVICES, Layout
+    from lumen_jax.plan.predict import predict
+    model = ModelConfig(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, ffn_dim=28672,
+                        vocab_size=128256, compute_dtype="bfloat16", remat="full")
+    cfg = Config(model=model, data=DataConfig(seq_len=8192, global_batch_size=256), train=TrainConfig())
+
+    def tensor_seconds(overlap: str, hw) -> tuple[float, float, float, float]:
+        mesh = MeshConfig(fsdp=32, tensor=8, sequence_parallel=True, tensor_overlap=overlap)
+        plan = predict(cfg.replace(mesh=mesh), Layout(mesh, pipeline=1, micro_batches=1), hw)
+        sent = [(c, e) for c, e in zip(plan.collectives, plan.exposed) if c.axis == "tensor" and c.kind == "send/recv"]
+        exposed = sum(e for c, e in zip(plan.collectives, plan.exposed) if c.axis == "tensor")
+        return sum(c.seconds for c, _ in sent), sum(e for _, e in sent), exposed, plan.compute.matmul_s
+
+    h100 = DEVICES["h100"]
+    sent, shown, _, _ = tensor_seconds(CM, h100)
+    assert sent > 0 and shown == 0  # NVLink: 7 steps of 1/8 row under the projections' dots
+    plain_exposed = tensor_seconds("none", h100)[2]
+    assert plain_exposed > 0 and tensor_seconds(CM, h100)[2] < 0.01 * plain_exposed
+    slow = dataclasses.replace(h100, nvlink_bytes_per_s=h100.nvlink_bytes_per_s / 50)
+    sent, shown, _, matmul = tensor_seconds(CM, slow)
+    assert shown == pytest.approx(sent - matmul * 7 / 8, rel=1e-9)
