@@ -344,7 +344,8 @@ def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, to
     Tries tensor sizes that fit in a node and divide the heads, kv heads, ffn and vocab; context
     sizes that divide the sequence; every fsdp x data split of the rest; sequence parallelism on
     and off; the remat policies in `SEARCH_REMATS`; and per-device micro-batches of 1, 2, 4, ...
-    sequences; over fsdp, (ZeRO-3) `mesh.fsdp_regather` both ways and, with several micro-batches,
+    sequences (with sequence parallelism, `mesh.tensor_overlap` as the config has it, except under
+    zero_bubble, which refuses it); over fsdp, (ZeRO-3) `mesh.fsdp_regather` both ways and, with several micro-batches,
     `mesh.fsdp_grad_reduce` both ways; the pipeline depths of `SEARCH_DEPTHS` that divide the devices (uneven
     stages where they do not divide the layers: `hardware.uneven_split`) (or the
     one given: `pipeline`, else `mesh.pipeline`), each with every schedule that can run it
@@ -397,7 +398,8 @@ def _search_depth(cfg: Config, num_devices: int, hw: Hardware, pipeline: int,
                         if batch % (rest * ep * mb):
                             break
                         mesh = dataclasses.replace(cfg.mesh, data=rest // fsdp, fsdp=fsdp, context=cp,
-                                                   tensor=tp, sequence_parallel=sp)
+                                                   tensor=tp, sequence_parallel=sp,
+                                                   tensor_overlap=cfg.mesh.tensor_overlap if sp else "none")
                         accumulate = batch // (rest * ep * mb) > 1 and fsdp > 1
                         for reduce, regather in itertools.product(
                                 COMM_OPTIONS["fsdp_grad_reduce"] if accumulate else (mesh.fsdp_grad_reduce,),
@@ -406,6 +408,8 @@ def _search_depth(cfg: Config, num_devices: int, hw: Hardware, pipeline: int,
                             steps = batch // (rest * ep * mb)
                             comm = dataclasses.replace(mesh, fsdp_grad_reduce=reduce, fsdp_regather=regather)
                             for staged in _schedules(m, comm, pipeline, steps):
+                                if staged.pipeline_schedule == "zero_bubble" and staged.pipeline > 1:
+                                    staged = dataclasses.replace(staged, tensor_overlap="none")  # refused with it
                                 layout = Layout(staged, pipeline=pipeline, micro_batches=steps)
                                 for remat in SEARCH_REMATS:
                                     if on_plan is not None:
