@@ -299,11 +299,16 @@ def remat_policy(policy: Callable[..., Any]) -> Callable[..., Any]:
     """`policy` (a `jax.checkpoint_policies` policy) seeing each `token_grad` projection as its dot.
 
     Without this the dot-based policies (`dots_saveable`, ...) would save none of the projections
-    and recompute them all. Other custom VJPs (fp8 dots, flash and context-parallel attention) are
+    and recompute them all. The outputs of a collective matmul (`parallel.collective_matmul`,
+    named `REMAT_NAME`) reach `policy` as a dot without batch dimensions, for the same reason. Other custom VJPs (fp8 dots, flash and context-parallel attention) are
     more than one dot and reach `policy` unchanged, so programs without `token_grad` see `policy`
     exactly.
     """
     def adapted(prim, *avals, **params):
+        if prim.name == "name" and params.get("name") == collective_matmul.REMAT_NAME:
+            # a collective matmul's output (its custom VJP is opaque): decided as a projection's dot
+            return policy(jax.lax.dot_general_p, *avals, dimension_numbers=(((), ()), ((), ())),
+                          precision=None, preferred_element_type=None)
         if prim.name == "custom_vjp_call":
             dot = _only_dot(params["call_jaxpr"].jaxpr)
             if dot is not None:

@@ -13,17 +13,20 @@ decomposition"; the JAX shard_map documentation's collective matmul; torchtitan'
   block it holds now by its weights (several weights of one input: Q, K and V, or gate and up,
   share the transfers) while `ppermute` passes that block on to the device before it. After n
   steps every device has multiplied every block. Each step's transfer reads the block the step's
-  dot reads, not the dot's result, so the two can run at once; the first step's dot has no
-  transfer under it and the last transfer none after it... (n - 1 transfers under n dots).
+  dots read, not their result, so they run side by side; the last step's dots have no transfer
+  beside them (n - 1 transfers under n steps of dots).
 - `reduce_scatter_matmul(spec, x, w)`: step i computes the partial sum of one block of tokens
   (the block that arrives home after the remaining steps) and adds it to the accumulator received
   from the device before; the accumulator's transfer reads the previous step's sum, so it runs
-  under this step's dot.
+  under this step's dot (the first step's dot has no transfer beside it).
 
-JAX's autodiff transposes the loop: the backward of the all-gather matmul is a reduce-scatter
-matmul of the input gradient (ppermute in the other direction, each step under the dot of the
-output gradient by the weight) with the weight gradient summed over the steps' blocks; the backward
-of the reduce-scatter matmul is an all-gather matmul of the output gradient.
+The backward is each one's mirror, written out (`custom_vjp`): the all-gather matmul's input
+gradient is reduce-scattered in steps under the dots dy_k w_k^T while the input's blocks travel
+again (each device keeps only its own, as the plain program does, and gathers it again for the
+weight gradients); the reduce-scatter matmul's output gradient is all-gathered in steps under the
+dots that give its input gradient. Each weight gradient is then one dot over all the tokens.
+Autodiff through the loop gave one weight-gradient dot per step, and the partitioner reduced each
+over `data` separately (n times the bytes).
 
 Only the axes of the sequence are manual (`tensor`, and `context` where it splits the sequence
 outside the replica vmap), and the replica vmap's axes where the step accumulates micro-batches: a
@@ -44,12 +47,17 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from lumen_jax.parallel import rules as rules_lib
 
 AXIS = "tensor"
 COLLECTIVE_MATMUL = "collective_matmul"
+# The outputs of a collective matmul carry this `checkpoint_name`: its custom VJP is opaque to the
+# dot-based remat policies, which would recompute it (transfers and all) in the backward;
+# `ops.projection.remat_policy` shows them each named output as a projection's dot.
+REMAT_NAME = "collective_matmul"
 
 
 def active() -> bool:
@@ -113,12 +121,11 @@ def _weight_grad(spec: str, x: jax.Array, w: jax.Array, dy: jax.Array) -> jax.Ar
     return jax.linear_transpose(lambda v: jnp.einsum(spec, x, v), jax.ShapeDtypeStruct(w.shape, w.dtype))(dy)[0]
 
 
-def _gather(specs: tuple[str, ...], x: jax.Array, ws: tuple[jax.Array, ...], gathered: bool = False):
+def _gather(specs: tuple[str, ...], x: jax.Array, ws: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     """Per device: the einsums of the blocks of x ([B, Tl, ...], one per `tensor` device) gathered
-    in n steps, each block passed on while its dots run; with `gathered`, also the gathered x."""
+    in n steps, each block passed on while its dots run."""
     n, me, tl = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS), x.shape[1]
     outs: list = [None] * len(ws)
-    full = jnp.zeros((x.shape[0], tl * n, *x.shape[2:]), x.dtype) if gathered else None
     block = x
     for i in range(n):
         # pass the block on before multiplying it: the transfer reads the block, not a dot's
@@ -130,10 +137,8 @@ def _gather(specs: tuple[str, ...], x: jax.Array, ws: tuple[jax.Array, ...], gat
             if outs[k] is None:
                 outs[k] = jnp.zeros((y.shape[0], tl * n, *y.shape[2:]), y.dtype)
             outs[k] = jax.lax.dynamic_update_slice_in_dim(outs[k], y, src * tl, axis=1)
-        if gathered:
-            full = jax.lax.dynamic_update_slice_in_dim(full, block, src * tl, axis=1)
         block = nxt
-    return tuple(outs), full
+    return tuple(outs)
 
 
 def _scatter(parts: Callable, n: int) -> jax.Array:
@@ -149,11 +154,11 @@ def _scatter(parts: Callable, n: int) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _all_gather_matmul_local(specs: tuple[str, ...], x: jax.Array, ws: tuple[jax.Array, ...]) -> tuple:
-    return _gather(specs, x, ws)[0]
+    return _gather(specs, x, ws)
 
 
 def _ag_fwd(specs, x, ws):
-    return _gather(specs, x, ws)[0], (x, ws)
+    return _gather(specs, x, ws), (x, ws)
 
 
 def _ag_bwd(specs, res, dys):
@@ -240,7 +245,9 @@ def all_gather_matmul(specs: Sequence[str], x_btd: jax.Array, ws: Sequence[jax.A
     in_specs = [P(None, seq if len(seq) > 1 else seq[0], *([None] * (x_btd.ndim - 2)))]
     in_specs += [P(*(AXIS if c == split(wl, ol) else None for c in wl)) for _, wl, ol in letters]
     out_specs = tuple(P(None, outer, *(AXIS if c == split(wl, ol) else None for c in ol[2:])) for _, wl, ol in letters)
-    return _run(lambda x, *w: _all_gather_matmul_local(tuple(specs), x, w), (x_btd, *ws), in_specs, out_specs)
+    def local(x, *w):
+        return tuple(checkpoint_name(y, REMAT_NAME) for y in _all_gather_matmul_local(tuple(specs), x, w))
+    return _run(local, (x_btd, *ws), in_specs, out_specs)
 
 
 def reduce_scatter_matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -257,4 +264,5 @@ def reduce_scatter_matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     in_specs = (P(None, outer, *(AXIS if c == split else None for c in xs[2:])),
                 P(*(AXIS if c == split else None for c in ws_letters)))
     out_specs = P(None, seq if len(seq) > 1 else seq[0], *([None] * (len(out) - 2)))
-    return _run(lambda x, w: _reduce_scatter_matmul_local(spec, x, w), (x, w), in_specs, out_specs)
+    return _run(lambda x, w: checkpoint_name(_reduce_scatter_matmul_local(spec, x, w), REMAT_NAME), (x, w),
+                in_specs, out_specs)

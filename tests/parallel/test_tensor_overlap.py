@@ -183,11 +183,14 @@ def test_weight_gradients_cross_data_and_fsdp_as_without_it(m, mesh):
 @pytest.mark.parametrize("model,m,mesh,remat", [
     ("kv4", 1, dict(data=2, tensor=4), "none"),  # 4 forward + 4 mirrors + 2 gathered again, per layer
     ("kv4", 1, dict(data=2, tensor=4), "full"),  # 4 + 4 + 3 recomputed
+    # the projections kept, as the plain program's dots (ops.projection.remat_policy): nothing recomputed
+    ("kv4", 1, dict(data=2, tensor=4), "dots_with_no_batch_dims_saveable"),
     ("base", 2, dict(pipeline=2, fsdp=2, tensor=2), "none"),  # per executed tick
 ])
 def test_planner_counts_the_steps_the_compiled_program_sends(model, m, mesh, remat):
     """The planner's collective-matmul steps (`collectives._collective_matmul`) are the compiled
-    step's collective-permutes over `tensor`, byte for byte."""
+    step's collective-permutes over `tensor`, byte for byte; under a dot-saving remat policy the
+    compiled matmul FLOPs are the planner's too (no projection run again in the backward)."""
     from lumen_jax.compiler.compiled import against_xla
     from lumen_jax.plan.hardware import DEVICES
     from lumen_jax.plan.predict import predict
@@ -195,9 +198,12 @@ def test_planner_counts_the_steps_the_compiled_program_sends(model, m, mesh, rem
     cfg = with_mesh(base.replace(model=dataclasses.replace(base.model, remat=remat)), m, **mesh,
                     sequence_parallel=True, tensor_overlap=CM)
     plan = predict(cfg, layout_from_config(cfg, jax.device_count()), DEVICES["h100"], attention="xla")
-    predicted, compiled = against_xla(cfg, plan).collectives["tensor permute"]
+    check = against_xla(cfg, plan)
+    predicted, compiled = check.collectives["tensor permute"]
     assert compiled > 0
     assert predicted == pytest.approx(compiled, rel=1e-9)
+    if remat.startswith("dots"):
+        assert check.matmul_predicted == pytest.approx(check.matmul_compiled, rel=1e-9)
 
 
 def test_planner_hides_the_steps_under_the_matmuls_and_no_more():
