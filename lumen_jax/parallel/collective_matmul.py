@@ -72,22 +72,35 @@ def active() -> bool:
             and dict(mesh.shape).get(AXIS, 1) > 1)
 
 
-def _seq_axes(rules: rules_lib.Rules) -> tuple[str, ...]:
-    """The mesh axes of the residual stream's sequence (`act_seq`), outermost first: (context,) tensor."""
-    axes = rules.spec(("act_seq",))[0]
-    return (axes,) if isinstance(axes, str) else tuple(axes or ())
-
-
-def _run(local, args: Sequence[jax.Array], in_specs: Sequence[P], out_specs) -> jax.Array:
-    """`local` per device, manual over the sequence's mesh axes only (module docstring)."""
+def _mesh():
+    """(the mesh to run on: the active one, or a pipeline stage's abstract mesh inside its
+    shard_map; the rules)."""
     mesh, rules = rules_lib.active()
     inner = jax.sharding.get_abstract_mesh()
     if not inner.empty and inner.manual_axes:  # inside a pipeline stage's shard_map
         mesh = inner
+    return mesh, rules
+
+
+def _seq_axes() -> tuple[str, ...]:
+    """The mesh axes of the residual stream's sequence (`act_seq`) of more than one device,
+    outermost first: (context,) tensor. An axis of one device is left automatic: manual, a weight
+    unmentioned over it would have its gradient summed over it, an all-reduce over groups of one
+    device that XLA:CPU fails on in bfloat16 (a check failure, "Invalid binary instruction opcode
+    copy", jaxlib 0.10.2)."""
+    mesh, rules = _mesh()
+    axes = rules.spec(("act_seq",))[0]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return tuple(a for a in axes if dict(mesh.shape).get(a, 1) > 1)
+
+
+def _run(local, args: Sequence[jax.Array], in_specs: Sequence[P], out_specs) -> jax.Array:
+    """`local` per device, manual over the sequence's mesh axes only (module docstring)."""
+    mesh, rules = _mesh()
     # the replica axes too: under the step's replica vmap (`spmd_axis_name`) the batching rule puts
     # them into the specs of the batched operands, which only manual axes may appear in. The
     # weights are not batched there; their gradients are per replica, summed once per step.
-    manual = (set(_seq_axes(rules)) | set(rules.replica_axes)) - set(getattr(mesh, "manual_axes", ()))
+    manual = (set(_seq_axes()) | set(rules.replica_axes)) - set(getattr(mesh, "manual_axes", ()))
     return jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
                          axis_names=manual, check_vma=False)(*args)
 
@@ -234,8 +247,7 @@ def all_gather_matmul(specs: Sequence[str], x_btd: jax.Array, ws: Sequence[jax.A
     Returns each einsum's value, its sequence split as `seq` (over `context` only) and its weight's
     split features over `tensor`.
     """
-    _, rules = rules_lib.active()
-    seq = _seq_axes(rules)
+    seq = _seq_axes()
     outer = seq[0] if len(seq) > 1 else None  # `context` (or nothing): the sequence's split that stays
     letters = [_token_spec(s) for s in specs]
 
@@ -256,8 +268,7 @@ def reduce_scatter_matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     features ([N, H, D] over N); the result [B, T, D] split along T as the residual stream
     (`act_seq`), the reduce-scatter over `tensor` decomposed into ppermute steps under the partial
     matmuls (module docstring)."""
-    _, rules = rules_lib.active()
-    seq = _seq_axes(rules)
+    seq = _seq_axes()
     outer = seq[0] if len(seq) > 1 else None
     xs, ws_letters, out = _token_spec(spec)
     split = next(c for c in ws_letters if c in xs[2:])  # the contracted feature axis split over `tensor`
