@@ -316,6 +316,31 @@ def _batch_and_sequence(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bo
 
 
 @rule
+def _tensor_overlap(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
+    """mesh.tensor_overlap=collective_matmul decomposes sequence parallelism's collectives of the dense
+    layers' projections (lumen_jax/parallel/collective_matmul.py): it needs them, and plain einsums."""
+    mesh, m = cfg.mesh, cfg.model
+    if mesh.tensor_overlap == "none":
+        return
+    yield (mesh.sequence_parallel,
+           f"mesh.tensor_overlap={mesh.tensor_overlap} decomposes sequence parallelism's all-gather and "
+           "reduce-scatter over `tensor`, but mesh.sequence_parallel=false; set mesh.sequence_parallel=true "
+           "or mesh.tensor_overlap=none")
+    yield (m.fp8.recipe == "none",
+           f"mesh.tensor_overlap={mesh.tensor_overlap} with model.fp8.recipe={m.fp8.recipe!r}: fp8 projections "
+           "scale each operand as a whole (amax over all tokens) and are not decomposed into steps; set "
+           "mesh.tensor_overlap=none or model.fp8.recipe=none")
+    yield (not m.moe.enabled,
+           f"mesh.tensor_overlap={mesh.tensor_overlap} with model.moe.num_experts={m.moe.num_experts}: the "
+           "routed experts' grouped matmuls are not decomposed; set mesh.tensor_overlap=none or "
+           "model.moe.num_experts=0")
+    yield (shape["pipeline"] == 1 or mesh.pipeline_schedule != "zero_bubble",
+           f"mesh.tensor_overlap={mesh.tensor_overlap} with mesh.pipeline_schedule=zero_bubble: its W units "
+           "replay each projection's weight gradient as one einsum of the gathered input; set "
+           "mesh.tensor_overlap=none or another mesh.pipeline_schedule")
+
+
+@rule
 def _schedule(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
     """The learning-rate schedule's phases."""
     o = cfg.optim
@@ -465,6 +490,9 @@ def warnings(cfg: Config) -> list[str]:
     if cfg.mesh.sequence_parallel and cfg.mesh.tensor == 1:
         out.append("mesh.sequence_parallel=true does nothing with mesh.tensor=1 (it splits the residual stream "
                    "over the tensor axis); set mesh.tensor>1 or mesh.sequence_parallel=false")
+    if cfg.mesh.tensor_overlap != "none" and cfg.mesh.tensor == 1:
+        out.append(f"mesh.tensor_overlap={cfg.mesh.tensor_overlap} does nothing with mesh.tensor=1 (no tensor "
+                   "collectives to overlap); set mesh.tensor>1 or mesh.tensor_overlap=none")
     c = cfg.model.moe.capacity_factor
     if cfg.model.moe.enabled and c is not None and c < 1:
         out.append(f"model.moe.capacity_factor={show(c)} < 1 drops at least {100 * (1 - c):.0f}% of the tokens' "

@@ -31,6 +31,9 @@ class ConfigError(ValueError):
 ATTENTION_IMPLS = ("xla", "flash", "cudnn", "auto")
 CONTEXT_PARALLEL = ("ring", "allgather")  # how attention crosses the `context` axis
 CONTEXT_BALANCE = ("zigzag", "contiguous")  # which sequence chunks each context device holds
+# How sequence parallelism's tensor collectives run: GSPMD's all-gather / reduce-scatter on the critical
+# path | decomposed into ppermute steps under the partial matmuls (lumen_jax/parallel/collective_matmul.py)
+TENSOR_OVERLAP = ("none", "collective_matmul")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
                   "save_attention_out", "offload_dots")
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
@@ -202,6 +205,10 @@ class MeshConfig:
     context: int = 1
     tensor: int = 1
     sequence_parallel: bool = False  # Megatron SP: norms/residual sharded along sequence over `tensor`
+    # With sequence parallelism: none (the all-gather before Q/K/V and gate/up, the reduce-scatter after
+    # O and down, on the critical path) | collective_matmul (each decomposed into tensor-1 ppermute
+    # steps under the partial matmuls: parallel/collective_matmul.py)
+    tensor_overlap: str = "none"
     zero_stage: int = 3  # over fsdp: 1 optimizer state sharded; 2: + gradients; 3: + parameters (FSDP)
     # context > 1: ring (K/V hop around the context ring) | allgather (gather K/V, Llama 3)
     context_parallel: str = "ring"
@@ -452,6 +459,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "mesh.zero_stage": ZERO_STAGES,
     "mesh.context_parallel": CONTEXT_PARALLEL,
     "mesh.context_balance": CONTEXT_BALANCE,
+    "mesh.tensor_overlap": TENSOR_OVERLAP,
     "mesh.fsdp_grad_reduce": ("every_micro_batch", "once"),
     "mesh.fsdp_regather": ("per_micro_batch", "per_step"),
     "mesh.reduce_dtype": ("float32", "bfloat16"),
@@ -484,7 +492,7 @@ MOVED: dict[str, str] = {
 }
 
 
-__all__ = ["ConfigError", "ATTENTION_IMPLS", "CONTEXT_PARALLEL", "CONTEXT_BALANCE", "REMAT_POLICIES",
+__all__ = ["ConfigError", "ATTENTION_IMPLS", "CONTEXT_PARALLEL", "CONTEXT_BALANCE", "TENSOR_OVERLAP", "REMAT_POLICIES",
            "COMPUTE_DTYPES", "ROPE_SCALINGS", "NORM_SCALES", "BLOCK_NORMS", "MLP_ACTIVATIONS", "EMBED_SCALES",
            "FP8_RECIPES", "FP8_LAYERS", "FP8_KEEP_BF16",
            "MOE_ROUTERS", "MOE_BALANCE", "Fp8Config", "MoeConfig", "MixtureSource", "DATA_ORDERS", "ITEMS", "ModelConfig", "MeshConfig", "OptimConfig",

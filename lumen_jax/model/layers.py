@@ -21,7 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 from lumen_jax.config import ModelConfig
 from lumen_jax.ops.attention import attention
 from lumen_jax.ops.choice import Ops
-from lumen_jax.ops.projection import Tape, project, projection_state
+from lumen_jax.ops.projection import Tape, project, project_columns, project_rows, projection_state
 from lumen_jax.ops.swiglu import swiglu
 from lumen_jax.parallel.rules import constrain
 
@@ -34,13 +34,27 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: 
 def _projector(module: nnx.Module, ops: Ops, layer_type: str, state: nnx.Dict | None, tape: Tape | None = None):
     """`project` for the projections of one module: `(spec, x, attr, name) -> einsum(spec, x, w)`,
     w the module's weight `attr`, `name` its model state's key; through `tape` when the backward
-    is split (`ops.projection.Taps`)."""
-    def proj(spec: str, x: jax.Array, attr: str, name: str) -> jax.Array:
+    is split (`ops.projection.Taps`). A row-parallel projection (O, down) passes `rows=True`."""
+    def proj(spec: str, x: jax.Array, attr: str, name: str, rows: bool = False) -> jax.Array:
         w, st = getattr(module, attr)[...], None if state is None else state[name]
         if tape is not None:
             return tape.project(attr, spec, x, w, ops, layer_type, st)
-        return project(spec, x, w, ops, layer_type, st)
+        return (project_rows if rows else project)(spec, x, w, ops, layer_type, st)
     return proj
+
+
+def _columns(module: nnx.Module, ops: Ops, layer_type: str, state: nnx.Dict | None, tape: Tape | None = None):
+    """The column-parallel projections of one input (Q/K/V, gate/up) of one module:
+    `(specs, x, attrs, names) -> tuple of einsum(spec, x, w)` (`ops.projection.project_columns`),
+    each through `tape` when the backward is split."""
+    def cols(specs: tuple[str, ...], x: jax.Array, attrs: tuple[str, ...], names: tuple[str, ...]) -> tuple:
+        if tape is not None:
+            proj = _projector(module, ops, layer_type, state, tape)
+            return tuple(proj(spec, x, attr, name) for spec, attr, name in zip(specs, attrs, names))
+        ws = tuple(getattr(module, attr)[...] for attr in attrs)
+        states = None if state is None else tuple(state[name] for name in names)
+        return project_columns(specs, x, ws, ops, layer_type, states)
+    return cols
 
 
 class RMSNorm(nnx.Module):
@@ -212,10 +226,8 @@ class Attention(nnx.Module):
     def qkv(self, x_btd: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array,
             ops: Ops, tape: Tape | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Rotated queries [B, T, N, H], rotated keys and values [B, T, K, H] (also the KV cache's entries)."""
-        proj = _projector(self, ops, "attention", self.projections, tape)
-        q = proj("btd,dnh->btnh", x_btd, "wq", "q")
-        k = proj("btd,dkh->btkh", x_btd, "wk", "k")
-        v = proj("btd,dkh->btkh", x_btd, "wv", "v")
+        q, k, v = _columns(self, ops, "attention", self.projections, tape)(
+            ("btd,dnh->btnh", "btd,dkh->btkh", "btd,dkh->btkh"), x_btd, ("wq", "wk", "wv"), ("q", "k", "v"))
         if hasattr(self, "bq"):
             q, k, v = (y + b[...].astype(y.dtype) for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
         if hasattr(self, "q_norm"):
@@ -231,7 +243,7 @@ class Attention(nnx.Module):
         """The output projection of the attention result [B, T, N, H] -> [B, T, D]."""
         # Named so that remat=save_attention_out keeps it and recomputes only the projections/MLP.
         o = checkpoint_name(constrain(o_btnh, ("batch", "seq", "act_heads", None)), "attention_out")
-        return _projector(self, ops, "attention", self.projections, tape)("btnh,nhd->btd", o, "wo", "o")
+        return _projector(self, ops, "attention", self.projections, tape)("btnh,nhd->btd", o, "wo", "o", rows=True)
 
 
 class MLP(nnx.Module):
@@ -247,12 +259,11 @@ class MLP(nnx.Module):
         self.activation = cfg.mlp_activation
 
     def __call__(self, x_btd: jax.Array, ops: Ops, tape: Tape | None = None) -> jax.Array:
-        proj = _projector(self, ops, "mlp", self.projections, tape)
-        gate = proj("btd,df->btf", x_btd, "w_gate", "gate")
-        up = proj("btd,df->btf", x_btd, "w_up", "up")
+        gate, up = _columns(self, ops, "mlp", self.projections, tape)(
+            ("btd,df->btf", "btd,df->btf"), x_btd, ("w_gate", "w_up"), ("gate", "up"))
         gated = swiglu(gate, up) if self.activation == "silu" else jax.nn.gelu(gate, approximate=True) * up
         h = constrain(gated, ("batch", "seq", "act_mlp"))
-        return proj("btf,fd->btd", h, "w_down", "down")
+        return _projector(self, ops, "mlp", self.projections, tape)("btf,fd->btd", h, "w_down", "down", rows=True)
 
 
 class Block(nnx.Module):
@@ -282,7 +293,9 @@ class Block(nnx.Module):
         # Under sequence parallelism the normed input is gathered along the sequence over `tensor`
         # here, once, before the column-parallel projections (Megatron's g); left to itself the
         # partitioner gathered it per projection, and with context parallelism over `context` too.
-        gathered = ("batch", "seq", "act_embed")
+        # `proj_seq`: the rules leave it split where the projections gather it themselves (in steps
+        # under their matmuls, `ops.projection.project_columns`).
+        gathered = ("batch", "proj_seq", "act_embed")
         h_btd = constrain(self.attn_norm(x_btd), gathered)
         scope = (lambda name: None) if tape is None else tape.scope  # noqa: E731
         a_btd = self.attn(h_btd, positions_bt, segment_ids_bt, inv_freq, ops, scope("attn"), local)

@@ -34,6 +34,7 @@ from flax import nnx
 
 from lumen_jax.ops import cpu, fp8, grouped
 from lumen_jax.ops.choice import Ops
+from lumen_jax.parallel import collective_matmul
 
 
 def project(spec: str, x: jax.Array, w: jax.Array, ops: Ops, layer_type: str | None = None,
@@ -61,6 +62,35 @@ def project(spec: str, x: jax.Array, w: jax.Array, ops: Ops, layer_type: str | N
     if how == "token_grad":
         return cpu.token_grad_project(spec, x, w, out_dtype)
     return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
+
+
+def project_columns(specs: tuple[str, ...], x: jax.Array, ws: tuple[jax.Array, ...], ops: Ops,
+                    layer_type: str | None = None, states: tuple[nnx.Dict | None, ...] | None = None
+                    ) -> tuple[jax.Array, ...]:
+    """The column-parallel projections of one input (Q/K/V, gate/up): `project(spec, x, w, ...)` for
+    each of `specs` and `ws`, weights split over their output features by the rules (`heads`, `mlp`).
+
+    Under `mesh.tensor_overlap=collective_matmul` (with sequence parallelism over `tensor`) `x`
+    arrives split along the sequence (`proj_seq`) and the plain einsums run as one all-gather
+    matmul (`parallel.collective_matmul`): x's blocks travel under the partial matmuls of every
+    weight. Otherwise, and for fp8 projections (whose scales see the whole operand), each runs as
+    `project`, x gathered before them by the partitioner.
+    """
+    states = states if states is not None else (None,) * len(specs)
+    if ops.projection(layer_type) == "einsum" and collective_matmul.active():
+        return collective_matmul.all_gather_matmul(specs, x, tuple(w.astype(x.dtype) for w in ws))
+    return tuple(project(spec, x, w, ops, layer_type, st) for spec, w, st in zip(specs, ws, states))
+
+
+def project_rows(spec: str, x: jax.Array, w: jax.Array, ops: Ops, layer_type: str | None = None,
+                 state: nnx.Dict | None = None) -> jax.Array:
+    """A row-parallel projection (O, down: the weight split over its input features, the output
+    summed over `tensor`): `project(spec, x, w, ...)`, or under `mesh.tensor_overlap=collective_matmul`
+    a reduce-scatter matmul whose result is split along the sequence as the residual stream
+    (`parallel.collective_matmul`)."""
+    if ops.projection(layer_type) == "einsum" and collective_matmul.active():
+        return collective_matmul.reduce_scatter_matmul(spec, x, w.astype(x.dtype))
+    return project(spec, x, w, ops, layer_type, state)
 
 
 @jax.custom_vjp
@@ -269,11 +299,16 @@ def remat_policy(policy: Callable[..., Any]) -> Callable[..., Any]:
     """`policy` (a `jax.checkpoint_policies` policy) seeing each `token_grad` projection as its dot.
 
     Without this the dot-based policies (`dots_saveable`, ...) would save none of the projections
-    and recompute them all. Other custom VJPs (fp8 dots, flash and context-parallel attention) are
+    and recompute them all. The outputs of a collective matmul (`parallel.collective_matmul`,
+    named `REMAT_NAME`) reach `policy` as a dot without batch dimensions, for the same reason. Other custom VJPs (fp8 dots, flash and context-parallel attention) are
     more than one dot and reach `policy` unchanged, so programs without `token_grad` see `policy`
     exactly.
     """
     def adapted(prim, *avals, **params):
+        if prim.name == "name" and params.get("name") == collective_matmul.REMAT_NAME:
+            # a collective matmul's output (its custom VJP is opaque): decided as a projection's dot
+            return policy(jax.lax.dot_general_p, *avals, dimension_numbers=(((), ()), ((), ())),
+                          precision=None, preferred_element_type=None)
         if prim.name == "custom_vjp_call":
             dot = _only_dot(params["call_jaxpr"].jaxpr)
             if dot is not None:

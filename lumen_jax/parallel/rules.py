@@ -12,6 +12,8 @@ batch           (data, fsdp, expert)   data parallelism; FSDP/ZeRO and expert pa
 seq             context                context parallelism splits every sequence
 act_seq         (context, tensor)      residual stream between blocks under sequence parallelism
                 context                ... and without it
+proj_seq        context                a column-parallel projection's input: gathered over tensor ...
+                as act_seq             ... unless mesh.tensor_overlap=collective_matmul gathers it in steps
 vocab           tensor                 vocab-parallel embedding and logits (Megatron)
 heads/kv_heads  tensor                 column split of Q/K/V, row split of the attention output
 mlp             tensor                 column split of MLP-in, row split of MLP-out (each expert's too)
@@ -53,6 +55,10 @@ class Rules:
     # but the same kind of decision, read by the attention dispatch under `activate`.
     context_parallel: str = "ring"  # ring | allgather
     context_balance: str = "zigzag"  # zigzag | contiguous
+    # How the tensor-parallel projections cross `tensor` under sequence parallelism
+    # (lumen_jax/parallel/collective_matmul.py), read by the projection dispatch under `activate`:
+    # none (GSPMD's all-gather / reduce-scatter) | collective_matmul
+    tensor_overlap: str = "none"
     # Batch axes taken by the train step's vmapped replica dimension (step.Placement: micro-batch
     # gradients summed per replica group, reduced once per step). Inside it `batch` maps to the rest,
     # and `seq` to nothing when `context` is among them (each group holds one chunk of the tokens).
@@ -63,6 +69,7 @@ class Rules:
                          "optimizer": self.zero_stage >= 1, "activations": False}[kind]
         context = None if "context" in self.replica_axes else "context"
         sp_seq = tuple(a for a in (context, "tensor") if a)
+        act_seq = (sp_seq if len(sp_seq) > 1 else sp_seq[0]) if self.sequence_parallel else context
         return {
             # parameter axes
             "vocab": "tensor",
@@ -78,7 +85,11 @@ class Rules:
             # activation axes
             "batch": tuple(a for a in ("data", "fsdp", "expert") if a not in self.replica_axes) or None,
             "seq": context,
-            "act_seq": (sp_seq if len(sp_seq) > 1 else sp_seq[0]) if self.sequence_parallel else context,
+            "act_seq": act_seq,
+            # the sequence of a column-parallel projection's input (Q/K/V, gate/up): gathered over
+            # `tensor` before it (`seq`), or left split as the residual stream when the projection
+            # gathers it itself in steps under its matmuls (`tensor_overlap`, parallel/collective_matmul.py)
+            "proj_seq": act_seq if self.tensor_overlap == "collective_matmul" else context,
             "act_embed": None,
             "act_heads": "tensor",
             "act_kv_heads": "tensor",

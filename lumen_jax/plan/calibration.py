@@ -97,10 +97,16 @@ def recipe_memory_of(row: Published, plan: Plan) -> recipe_memory.RecipeMemory:
 
 def plan_ours(row: Published, terms: Efficiency = Efficiency()) -> Plan:
     """Our program as it runs, in the row's layout, model, batch and hardware: our overlap (none on
-    tensor and pipeline), our gradients' reduction over context, the attention `auto` picks on a GPU
-    (cuDNN's, or our flash kernel under context parallelism) with its residuals kept.
+    pipeline; on tensor, under sequence parallelism, the collective matmul's steps hidden under the
+    projections' matmuls, `mesh.tensor_overlap=collective_matmul`), our gradients' reduction over
+    context, the attention `auto` picks on a GPU (cuDNN's, or our flash kernel under context
+    parallelism) with its residuals kept.
     "What would lumen_jax do here", beside what the row's own program did (`predict_row`)."""
-    return predict(config_of(row), layout_of(row), hardware_of(row), attention="auto", terms=terms)
+    cfg, layout = config_of(row), layout_of(row)
+    if cfg.mesh.sequence_parallel and cfg.mesh.tensor > 1:
+        mesh = dataclasses.replace(cfg.mesh, tensor_overlap="collective_matmul")
+        cfg, layout = cfg.replace(mesh=mesh), dataclasses.replace(layout, mesh=mesh)
+    return predict(cfg, layout, hardware_of(row), attention="auto", terms=terms)
 
 
 @dataclasses.dataclass(frozen=True)

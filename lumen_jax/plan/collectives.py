@@ -262,6 +262,14 @@ def _tensor(s: StepShape, add: Add) -> None:
         _pipelined_tensor(s, add)
         return
     reductions = 2 + 5 + (2 if s.redo else 0)
+    if _collective_matmul(s, add, m * layers, m * layers):
+        # outside the layers as without it: the final norm's output and the embedding's gradient
+        # gathered, the head's input gradient scattered, the vocab table gathered once
+        add("tensor", "all-gather", "final norm output and embedding gradient (sequence parallel)", row, m * 2, False)
+        add("tensor", "all-gather", "vocab table for the embedding lookup (sequence parallel; hoisted)",
+            model.vocab_size * model.d_model * s.c, 1, False)
+        add("tensor", "reduce-scatter", "the head's input gradient (sequence parallel)", row, m, False)
+        return
     if s.layout.mesh.sequence_parallel:
         # all-gathers: the two norm outputs in the forward, again for the weight gradients and as
         # the transposes of the two reduce-scatters in the backward; outside the layers the final
@@ -390,6 +398,27 @@ def _pipelined_embedding_gradient(s: StepShape, add: Add) -> None:
                 table / mesh.fsdp, 1, True)
 
 
+def _collective_matmul(s: StepShape, add: Add, forwards: float, backwards: float) -> bool:
+    """`mesh.tensor_overlap=collective_matmul` (`parallel/collective_matmul.py`): per layer forward
+    the gathers before Q/K/V and gate/up and the scatters after O and down, each n - 1 ring steps
+    of 1/n of a row; per layer backward their four mirrors and the two inputs gathered again for
+    the weight gradients (each device keeps its 1/n, as without the option). A backward that
+    recomputes its projections (remat) runs three of the forward's four again instead (the down
+    projection's scatter feeds only the layer's output, which the backward does not read), whose
+    gathers XLA shares with the weight gradients' (measured, remat full: 11 per layer, 10 with
+    remat none). Each step runs under a partial matmul of its projection (`overlapped`:
+    `predict.exposed_seconds` hides them under those matmuls). `forwards`/`backwards`: layer
+    forwards and backwards per step. False (nothing added) when the option is off."""
+    mesh = s.layout.mesh
+    if mesh.tensor_overlap != "collective_matmul" or not mesh.sequence_parallel or mesh.tensor == 1:
+        return False
+    n, again = mesh.tensor, 3 if s.redo else 2
+    add("tensor", "send/recv", f"activations, collective matmul: 4/layer forward, {4 + again}/layer backward"
+        f" ({'3 recomputed' if s.redo else '2 gathered again'}), {n - 1} steps of 1/{n} of a row each", s.row / n,
+        (4 * forwards + (4 + again) * backwards) * (n - 1), True)
+    return True
+
+
 def _pipelined_tensor(s: StepShape, add: Add) -> None:
     """tensor in a pipelined step, as the compiled program runs it (measured on pipeline=2 fsdp=2
     tensor=2, m=4: 1f1b with and without sequence parallelism, zero_bubble with it): every tick runs its
@@ -409,11 +438,13 @@ def _pipelined_tensor(s: StepShape, add: Add) -> None:
     regather, rereduce = (2, 1) if s.redo else (0, 0)  # a backward that recomputes its projections
     reduces = chunk * (2 * ticks["forward"] + (5 + rereduce) * ticks["backward"])
     share = s.row / prog.stages  # a loss tick's tokens
+    overlapped = _collective_matmul(s, add, chunk * ticks["forward"], chunk * ticks["backward"])
     if s.layout.mesh.sequence_parallel:
         gathers = chunk * (2 * ticks["forward"] + (2 + regather) * ticks["backward"])
         ids = s.row * 4 / (model.d_model * s.c)
-        add("tensor", "all-gather", "activations, 2/layer forward, 2/layer backward (sequence parallel)", s.row,
-            gathers, False)
+        if not overlapped:
+            add("tensor", "all-gather", "activations, 2/layer forward, 2/layer backward (sequence parallel)", s.row,
+                gathers, False)
         add("tensor", "all-gather", "embedding gradient rows and ids, per backward tick", s.row + ids,
             ticks["backward"], False)
         add("tensor", "all-gather", "final norm output of a loss tick's tokens", share, ticks["head"], False)
@@ -421,8 +452,9 @@ def _pipelined_tensor(s: StepShape, add: Add) -> None:
             add("tensor", "all-gather", "a W unit's stashed rows, 2/layer", s.row, chunk * 2 * ticks["weight"], False)
         add("tensor", "all-gather", "vocab table (sequence parallel; hoisted)", model.vocab_size * model.d_model * s.c,
             3 if prog.split else 2, False)
-        add("tensor", "reduce-scatter", "activations, 2/layer forward, 5/layer backward (sequence parallel)",
-            s.row, reduces, False)
+        if not overlapped:
+            add("tensor", "reduce-scatter", "activations, 2/layer forward, 5/layer backward (sequence parallel)",
+                s.row, reduces, False)
         add("tensor", "reduce-scatter", "a loss tick's input gradient", share, ticks["head"], False)
     else:
         add("tensor", "all-reduce", "activations, 2/layer forward, 5/layer backward", s.row, reduces, False)

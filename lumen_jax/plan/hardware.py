@@ -100,7 +100,8 @@ class Layout:
         stages = [f"{name}" + (f" V={v}" if v > 1 else "")] if self.pipeline > 1 else []
         if self.pipeline > 1 and len(set(self.mesh.pipeline_layers)) > 1:
             stages.append("layers=" + ",".join(map(str, self.mesh.pipeline_layers)))
-        return " ".join(parts + (["sp"] if self.mesh.sequence_parallel else []) + comm + stages)
+        sp = "sp+cm" if self.mesh.tensor_overlap == "collective_matmul" else "sp"  # cm: collective matmul
+        return " ".join(parts + ([sp] if self.mesh.sequence_parallel else []) + comm + stages)
 
 
 def uneven_split(num_layers: int, chunks: int, group: int = 1) -> tuple[int, ...]:

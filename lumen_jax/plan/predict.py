@@ -158,6 +158,8 @@ def _windows(compute: Compute, m: int) -> dict[str, float]:
 
 def _window_of(c: Collective) -> str:
     axis = c.axis.split("+")[0]
+    if axis == "tensor" and c.overlapped:  # collective matmul's steps (`collectives._collective_matmul`)
+        return "collective_matmul"
     if axis in ("tensor", "context") or (axis in ("expert", "pipeline") and not c.overlapped):
         return axis
     if c.kind == "all-gather":
@@ -170,15 +172,22 @@ def exposed_seconds(comms: tuple[Collective, ...], compute: Compute, m: int, ove
     window of compute (`_windows`) hide `overlap.of(axis)` of min(their transfer, the window); the
     rest shows. A collective the program cannot overlap (`Collective.overlapped` false: the
     all-gather attention's K/V) is all exposed; the tensor, pipeline and expert axes' collectives
-    hide as far as `overlap` says (0 for our program's tensor axis)."""
+    hide as far as `overlap` says (0 for our program's tensor axis), except collective matmul's
+    steps (`mesh.tensor_overlap`), which hide under (tensor-1)/tensor of the matmuls."""
     windows = _windows(compute, m)
+    # collective matmul: n - 1 of a projection's n partial matmuls have a step's transfer beside
+    # them (a gather's last dot and a scatter's first have none), so its steps hide, whole, under
+    # (n - 1)/n of the matmuls, whatever `overlap.tensor` says of the recipes' programs
+    steps = [c for c in comms if _window_of(c) == "collective_matmul"]
+    windows["collective_matmul"] = compute.matmul_s * (1 - 1 / steps[0].size) if steps else 0.0
     keys = [(_window_of(c), c.axis.split("+")[0]) for c in comms]
     groups: dict[tuple[str, str], float] = {}
     for c, key in zip(comms, keys):
         groups[key] = groups.get(key, 0.0) + c.seconds
     out = []
     for c, key in zip(comms, keys):
-        share = overlap.of(key[1]) if c.overlapped or key[1] in ("tensor", "pipeline", "expert") else 0.0
+        share = (1.0 if key[0] == "collective_matmul" else
+                 overlap.of(key[1]) if c.overlapped or key[1] in ("tensor", "pipeline", "expert") else 0.0)
         total = groups[key]
         hidden = share * min(total, windows[key[0]])
         out.append(c.seconds * (1 - hidden / total) if total else 0.0)
@@ -335,7 +344,8 @@ def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, to
     Tries tensor sizes that fit in a node and divide the heads, kv heads, ffn and vocab; context
     sizes that divide the sequence; every fsdp x data split of the rest; sequence parallelism on
     and off; the remat policies in `SEARCH_REMATS`; and per-device micro-batches of 1, 2, 4, ...
-    sequences; over fsdp, (ZeRO-3) `mesh.fsdp_regather` both ways and, with several micro-batches,
+    sequences (with sequence parallelism, `mesh.tensor_overlap` as the config has it, except under
+    zero_bubble, which refuses it); over fsdp, (ZeRO-3) `mesh.fsdp_regather` both ways and, with several micro-batches,
     `mesh.fsdp_grad_reduce` both ways; the pipeline depths of `SEARCH_DEPTHS` that divide the devices (uneven
     stages where they do not divide the layers: `hardware.uneven_split`) (or the
     one given: `pipeline`, else `mesh.pipeline`), each with every schedule that can run it
@@ -388,7 +398,8 @@ def _search_depth(cfg: Config, num_devices: int, hw: Hardware, pipeline: int,
                         if batch % (rest * ep * mb):
                             break
                         mesh = dataclasses.replace(cfg.mesh, data=rest // fsdp, fsdp=fsdp, context=cp,
-                                                   tensor=tp, sequence_parallel=sp)
+                                                   tensor=tp, sequence_parallel=sp,
+                                                   tensor_overlap=cfg.mesh.tensor_overlap if sp else "none")
                         accumulate = batch // (rest * ep * mb) > 1 and fsdp > 1
                         for reduce, regather in itertools.product(
                                 COMM_OPTIONS["fsdp_grad_reduce"] if accumulate else (mesh.fsdp_grad_reduce,),
@@ -397,6 +408,8 @@ def _search_depth(cfg: Config, num_devices: int, hw: Hardware, pipeline: int,
                             steps = batch // (rest * ep * mb)
                             comm = dataclasses.replace(mesh, fsdp_grad_reduce=reduce, fsdp_regather=regather)
                             for staged in _schedules(m, comm, pipeline, steps):
+                                if staged.pipeline_schedule == "zero_bubble" and staged.pipeline > 1:
+                                    staged = dataclasses.replace(staged, tensor_overlap="none")  # refused with it
                                 layout = Layout(staged, pipeline=pipeline, micro_batches=steps)
                                 for remat in SEARCH_REMATS:
                                     if on_plan is not None:

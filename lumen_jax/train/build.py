@@ -186,7 +186,8 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
     """The run of `cfg` on `mesh`. `ops`: how the model's ops run; None chooses them from the mesh's
     devices (`ops.choice.choose`); `python -m lumen_jax.lower` passes the choice for a target GPU."""
     rules = Rules(zero_stage=cfg.mesh.zero_stage, sequence_parallel=cfg.mesh.sequence_parallel,
-                  context_parallel=cfg.mesh.context_parallel, context_balance=cfg.mesh.context_balance)
+                  context_parallel=cfg.mesh.context_parallel, context_balance=cfg.mesh.context_balance,
+                  tensor_overlap=cfg.mesh.tensor_overlap)
     if ops is None:
         ops = choose(cfg.model, list(mesh.devices.flat), mesh.shape["context"])  # a ConfigError before compiling
     model = abstract_model(cfg.model, ops)
