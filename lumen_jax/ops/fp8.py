@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from lumen_jax.config import Fp8Config
 from lumen_jax.ops.state import ModelState
@@ -49,6 +50,7 @@ E5M2 = jnp.float8_e5m2  # gradients: 2 mantissa bits, max 57344, wider range
 TILE = 128  # blockwise recipe: 1 x TILE activation tiles, TILE x TILE weight blocks
 _AMAX_FLOOR = 2.0 ** -100  # keeps fp8_max / amax finite in fp32 for denormal amaxes
 
+RESIDUAL_NAME = "fp8_operand"  # the forward's quantized operands, scales and amaxes, kept for the backward
 HISTORY_KEYS = ("x", "w", "g")  # the operands of one projection: input, weight, output gradient
 
 
@@ -173,6 +175,16 @@ def _operand(a: jax.Array, scale: jax.Array, fmt: Any, keep: jax.Array | None, d
             jnp.where(keep, jnp.float32(1.0), scale))
 
 
+def _saved(a: jax.Array) -> jax.Array:
+    """`a` named `RESIDUAL_NAME` for the remat policies (`ops.projection.SAVED_WITH_DOTS`). An fp8
+    array is named as its bits (uint8; the bitcasts are free): named as fp8 under a policy that
+    saves it, the model's scanned layers computed NaN from finite values (jax 0.10.2)."""
+    if a.dtype not in (E4M3, E5M2):
+        return checkpoint_name(a, RESIDUAL_NAME)
+    bits = checkpoint_name(jax.lax.bitcast_convert_type(a, jnp.uint8), RESIDUAL_NAME)
+    return jax.lax.bitcast_convert_type(bits, a.dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _tensor_dot(x: jax.Array, w: jax.Array, hist: dict, keep: jax.Array | None, recipe: str) -> jax.Array:
     return _tensor_dot_fwd(x, w, hist, keep, recipe)[0]
@@ -181,6 +193,7 @@ def _tensor_dot(x: jax.Array, w: jax.Array, hist: dict, keep: jax.Array | None, 
 def _tensor_dot_fwd(x, w, hist, keep, recipe):
     ax, aw, sx, sw = _tensor_scales(recipe, hist, x, w)
     (qx, sx), (qw, sw) = _operand(x, sx, E4M3, keep, x.dtype), _operand(w, sw, E4M3, keep, x.dtype)
+    qx, qw, sx, sw, ax, aw = (_saved(a) for a in (qx, qw, sx, sw, ax, aw))
     y = _scaled_dot(qx, qw, _dims_xw(x), 1.0 / (sx * sw), x.dtype)
     # fp8 residuals: the backward GEMMs reuse the forward's quantized operands (as Transformer Engine).
     # (Empty arrays carry the operands' dtypes: residuals must be arrays.)

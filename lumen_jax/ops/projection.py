@@ -36,6 +36,12 @@ from lumen_jax.ops import cpu, fp8, grouped
 from lumen_jax.ops.choice import Ops
 
 
+# Residual names (`checkpoint_name`) of projections' backward passes that the remat policies saving the
+# projections' products keep too: fp8's quantized operands and their scales (1 byte per element,
+# against quantizing the float32 master weight and the activation again in the backward).
+SAVED_WITH_DOTS = (fp8.RESIDUAL_NAME,)
+
+
 def project(spec: str, x: jax.Array, w: jax.Array, ops: Ops, layer_type: str | None = None,
             state: nnx.Dict | None = None, out_dtype: Any = None) -> jax.Array:
     """`jnp.einsum(spec, x, w)` of activations `x` (compute dtype) and a weight `w` (float32 master).

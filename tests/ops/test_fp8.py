@@ -8,6 +8,8 @@ land below the normal range."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -225,9 +227,9 @@ from helpers.meshes import mesh_shape, small_mesh  # noqa: E402
 
 
 def _trainer(fp8_cfg: Fp8Config, num_layers: int = 3, compute_dtype: str = "bfloat16", steps: int = 300,
-             seq_len: int = 64, batch: int = 8, **axes):
+             seq_len: int = 64, batch: int = 8, remat: str = "none", **axes):
     shape = mesh_shape(**axes)
-    cfg = Config(model=ModelConfig(num_layers=num_layers, compute_dtype=compute_dtype, fp8=fp8_cfg),
+    cfg = Config(model=ModelConfig(num_layers=num_layers, compute_dtype=compute_dtype, fp8=fp8_cfg, remat=remat),
                  mesh=MeshConfig(**shape), data=DataConfig(seq_len=seq_len, global_batch_size=batch),
                  optim=OptimConfig(lr=3e-3, warmup_steps=10), train=TrainConfig(steps=steps))
     return build(cfg, small_mesh(**shape))
@@ -301,6 +303,35 @@ def test_a_kept_slot_computes_the_compute_dtype_or_fp8(recipe):
         if recipe == "delayed":
             for k in fp8.HISTORY_KEYS:
                 np.testing.assert_array_equal(got[1][2][k], 0.0 if keep else quantized[1][2][k])
+
+
+_QUANTIZE = {fmt: re.compile(rf"= {fmt}\[[^\]]*\]\S* convert\(") for fmt in ("f8e4m3fn", "f8e5m2")}
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_policies_saving_the_products_keep_the_fp8_operands_for_the_backward(recipe):
+    """Under a remat policy that saves the projections' products the backward reuses the forward's
+    quantized operands (saved, `fp8.RESIDUAL_NAME`) instead of quantizing x and the float32 master
+    weight again: one E4M3 quantization per operand per layer body, as without remat (`full`
+    recomputes the forward, so quantizes twice); the loss and gradients are those without remat."""
+    from helpers.data import packed_batch
+    batch = packed_batch(4, 64, 512, seed=0)
+    counts, results = {}, {}
+    for remat in ("none", "dots_with_no_batch_dims_saveable", "dots_saveable", "full"):
+        tr = _trainer(Fp8Config(recipe=recipe, keep_bf16=()), num_layers=2, compute_dtype="float32",
+                      batch=4, steps=10, remat=remat)
+        state, sc = tr.init(), tr.step_cfg
+        grads = jax.jit(lambda s, b: step_lib.loss_grads_and_state(s.params, s.model_state, b, 1.0, sc)[:2])
+        text = grads.lower(state, batch).as_text(dialect="hlo")
+        counts[remat] = {fmt: len(p.findall(text)) for fmt, p in _QUANTIZE.items()}
+        results[remat] = jax.device_get(grads(state, batch))
+    # one scanned layer body: 7 projections, each quantizing x and w (E4M3) and its output gradient (E5M2)
+    assert counts["none"] == {"f8e4m3fn": 14, "f8e5m2": 7}, counts
+    assert counts["dots_with_no_batch_dims_saveable"] == counts["dots_saveable"] == counts["none"], counts
+    assert counts["full"] == {"f8e4m3fn": 28, "f8e5m2": 7}, counts
+    for remat in ("dots_with_no_batch_dims_saveable", "dots_saveable", "full"):
+        for a, b in zip(jax.tree.leaves(results[remat]), jax.tree.leaves(results["none"])):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max()), err_msg=remat)
 
 
 @pytest.fixture(scope="module")
