@@ -31,15 +31,18 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: 
     return nnx.Param(value, out_sharding=names)
 
 
-def _projector(module: nnx.Module, ops: Ops, layer_type: str, state: nnx.Dict | None, tape: Tape | None = None):
+def _projector(module: nnx.Module, ops: Ops, layer_type: str, state: nnx.Dict | None, tape: Tape | None = None,
+               together: tuple[str, ...] = ()):
     """`project` for the projections of one module: `(spec, x, attr, name) -> einsum(spec, x, w)`,
     w the module's weight `attr`, `name` its model state's key; through `tape` when the backward
-    is split (`ops.projection.Taps`)."""
+    is split (`ops.projection.Taps`). `together`: the names of the projections that read one input
+    (Q/K/V, gate/up): each is given their states too (`project`'s `peers`)."""
     def proj(spec: str, x: jax.Array, attr: str, name: str) -> jax.Array:
         w, st = getattr(module, attr)[...], None if state is None else state[name]
+        peers = None if state is None or name not in together else tuple(state[n] for n in together)
         if tape is not None:
-            return tape.project(attr, spec, x, w, ops, layer_type, st)
-        return project(spec, x, w, ops, layer_type, st)
+            return tape.project(attr, spec, x, w, ops, layer_type, st, peers)
+        return project(spec, x, w, ops, layer_type, st, peers=peers)
     return proj
 
 
@@ -179,7 +182,7 @@ class Attention(nnx.Module):
     def qkv(self, x_btd: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array,
             ops: Ops, tape: Tape | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Rotated queries [B, T, N, H], rotated keys and values [B, T, K, H] (also the KV cache's entries)."""
-        proj = _projector(self, ops, "attention", self.projections, tape)
+        proj = _projector(self, ops, "attention", self.projections, tape, together=("q", "k", "v"))
         q = proj("btd,dnh->btnh", x_btd, "wq", "q")
         k = proj("btd,dkh->btkh", x_btd, "wk", "k")
         v = proj("btd,dkh->btkh", x_btd, "wv", "v")
@@ -211,7 +214,7 @@ class MLP(nnx.Module):
         self.activation = cfg.mlp_activation
 
     def __call__(self, x_btd: jax.Array, ops: Ops, tape: Tape | None = None) -> jax.Array:
-        proj = _projector(self, ops, "mlp", self.projections, tape)
+        proj = _projector(self, ops, "mlp", self.projections, tape, together=("gate", "up"))
         gate = proj("btd,df->btf", x_btd, "w_gate", "gate")
         up = proj("btd,df->btf", x_btd, "w_up", "up")
         gated = swiglu(gate, up) if self.activation == "silu" else jax.nn.gelu(gate, approximate=True) * up

@@ -43,7 +43,7 @@ SAVED_WITH_DOTS = (fp8.RESIDUAL_NAME,)
 
 
 def project(spec: str, x: jax.Array, w: jax.Array, ops: Ops, layer_type: str | None = None,
-            state: nnx.Dict | None = None, out_dtype: Any = None) -> jax.Array:
+            state: nnx.Dict | None = None, out_dtype: Any = None, peers: tuple[nnx.Dict, ...] | None = None) -> jax.Array:
     """`jnp.einsum(spec, x, w)` of activations `x` (compute dtype) and a weight `w` (float32 master).
 
     Args:
@@ -54,13 +54,15 @@ def project(spec: str, x: jax.Array, w: jax.Array, ops: Ops, layer_type: str | N
       ops: the implementation choice; `layer_type` (attention | mlp | None) selects fp8.
       state: this projection's model state (`projection_state`), or None.
       out_dtype: the einsum's `preferred_element_type` (float32 logits from bfloat16 inputs).
+      peers: the states of every projection that reads this same `x` (this one's included), or None:
+        fp8's delayed recipe scales `x` from all their histories, so one quantization serves them all.
 
     Returns:
       The einsum's value; gradients equal the einsum's (float32: to rounding of the summation order).
     """
     how = ops.projection(layer_type)
     if how == "fp8":
-        return fp8.einsum(spec, x, w, ops.fp8.recipe, state, ops.fp8_keep)
+        return fp8.einsum(spec, x, w, ops.fp8.recipe, state, ops.fp8_keep, peers)
     if how == "fp8_kept":
         return fp8.einsum(spec, x, w, "none")
     w = w.astype(x.dtype)
@@ -230,11 +232,11 @@ class Tape:
         return self.arrays[key]
 
     def project(self, attr: str, spec: str, x: jax.Array, w: jax.Array, ops: Ops, layer_type: str | None,
-                state: nnx.Dict | None = None) -> jax.Array:
+                state: nnx.Dict | None = None, peers: tuple[nnx.Dict, ...] | None = None) -> jax.Array:
         """`project(spec, x, w, ...)` of the weight `attr` of this scope, tapped when it is a plain einsum."""
         key = self.prefix + attr
         if ops.projection(layer_type) not in ("einsum", "token_grad"):
-            return project(spec, x, w, ops, layer_type, state)
+            return project(spec, x, w, ops, layer_type, state, peers=peers)
         if self.probe:
             y = project(spec, x, w, ops, layer_type, state)
             source = self.seen.setdefault(id(x), key)

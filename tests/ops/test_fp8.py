@@ -169,6 +169,38 @@ def test_delayed_dot_emits_updated_histories_as_their_gradient():
     np.testing.assert_allclose(y, by_hand, rtol=1e-5, atol=1e-5 * float(jnp.abs(by_hand).max()))
 
 
+def test_projections_reading_one_input_share_its_delayed_scale():
+    """`einsum(..., peers=)`: q, k and v (gate and up) scale their common input from the max of
+    their x histories, one scale, so the compiled program quantizes it once (without peers, three
+    times); each projection's next x history still records its own (rolled) history and this x's
+    amax, with no gradient into its peers'. Checked against the quantized dot written by hand."""
+    x = jax.random.normal(jax.random.key(0), (4, 16, 32), jnp.float32)
+    ws = [jax.random.normal(jax.random.key(i), (32, 24), jnp.float32) for i in (1, 2, 3)]
+    h = lambda *v: jnp.array(v + (0.0,) * (4 - len(v)), jnp.float32)  # noqa: E731
+    states = [{"x": h(2.0), "w": h(3.0), "g": h(1.0)}, {"x": h(0.0, 5.0), "w": h(4.0), "g": h(1.0)},
+              {"x": h(1.0, 1.0, 1.0), "w": h(5.0), "g": h(1.0)}]
+
+    def run(x, states, share=True):
+        return [fp8.einsum("btd,dn->btn", x, w, "delayed", s, None, tuple(states) if share else None)
+                for w, s in zip(ws, states)]
+
+    ys, back = jax.vjp(run, x, states)
+    m = fp8.fp8_max(fp8.E4M3)
+    e4m3 = lambda a: np.clip(a, -m, m).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)  # noqa: E731
+    sx = np.float32(m / 5.0)  # the max of the three x histories
+    for y, w, st in zip(ys, ws, states):
+        sw = np.float32(m) / np.float32(np.max(st["w"]))
+        want = e4m3(np.asarray(x) * sx) @ e4m3(np.asarray(w) * sw) / (sx * sw)
+        np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    new = back([jnp.ones_like(y) for y in ys])[1]
+    ax = float(jnp.max(jnp.abs(x)))
+    for got, st in zip(new, states):
+        np.testing.assert_array_equal(got["x"], np.concatenate([[ax], np.asarray(st["x"])[:-1]]))
+    count = lambda share: len(re.findall(r"= f8e4m3fn\[4,16,32\]\S* convert", jax.jit(  # noqa: E731
+        lambda x, s: run(x, s, share)).lower(x, states).compile().as_text()))
+    assert (count(True), count(False)) == (1, 3)
+
+
 def test_current_dot_uses_this_steps_amax():
     x, w, _ = _operands(2)
     sx, sw = (fp8.compute_scale(fp8.amax(a), fp8.E4M3) for a in (x, w))
