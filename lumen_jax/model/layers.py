@@ -31,25 +31,31 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: 
     return nnx.Param(value, out_sharding=names)
 
 
-def _projector(module: nnx.Module, ops: Ops, layer_type: str, state: nnx.Dict | None, tape: Tape | None = None):
+def _projector(module: nnx.Module, ops: Ops, layer_type: str, state: nnx.Dict | None, tape: Tape | None = None,
+               together: tuple[str, ...] = ()):
     """`project` for the projections of one module: `(spec, x, attr, name) -> einsum(spec, x, w)`,
     w the module's weight `attr`, `name` its model state's key; through `tape` when the backward
-    is split (`ops.projection.Taps`). A row-parallel projection (O, down) passes `rows=True`."""
+    is split (`ops.projection.Taps`). A row-parallel projection (O, down) passes `rows=True`.
+    `together`: the names of the projections that read one input (Q/K/V, gate/up): each is given
+    their states too (`project`'s `peers`)."""
     def proj(spec: str, x: jax.Array, attr: str, name: str, rows: bool = False) -> jax.Array:
         w, st = getattr(module, attr)[...], None if state is None else state[name]
+        peers = None if state is None or name not in together else tuple(state[n] for n in together)
         if tape is not None:
-            return tape.project(attr, spec, x, w, ops, layer_type, st)
-        return (project_rows if rows else project)(spec, x, w, ops, layer_type, st)
+            return tape.project(attr, spec, x, w, ops, layer_type, st, peers)
+        if rows:
+            return project_rows(spec, x, w, ops, layer_type, st)
+        return project(spec, x, w, ops, layer_type, st, peers=peers)
     return proj
 
 
 def _columns(module: nnx.Module, ops: Ops, layer_type: str, state: nnx.Dict | None, tape: Tape | None = None):
     """The column-parallel projections of one input (Q/K/V, gate/up) of one module:
     `(specs, x, attrs, names) -> tuple of einsum(spec, x, w)` (`ops.projection.project_columns`),
-    each through `tape` when the backward is split."""
+    each through `tape` when the backward is split; fp8 projections share one scale of their input."""
     def cols(specs: tuple[str, ...], x: jax.Array, attrs: tuple[str, ...], names: tuple[str, ...]) -> tuple:
         if tape is not None:
-            proj = _projector(module, ops, layer_type, state, tape)
+            proj = _projector(module, ops, layer_type, state, tape, together=names)
             return tuple(proj(spec, x, attr, name) for spec, attr, name in zip(specs, attrs, names))
         ws = tuple(getattr(module, attr)[...] for attr in attrs)
         states = None if state is None else tuple(state[name] for name in names)

@@ -23,14 +23,16 @@ from lumen_jax.model.mtp import MTPModule
 from lumen_jax.model.moe import MoE
 from lumen_jax.ops.choice import Ops
 from lumen_jax.ops.loss import output_objective
-from lumen_jax.ops.projection import Taps, project, remat_policy
+from lumen_jax.ops.projection import SAVED_WITH_DOTS, Taps, project, remat_policy
 from lumen_jax.ops.state import ModelState, combine_rules
 from lumen_jax.parallel.rules import constrain
 
 # Every policy but `full` also keeps the flash kernel's output and log-sum-exp (on the device) (a few bytes per token
 # and head beside the layer's projections), so no backward runs the attention forward again; `full`
 # keeps nothing, by definition. The reference (xla) attention has no such residual: it is unaffected.
-_KEEP_FLASH = jax.checkpoint_policies.save_only_these_names(flash_lib.RESIDUAL_NAME)
+# The policies that save the projections' products also keep what their backward reads beside the
+# product (`SAVED_WITH_DOTS`: fp8's quantized operands and scales), so no backward quantizes again.
+_KEEP_FLASH = jax.checkpoint_policies.save_only_these_names(flash_lib.RESIDUAL_NAME, *SAVED_WITH_DOTS)
 _OFFLOAD_DOTS = jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,

@@ -16,11 +16,19 @@ Recipes (`model.fp8.recipe`):
   histories as their "gradients" (flax's overwrite-with-gradient): the train step stores these as
   the new state instead of applying them. A global `jnp.max` over a sharded tensor is a reduction
   over the mesh, so every device computes the same scales and histories.
+  Projections that read one input (Q/K/V, gate/up: `einsum`'s `peers`) scale it from the max of
+  their x histories, which hold the same values (each records the amax of that input): one scale,
+  so XLA quantizes the input once and merges their GEMMs, as under `current`. The state keeps a
+  history per projection and operand (checkpoints unchanged).
 - `blockwise` (DeepSeek-V3): a scale per 1x128 tile of activations and gradients (along the
   contraction) and per 128x128 block of weights; for the weight gradient the tiles run along the
   sequence (128x1). Per-block scales along the contraction cannot be factored out of one GEMM, so
   the quantized operands are dequantized and multiplied in the compute dtype: fp8 numerics, not
   fp8 speed (that needs a block-scaled GEMM kernel).
+
+The forward's quantized operands, scales and amaxes are named `RESIDUAL_NAME`: the remat
+policies that save the projections' products keep them (`ops.projection.SAVED_WITH_DOTS`), so the
+backward does not quantize the f32 master weights and the activations again.
 
 On GPUs with fp8 tensor cores (sm_89+), the per-tensor recipes' `dot_general(fp8, fp8) -> bf16`
 times a scalar is what XLA's GEMM rewriter turns into one cuBLASLt fp8 GEMM
@@ -40,6 +48,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from lumen_jax.config import Fp8Config
 from lumen_jax.ops.state import ModelState
@@ -49,6 +58,7 @@ E5M2 = jnp.float8_e5m2  # gradients: 2 mantissa bits, max 57344, wider range
 TILE = 128  # blockwise recipe: 1 x TILE activation tiles, TILE x TILE weight blocks
 _AMAX_FLOOR = 2.0 ** -100  # keeps fp8_max / amax finite in fp32 for denormal amaxes
 
+RESIDUAL_NAME = "fp8_operand"  # the forward's quantized operands, scales and amaxes, kept for the backward
 HISTORY_KEYS = ("x", "w", "g")  # the operands of one projection: input, weight, output gradient
 
 
@@ -158,7 +168,7 @@ def _scaled_dot(a: jax.Array, b: jax.Array, dims: Any, inv_scale: jax.Array, dty
 def _tensor_scales(recipe: str, hist: dict, x: jax.Array, w: jax.Array) -> tuple[jax.Array, ...]:
     ax, aw = amax(x), amax(w)
     if recipe == "delayed":
-        return ax, aw, delayed_scale(hist["x"], ax, E4M3), delayed_scale(hist["w"], aw, E4M3)
+        return ax, aw, delayed_scale(hist["xs"], ax, E4M3), delayed_scale(hist["w"], aw, E4M3)
     return ax, aw, compute_scale(ax, E4M3), compute_scale(aw, E4M3)
 
 
@@ -173,6 +183,16 @@ def _operand(a: jax.Array, scale: jax.Array, fmt: Any, keep: jax.Array | None, d
             jnp.where(keep, jnp.float32(1.0), scale))
 
 
+def _saved(a: jax.Array) -> jax.Array:
+    """`a` named `RESIDUAL_NAME` for the remat policies (`ops.projection.SAVED_WITH_DOTS`). An fp8
+    array is named as its bits (uint8; the bitcasts are free): named as fp8 under a policy that
+    saves it, the model's scanned layers computed NaN from finite values (jax 0.10.2)."""
+    if a.dtype not in (E4M3, E5M2):
+        return checkpoint_name(a, RESIDUAL_NAME)
+    bits = checkpoint_name(jax.lax.bitcast_convert_type(a, jnp.uint8), RESIDUAL_NAME)
+    return jax.lax.bitcast_convert_type(bits, a.dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _tensor_dot(x: jax.Array, w: jax.Array, hist: dict, keep: jax.Array | None, recipe: str) -> jax.Array:
     return _tensor_dot_fwd(x, w, hist, keep, recipe)[0]
@@ -181,6 +201,7 @@ def _tensor_dot(x: jax.Array, w: jax.Array, hist: dict, keep: jax.Array | None, 
 def _tensor_dot_fwd(x, w, hist, keep, recipe):
     ax, aw, sx, sw = _tensor_scales(recipe, hist, x, w)
     (qx, sx), (qw, sw) = _operand(x, sx, E4M3, keep, x.dtype), _operand(w, sw, E4M3, keep, x.dtype)
+    qx, qw, sx, sw, ax, aw = (_saved(a) for a in (qx, qw, sx, sw, ax, aw))
     y = _scaled_dot(qx, qw, _dims_xw(x), 1.0 / (sx * sw), x.dtype)
     # fp8 residuals: the backward GEMMs reuse the forward's quantized operands (as Transformer Engine).
     # (Empty arrays carry the operands' dtypes: residuals must be arrays.)
@@ -198,7 +219,8 @@ def _tensor_dot_bwd(recipe, res, g):
     # Overwrite-with-gradient: the "cotangent" of each history is its next value (a kept layer's
     # stays 0, as without `keep`, where the layer's einsum never reads it).
     new_hist = ({"x": update_history(hist["x"], ax), "w": update_history(hist["w"], aw),
-                 "g": update_history(hist["g"], ag)} if recipe == "delayed" else hist)
+                 "g": update_history(hist["g"], ag), "xs": jnp.zeros_like(hist["xs"])}  # xs: no gradient
+                if recipe == "delayed" else hist)
     if keep is not None and recipe == "delayed":
         new_hist = jax.tree.map(lambda h: jnp.where(keep, jnp.zeros_like(h), h), new_hist)
     return dx, dw, new_hist, None  # None: `keep` (a bool) has no cotangent
@@ -248,7 +270,7 @@ _block_dot.defvjp(_block_dot_fwd, _block_dot_bwd)
 
 
 def dot(x: jax.Array, w: jax.Array, recipe: str, history: dict | None = None,
-        keep: jax.Array | None = None) -> jax.Array:
+        keep: jax.Array | None = None, input_history: jax.Array | None = None) -> jax.Array:
     """x [*B, K] . w [K, N] -> [*B, N] in x.dtype with fp8 operands (see the module docstring).
 
     Args:
@@ -261,12 +283,18 @@ def dot(x: jax.Array, w: jax.Array, recipe: str, history: dict | None = None,
         (a layer kept in bf16, `recipe: none`'s numbers) and the histories' next values 0; else fp8.
         Both run as one GEMM in the compute dtype on the fp8 values (a pipeline stage whose layer
         slot holds a kept layer on some stages only: `ops.choice.Ops.stage_runs`).
+      input_history: delayed only: the amax history [H] that scales `x` (default `history["x"]`),
+        one shared by the projections that read `x`; it has no gradient (`history["x"]` still
+        records this `x`'s amax).
     """
     if recipe == "blockwise":
         return _block_dot(x, w, keep)
     if recipe not in ("current", "delayed"):
         raise ValueError(f"fp8 recipe {recipe!r} is not one of current, delayed, blockwise")
-    return _tensor_dot(x, w, history if recipe == "delayed" else {}, keep, recipe)
+    if recipe != "delayed":
+        return _tensor_dot(x, w, {}, keep, recipe)
+    scales_x = history["x"] if input_history is None else jax.lax.stop_gradient(input_history)
+    return _tensor_dot(x, w, {**history, "xs": scales_x}, keep, recipe)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -335,13 +363,16 @@ def _split_spec(spec: str, x_ndim: int, w_ndim: int) -> int:
 
 
 def einsum(spec: str, x: jax.Array, w: jax.Array, recipe: str, history: dict | None = None,
-           keep: jax.Array | None = None) -> jax.Array:
+           keep: jax.Array | None = None, peers: tuple[dict, ...] | None = None) -> jax.Array:
     """`jnp.einsum(spec, x, w)` with fp8 operands (recipe current | delayed | blockwise), or in the
     compute dtype with recipe `none` (a layer kept in bf16 among fp8 layers).
 
     The contracted axes (x's trailing, w's leading) and w's output axes are merged so the GEMM is
     x [*B, K] . w [K, N]; the merges keep the sharded axis major (heads before head_dim).
     `history`: delayed only, this projection's {x, w, g} `Fp8History` variables; `keep`: see `dot`.
+    `peers`: delayed only, the histories of every projection reading this `x` (Q/K/V, gate/up; this
+    one's included): x is scaled from the max of their x histories (`dot`'s `input_history`), the
+    same scale for each, so XLA quantizes x once for them all and may merge their GEMMs.
     """
     c = _split_spec(spec, x.ndim, w.ndim)
     batch, out_dims = x.shape[:x.ndim - c], w.shape[c:]
@@ -351,7 +382,8 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, recipe: str, history: dict | N
         y = jnp.einsum("...k,kn->...n", x2, w2.astype(x2.dtype))
     else:
         hist = None if history is None else {key: history[key][...] for key in HISTORY_KEYS}
-        y = dot(x2, w2, recipe, hist, keep)
+        shared = None if history is None or not peers else jnp.max(jnp.stack([p["x"][...] for p in peers]), axis=0)
+        y = dot(x2, w2, recipe, hist, keep, shared)
     return y.reshape(*batch, *out_dims)
 
 

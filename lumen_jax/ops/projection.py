@@ -37,8 +37,14 @@ from lumen_jax.ops.choice import Ops
 from lumen_jax.parallel import collective_matmul
 
 
+# Residual names (`checkpoint_name`) of projections' backward passes that the remat policies saving the
+# projections' products keep too: fp8's quantized operands and their scales (1 byte per element,
+# against quantizing the float32 master weight and the activation again in the backward).
+SAVED_WITH_DOTS = (fp8.RESIDUAL_NAME,)
+
+
 def project(spec: str, x: jax.Array, w: jax.Array, ops: Ops, layer_type: str | None = None,
-            state: nnx.Dict | None = None, out_dtype: Any = None) -> jax.Array:
+            state: nnx.Dict | None = None, out_dtype: Any = None, peers: tuple[nnx.Dict, ...] | None = None) -> jax.Array:
     """`jnp.einsum(spec, x, w)` of activations `x` (compute dtype) and a weight `w` (float32 master).
 
     Args:
@@ -49,13 +55,15 @@ def project(spec: str, x: jax.Array, w: jax.Array, ops: Ops, layer_type: str | N
       ops: the implementation choice; `layer_type` (attention | mlp | None) selects fp8.
       state: this projection's model state (`projection_state`), or None.
       out_dtype: the einsum's `preferred_element_type` (float32 logits from bfloat16 inputs).
+      peers: the states of every projection that reads this same `x` (this one's included), or None:
+        fp8's delayed recipe scales `x` from all their histories, so one quantization serves them all.
 
     Returns:
       The einsum's value; gradients equal the einsum's (float32: to rounding of the summation order).
     """
     how = ops.projection(layer_type)
     if how == "fp8":
-        return fp8.einsum(spec, x, w, ops.fp8.recipe, state, ops.fp8_keep)
+        return fp8.einsum(spec, x, w, ops.fp8.recipe, state, ops.fp8_keep, peers)
     if how == "fp8_kept":
         return fp8.einsum(spec, x, w, "none")
     w = w.astype(x.dtype)
@@ -74,12 +82,14 @@ def project_columns(specs: tuple[str, ...], x: jax.Array, ws: tuple[jax.Array, .
     arrives split along the sequence (`proj_seq`) and the plain einsums run as one all-gather
     matmul (`parallel.collective_matmul`): x's blocks travel under the partial matmuls of every
     weight. Otherwise, and for fp8 projections (whose scales see the whole operand), each runs as
-    `project`, x gathered before them by the partitioner.
+    `project`, x gathered before them by the partitioner; fp8 projections get each other's `states`
+    as `peers` (one delayed scale of their shared input).
     """
     states = states if states is not None else (None,) * len(specs)
     if ops.projection(layer_type) == "einsum" and collective_matmul.active():
         return collective_matmul.all_gather_matmul(specs, x, tuple(w.astype(x.dtype) for w in ws))
-    return tuple(project(spec, x, w, ops, layer_type, st) for spec, w, st in zip(specs, ws, states))
+    peers = None if all(st is None for st in states) else states  # fp8: one scale of x for all of them
+    return tuple(project(spec, x, w, ops, layer_type, st, peers=peers) for spec, w, st in zip(specs, ws, states))
 
 
 def project_rows(spec: str, x: jax.Array, w: jax.Array, ops: Ops, layer_type: str | None = None,
@@ -254,11 +264,11 @@ class Tape:
         return self.arrays[key]
 
     def project(self, attr: str, spec: str, x: jax.Array, w: jax.Array, ops: Ops, layer_type: str | None,
-                state: nnx.Dict | None = None) -> jax.Array:
+                state: nnx.Dict | None = None, peers: tuple[nnx.Dict, ...] | None = None) -> jax.Array:
         """`project(spec, x, w, ...)` of the weight `attr` of this scope, tapped when it is a plain einsum."""
         key = self.prefix + attr
         if ops.projection(layer_type) not in ("einsum", "token_grad"):
-            return project(spec, x, w, ops, layer_type, state)
+            return project(spec, x, w, ops, layer_type, state, peers=peers)
         if self.probe:
             y = project(spec, x, w, ops, layer_type, state)
             source = self.seen.setdefault(id(x), key)

@@ -8,6 +8,8 @@ land below the normal range."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -167,6 +169,38 @@ def test_delayed_dot_emits_updated_histories_as_their_gradient():
     np.testing.assert_allclose(y, by_hand, rtol=1e-5, atol=1e-5 * float(jnp.abs(by_hand).max()))
 
 
+def test_projections_reading_one_input_share_its_delayed_scale():
+    """`einsum(..., peers=)`: q, k and v (gate and up) scale their common input from the max of
+    their x histories, one scale, so the compiled program quantizes it once (without peers, three
+    times); each projection's next x history still records its own (rolled) history and this x's
+    amax, with no gradient into its peers'. Checked against the quantized dot written by hand."""
+    x = jax.random.normal(jax.random.key(0), (4, 16, 32), jnp.float32)
+    ws = [jax.random.normal(jax.random.key(i), (32, 24), jnp.float32) for i in (1, 2, 3)]
+    h = lambda *v: jnp.array(v + (0.0,) * (4 - len(v)), jnp.float32)  # noqa: E731
+    states = [{"x": h(2.0), "w": h(3.0), "g": h(1.0)}, {"x": h(0.0, 5.0), "w": h(4.0), "g": h(1.0)},
+              {"x": h(1.0, 1.0, 1.0), "w": h(5.0), "g": h(1.0)}]
+
+    def run(x, states, share=True):
+        return [fp8.einsum("btd,dn->btn", x, w, "delayed", s, None, tuple(states) if share else None)
+                for w, s in zip(ws, states)]
+
+    ys, back = jax.vjp(run, x, states)
+    m = fp8.fp8_max(fp8.E4M3)
+    e4m3 = lambda a: np.clip(a, -m, m).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)  # noqa: E731
+    sx = np.float32(m / 5.0)  # the max of the three x histories
+    for y, w, st in zip(ys, ws, states):
+        sw = np.float32(m) / np.float32(np.max(st["w"]))
+        want = e4m3(np.asarray(x) * sx) @ e4m3(np.asarray(w) * sw) / (sx * sw)
+        np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    new = back([jnp.ones_like(y) for y in ys])[1]
+    ax = float(jnp.max(jnp.abs(x)))
+    for got, st in zip(new, states):
+        np.testing.assert_array_equal(got["x"], np.concatenate([[ax], np.asarray(st["x"])[:-1]]))
+    count = lambda share: len(re.findall(r"= f8e4m3fn\[4,16,32\]\S* convert", jax.jit(  # noqa: E731
+        lambda x, s: run(x, s, share)).lower(x, states).compile().as_text()))
+    assert (count(True), count(False)) == (1, 3)
+
+
 def test_current_dot_uses_this_steps_amax():
     x, w, _ = _operands(2)
     sx, sw = (fp8.compute_scale(fp8.amax(a), fp8.E4M3) for a in (x, w))
@@ -225,9 +259,9 @@ from helpers.meshes import mesh_shape, small_mesh  # noqa: E402
 
 
 def _trainer(fp8_cfg: Fp8Config, num_layers: int = 3, compute_dtype: str = "bfloat16", steps: int = 300,
-             seq_len: int = 64, batch: int = 8, **axes):
+             seq_len: int = 64, batch: int = 8, remat: str = "none", **axes):
     shape = mesh_shape(**axes)
-    cfg = Config(model=ModelConfig(num_layers=num_layers, compute_dtype=compute_dtype, fp8=fp8_cfg),
+    cfg = Config(model=ModelConfig(num_layers=num_layers, compute_dtype=compute_dtype, fp8=fp8_cfg, remat=remat),
                  mesh=MeshConfig(**shape), data=DataConfig(seq_len=seq_len, global_batch_size=batch),
                  optim=OptimConfig(lr=3e-3, warmup_steps=10), train=TrainConfig(steps=steps))
     return build(cfg, small_mesh(**shape))
@@ -301,6 +335,35 @@ def test_a_kept_slot_computes_the_compute_dtype_or_fp8(recipe):
         if recipe == "delayed":
             for k in fp8.HISTORY_KEYS:
                 np.testing.assert_array_equal(got[1][2][k], 0.0 if keep else quantized[1][2][k])
+
+
+_QUANTIZE = {fmt: re.compile(rf"= {fmt}\[[^\]]*\]\S* convert\(") for fmt in ("f8e4m3fn", "f8e5m2")}
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_policies_saving_the_products_keep_the_fp8_operands_for_the_backward(recipe):
+    """Under a remat policy that saves the projections' products the backward reuses the forward's
+    quantized operands (saved, `fp8.RESIDUAL_NAME`) instead of quantizing x and the float32 master
+    weight again: one E4M3 quantization per operand per layer body, as without remat (`full`
+    recomputes the forward, so quantizes twice); the loss and gradients are those without remat."""
+    from helpers.data import packed_batch
+    batch = packed_batch(4, 64, 512, seed=0)
+    counts, results = {}, {}
+    for remat in ("none", "dots_with_no_batch_dims_saveable", "dots_saveable", "full"):
+        tr = _trainer(Fp8Config(recipe=recipe, keep_bf16=()), num_layers=2, compute_dtype="float32",
+                      batch=4, steps=10, remat=remat)
+        state, sc = tr.init(), tr.step_cfg
+        grads = jax.jit(lambda s, b: step_lib.loss_grads_and_state(s.params, s.model_state, b, 1.0, sc)[:2])
+        text = grads.lower(state, batch).as_text(dialect="hlo")
+        counts[remat] = {fmt: len(p.findall(text)) for fmt, p in _QUANTIZE.items()}
+        results[remat] = jax.device_get(grads(state, batch))
+    # one scanned layer body: 7 projections, each quantizing x and w (E4M3) and its output gradient (E5M2)
+    assert counts["none"] == {"f8e4m3fn": 14, "f8e5m2": 7}, counts
+    assert counts["dots_with_no_batch_dims_saveable"] == counts["dots_saveable"] == counts["none"], counts
+    assert counts["full"] == {"f8e4m3fn": 28, "f8e5m2": 7}, counts
+    for remat in ("dots_with_no_batch_dims_saveable", "dots_saveable", "full"):
+        for a, b in zip(jax.tree.leaves(results[remat]), jax.tree.leaves(results["none"])):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max()), err_msg=remat)
 
 
 @pytest.fixture(scope="module")
