@@ -1,10 +1,12 @@
 """Model weights in and out of a run directory, for the commands that need parameters but no optimizer.
 
 A run directory's checkpoints (manager.py) hold the whole training state; an imported model
-(`python -m lumen_jax.convert from-hf`) holds only `{"params": ...}` at step 0, with `weights_only`
-in its JSON. `load_params` reads the parameters of either straight into the target shardings (a
-partial Orbax restore: the optimizer state is never read), so generate, evaluate, to-hf and
-`train.init_from` work on any mesh. The model config comes from the checkpoint's JSON (`read_config`).
+(`python -m lumen_jax.convert from-hf`) holds `{"params": ...}` at step 0, with `weights_only` in its
+JSON, and the model state its weights come with (a DeepSeek-V3 router's selection bias) as
+`model_state` beside them (an import without one, or an older import: the fresh state, zeros).
+`load_params` reads the parameters of either straight into the target shardings (a partial Orbax
+restore: the optimizer state is never read), so generate, evaluate, to-hf and `train.init_from` work
+on any mesh. The model config comes from the checkpoint's JSON (`read_config`).
 
 Every read is verified as the trainer's restore verifies (manager.py): a file that does not read back
 and an array whose checksum differs from the one recorded at save time make the step unusable
@@ -133,16 +135,22 @@ def context_length(run_dir: str, step: int, cfg: Config) -> tuple[int, str]:
     return cfg.data.seq_len, f"data.seq_len={cfg.data.seq_len}, the length it was trained at"
 
 
-def save_weights(run_dir: str, cfg: Config, params: dict, extra: dict | None = None) -> str:
-    """Writes `params` as the weights-only step 0 of `run_dir` (and `run_dir/config.json`); returns the folder.
+def save_weights(run_dir: str, cfg: Config, params: dict, extra: dict | None = None,
+                 model_state: dict | None = None) -> str:
+    """Writes `params` (and `model_state`, the non-parameter model state the weights come with: ops/state.py)
+    as the weights-only step 0 of `run_dir` (and `run_dir/config.json`); returns the folder.
 
-    Refuses a run directory that already has checkpoints: nothing there is overwritten.
+    Each array's checksum is recorded (`checksums` for the parameters, `model_state_checksums`) and
+    verified at every read. Refuses a run directory that already has checkpoints: nothing there is overwritten.
     """
     if steps(run_dir):
         raise ConfigError(f"--out={run_dir!r} already holds checkpoints; choose a new directory")
     os.makedirs(run_dir, exist_ok=True)
     tree = {"params": params}
     meta = {"config": to_dict(cfg), "weights_only": True, "checksums": checksum_list(tree), **(extra or {})}
+    if model_state:
+        tree["model_state"] = model_state
+        meta["model_state_checksums"] = checksum_list(model_state)
     mgr = ocp.CheckpointManager(checkpoints_dir(run_dir), options=ocp.CheckpointManagerOptions(create=True))
     mgr.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
     mgr.wait_until_finished()
@@ -154,7 +162,7 @@ def save_weights(run_dir: str, cfg: Config, params: dict, extra: dict | None = N
 
 def saved_shapes(run_dir: str, step: int, field: str = "params") -> dict[str, tuple[int, ...]] | None:
     """{'a/b/c': shape} of the saved state's `field` at `step` (from Orbax's metadata; nothing is read);
-    None when the checkpoint has no such field (an imported model's model_state)."""
+    None when the checkpoint has no such field (the model_state of an import that has none)."""
     where = item_dir(checkpoints_dir(run_dir), step, STATE)
     try:
         with _quiet_absl(), runlog.library_output(run_dir):  # Orbax logs a damaged file and returns None
@@ -216,6 +224,8 @@ def _verify(run_dir: str, step: int, tree: dict, field: str = "params") -> None:
     recorded, shapes = meta.get("checksums"), meta.get("state_shapes")
     where = item_dir(checkpoints_dir(run_dir), step, STATE)
     paths = [path_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    if shapes is None and field != "params":  # an import: its model state's own list (None: not recorded)
+        recorded = meta.get("model_state_checksums")
     if recorded is not None:
         if shapes is not None:  # a training state: this field's entries, in the same (sorted) order
             recorded = [c for c, (path, *_) in zip(recorded, shapes) if path.startswith(f".{field}[")]
@@ -283,17 +293,25 @@ def _restore_field(run_dir: str, step: int, field: str, abstract: dict) -> dict:
     return restored[field]
 
 
-def load_model_state(run_dir: str, step: int, abstract_state: dict) -> dict:
+def stored_model_state(run_dir: str, step: int, abstract_state: dict) -> dict | None:
     """The model state that is not a parameter (ops/state.py: fp8 amax histories, an MoE router's
-    balancing bias) of checkpoint `step`, in `abstract_state`'s shardings; the fresh state (zeros, as
-    a run starts with) when the checkpoint holds none (imported weights) or other shapes."""
-    if not abstract_state:
-        return {}
-    saved = None if is_weights_only(run_dir, step) else saved_shapes(run_dir, step, "model_state")
+    balancing bias) of checkpoint `step`, in `abstract_state`'s shardings and verified; None when the
+    checkpoint holds none (an import without one) or one of other paths or shapes."""
+    saved = saved_shapes(run_dir, step, "model_state")
     want = {path_key(p): tuple(v.shape) for p, v in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
     if saved != want:
-        return jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), abstract_state)
+        return None
     return _restore_field(run_dir, step, "model_state", abstract_state)
+
+
+def load_model_state(run_dir: str, step: int, abstract_state: dict) -> dict:
+    """`stored_model_state`, else the fresh state (zeros, as a run starts with)."""
+    if not abstract_state:
+        return {}
+    got = stored_model_state(run_dir, step, abstract_state)
+    if got is None:
+        return jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), abstract_state)
+    return got
 
 
 @contextlib.contextmanager

@@ -5,7 +5,8 @@
 
 from-hf reads `config.json` and `model.safetensors` (or the shards named by
 `model.safetensors.index.json`) with the `safetensors` package, writes the weights as step 0 of a
-run directory (weights.py; any mesh restores it) and copies the tokenizer files to
+run directory (weights.py; any mesh restores it), with the model state they come with (DeepSeek-V3's
+router bias), and copies the tokenizer files to
 `RUN_DIR/tokenizer/`, which becomes `data.tokenizer`. It reads LlamaForCausalLM, Qwen2ForCausalLM,
 Qwen3ForCausalLM (hf.py), MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM (hf_moe.py),
 DeepseekV3ForCausalLM (hf_deepseek.py); to-hf
@@ -32,7 +33,7 @@ from lumen_jax.convert.hf_dir import INDEX, read_hf, read_hf_config, tokenizer_f
 def from_hf(hf_dir: str, out: str) -> str:
     if os.path.exists(out) and os.listdir(out):
         raise hf.ConvertError(f"--out={out!r} exists and is not empty; choose a new run directory")
-    cfg, params = read_hf(hf_dir)
+    cfg, params, model_state = read_hf(hf_dir)
     _, _, raw = read_hf_config(hf_dir)
     from lumen_jax.checkpoint import weights
     copied = _copy_tokenizer(hf_dir, os.path.join(out, "tokenizer"))
@@ -46,7 +47,7 @@ def from_hf(hf_dir: str, out: str) -> str:
     extra = {"imported_from": os.path.abspath(hf_dir)}
     if isinstance(raw.get("max_position_embeddings"), int):
         extra["max_position_embeddings"] = raw["max_position_embeddings"]  # generate's context
-    return weights.save_weights(out, cfg, params, extra=extra)
+    return weights.save_weights(out, cfg, params, extra=extra, model_state=model_state)
 
 
 def _copy_tokenizer(src: str, dst: str) -> list[str]:

@@ -23,7 +23,8 @@ Tensors (per layer l; ours stacked [L', ...] on `blocks` for the dense layers, `
     self_attn.o_proj.weight            [D, N*U]           ->  attn/wo    [N, U, D]
     mlp.gate.weight [E', D] -> mlp/router [D, E'];  mlp.experts.{e}.{gate,up,down}_proj.weight -> mlp/w_*[e]
     mlp.shared_experts.{gate,up,down}_proj.weight -> mlp/shared/w_*;  mlp.gate.e_score_correction_bias [E']
-      -> the model state moe_blocks/mlp/balance/bias
+      -> the model state moe_blocks/mlp/balance/bias (its load: zeros, so the bias chosen with is the
+         checkpoint's, `choice_bias`; the multi-token-prediction layers': mtp/block/mlp/balance)
 
 Rotary layout: with rope_interleave (DeepSeek's default) transformers rotates the pairs (2i, 2i+1) of
 the E rotated dims; that is the half-split rotation of those dims de-interleaved (even ones first),
@@ -32,8 +33,7 @@ a permutation applied to both) and the export permutes them back and writes rope
 
 YaRN rope (the released 671B's: factor 40 over 4k) is `model.rope_scaling=yarn` with its beta and mscale
 keys; as transformers' DeepSeek-V3 the scores are also scaled by m(mscale_all_dim)^2.
-Refused: a nonzero e_score_correction_bias (the router bias is model state here, which an import does
-not yet write: trained checkpoints carry one), attention_bias, yarn's attention_factor. The
+Refused: attention_bias, yarn's attention_factor. The
 multi-token-prediction layers (`model.layers.{num_hidden_layers + k}.*`) become `model.mtp` when the
 checkpoint holds them (num_nextn_predict_layers of them).
 """
@@ -253,10 +253,26 @@ def _permute_rope(params: dict, m: ModelConfig, order: np.ndarray) -> dict:
     return out
 
 
-def params_from_hf(get: Callable[[str], np.ndarray], names: set[str], m: ModelConfig, raw: dict) -> dict:
-    """Our float32 parameter tree of the DeepSeek-V3 `m` from HF tensors (`get(name)` reads one, `names`:
-    all in the checkpoint; the multi-token-prediction layers' are dropped). ConvertError naming the first
-    missing, misshapen or unexpected tensor, or a nonzero router bias."""
+def state_from_bias(bias: np.ndarray, m: ModelConfig) -> dict:
+    """Our model state (`ops.moe.balance_state` per layer, stacked) of the DeepSeek-V3 `m` from the routers'
+    selection bias [L', E] (`_bias_names`' order): that bias with a load of zeros, which leaves it as it is."""
+    n = m.num_layers - m.moe.first_dense_layers
+
+    def balance(b: np.ndarray) -> dict:
+        return {"mlp": {"balance": {"bias": b, "load": np.zeros_like(b)}}}
+
+    state = {"moe_blocks": balance(bias[:n])}
+    if m.mtp_depth:
+        state["mtp"] = {"block": balance(bias[n:])}
+    return state
+
+
+def params_from_hf(get: Callable[[str], np.ndarray], names: set[str], m: ModelConfig,
+                   raw: dict) -> tuple[dict, dict]:
+    """(our float32 parameter tree, our model state: the routers' selection bias, `state_from_bias`) of the
+    DeepSeek-V3 `m` from HF tensors (`get(name)` reads one, `names`: all in the checkpoint; the
+    multi-token-prediction layers' beyond `m.mtp_depth` are dropped). ConvertError naming the first
+    missing, misshapen or unexpected tensor."""
     mtp = tuple(f"model.layers.{layer}." for layer in range(m.num_layers + m.mtp_depth, m.num_layers + 64))
     read = hf.checked_reader(get, {x for x in names if not x.startswith(mtp)}, expected_tensors(m), False,
                              f"a {ARCHITECTURE}")
@@ -272,11 +288,7 @@ def params_from_hf(get: Callable[[str], np.ndarray], names: set[str], m: ModelCo
         w = w.reshape(n, a + u, r)
         return (w[:, :a] if part == "k" else w[:, a:]).reshape(-1, r)
 
-    for name in _bias_names(m):
-        if np.any(read(name) != 0):
-            raise ConvertError(f"checkpoint tensor {name} is nonzero: the router's selection bias is "
-                               "model state here (model.moe.balance=bias), which from-hf does not yet write; "
-                               "this trained DeepSeek-V3 cannot be imported faithfully yet")
+    bias = np.stack([np.asarray(read(name), np.float32) for name in _bias_names(m)])  # [L', E]
     for copy, source in _mtp_copies(m).items():
         if not np.array_equal(read(copy), read(source)):
             raise ConvertError(f"checkpoint tensor {copy} differs from {source}: multi-token prediction shares "
@@ -284,7 +296,7 @@ def params_from_hf(get: Callable[[str], np.ndarray], names: set[str], m: ModelCo
     params = hf.params_from_rows(_table(m), virtual)
     if raw.get("rope_interleave", True):
         params = _permute_rope(params, m, _rope_order(m.qk_rope_head_dim))
-    return params
+    return params, state_from_bias(bias, m)
 
 
 def hf_from_params(params: dict, m: ModelConfig, dtype: Any, bias: np.ndarray | None = None) -> dict[str, np.ndarray]:

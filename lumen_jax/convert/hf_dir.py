@@ -152,8 +152,9 @@ def read_hf_config(hf_dir: str) -> tuple[Config, dict[str, str], dict]:
     return Config(model=m, data=data, name=name), files, config
 
 
-def read_hf(hf_dir: str) -> tuple[Config, dict]:
-    """(the run config, our float32 parameter tree) of the HF directory `hf_dir`."""
+def read_hf(hf_dir: str) -> tuple[Config, dict, dict]:
+    """(the run config, our float32 parameter tree, the model state its weights come with: a DeepSeek-V3
+    router's selection bias, else {}) of the HF directory `hf_dir`."""
     cfg, files, raw = read_hf_config(hf_dir)
     with contextlib.ExitStack() as stack:
         handles: dict[str, Any] = {}
@@ -172,10 +173,10 @@ def read_hf(hf_dir: str) -> tuple[Config, dict]:
 
         kind = raw.get("model_type")
         if kind == "deepseek_v3":
-            return cfg, hf_deepseek.params_from_hf(get, set(files), cfg.model, raw)
+            return cfg, *hf_deepseek.params_from_hf(get, set(files), cfg.model, raw)
         if kind not in hf_moe.FAMILIES:
-            return cfg, hf.params_from_hf(get, set(files), cfg.model)
+            return cfg, hf.params_from_hf(get, set(files), cfg.model), {}
         m = cfg.model
         read = hf.checked_reader(get, set(files), hf_moe.expected_tensors(m, kind), m.tie_embeddings,
                                  f"a {hf_moe.FAMILIES[kind].architecture}")
-        return cfg, hf_moe.params_from_hf(read, m, kind)
+        return cfg, hf_moe.params_from_hf(read, m, kind), {}

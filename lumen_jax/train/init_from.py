@@ -1,7 +1,7 @@
 """Where a new run's weights come from (`train.init_from`): a run directory (its newest usable
 checkpoint, a training run's or an imported model's) or a Hugging Face directory converted in memory;
-and the settings those weights define (rotary embedding, norm epsilon, routing, the tokenizer),
-which the run takes from them."""
+the model state they come with (a DeepSeek-V3 router's selection bias); and the settings those
+weights define (rotary embedding, norm epsilon, routing, the tokenizer), which the run takes from them."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from lumen_jax.checkpoint import weights
 from lumen_jax.config import Config, ConfigError
 from lumen_jax.config.files import pin_tokenizer
 from lumen_jax.convert.hf_dir import read_hf, read_hf_config
+from lumen_jax.runtime import logs as runlog
 
 
 def _is_hf_dir(path: str) -> bool:
@@ -103,18 +104,41 @@ def defined_by_init_from(cfg: Config, run_dir: str) -> tuple[Config, list[str]]:
     return cfg.replace(model=model, data=data), notes
 
 
-def init_from(path: str, abstract_params: dict) -> dict:
-    """The parameters a new run starts from (`train.init_from`), in `abstract_params`' shardings.
+def init_from(path: str, abstract_params: dict, abstract_state: dict | None = None) -> tuple[dict, dict | None]:
+    """(the parameters, the model state) a new run starts from (`train.init_from`), in `abstract_params`'
+    and `abstract_state`'s shardings.
 
-    `path` is a run directory (its latest checkpoint: a training run or an imported model) or a Hugging
-    Face Llama directory, converted in memory. The shapes must be those of the run's model config;
-    else a ConfigError naming the first parameter that differs.
+    `path` is a run directory (its latest usable checkpoint: a training run or an imported model) or a
+    Hugging Face directory, converted in memory. The shapes must be those of the run's model config;
+    else a ConfigError naming the first parameter that differs. The model state (ops/state.py) is the
+    one the weights come with (a trained run's, an imported DeepSeek-V3's router bias); None (the run
+    keeps its fresh state) when they come with none, or with another layout than `abstract_state`
+    (e.g. another `model.moe.balance`: a one-line note says so).
     """
     fix = "make the model section of the config match the weights'"
+    want = _shapes(abstract_state or {})
     if _is_hf_dir(path):
-        _, params = read_hf(path)
-        got = {weights.path_key(p): tuple(v.shape) for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
-        weights.check_shapes(abstract_params, got, f"train.init_from={path!r}", fix)
-        return jax.tree.map(lambda x, a: jax.device_put(x.astype(a.dtype), a.sharding), params, abstract_params)
-    return weights.newest_usable(path, None, lambda step: weights.load_params(
-        path, step, abstract_params, f"train.init_from={path!r} (step {step})", fix), "train.init_from")[1]
+        _, params, state = read_hf(path)
+        weights.check_shapes(abstract_params, _shapes(params), f"train.init_from={path!r}", fix)
+        put = lambda tree, target: jax.tree.map(  # noqa: E731
+            lambda x, a: jax.device_put(x.astype(a.dtype), a.sharding), tree, target)
+        got = _shapes(state)
+        model_state = put(state, abstract_state) if want and got == want else None
+        params = put(params, abstract_params)
+    else:
+        def load(step: int) -> tuple:
+            p = weights.load_params(path, step, abstract_params, f"train.init_from={path!r} (step {step})", fix)
+            shapes = weights.saved_shapes(path, step, "model_state") or {}
+            state = weights.stored_model_state(path, step, abstract_state) if want and shapes == want else None
+            return p, shapes, state
+
+        params, got, model_state = weights.newest_usable(path, None, load, "train.init_from")[1]
+    if got and model_state is None:
+        print(f"note: the model state of train.init_from={path} ({', '.join(sorted(got))}) is not laid out as this "
+              f"run's ({', '.join(sorted(want)) or 'none'}): the run starts with its own fresh model state",
+              file=runlog.console(), flush=True)
+    return params, model_state
+
+
+def _shapes(tree: dict) -> dict[str, tuple[int, ...]]:
+    return {weights.path_key(p): tuple(v.shape) for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}

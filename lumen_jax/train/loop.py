@@ -100,7 +100,8 @@ def run(trainer: Trainer, data: Iterator, run_dir: str, spec: RunSpec, stop: Sto
 
 def _start(trainer: Trainer, data: Iterator, ckpt: Checkpointer, init_from: str) -> tuple[Any, int]:
     """(state, step) to train from: the latest good checkpoint (and its data position), else a fresh
-    state, with `train.init_from`'s weights when set (fresh optimizer state, step 0)."""
+    state, with `train.init_from`'s weights (and the model state they come with) when set (fresh
+    optimizer state, step 0)."""
     restored = ckpt.restore_latest(trainer.abstract_state())
     if restored is not None:
         data.set_state(_own_data_state(restored.meta["data"]))
@@ -108,8 +109,10 @@ def _start(trainer: Trainer, data: Iterator, ckpt: Checkpointer, init_from: str)
     state = trainer.init()
     if init_from:  # the weights are read as checkpoints hold them (the real layers), then laid out
         stored = trainer.stored.save(state)
-        params = init_from_lib.init_from(init_from, trainer.stored_abstract_state().params)
-        state = trainer.stored.load(stored.replace(params=params))
+        abstract = trainer.stored_abstract_state()
+        params, model_state = init_from_lib.init_from(init_from, abstract.params, abstract.model_state)
+        state = trainer.stored.load(stored.replace(params=params, model_state=(
+            stored.model_state if model_state is None else model_state)))  # None: the fresh one
     return state, 0
 
 

@@ -219,3 +219,37 @@ def test_init_from_mismatches_and_truncated_weights_are_one_line(llama, tmp_path
     cfg, notes = init_from_lib.defined_by_init_from(cfg, run)
     assert cfg.data.tokenizer == "byte" and cfg.model.rope_theta == 100.0
     assert any(n.startswith("warning: train.init_from=") and "names no tokenizer" in n for n in notes), notes
+
+
+def test_imported_model_state_is_saved_verified_and_read(tmp_path):
+    """save_weights' model_state (an import's router bias) reads back through load_model_state, verified by
+    its own checksums (a changed one: one line naming the array); an import without one, or one laid out
+    otherwise than the reader's, reads as the fresh state (zeros)."""
+    import jax
+
+    cfg = train_cli.load_config(os.path.join(REPO, "configs/tiny.yaml"), [])
+    params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    state = {"moe_blocks": {"mlp": {"balance": {"bias": np.full((2, 4), -0.5, np.float32),
+                                                "load": np.zeros((2, 4), np.float32)}}}}
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), state)
+    run = str(tmp_path / "run")
+    weights.save_weights(run, cfg, params, model_state=state)
+    got = weights.load_model_state(run, 0, abstract)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.asarray(x), y)
+    np.testing.assert_array_equal(np.asarray(weights.load_params(run, 0, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), params))["w"]), params["w"])
+    other = {"balance": {"bias": abstract["moe_blocks"]["mlp"]["balance"]["bias"]}}
+    assert not np.any(np.asarray(weights.load_model_state(run, 0, other)["balance"]["bias"]))
+    old = str(tmp_path / "old")  # an import written before model state was: zeros, as before
+    weights.save_weights(old, cfg, params)
+    assert not any(np.any(np.asarray(x)) for x in jax.tree.leaves(weights.load_model_state(old, 0, abstract)))
+    meta = os.path.join(run, "checkpoints", "0", "meta", "metadata")
+    recorded = json.load(open(meta))
+    recorded["model_state_checksums"][0][1] ^= 1
+    json.dump(recorded, open(meta, "w"))
+    with pytest.raises(weights.UnusableCheckpoint) as e:
+        weights.load_model_state(run, 0, abstract)
+    line = str(e.value)
+    assert "array model_state/moe_blocks/mlp/balance/bias in " in line and "differs from the checksum" in line, line

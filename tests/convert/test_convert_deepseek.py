@@ -1,6 +1,7 @@
 """DeepSeek-V3 import and export against `transformers` itself (CPU torch): multi-head latent attention
 (with and without a query latent, interleaved and half-split rope), the first layers dense then MoE,
-logits, controls, the round trip, greedy generation, refusals."""
+the routers' selection bias (nonzero, imported as model state), logits, controls, the round trip,
+greedy generation, a run started from the import, refusals."""
 
 import json
 import os
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from helpers.hf import (DEEPSEEK_MODELS, TOKENS, assert_to_hf_round_trips, from_hf_refusal, hf_greedy, hf_logits,
-                        import_each, logits_close, logits_of, make_hf_deepseek, our_params, tensors)
+                        import_each, logits_close, logits_of, make_hf_deepseek, our_model_state, our_params, tensors)
 from helpers.paths import REPO
 from helpers.tolerances import FP32_RTOL
 from lumen_jax.convert.__main__ import main as convert
@@ -27,28 +28,39 @@ def imported(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_from_hf_logits_match_transformers(imported, kind):
-    """Our logits equal transformers' (float32); controls: the rotated dims left interleaved, and the
-    MoE layers' group choice off, each must show."""
+    """Our logits equal transformers' (float32), the routers' selection bias read as the import's model state;
+    controls: that bias left out (zeros), the rotated dims left interleaved, and the MoE layers' group choice
+    off, each must show."""
     hf_dir, run_dir, ref = imported[kind]
     model, params = our_params(run_dir)
+    state = our_model_state(run_dir)
     raw = json.load(open(os.path.join(hf_dir, "config.json")))
     assert (model.mla, model.kv_lora_rank, model.q_lora_rank, model.v_head_dim) == (
         True, 16, raw["q_lora_rank"] or 0, 12)
     assert model.rope_scaling == ("yarn" if kind == "deepseek_v3_yarn" else "none")
     assert (model.moe.first_dense_layers, model.moe.router, model.moe.groups, model.moe.top_groups,
             model.moe.routed_scaling, model.moe.balance) == (raw["first_k_dense_replace"], "sigmoid", 4, 2, 2.5, "bias")
-    ours = logits_of(model, params, TOKENS)
+    ours = logits_of(model, params, TOKENS, state)
     np.testing.assert_allclose(ours, ref, rtol=FP32_RTOL, atol=FP32_RTOL * float(np.abs(ref).max()))
+    balance = state["moe_blocks"]["mlp"]["balance"]
+    source = tensors(hf_dir)
+    bias = np.stack([source[f"model.layers.{i}.mlp.gate.e_score_correction_bias"]
+                     for i in range(model.moe.first_dense_layers, model.num_layers)])
+    assert np.abs(bias).min() > 0
+    np.testing.assert_array_equal(np.asarray(balance["bias"]), bias)
+    np.testing.assert_array_equal(np.asarray(balance["load"]), 0)  # the bias chosen with is the checkpoint's
+    # control 0: the selection bias dropped (the fresh state) changes which experts are chosen
+    assert not logits_close(logits_of(model, params, TOKENS), ref)
     # control 1: the shared key's rotated columns in the other order (interleaved <-> half-split)
     e = model.qk_rope_head_dim
     other = np.concatenate([np.arange(0, e, 2), np.arange(1, e, 2)])
     moved = {**params, "moe_blocks": {**params["moe_blocks"], "attn": dict(params["moe_blocks"]["attn"])}}
     moved["moe_blocks"]["attn"]["wk_rope"] = np.asarray(params["moe_blocks"]["attn"]["wk_rope"])[..., other]
-    assert not logits_close(logits_of(model, moved, TOKENS), ref)
+    assert not logits_close(logits_of(model, moved, TOKENS, state), ref)
     # control 2: routing without the group limit (every group open) must differ
     import dataclasses
     ungrouped = dataclasses.replace(model, moe=dataclasses.replace(model.moe, top_groups=4))
-    assert not logits_close(logits_of(ungrouped, params, TOKENS), ref)
+    assert not logits_close(logits_of(ungrouped, params, TOKENS, state), ref)
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "deepseek_v3_yarn"])
@@ -99,24 +111,53 @@ def test_from_hf_bad_deepseek_config_exits_2_with_one_line(imported, tmp_path, c
     assert fragment in err, err
 
 
-def test_from_hf_refuses_a_nonzero_router_bias(imported, tmp_path, capsys):
-    """A trained checkpoint's e_score_correction_bias would be dropped (model state is not imported yet):
-    one line naming the tensor, exit 2, nothing written."""
-    import shutil
+@pytest.mark.heavy
+def test_init_from_an_imported_deepseek_starts_with_its_router_bias(imported, tmp_path, capsys):
+    """A run with train.init_from= the import starts with its routers' selection bias: the bias its first
+    step chose with (the model state of its step-1 checkpoint) is the checkpoint's. The Hugging Face
+    directory itself, converted in memory, gives the same state; a run whose model state is laid out
+    otherwise (another model.moe.balance) starts with its own, and a note says so."""
+    import dataclasses
 
-    from safetensors.numpy import load_file, save_file
+    import jax
+    import yaml
 
-    hf_dir = str(tmp_path / "hf")
-    shutil.copytree(imported["deepseek_v3"][0], hf_dir)
-    path = os.path.join(hf_dir, "model.safetensors")
-    t = load_file(path)
-    t["model.layers.2.mlp.gate.e_score_correction_bias"] = np.full(8, 0.25, np.float32)
-    save_file(t, path, metadata={"format": "pt"})
-    out = str(tmp_path / "run")
-    assert convert(["from-hf", "--hf-dir", hf_dir, "--out", out]) == 2
+    from lumen_jax.checkpoint import weights
+    from lumen_jax.config import to_dict
+    from lumen_jax.model import abstract_model
+    from lumen_jax.train import init_from as init_from_lib
+
+    hf_dir, source, _ = imported["deepseek_v3"]
+    want = np.asarray(our_model_state(source)["moe_blocks"]["mlp"]["balance"]["bias"])
+    assert np.abs(want).min() > 0
+    raw = to_dict(weights.read_config(source, 0))
+    run_dir = str(tmp_path / "run")
+    raw["data"].update(builtin_max_bytes=100_000, seq_len=16, global_batch_size=2)
+    raw["train"].update(steps=1, init_from=source, run_dir=run_dir)
+    raw["checkpoint"]["every_steps"] = 1
+    raw["log"].update(every_steps=1, tensorboard=False, progress=False)
+    raw["runtime"]["cpu_devices"] = 1
+    config = tmp_path / "finetune.yaml"
+    config.write_text(yaml.safe_dump({k: v for k, v in raw.items() if k != "name"}))
+    proc = subprocess.run([sys.executable, "-m", "lumen_jax.train", "--config", str(config), "mesh.fsdp=1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    np.testing.assert_array_equal(np.asarray(our_model_state(run_dir)["moe_blocks"]["mlp"]["balance"]["bias"]), want)
+
+    cfg = weights.read_config(source, 0)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    on_one = lambda tree: jax.tree.map(  # noqa: E731
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), tree)
+    a = abstract_model(cfg.model)
+    for path in (hf_dir, source):
+        _, state = init_from_lib.init_from(path, on_one(a.params), on_one(a.state))
+        np.testing.assert_array_equal(np.asarray(state["moe_blocks"]["mlp"]["balance"]["bias"]), want)
+    other = abstract_model(dataclasses.replace(cfg.model, moe=dataclasses.replace(cfg.model.moe, balance="aux_loss")))
+    capsys.readouterr()
+    assert init_from_lib.init_from(source, on_one(other.params), on_one(other.state))[1] is None
     err = capsys.readouterr().err.strip()
-    assert "model.layers.2.mlp.gate.e_score_correction_bias is nonzero" in err and "\n" not in err, err
-    assert not os.path.exists(out)
+    assert err.startswith(f"note: the model state of train.init_from={source} (moe_blocks/mlp/balance/bias") and (
+        "the run starts with its own fresh model state" in err and "\n" not in err), err
 
 
 def _with_mtp_layer(src: str, dst: str) -> dict:
@@ -167,7 +208,10 @@ def test_from_hf_imports_the_mtp_layer_and_to_hf_writes_it_back(imported, tmp_pa
     np.testing.assert_array_equal(mtp["block"]["mlp"]["router"][0], t["model.layers.3.mlp.gate.weight"].T)
     np.testing.assert_array_equal(mtp["block"]["attn"]["wkv_a"][0],
                                   t["model.layers.3.self_attn.kv_a_proj_with_mqa.weight"][:16].T)
-    np.testing.assert_allclose(logits_of(model, params, TOKENS), ref, rtol=FP32_RTOL,
+    state = our_model_state(run_dir)
+    np.testing.assert_array_equal(np.asarray(state["mtp"]["block"]["mlp"]["balance"]["bias"][0]),
+                                  t["model.layers.3.mlp.gate.e_score_correction_bias"])
+    np.testing.assert_allclose(logits_of(model, params, TOKENS, state), ref, rtol=FP32_RTOL,
                                atol=FP32_RTOL * float(np.abs(ref).max()))
     back = str(tmp_path / "back")
     assert convert(["to-hf", "--run-dir", run_dir, "--out", back]) == 0

@@ -27,10 +27,11 @@ def make_hf(path: str, tied: bool, max_shard_size: str | None = None) -> str:
 
 
 def _save_random(path: str, config_cls: str, model_cls: str, kw: dict, seed: int,
-                 max_shard_size: str | None = None) -> str:
+                 max_shard_size: str | None = None, router_bias: float = 0.0) -> str:
     """A random transformers `model_cls` of `config_cls(**kw)` written with save_pretrained: norms,
     biases and routers randomised too (norm weights start at 1 and biases at 0, so a misplaced one
-    would not show; a router of near-uniform scores would hide a wrong routing)."""
+    would not show; a router of near-uniform scores would hide a wrong routing); with `router_bias`,
+    DeepSeek-V3's selection bias (a buffer, zeros in a fresh model) random of that scale too."""
     import torch
     import transformers
 
@@ -40,6 +41,9 @@ def _save_random(path: str, config_cls: str, model_cls: str, kw: dict, seed: int
         for name, p in model.named_parameters():
             scale = 0.3 if "norm" in name else 1.0 if name.endswith("gate.weight") else 0.05
             p.add_(torch.randn_like(p) * scale)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * router_bias)
     model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return path
 
@@ -104,8 +108,11 @@ DEEPSEEK_MODELS = {"deepseek_v3": {}, "deepseek_v3_plain_q": dict(q_lora_rank=No
 
 
 def make_hf_deepseek(path: str, kind: str) -> str:
-    """A random DeepSeek-V3 `kind` (DEEPSEEK_MODELS) written with save_pretrained."""
-    return _save_random(path, "DeepseekV3Config", "DeepseekV3ForCausalLM", {**DEEPSEEK_KW, **DEEPSEEK_MODELS[kind]}, 7)
+    """A random DeepSeek-V3 `kind` (DEEPSEEK_MODELS) written with save_pretrained, its routers' selection
+    bias (e_score_correction_bias) random and as large as the sigmoid scores, so that it changes which
+    experts (and groups) are chosen, as a trained checkpoint's does."""
+    return _save_random(path, "DeepseekV3Config", "DeepseekV3ForCausalLM", {**DEEPSEEK_KW, **DEEPSEEK_MODELS[kind]}, 7,
+                        router_bias=0.5)
 
 
 def make_hf_moe(path: str, kind: str, max_shard_size: str | None = None) -> str:
@@ -160,15 +167,27 @@ def our_params(run_dir: str) -> tuple:
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), a.params))
 
 
-def logits_of(model_cfg, params: dict, tokens: np.ndarray) -> np.ndarray:
+def our_model_state(run_dir: str) -> dict:
+    """The non-parameter model state (a router's selection bias) of the run's latest checkpoint, on one
+    device, as generate and evaluate read it (zeros where it holds none)."""
+    step = weights.resolve_step(run_dir, None)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    a = abstract_model(weights.read_config(run_dir, step).model)
+    return weights.load_model_state(run_dir, step, jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), a.state))
+
+
+def logits_of(model_cfg, params: dict, tokens: np.ndarray, state: dict | None = None) -> np.ndarray:
+    """Our logits of `tokens`; `state`: the model state (None: zeros, as a run starts)."""
     positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
-    a = abstract_model(model_cfg)  # model state (a router's selection bias): zeros, as an import starts
-    state = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), a.state)
+    a = abstract_model(model_cfg)
+    if state is None:
+        state = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), a.state)
     return np.asarray(apply(a.graphdef, params, tokens, positions, state=state))
 
 
 def our_logits(run_dir: str, tokens: np.ndarray) -> np.ndarray:
-    return logits_of(*our_params(run_dir), tokens)
+    return logits_of(*our_params(run_dir), tokens, our_model_state(run_dir))
 
 
 def tensors(folder: str) -> dict[str, np.ndarray]:
