@@ -177,19 +177,21 @@ def decode(model: Transformer, tokens_b: jax.Array, positions_b: jax.Array, slot
     if model.cfg.sliding_window:
         windowed = visible & (held > slot - model.cfg.sliding_window)[None]
 
+    def write(x_cache: jax.Array, x_bt: jax.Array) -> jax.Array:
+        """The cache with the new tokens' entries at `slot` (in a ring, slot mod S)."""
+        zero = jnp.zeros((), jnp.int32)
+        return jax.lax.dynamic_update_slice(x_cache, x_bt.astype(x_cache.dtype),
+                                            (zero, slot % s) + (zero,) * (x_cache.ndim - 2))
+
     def attend(attn, h_btd, k_cache, v_cache, local):
         rope = layer_rope(model.cfg, local)
         if model.cfg.mla:  # the absorbed form over the latent cache
             c, k_rope = attn.latent(h_btd, positions_b[:, None], rope, model.ops)
-            at = (jnp.zeros((), jnp.int32), slot % s, jnp.zeros((), jnp.int32))
-            k_cache = jax.lax.dynamic_update_slice(k_cache, c.astype(k_cache.dtype), at)
-            v_cache = jax.lax.dynamic_update_slice(v_cache, k_rope.astype(v_cache.dtype), at)
+            k_cache, v_cache = write(k_cache, c), write(v_cache, k_rope)
             q = attn.queries(h_btd, positions_b[:, None], rope, model.ops)
             return attn.absorbed(q, k_cache, v_cache, visible), k_cache, v_cache
         q, k, v = attn.qkv(h_btd, positions_b[:, None], rope, model.ops)
-        at = (jnp.zeros((), jnp.int32), slot % s, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), at)
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), at)
+        k_cache, v_cache = write(k_cache, k), write(v_cache, v)
         seen = windowed if local is None else jnp.where(local, windowed, visible)  # a global layer: every slot
         return cached_attention(q, k_cache, v_cache, seen, scale=attn.scale), k_cache, v_cache
 
