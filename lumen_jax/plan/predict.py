@@ -280,6 +280,7 @@ def _fits(cfg: Config, layout: Layout, hw: Hardware, remat: str, attention: str 
 SEARCH_REMATS = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "full")
 SEARCH_DEPTHS = (1, 2, 4, 8, 16)  # pipeline stages --search tries when the config and --pipeline set none
 REDUCE_DTYPES = ("float32", "bfloat16")  # mesh.reduce_dtype, tried wherever gradients cross devices
+SEARCH_VIRTUAL = (2, 4, 8)  # interleaved virtual stages --search tries (each chunk at least one layer or MoE group)
 
 
 COMM_OPTIONS = {"fsdp_grad_reduce": ("every_micro_batch", "once"), "fsdp_regather": ("per_micro_batch", "per_step")}
@@ -321,13 +322,15 @@ def _stretch(model: ModelConfig, layout: Layout, parts: Compute, hw_per_token: f
 
 def _schedules(model: ModelConfig, mesh: MeshConfig, stages: int, micro_batches: int) -> list[MeshConfig]:
     """`mesh` with each pipeline schedule that can run `stages` x `micro_batches` (interleaved with
-    V=2); layers that do not divide into the stages get `uneven_split`'s `mesh.pipeline_layers`;
+    each V of `SEARCH_VIRTUAL` that leaves every chunk a layer: the bubble falls as (P-1)/(V m),
+    the stash holds chunks of L/(P V) layers); layers that do not divide into the stages get `uneven_split`'s `mesh.pipeline_layers`;
     `mesh` alone without a pipeline."""
     if stages == 1:
         return [mesh]
     group = model.moe.every_n_layers if model.moe.enabled else 1
     out = []
-    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)):
+    kinds = [("gpipe", 1), ("1f1b", 1), *(("interleaved", v) for v in SEARCH_VIRTUAL), ("zero_bubble", 1)]
+    for name, v in kinds:
         if model.num_layers // group < stages * v or pipeline_lib.check_shape(name, stages, micro_batches, v):
             continue
         split = () if model.num_layers % (stages * v * group) == 0 else uneven_split(model.num_layers, stages * v, group)
@@ -349,7 +352,8 @@ def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, to
     `mesh.fsdp_grad_reduce` both ways; the pipeline depths of `SEARCH_DEPTHS` that divide the devices (uneven
     stages where they do not divide the layers: `hardware.uneven_split`) (or the
     one given: `pipeline`, else `mesh.pipeline`), each with every schedule that can run it
-    (`_schedules`: its bubble and stash from its table); then, for the `top` leaders, `mesh.reduce_dtype`
+    (`_schedules`: its bubble and stash from its table); a candidate that does not fit with float32
+    gradient sums is tried with bfloat16 ones (`_bf16_reductions`); then, for the `top` leaders, `mesh.reduce_dtype`
     the other way (`REDUCE_DTYPES`: it changes only the gradient bytes). The ZeRO stage and `mesh.expert`
     stay as given.
     """
@@ -414,6 +418,18 @@ def _search_depth(cfg: Config, num_devices: int, hw: Hardware, pipeline: int,
                                 for remat in SEARCH_REMATS:
                                     if on_plan is not None:
                                         on_plan(1)
-                                    if _fits(cfg, layout, hw, remat, **predict_kwargs):
-                                        found.append(predict(cfg, layout, hw, remat=remat, **predict_kwargs))
+                                    for tried in (layout, _bf16_reductions(layout)):  # the second if the first does not fit
+                                        if tried is not None and _fits(cfg, tried, hw, remat, **predict_kwargs):
+                                            found.append(predict(cfg, tried, hw, remat=remat, **predict_kwargs))
+                                            break
     return found
+
+
+def _bf16_reductions(layout: Layout) -> Layout | None:
+    """`layout` with `mesh.reduce_dtype=bfloat16` where it sums gradients over devices in float32 (it
+    halves the gradient sums' bytes, which can make a candidate fit: 405B on Llama 3's layout with
+    V = 4 and a selective remat policy needs 75.3 GB in float32), else None."""
+    mesh = layout.mesh
+    if mesh.reduce_dtype == "bfloat16" or mesh.data * mesh.fsdp * mesh.pipeline == 1:
+        return None
+    return dataclasses.replace(layout, mesh=dataclasses.replace(mesh, reduce_dtype="bfloat16"))

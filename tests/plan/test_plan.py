@@ -23,6 +23,7 @@ from lumen_jax.train.build import build
 from lumen_jax.config import Fp8Config, MeshConfig, ModelConfig
 from lumen_jax.config.files import load_config
 from lumen_jax.parallel.mesh import make_mesh
+from lumen_jax.plan.predict import MEMORY_FRACTION, search as search_plans
 from lumen_jax.plan.cli import main
 from lumen_jax.compiler.compiled import against_xla, compile_step
 from lumen_jax.compiler.lower import main as lower_main
@@ -298,12 +299,13 @@ def test_zero_bubble_step_time_weighs_its_units():
 
 
 def test_search_ranks_pipeline_schedules(capsys):
-    """--search with stages tries every schedule that can run them (interleaved with V=2 where the
-    layers divide), each with its executed bubble; the schedule is in the JSON layout."""
+    """--search with stages tries every schedule that can run them (interleaved with V=2 and V=4 where
+    every chunk keeps a layer: 8 layers on 2 stages, not V=8), each with its executed bubble; the
+    schedule is in the JSON layout."""
     from lumen_jax.parallel.pipeline import schedule as pipeline
 
-    assert main(["--config", "configs/tiny.yaml", "--devices", "2", "--search", "--top", "200", "--json",
-                 "mesh.pipeline=2", "model.num_layers=4"]) == 0
+    assert main(["--config", "configs/tiny.yaml", "--devices", "2", "--search", "--top", "400", "--json",
+                 "mesh.pipeline=2", "model.num_layers=8"]) == 0
     ranked = json.loads(capsys.readouterr().out)
     seen = set()
     for r in ranked:
@@ -312,7 +314,25 @@ def test_search_ranks_pipeline_schedules(capsys):
         seen.add((mesh["pipeline_schedule"], mesh["pipeline_virtual_stages"]))
         assert r["pipeline_bubble"] == pipeline.lockstep_bubble(mesh["pipeline_schedule"], 2, m,
                                                                 mesh["pipeline_virtual_stages"])
-    assert seen == {("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)}, seen
+    assert seen == {("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zero_bubble", 1)}, seen
+
+
+def test_search_tries_bf16_reductions_where_float32_does_not_fit():
+    """A candidate whose float32 gradient sums do not fit is tried with bfloat16 ones (405B on Llama 3's
+    layout with V = 4 and a selective policy: 75.3 GB in float32, 67.9 GB in bfloat16): on a device
+    sized between the two, the search returns the bfloat16 form, and nothing in float32."""
+    cfg = load_config("configs/tiny.yaml", ["mesh.fsdp=2", "train.micro_batches=4", "mesh.fsdp_grad_reduce=once"])
+    layout = plan.Layout(cfg.mesh, micro_batches=4)
+    f32, b16 = (plan.predict(cfg, dataclasses.replace(layout, mesh=dataclasses.replace(cfg.mesh, reduce_dtype=d)),
+                             H100, remat="none") for d in ("float32", "bfloat16"))
+    total = lambda p: p.bytes_per_device["total"]  # noqa: E731
+    assert total(b16) < total(f32)
+    hw = dataclasses.replace(H100, memory_bytes=(total(b16) + total(f32)) / 2 / MEMORY_FRACTION)
+    found = search_plans(cfg, 2, hw, top=10000)
+    same = [p for p in found if p.remat == "none" and p.layout.micro_batches == 4 and p.layout.mesh.fsdp == 2
+            and p.layout.mesh.fsdp_grad_reduce == "once" and p.layout.mesh.fsdp_regather == cfg.mesh.fsdp_regather]
+    assert [p.layout.mesh.reduce_dtype for p in same] == ["bfloat16"], same
+    assert all(p.fits for p in found)
 
 
 def test_search_tries_depths_the_layers_do_not_divide(capsys):
