@@ -225,10 +225,6 @@ def _moe(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
             f"choose it among the divisors of {m.num_layers} ({_divisors(m.num_layers, m.num_layers)})") if not first
            else (f"model.moe.every_n_layers={moe.every_n_layers} does not divide the {rest} layers after "
                  f"model.moe.first_dense_layers={first}; choose it among the divisors of {rest}"))
-    yield (not first or shape["pipeline"] == 1,
-           f"model.moe.first_dense_layers={first} with mesh.pipeline={shape['pipeline']}: the pipeline cuts "
-           "stacks of fixed shares (n-1 dense, one MoE) and the first dense layers are not yet placed on a stage; "
-           "use mesh.pipeline=1 or model.moe.first_dense_layers=0")
     yield (m.expert_ffn_dim % tp == 0,
            f"mesh.tensor={tp} does not divide the experts' ffn dim {m.expert_ffn_dim} (model.moe.expert_ffn_dim, "
            "0: model.ffn_dim); choose an expert_ffn_dim that is a multiple of mesh.tensor")
@@ -267,9 +263,21 @@ def _pipeline(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
            (f"model.num_layers={layers} is not divisible by mesh.pipeline={p}; {fixes}a mesh.pipeline among the "
             f"divisors of {layers}"))
     n = cfg.model.moe.every_n_layers if cfg.model.moe.enabled else 1
-    yield (not uneven or all(a % n == 0 for a in split),
-           f"mesh.pipeline_layers={split} with model.moe.every_n_layers={n}: a stage holds whole groups of {n} "
-           f"layers (n-1 dense, then one MoE); give every stage a multiple of {n} layers")
+    first = cfg.model.moe.first_dense_layers if cfg.model.moe.enabled else 0
+    # The first dense layers fill the first stages in order (parallel/pipeline/layout.Pipeline.firsts).
+    per = split if uneven else [layers // chunks] * chunks
+    rest = [a - min(a, max(0, first - sum(per[:w]))) for w, a in enumerate(per)]
+    yield (not uneven or all(a % n == 0 for a in rest),
+           f"mesh.pipeline_layers={split} with model.moe.every_n_layers={n}"
+           + (f" and model.moe.first_dense_layers={first}" if first else "")
+           + f": a stage holds whole groups of {n} layers (n-1 dense, then one MoE)"
+           + (" after the first dense layers, which fill the first stages" if first else "")
+           + f"; give every stage a multiple of {n} layers" + (" besides its first dense ones" if first else ""))
+    yield (p == 1 or uneven or not first or layers % chunks or all(a % n == 0 for a in rest),
+           f"model.num_layers={layers} in {chunks} even stages of {layers // max(chunks, 1)} with "
+           f"model.moe.first_dense_layers={first} and model.moe.every_n_layers={n} leaves a stage a part of a "
+           f"group of {n} layers; set mesh.pipeline_layers (the first dense layers fill the first stages, "
+           f"every stage then holds whole groups of {n})")
     yield (p == 1 or mesh.pipeline_schedule == "gpipe" or m >= p,
            f"mesh.pipeline_schedule={mesh.pipeline_schedule} needs train.micro_batches={m} >= mesh.pipeline={p} "
            f"(each stage keeps up to {p} micro-batches in flight); raise train.micro_batches to {p} or more "
@@ -279,7 +287,7 @@ def _pipeline(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
            f"(micro-batches go through the chunks in groups of {p}); use a multiple of {p}")
     moe = cfg.model.moe
     groups = layers // moe.every_n_layers if moe.enabled else chunks
-    yield (p == 1 or uneven or groups % chunks == 0,  # uneven: whole groups per stage, checked above
+    yield (p == 1 or uneven or first or groups % chunks == 0,  # uneven or first dense: whole groups, checked above
            f"model.num_layers={layers} with model.moe.every_n_layers={moe.every_n_layers} makes {groups} groups of "
            f"layers (n-1 dense, then one MoE), not divisible into mesh.pipeline*mesh.pipeline_virtual_stages={chunks} "
            f"stages of whole groups; use a multiple of {chunks * moe.every_n_layers} layers")

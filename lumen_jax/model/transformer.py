@@ -163,8 +163,9 @@ class Transformer(nnx.Module):
         """The stacked blocks this module holds (all `num_layers`, or one pipeline stage's slice of
         them): (residual stream, aux as in `forward`).
 
-        `real_layers`: how many of the held layers are real (uneven pipeline stages pad a stage's
-        stack with zero layers after its own, `parallel/pipeline/layout.Pipeline.pad`); None: all.
+        `real_layers`: how many of the held layers after the first dense ones are real (uneven pipeline
+        stages pad a stage's stack with zero layers after its own, `parallel/pipeline/layout.Pipeline.pad`);
+        None: all.
         A zero layer is the identity, but a zero MoE router still routes, so the MoE groups past the
         real ones add no auxiliary loss and no metrics.
         `taps`: the projections' taps of a split backward (`ops.projection.Taps`: per stack [L, ...],
@@ -230,15 +231,19 @@ class Transformer(nnx.Module):
         entries), then one scan over groups of `moe.every_n_layers`: n-1 dense layers (a scan of their
         own), then an MoE layer. Returns the residual stream and the aux terms (see `forward`;
         `real_layers`, the stacks' taps: see `run_layers`)."""
-        n, first = self.cfg.moe.every_n_layers, self.cfg.moe.first_dense_layers
+        n = self.cfg.moe.every_n_layers
         moe_graph, moe_state = nnx.split(self.moe_blocks)
+        # The first dense layers held: `moe.first_dense_layers`, or a pipeline stage's slots of them (its
+        # `blocks` hold them before its groups' n-1 dense layers each; zeros where they are not its own).
+        groups = jax.tree.leaves(moe_state)[0].shape[0]
+        first = jax.tree.leaves(nnx.state(self.blocks))[0].shape[0] - (n - 1) * groups if hasattr(self, "blocks") else 0
         moe_body = make_body(moe_graph, self.ops, "moe_blocks")
         dense = None
         if n > 1 or first:
             dense_graph, dense_state = nnx.split(self.blocks)
             dense_body = make_body(dense_graph, self.ops, "blocks")
             dense_xs = (dense_state, stack_taps("blocks"))
-            if first:  # a pipeline never cuts such a stack (config checks)
+            if first:
                 x_btd, _ = jax.lax.scan(dense_body, x_btd, jax.tree.map(lambda v: v[:first], dense_xs))
                 dense_xs = jax.tree.map(lambda v: v[first:], dense_xs)
             if n > 1:

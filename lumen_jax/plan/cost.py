@@ -12,7 +12,7 @@ from lumen_jax.config import ModelConfig
 from lumen_jax.parallel import context as context_lib
 from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.plan import moe as moe_plan
-from lumen_jax.plan.hardware import Layout
+from lumen_jax.plan.hardware import Layout, first_layers
 from lumen_jax.plan.memory import (STATE_BYTES, computed_score_fraction, loss_chunks, recomputes, split_backward,
                                    state_bytes)
 
@@ -167,7 +167,7 @@ def critical_path_matmul_flops(model: ModelConfig, layout: Layout, seq_len: int,
     name, v = layout.schedule
     prog = pipeline_lib.lockstep(name, layout.pipeline, layout.micro_batches, v)
     u = _tick_units(model, layout, seq_len, global_batch, prog.split)
-    chunk = layout.chunk_layers(model.num_layers)
+    chunk = layout.chunk_layers(model.num_layers, first_layers(model))
     ticks = unit_ticks(prog)
     per_token = (ticks["forward"] * chunk * u.forward + ticks["backward"] * chunk * (u.layer - u.forward - u.wgrad)
                  + ticks["weight"] * chunk * u.wgrad + ticks["head"] * u.head / layout.pipeline)
@@ -209,7 +209,7 @@ def compiled_flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, 
         # A split backward (zero_bubble): B is the layer's backward less the tapped projections'
         # weight-gradient matmuls; W runs those for the chunk's layers at once (`Taps.replay` maps
         # over the layers, it does not scan them), so the compiler counts every layer of the chunk.
-        weight = wgrad * layout.chunk_layers(model.num_layers)
+        weight = wgrad * layout.chunk_layers(model.num_layers, first_layers(model))
         # Each segment's scan body counted once: its forward, its share of the loss, its backward
         # (B when split), its weight-gradient unit (split).
         segments = sum((forward if g.forward else 0.0) + (head / layout.pipeline if g.head else 0.0)

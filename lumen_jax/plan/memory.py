@@ -27,7 +27,7 @@ from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.parallel import rules as rules_lib
 from lumen_jax.parallel.rules import Rules
 from lumen_jax.plan import moe as moe_plan
-from lumen_jax.plan.hardware import Layout, compute_bytes
+from lumen_jax.plan.hardware import Layout, compute_bytes, first_layers
 
 F32 = 4
 # Our step keeps fp32 master parameters, fp32 gradients and Adam's two fp32 moments: 4 + 4 + 8 bytes
@@ -110,7 +110,7 @@ def _state_bytes(model: ModelConfig, layout: Layout) -> tuple[tuple[str, int], .
     leaves = _param_leaves(model)
     # uneven stages: a device holds V * max(mesh.pipeline_layers) slots of every stack (zero padding
     # included), a stack with a share of the layers (MoE) that share of them
-    held = layout.stage_layers(model.num_layers) if layout.uneven_max(model.num_layers) else None
+    held = layout.stage_layers(model.num_layers, first_layers(model)) if layout.uneven_max(model.num_layers, first_layers(model)) else None
     out = {}
     for kind, nbytes in STATE_BYTES.items():
         total = 0
@@ -479,7 +479,7 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     tokens = micro_batch * seq_len / layout.mesh.context
     pipelined = layout.pipeline > 1
     name, virtual = layout.schedule
-    layers = layout.chunk_layers(model.num_layers)
+    layers = layout.chunk_layers(model.num_layers, first_layers(model))
     parts = working_bytes_per_token(model, layout, seq_len, remat, attention)
     widths = _widths(model, layout, seq_len)
     slots = wslots = 0

@@ -118,10 +118,21 @@ def test_what_mla_cannot_do_is_one_config_line(case):
     assert fragment in str(e.value), str(e.value)
 
 
-def test_first_dense_layers_refuse_a_pipeline():
-    with pytest.raises(ConfigError) as e:
-        validate(with_mesh(DEEPSEEK, micro_batches=2, pipeline=2), 2)
-    assert "model.moe.first_dense_layers=1 with mesh.pipeline=2" in str(e.value)
+@pytest.mark.heavy
+@pytest.mark.parametrize("mesh", [dict(pipeline=2, fsdp=2, expert=2, pipeline_layers=(2, 1)),
+                                  dict(pipeline=2, fsdp=4, pipeline_schedule="zero_bubble", pipeline_layers=(1, 2))],
+                         ids=["pipeline2-fsdp2-expert2-1f1b-2+1", "pipeline2-fsdp4-zero_bubble-1+2"])
+def test_first_dense_layers_train_on_a_pipeline_as_on_one_device(reference, mesh):
+    """The first dense layer in the first stage's dense slots (zeros on the other stages: the identity),
+    then the MoE layers: losses, grad norms and gradients equal one device's; the padding slots' gradients
+    are exactly 0."""
+    got = run(with_mesh(DEEPSEEK, micro_batches=2, **mesh))
+    assert_same_run(got, reference, str(mesh), GRADS_END_RTOL)
+    pipe = got["trainer"].step_cfg.pipeline
+    for k in pipe.stacks:
+        for a in jax.tree.leaves(got["held"]["grads"][k]):
+            a = np.asarray(pipe.from_stages(a))
+            assert not np.any(np.delete(a, pipe.real_slots(a.shape[0], k), axis=0)), k
 
 
 def test_absorbed_decoding_equals_the_full_forward():

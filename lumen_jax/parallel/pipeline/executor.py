@@ -241,7 +241,8 @@ class _Device:
         """Virtual stage v's forward of one micro-batch from its input x (`stage_input`): ((y [B, T, D]
         in the compute dtype, aux loss), metrics)."""
         w = self.cast({**other, **chunk})
-        real = jnp.asarray(self.pipe.layers, jnp.int32)[v] if self.pipe.layers else None  # uneven stages
+        # uneven stages: the chunk's real layers after the model's first ones (`Pipeline.stage_rest`)
+        real = jnp.asarray(self.pipe.stage_rest(), jnp.int32)[v] if self.pipe.layers else None
         y, aux_loss, metrics = self.fns.layers(w, state, x, mb, real, taps=taps, stage=v)
         return (y.astype(self.act_dtype), jnp.asarray(aux_loss, jnp.float32)), metrics
 
@@ -296,7 +297,7 @@ class _Device:
         stash = [buf.at[f.slot].set(next(kept)) for buf in c.stash]
         weight = f.valid.astype(jnp.float32)
         if self.pipe.layers:  # a chunk's metrics are its layers' mean: weighted by its share of the layers
-            layers = np.asarray(self.pipe.layers)
+            layers = np.asarray(self.pipe.stage_rest())  # (after the model's first ones, which have none)
             weight = weight * jnp.asarray(layers * len(layers) / layers.sum(), jnp.float32)[v]
         metrics = jax.tree.map(lambda a, x: a + weight * x, c.metrics, metrics)
         return c._replace(stash=stash, metrics=metrics), y
