@@ -175,11 +175,10 @@ def _model_shape(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str
         for k in ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             yield (not getattr(m, k), f"model.{k}={getattr(m, k)} is a latent-attention key but model.kv_lora_rank=0; "
                                       f"set model.kv_lora_rank > 0 (MLA) or model.{k}=0")
-    for axis in ("context", "pipeline"):
-        yield (not m.mtp_depth or shape[axis] == 1,
-               f"model.mtp_depth={m.mtp_depth} with mesh.{axis}={shape[axis]}: multi-token prediction shifts whole, "
-               f"in-order rows and runs after the last layer, not yet under {axis} parallelism; use mesh.{axis}=1 "
-               "or model.mtp_depth=0")
+    yield (not m.mtp_depth or shape["pipeline"] == 1,
+           f"model.mtp_depth={m.mtp_depth} with mesh.pipeline={shape['pipeline']}: multi-token prediction runs "
+           "after the last layer on whole, in-order rows, not yet in pipeline stages; use mesh.pipeline=1 "
+           "or model.mtp_depth=0")
     yield (not m.global_every or not m.moe.enabled,
            f"model.global_every={m.global_every} with model.moe.num_experts={m.moe.num_experts}: local and global "
            "layers are not yet grouped with MoE layers; use model.global_every=0 or a dense model")

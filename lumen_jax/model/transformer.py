@@ -121,7 +121,7 @@ class Transformer(nnx.Module):
         extra, ce_mean, metrics = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), dict(aux.get("metrics", {}))
         for k in range(1, cfg.mtp_depth + 1):
             module = nnx.merge(graphdef, jax.tree.map(lambda v: v[k - 1], state))  # noqa: B023
-            inputs_k, targets_k, mask_k = mtp_lib.shifted(batch, k)
+            inputs_k, targets_k, mask_k = mtp_lib.shifted(batch, k, self.ops)
             e_btd = constrain(embedding_lookup(table, inputs_k), ("batch", "act_seq", "act_embed"))
             h_btd, block_aux = module(h_btd, e_btd, batch["positions"], batch["segment_ids"], layer_rope(cfg, None),
                                       self.ops)
