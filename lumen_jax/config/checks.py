@@ -175,10 +175,24 @@ def _model_shape(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str
         for k in ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             yield (not getattr(m, k), f"model.{k}={getattr(m, k)} is a latent-attention key but model.kv_lora_rank=0; "
                                       f"set model.kv_lora_rank > 0 (MLA) or model.{k}=0")
-    yield (not m.mtp_depth or shape["pipeline"] == 1,
-           f"model.mtp_depth={m.mtp_depth} with mesh.pipeline={shape['pipeline']}: multi-token prediction runs "
-           "after the last layer on whole, in-order rows, not yet in pipeline stages; use mesh.pipeline=1 "
-           "or model.mtp_depth=0")
+    pp, cp = shape["pipeline"], shape["context"]
+    # A pipeline runs multi-token prediction with the head, each stage on 1/P of each micro-batch's
+    # rows of each batch shard (parallel/pipeline/executor.py, `_rows`): whole, in-order rows.
+    yield (not m.mtp_depth or pp == 1 or cp == 1,
+           f"model.mtp_depth={m.mtp_depth} with mesh.pipeline={pp} and mesh.context={cp}: a pipeline runs "
+           "multi-token prediction on whole rows, which context parallelism splits inside the stages; "
+           "use mesh.context=1 with the pipeline, mesh.pipeline=1, or model.mtp_depth=0")
+    shards = shape["data"] * shape["fsdp"] * shape["expert"]
+    rows = cfg.data.global_batch_size // max(cfg.train.micro_batches * shards, 1)
+    yield (not m.mtp_depth or pp == 1 or rows % pp == 0,
+           f"model.mtp_depth={m.mtp_depth} with mesh.pipeline={pp}: each stage runs multi-token prediction on "
+           f"1/{pp} of a micro-batch's {rows} rows per batch shard (data.global_batch_size="
+           f"{cfg.data.global_batch_size} / train.micro_batches={cfg.train.micro_batches} / {shards} shards); "
+           f"make that a multiple of {pp} (e.g. data.global_batch_size={cfg.train.micro_batches * shards * pp})")
+    yield (not m.mtp_depth or pp == 1 or not m.moe.enabled or not m.moe.aux_loss_weight,
+           f"model.moe.aux_loss_weight={m.moe.aux_loss_weight} with model.mtp_depth={m.mtp_depth} and "
+           f"mesh.pipeline={pp}: the stages split the MTP blocks' rows, and the batch-wide balance loss is not a "
+           "sum over rows; use model.moe.sequence_aux_loss_weight (per row) or balance=bias, or mesh.pipeline=1")
     yield (not m.global_every or not m.moe.enabled,
            f"model.global_every={m.global_every} with model.moe.num_experts={m.moe.num_experts}: local and global "
            "layers are not yet grouped with MoE layers; use model.global_every=0 or a dense model")

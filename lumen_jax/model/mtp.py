@@ -13,7 +13,8 @@ depths (lambda averaged over the depths), each depth's tokens weighed as the mai
 counts at depth k when t_{i+k+1} is a real target of the same document as position i (packed documents:
 the segment ids at i and i+k agree) and lies within the row. Training only: `forward` (generation,
 evaluation) runs the main model alone. Under context parallelism the shifts cross devices
-(`ops.sequence`) and the module's attention is the main layers' (context-parallel) attention.
+(`ops.sequence`) and the module's attention is the main layers' (context-parallel) attention; a
+pipeline runs the modules with its head, each stage on a share of the rows (`Transformer.mtp_terms`).
 """
 
 from __future__ import annotations

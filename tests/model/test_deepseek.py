@@ -135,6 +135,24 @@ def test_first_dense_layers_train_on_a_pipeline_as_on_one_device(reference, mesh
             assert not np.any(np.delete(a, pipe.real_slots(a.shape[0], k), axis=0)), k
 
 
+@pytest.mark.heavy
+def test_deepseek_with_mtp_trains_on_a_pipeline_as_on_one_device():
+    """All three: the first dense layer in stage 0's slots, MoE layers, and a multi-token prediction
+    depth (an MoE block with the selection bias) run with the head on half the rows each: losses, grad
+    norms, gradients, `mtp_loss` and the model state after 3 steps (the MTP block's bias and expert
+    load, summed over the stages' rows) equal one device's with the same 2 micro-batches."""
+    cfg = DEEPSEEK.replace(model=dataclasses.replace(DEEPSEEK.model, mtp_depth=1, mtp_loss_weight=0.3))
+    ref = run(with_mesh(cfg, micro_batches=2), devices=jax.devices()[:1])
+    got = run(with_mesh(cfg, micro_batches=2, pipeline=2, fsdp=2, expert=2, pipeline_layers=(2, 1)))
+    assert_same_run(got, ref, "pipeline2-fsdp2-expert2 mtp", GRADS_END_RTOL)
+    assert float(np.abs(ref["grads"]["mtp"]["eh_proj"]).max()) > 0
+    np.testing.assert_allclose([float(m["mtp_loss"]) for m in got["metrics"]],
+                               [float(m["mtp_loss"]) for m in ref["metrics"]], rtol=FP32_RTOL)
+    assert float(np.abs(ref["model_state"]["mtp"]["block"]["mlp"]["balance"]["load"]).sum()) > 0
+    for a, b in zip(jax.tree.leaves(got["model_state"]), jax.tree.leaves(ref["model_state"])):
+        np.testing.assert_allclose(a, b, rtol=FP32_RTOL, atol=1e-6)
+
+
 def test_absorbed_decoding_equals_the_full_forward():
     """Prefill then decode over MLA's latent cache (wk_b absorbed into the queries, wv_b after the weighted
     latents: [B, S, R + Hr] per layer) gives, token after token, the logits the training forward gives

@@ -79,7 +79,7 @@ def test_mtp_objective_and_gradients_equal_the_papers_formula(setup):
     assert float(jnp.abs(g_got["mtp"]["eh_proj"]).max()) > 0  # the modules learn
 
 
-def test_mtp_counts_in_flops_and_is_refused_with_a_pipeline():
+def test_mtp_counts_in_flops_and_what_a_pipeline_refuses():
     m = MTP.model
     off = dataclasses.replace(m, mtp_depth=0)
     params = init(m, 0)[0]
@@ -88,8 +88,11 @@ def test_mtp_counts_in_flops_and_is_refused_with_a_pipeline():
     layer = flops.param_counts(off)["layer_matmul"]
     assert flops.param_counts(m)["matmul"] - flops.param_counts(off)["matmul"] == 2 * (2 * d * d + layer + d * v)
     with pytest.raises(ConfigError) as e:
-        validate(with_mesh(MTP, micro_batches=2, pipeline=2), 2)
-    assert "model.mtp_depth=2 with mesh.pipeline=2" in str(e.value)
+        validate(with_mesh(MTP, micro_batches=2, pipeline=2, context=2), 4)
+    assert "model.mtp_depth=2 with mesh.pipeline=2 and mesh.context=2" in str(e.value)
+    with pytest.raises(ConfigError) as e:  # 16 rows / 2 micro-batches / 8 shards: 1 row, not split over 2 stages
+        validate(with_mesh(MTP, micro_batches=2, pipeline=2, fsdp=8), 16)
+    assert "each stage runs multi-token prediction on 1/2 of a micro-batch's 1 rows" in str(e.value)
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +123,15 @@ def test_mtp_trains_under_context_parallelism_as_on_one_device(reference, mesh):
     """The shifted ids cross the context devices (zigzag's order too); the MTP block attends through
     context parallelism as the main layers do."""
     _assert_same_mtp_run(run(with_mesh(MTP, **mesh)), reference, str(mesh))
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("mesh", [dict(pipeline=2, fsdp=2), dict(pipeline=2, fsdp=4, pipeline_schedule="zero_bubble")],
+                         ids=["pipeline2-fsdp2-1f1b", "pipeline2-fsdp4-zero_bubble"])
+def test_mtp_trains_on_a_pipeline_as_on_one_device(mesh):
+    """Multi-token prediction with the head: each stage on half of each micro-batch's rows (the last
+    stage's output shared), its gradients summed over the stages; `mtp_loss` the micro-batches' mean,
+    as on one device with the same 2 micro-batches. (With replica groups, `data`, the metric is the
+    groups' mean of their own ratios, with or without a pipeline: not one device's.)"""
+    ref = run(with_mesh(MTP, micro_batches=2), devices=jax.devices()[:1])
+    _assert_same_mtp_run(run(with_mesh(MTP, micro_batches=2, **mesh)), ref, str(mesh))
