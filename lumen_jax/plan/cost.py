@@ -132,7 +132,8 @@ def flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, global_ba
 class _TickUnits:
     """A pipelined step's work per token of one micro-batch on one device: each layer's forward, its
     whole (forward, backward and recompute), the weight-gradient matmuls of a split backward's W (0
-    unsplit), and the loss's logits (forward and backward, split over the P stages in its ticks)."""
+    unsplit), and the loss's logits with multi-token prediction's modules (forward and backward, split
+    over the P stages in its ticks)."""
 
     forward: float
     layer: float
@@ -143,10 +144,13 @@ class _TickUnits:
 
 def _tick_units(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, split: bool) -> _TickUnits:
     flat = dataclasses.replace(layout, pipeline=1, mesh=dataclasses.replace(layout.mesh, pipeline=1))
-    one = dataclasses.replace(model, num_layers=1)
+    one = dataclasses.replace(model, num_layers=1, mtp_depth=0)
     fraction = computed_score_fraction(seq_len)
+    planned = lambda m: planned_flops_per_token(m, flat, seq_len, model.remat, score_fraction=fraction)  # noqa: E731
     head = 6.0 * model.d_model * model.vocab_size  # logits forward and backward, per token
-    layer = planned_flops_per_token(one, flat, seq_len, model.remat, score_fraction=fraction) - head
+    layer = planned(one) - head
+    if model.mtp_depth:  # multi-token prediction runs with the head (its blocks, merges and logits)
+        head += planned(dataclasses.replace(one, mtp_depth=model.mtp_depth)) - planned(one)
     forward = 2.0 * flops.param_counts(one)["layer_matmul"] + flops.attention_forward_flops_per_token(
         one, seq_len, causal=False) * fraction
     return _TickUnits(forward, layer, split_backward(model).flops if split else 0.0, head,
