@@ -84,7 +84,7 @@ class Layout:
         chunks = self.pipeline * self.schedule[1]
         valid = self.pipeline > 1 and len(split) == chunks and sum(split) == num_layers
         if first and self.pipeline > 1:
-            firsts, rest = _first_parts(split if valid else first_split(num_layers, chunks, first), first)
+            firsts, rest = first_parts(split if valid else first_split(num_layers, chunks, first), first)
             return max(firsts) + max(rest)
         return max(split) if valid else None
 
@@ -131,7 +131,7 @@ def first_layers(model: ModelConfig) -> int:
     return model.moe.first_dense_layers if model.moe.enabled else 0
 
 
-def _first_parts(split: tuple[int, ...], first: int) -> tuple[list[int], list[int]]:
+def first_parts(split: tuple[int, ...], first: int) -> tuple[list[int], list[int]]:
     """(first layers, other layers) of each virtual stage of `split`: the first layers fill the stages in order."""
     firsts = [min(n, max(0, first - sum(split[:w]))) for w, n in enumerate(split)]
     return firsts, [n - f for n, f in zip(split, firsts)]

@@ -374,6 +374,19 @@ def test_state_bytes_are_the_shards_the_trainer_creates(axes, zero_stage):
         "params": shard_bytes(state.params), "grads": grads, "optimizer": shard_bytes((adam.mu, adam.nu))}
 
 
+@pytest.mark.parametrize("split", [[], [1, 3]])
+def test_state_bytes_with_first_dense_layers_in_stages_are_what_the_trainer_holds(split):
+    """DeepSeek-V3's first dense layer on the first stage: every stage holds F slots of it in `blocks`
+    (zeros but on the first) and R of the MoE stack (`memory._first_stack_slots`)."""
+    cfg = load_config("configs/tiny_deepseek_v3.yaml", ["mesh.fsdp=4", "mesh.pipeline=2", "train.micro_batches=2",
+                                                       f"mesh.pipeline_layers={split}".replace(" ", "")])
+    layout = plan.layout_from_config(cfg, 8)
+    trainer = build(cfg, make_mesh({a: layout.size(a) for a in MeshConfig.AXES}))
+    params = jax.eval_shape(trainer.init).params
+    held = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
+    assert plan.state_bytes(cfg.model, layout)["params"] == held
+
+
 # The planner reads what each remat policy saves off the model (`memory.layer_residuals`).
 
 
