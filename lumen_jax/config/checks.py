@@ -175,11 +175,24 @@ def _model_shape(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str
         for k in ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             yield (not getattr(m, k), f"model.{k}={getattr(m, k)} is a latent-attention key but model.kv_lora_rank=0; "
                                       f"set model.kv_lora_rank > 0 (MLA) or model.{k}=0")
-    for axis in ("context", "pipeline"):
-        yield (not m.mtp_depth or shape[axis] == 1,
-               f"model.mtp_depth={m.mtp_depth} with mesh.{axis}={shape[axis]}: multi-token prediction shifts whole, "
-               f"in-order rows and runs after the last layer, not yet under {axis} parallelism; use mesh.{axis}=1 "
-               "or model.mtp_depth=0")
+    pp, cp = shape["pipeline"], shape["context"]
+    # A pipeline runs multi-token prediction with the head, each stage on 1/P of each micro-batch's
+    # rows of each batch shard (parallel/pipeline/executor.py, `_rows`): whole, in-order rows.
+    yield (not m.mtp_depth or pp == 1 or cp == 1,
+           f"model.mtp_depth={m.mtp_depth} with mesh.pipeline={pp} and mesh.context={cp}: a pipeline runs "
+           "multi-token prediction on whole rows, which context parallelism splits inside the stages; "
+           "use mesh.context=1 with the pipeline, mesh.pipeline=1, or model.mtp_depth=0")
+    shards = shape["data"] * shape["fsdp"] * shape["expert"]
+    rows = cfg.data.global_batch_size // max(cfg.train.micro_batches * shards, 1)
+    yield (not m.mtp_depth or pp == 1 or rows % pp == 0,
+           f"model.mtp_depth={m.mtp_depth} with mesh.pipeline={pp}: each stage runs multi-token prediction on "
+           f"1/{pp} of a micro-batch's {rows} rows per batch shard (data.global_batch_size="
+           f"{cfg.data.global_batch_size} / train.micro_batches={cfg.train.micro_batches} / {shards} shards); "
+           f"make that a multiple of {pp} (e.g. data.global_batch_size={cfg.train.micro_batches * shards * pp})")
+    yield (not m.mtp_depth or pp == 1 or not m.moe.enabled or not m.moe.aux_loss_weight,
+           f"model.moe.aux_loss_weight={m.moe.aux_loss_weight} with model.mtp_depth={m.mtp_depth} and "
+           f"mesh.pipeline={pp}: the stages split the MTP blocks' rows, and the batch-wide balance loss is not a "
+           "sum over rows; use model.moe.sequence_aux_loss_weight (per row) or balance=bias, or mesh.pipeline=1")
     yield (not m.global_every or not m.moe.enabled,
            f"model.global_every={m.global_every} with model.moe.num_experts={m.moe.num_experts}: local and global "
            "layers are not yet grouped with MoE layers; use model.global_every=0 or a dense model")
@@ -225,10 +238,6 @@ def _moe(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
             f"choose it among the divisors of {m.num_layers} ({_divisors(m.num_layers, m.num_layers)})") if not first
            else (f"model.moe.every_n_layers={moe.every_n_layers} does not divide the {rest} layers after "
                  f"model.moe.first_dense_layers={first}; choose it among the divisors of {rest}"))
-    yield (not first or shape["pipeline"] == 1,
-           f"model.moe.first_dense_layers={first} with mesh.pipeline={shape['pipeline']}: the pipeline cuts "
-           "stacks of fixed shares (n-1 dense, one MoE) and the first dense layers are not yet placed on a stage; "
-           "use mesh.pipeline=1 or model.moe.first_dense_layers=0")
     yield (m.expert_ffn_dim % tp == 0,
            f"mesh.tensor={tp} does not divide the experts' ffn dim {m.expert_ffn_dim} (model.moe.expert_ffn_dim, "
            "0: model.ffn_dim); choose an expert_ffn_dim that is a multiple of mesh.tensor")
@@ -267,9 +276,21 @@ def _pipeline(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
            (f"model.num_layers={layers} is not divisible by mesh.pipeline={p}; {fixes}a mesh.pipeline among the "
             f"divisors of {layers}"))
     n = cfg.model.moe.every_n_layers if cfg.model.moe.enabled else 1
-    yield (not uneven or all(a % n == 0 for a in split),
-           f"mesh.pipeline_layers={split} with model.moe.every_n_layers={n}: a stage holds whole groups of {n} "
-           f"layers (n-1 dense, then one MoE); give every stage a multiple of {n} layers")
+    first = cfg.model.moe.first_dense_layers if cfg.model.moe.enabled else 0
+    # The first dense layers fill the first stages in order (parallel/pipeline/layout.Pipeline.firsts).
+    per = split if uneven else [layers // chunks] * chunks
+    rest = [a - min(a, max(0, first - sum(per[:w]))) for w, a in enumerate(per)]
+    yield (not uneven or all(a % n == 0 for a in rest),
+           f"mesh.pipeline_layers={split} with model.moe.every_n_layers={n}"
+           + (f" and model.moe.first_dense_layers={first}" if first else "")
+           + f": a stage holds whole groups of {n} layers (n-1 dense, then one MoE)"
+           + (" after the first dense layers, which fill the first stages" if first else "")
+           + f"; give every stage a multiple of {n} layers" + (" besides its first dense ones" if first else ""))
+    yield (p == 1 or uneven or not first or layers % chunks or all(a % n == 0 for a in rest),
+           f"model.num_layers={layers} in {chunks} even stages of {layers // max(chunks, 1)} with "
+           f"model.moe.first_dense_layers={first} and model.moe.every_n_layers={n} leaves a stage a part of a "
+           f"group of {n} layers; set mesh.pipeline_layers (the first dense layers fill the first stages, "
+           f"every stage then holds whole groups of {n})")
     yield (p == 1 or mesh.pipeline_schedule == "gpipe" or m >= p,
            f"mesh.pipeline_schedule={mesh.pipeline_schedule} needs train.micro_batches={m} >= mesh.pipeline={p} "
            f"(each stage keeps up to {p} micro-batches in flight); raise train.micro_batches to {p} or more "
@@ -279,7 +300,7 @@ def _pipeline(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
            f"(micro-batches go through the chunks in groups of {p}); use a multiple of {p}")
     moe = cfg.model.moe
     groups = layers // moe.every_n_layers if moe.enabled else chunks
-    yield (p == 1 or uneven or groups % chunks == 0,  # uneven: whole groups per stage, checked above
+    yield (p == 1 or uneven or first or groups % chunks == 0,  # uneven or first dense: whole groups, checked above
            f"model.num_layers={layers} with model.moe.every_n_layers={moe.every_n_layers} makes {groups} groups of "
            f"layers (n-1 dense, then one MoE), not divisible into mesh.pipeline*mesh.pipeline_virtual_stages={chunks} "
            f"stages of whole groups; use a multiple of {chunks * moe.every_n_layers} layers")

@@ -12,8 +12,9 @@ and its cross-entropy against t_{i+k+1}; the objective adds `model.mtp_loss_weig
 depths (lambda averaged over the depths), each depth's tokens weighed as the main objective's. Position i
 counts at depth k when t_{i+k+1} is a real target of the same document as position i (packed documents:
 the segment ids at i and i+k agree) and lies within the row. Training only: `forward` (generation,
-evaluation) runs the main model alone. Single-device math; the config refuses context and pipeline
-parallelism with it (the sequence shift assumes a whole, in-order row).
+evaluation) runs the main model alone. Under context parallelism the shifts cross devices
+(`ops.sequence`) and the module's attention is the main layers' (context-parallel) attention; a
+pipeline runs the modules with its head, each stage on a share of the rows (`Transformer.mtp_terms`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from flax import nnx
 
 from lumen_jax.config import ModelConfig
 from lumen_jax.model.layers import Block, _param, norm
+from lumen_jax.ops import sequence
 from lumen_jax.ops.choice import Ops
 from lumen_jax.parallel.rules import constrain
 
@@ -47,15 +49,15 @@ class MTPModule(nnx.Module):
         return self.block(constrain(x, ("batch", "act_seq", "act_embed")), positions_bt, segment_ids_bt, inv_freq, ops)
 
 
-def shifted(batch: dict, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def shifted(batch: dict, k: int, ops: Ops) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Depth k's (input tokens t_{i+k}, targets t_{i+k+1}, mask) [B, T] from a batch's `targets` (t_{i+1}),
-    `loss_mask` and `segment_ids`: shifted left by k-1 and k, the last positions masked (their tokens
-    wrap around), and so is a position whose target lies in another document."""
+    `loss_mask` and `segment_ids`: shifted left by k-1 and k in the original token order (`ops.sequence`:
+    across context devices and zigzag's order too), the last positions masked (their tokens wrap
+    around), and so is a position whose target lies in another document."""
     targets, mask, seg = batch["targets"], batch["loss_mask"], batch["segment_ids"]
-    t = targets.shape[1]
-    inputs_k = jnp.roll(targets, -(k - 1), axis=1)
-    targets_k = jnp.roll(targets, -k, axis=1)
-    keep = (jnp.arange(t) < t - k)[None] & (jnp.roll(mask, -k, axis=1) > 0)
+    inputs_k = targets if k == 1 else sequence.shift_left(targets, k - 1, ops)[0]
+    targets_k, in_row = sequence.shift_left(targets, k, ops)
+    keep = jnp.asarray(in_row)[None] & (sequence.shift_left(mask, k, ops)[0] > 0)
     if seg is not None:
-        keep = keep & (jnp.roll(seg, -k, axis=1) == seg)
+        keep = keep & (sequence.shift_left(seg, k, ops)[0] == seg)
     return inputs_k, targets_k, keep.astype(mask.dtype)

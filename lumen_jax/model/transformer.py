@@ -71,9 +71,9 @@ class Transformer(nnx.Module):
 
         attention = LatentAttention if cfg.mla else Attention
 
-        def stack(count: int, mlp: type, module: type = Block) -> Block:
+        def stack(count: int, mlp: type, module: type = Block, axis: str = "layers") -> Block:
             @nnx.split_rngs(splits=count)
-            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
             def make_blocks(rngs: nnx.Rngs) -> Block:
                 return module(cfg, ops, rngs=rngs, mlp=mlp, attention=attention)
             return make_blocks(rngs)
@@ -83,7 +83,8 @@ class Transformer(nnx.Module):
         if num_moe:  # layers k+n-1, k+2n-1, ... (n = moe.every_n_layers, k = moe.first_dense_layers)
             self.moe_blocks = stack(num_moe, MoE)
         if cfg.mtp_depth:  # multi-token prediction: its blocks are MoE where the model's last layer is
-            self.mtp = stack(cfg.mtp_depth, MoE if num_moe else MLP, MTPModule)
+            # (`depths`, not `layers`: a pipeline runs them with the head, not in stages)
+            self.mtp = stack(cfg.mtp_depth, MoE if num_moe else MLP, MTPModule, "depths")
         self.final_norm = norm(cfg, cfg.d_model)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
@@ -115,26 +116,40 @@ class Transformer(nnx.Module):
         depths' weighted objectives), and aux with its blocks' auxiliary losses and the metric `mtp_loss`
         (the depths' mean cross-entropy per counted token). `h_btd`: the last layer's output."""
         cfg = self.cfg
+        objective, ce_sums, counts, extra = self.mtp_terms(h_btd, batch, weight, z_loss, objective)
+        ce_mean = jnp.zeros((), jnp.float32)
+        for ce_k, count_k in zip(ce_sums, counts):
+            ce_mean = ce_mean + ce_k / jnp.maximum(count_k, 1).astype(jnp.float32) / cfg.mtp_depth
+        out = {**aux, "metrics": {**dict(aux.get("metrics", {})), "mtp_loss": ce_mean}}
+        if "loss" in aux or cfg.moe.enabled:
+            out["loss"] = aux.get("loss", jnp.zeros((), jnp.float32)) + extra
+        return objective, out
+
+    def mtp_terms(self, h_btd: jax.Array, batch: dict, weight: jax.Array, z_loss: float,
+                  objective: jax.Array) -> tuple[jax.Array, list, list, jax.Array]:
+        """Multi-token prediction's depths on rows `h_btd` [B, T, D] (the last layer's output) of `batch`:
+        (`objective` plus mtp_loss_weight / mtp_depth times each depth's weighted objective, each depth's
+        cross-entropy sum, each depth's counted tokens, the blocks' auxiliary losses summed). Whole,
+        in-order rows: a pipeline runs it on a share of the rows (`mtp_objective` on all of them)."""
+        cfg = self.cfg
         graphdef, state = nnx.split(self.mtp)
         w_dv = (self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]).astype(jnp.dtype(cfg.compute_dtype))
         table, share = self.embed_table(), cfg.mtp_loss_weight / cfg.mtp_depth
-        extra, ce_mean, metrics = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), dict(aux.get("metrics", {}))
+        extra, ce_sums, counts = jnp.zeros((), jnp.float32), [], []
         for k in range(1, cfg.mtp_depth + 1):
             module = nnx.merge(graphdef, jax.tree.map(lambda v: v[k - 1], state))  # noqa: B023
-            inputs_k, targets_k, mask_k = mtp_lib.shifted(batch, k)
+            inputs_k, targets_k, mask_k = mtp_lib.shifted(batch, k, self.ops)
             e_btd = constrain(embedding_lookup(table, inputs_k), ("batch", "act_seq", "act_embed"))
             h_btd, block_aux = module(h_btd, e_btd, batch["positions"], batch["segment_ids"], layer_rope(cfg, None),
                                       self.ops)
             x_btd = constrain(module.norm(h_btd), ("batch", "seq", "act_embed"))
             obj_k, ce_k = output_objective(x_btd, w_dv, targets_k, mask_k, weight, z_loss, cfg.loss_chunk_tokens)
             objective = objective + share * obj_k
-            ce_mean = ce_mean + ce_k / jnp.maximum(mask_k.sum(), 1).astype(jnp.float32) / cfg.mtp_depth
+            ce_sums.append(ce_k)
+            counts.append(mask_k.sum())
             if "loss" in block_aux:
                 extra = extra + block_aux["loss"]
-        out = {**aux, "metrics": {**metrics, "mtp_loss": ce_mean}}
-        if "loss" in aux or cfg.moe.enabled:
-            out["loss"] = aux.get("loss", jnp.zeros((), jnp.float32)) + extra
-        return objective, out
+        return objective, ce_sums, counts, extra
 
     # The three parts of `forward`, also run one by one when the stack is cut into pipeline stages
     # (the first embeds, each runs its slice of the stacked blocks, the last makes the logits).
@@ -163,8 +178,9 @@ class Transformer(nnx.Module):
         """The stacked blocks this module holds (all `num_layers`, or one pipeline stage's slice of
         them): (residual stream, aux as in `forward`).
 
-        `real_layers`: how many of the held layers are real (uneven pipeline stages pad a stage's
-        stack with zero layers after its own, `parallel/pipeline/layout.Pipeline.pad`); None: all.
+        `real_layers`: how many of the held layers after the first dense ones are real (uneven pipeline
+        stages pad a stage's stack with zero layers after its own, `parallel/pipeline/layout.Pipeline.pad`);
+        None: all.
         A zero layer is the identity, but a zero MoE router still routes, so the MoE groups past the
         real ones add no auxiliary loss and no metrics.
         `taps`: the projections' taps of a split backward (`ops.projection.Taps`: per stack [L, ...],
@@ -230,15 +246,19 @@ class Transformer(nnx.Module):
         entries), then one scan over groups of `moe.every_n_layers`: n-1 dense layers (a scan of their
         own), then an MoE layer. Returns the residual stream and the aux terms (see `forward`;
         `real_layers`, the stacks' taps: see `run_layers`)."""
-        n, first = self.cfg.moe.every_n_layers, self.cfg.moe.first_dense_layers
+        n = self.cfg.moe.every_n_layers
         moe_graph, moe_state = nnx.split(self.moe_blocks)
+        # The first dense layers held: `moe.first_dense_layers`, or a pipeline stage's slots of them (its
+        # `blocks` hold them before its groups' n-1 dense layers each; zeros where they are not its own).
+        groups = jax.tree.leaves(moe_state)[0].shape[0]
+        first = jax.tree.leaves(nnx.state(self.blocks))[0].shape[0] - (n - 1) * groups if hasattr(self, "blocks") else 0
         moe_body = make_body(moe_graph, self.ops, "moe_blocks")
         dense = None
         if n > 1 or first:
             dense_graph, dense_state = nnx.split(self.blocks)
             dense_body = make_body(dense_graph, self.ops, "blocks")
             dense_xs = (dense_state, stack_taps("blocks"))
-            if first:  # a pipeline never cuts such a stack (config checks)
+            if first:
                 x_btd, _ = jax.lax.scan(dense_body, x_btd, jax.tree.map(lambda v: v[:first], dense_xs))
                 dense_xs = jax.tree.map(lambda v: v[first:], dense_xs)
             if n > 1:

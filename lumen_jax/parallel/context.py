@@ -109,6 +109,18 @@ def unpermute_tokens(x, layout: Layout, axis: int = 1):
     return jnp.take(x, np.argsort(layout.order(x.shape[axis])), axis=axis)
 
 
+def shift_tokens(x_bt: jax.Array, k: int) -> tuple[jax.Array, np.ndarray]:
+    """x [B, T] (a global array, the sequence over `context` in the active layout's order) at the token
+    k later in the original order (the last k wrap around), and [T] whether that token lies in the row,
+    both in the layout's order: a gather by a static index (`ops.sequence.shift_left`)."""
+    mesh, rules = rules_lib.active()
+    layout = Layout(mesh.shape[AXIS], rules.context_balance)
+    t = x_bt.shape[1]
+    order = np.arange(t) if layout.balance == "contiguous" or layout.size == 1 else layout.order(t)
+    source = np.argsort(order)[(order + k) % t]  # the held position of each token's k-th successor
+    return jnp.take(x_bt, jnp.asarray(source, jnp.int32), axis=1), order < t - k
+
+
 def pair_kind(q_chunk, k_chunk, causal: bool, window: int = 0, chunk_len: int = 1):
     """How a (query chunk, key chunk) pair of global chunk ids (ints or traced) of `chunk_len` tokens
     each attends: SKIP (no query sees a key: the keys all later, or all beyond the sliding `window`),

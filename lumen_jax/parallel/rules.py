@@ -82,6 +82,7 @@ class Rules:
             "head_dim": None,
             "norm": None,
             "layers": "pipeline",
+            "depths": None,  # multi-token prediction's modules: with the head, on every pipeline stage
             # activation axes
             "batch": tuple(a for a in ("data", "fsdp", "expert") if a not in self.replica_axes) or None,
             "seq": context,

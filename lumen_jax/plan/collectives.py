@@ -13,7 +13,7 @@ from lumen_jax.metrics import flops
 from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.plan import moe as moe_plan
 from lumen_jax.plan.cost import unit_ticks
-from lumen_jax.plan.hardware import AXES, Hardware, Layout, compute_bytes
+from lumen_jax.plan.hardware import AXES, Hardware, Layout, compute_bytes, first_layers
 from lumen_jax.plan.memory import F32 as F32_BYTES
 from lumen_jax.plan.memory import recomputes, split_backward, state_bytes
 
@@ -84,7 +84,7 @@ class StepShape:
 
     @property
     def layers(self) -> int:  # layers per pipeline stage
-        return self.layout.stage_layers(self.model.num_layers)
+        return self.layout.stage_layers(self.model.num_layers, first_layers(self.model))
 
     @property
     def row(self) -> float:  # one micro-batch's activations [tokens, D] in the compute dtype

@@ -12,7 +12,7 @@ from lumen_jax.config import ModelConfig
 from lumen_jax.parallel import context as context_lib
 from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.plan import moe as moe_plan
-from lumen_jax.plan.hardware import Layout
+from lumen_jax.plan.hardware import Layout, first_layers
 from lumen_jax.plan.memory import (STATE_BYTES, computed_score_fraction, loss_chunks, recomputes, split_backward,
                                    state_bytes)
 
@@ -132,7 +132,8 @@ def flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, global_ba
 class _TickUnits:
     """A pipelined step's work per token of one micro-batch on one device: each layer's forward, its
     whole (forward, backward and recompute), the weight-gradient matmuls of a split backward's W (0
-    unsplit), and the loss's logits (forward and backward, split over the P stages in its ticks)."""
+    unsplit), and the loss's logits with multi-token prediction's modules (forward and backward, split
+    over the P stages in its ticks)."""
 
     forward: float
     layer: float
@@ -143,10 +144,13 @@ class _TickUnits:
 
 def _tick_units(model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, split: bool) -> _TickUnits:
     flat = dataclasses.replace(layout, pipeline=1, mesh=dataclasses.replace(layout.mesh, pipeline=1))
-    one = dataclasses.replace(model, num_layers=1)
+    one = dataclasses.replace(model, num_layers=1, mtp_depth=0)
     fraction = computed_score_fraction(seq_len)
+    planned = lambda m: planned_flops_per_token(m, flat, seq_len, model.remat, score_fraction=fraction)  # noqa: E731
     head = 6.0 * model.d_model * model.vocab_size  # logits forward and backward, per token
-    layer = planned_flops_per_token(one, flat, seq_len, model.remat, score_fraction=fraction) - head
+    layer = planned(one) - head
+    if model.mtp_depth:  # multi-token prediction runs with the head (its blocks, merges and logits)
+        head += planned(dataclasses.replace(one, mtp_depth=model.mtp_depth)) - planned(one)
     forward = 2.0 * flops.param_counts(one)["layer_matmul"] + flops.attention_forward_flops_per_token(
         one, seq_len, causal=False) * fraction
     return _TickUnits(forward, layer, split_backward(model).flops if split else 0.0, head,
@@ -167,7 +171,7 @@ def critical_path_matmul_flops(model: ModelConfig, layout: Layout, seq_len: int,
     name, v = layout.schedule
     prog = pipeline_lib.lockstep(name, layout.pipeline, layout.micro_batches, v)
     u = _tick_units(model, layout, seq_len, global_batch, prog.split)
-    chunk = layout.chunk_layers(model.num_layers)
+    chunk = layout.chunk_layers(model.num_layers, first_layers(model))
     ticks = unit_ticks(prog)
     per_token = (ticks["forward"] * chunk * u.forward + ticks["backward"] * chunk * (u.layer - u.forward - u.wgrad)
                  + ticks["weight"] * chunk * u.wgrad + ticks["head"] * u.head / layout.pipeline)
@@ -209,7 +213,7 @@ def compiled_flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, 
         # A split backward (zero_bubble): B is the layer's backward less the tapped projections'
         # weight-gradient matmuls; W runs those for the chunk's layers at once (`Taps.replay` maps
         # over the layers, it does not scan them), so the compiler counts every layer of the chunk.
-        weight = wgrad * layout.chunk_layers(model.num_layers)
+        weight = wgrad * layout.chunk_layers(model.num_layers, first_layers(model))
         # Each segment's scan body counted once: its forward, its share of the loss, its backward
         # (B when split), its weight-gradient unit (split).
         segments = sum((forward if g.forward else 0.0) + (head / layout.pipeline if g.head else 0.0)

@@ -12,7 +12,7 @@ import dataclasses
 from lumen_jax.config import ModelConfig
 from lumen_jax.metrics import flops
 from lumen_jax.plan import measured
-from lumen_jax.plan.hardware import Hardware, Layout, compute_bytes
+from lumen_jax.plan.hardware import Hardware, Layout, compute_bytes, first_layers
 
 # Bytes through HBM per logit (a token's score of one vocabulary entry), by the loss's program.
 # chunked (ours, ops/loss.py): the float32 chunk written and read for its log-sum-exp, read again for
@@ -107,7 +107,7 @@ def compute_seconds(model: ModelConfig, layout: Layout, seq_len: int, micro_batc
     mesh, peak = layout.mesh, hw.peak(model.compute_dtype)
     c = compute_bytes(model)
     m_tokens = micro_batch * seq_len / mesh.context
-    layers = layout.stage_layers(model.num_layers)
+    layers = layout.stage_layers(model.num_layers, first_layers(model))
     passes = 3.0 + (1.0 if redo["projections"] else 0.0)
     per_layer = sum(eff.gemm_seconds(m_tokens, k, n, hw, peak, c) for k, n in layer_gemms(model, mesh.tensor))
     vocab = model.vocab_size / mesh.tensor

@@ -73,23 +73,31 @@ class Layout:
             return mesh.pipeline_schedule, v
         return "gpipe", 1
 
-    def uneven_max(self, num_layers: int) -> int | None:
-        """max(mesh.pipeline_layers) when it splits `num_layers` into this layout's virtual stages, else None."""
+    def uneven_max(self, num_layers: int, first: int = 0) -> int | None:
+        """Layer slots one virtual stage holds and computes per tick when they differ from ceil(L / (P V)):
+        max(mesh.pipeline_layers) when it splits `num_layers` into this layout's virtual stages; with
+        `first` > 0 first layers of their own kind (MoE's first dense layers, `first_layers`), every
+        stage's slots of them (the most any stage holds) plus the most other layers any stage holds
+        (parallel/pipeline/layout.Pipeline.pad), on `mesh.pipeline_layers` or else `first_split`'s;
+        else None."""
         split = self.mesh.pipeline_layers
-        if self.pipeline > 1 and len(split) == self.pipeline * self.schedule[1] and sum(split) == num_layers:
-            return max(split)
-        return None
+        chunks = self.pipeline * self.schedule[1]
+        valid = self.pipeline > 1 and len(split) == chunks and sum(split) == num_layers
+        if first and self.pipeline > 1:
+            firsts, rest = first_parts(split if valid else first_split(num_layers, chunks, first), first)
+            return max(firsts) + max(rest)
+        return max(split) if valid else None
 
-    def chunk_layers(self, num_layers: int) -> int:
-        """Layers one virtual stage computes per tick: ceil(L / (P V)), or max(mesh.pipeline_layers)
-        with uneven stages (every chunk holds that many slots, the padding computed in lock step)."""
-        lmax = self.uneven_max(num_layers)
+    def chunk_layers(self, num_layers: int, first: int = 0) -> int:
+        """Layers one virtual stage computes per tick: ceil(L / (P V)), or `uneven_max` (every chunk
+        holds that many slots, the padding computed in lock step)."""
+        lmax = self.uneven_max(num_layers, first)
         return lmax if lmax is not None else -(-num_layers // (self.pipeline * self.schedule[1]))
 
-    def stage_layers(self, num_layers: int) -> int:
+    def stage_layers(self, num_layers: int, first: int = 0) -> int:
         """Layers one device holds and computes per micro-batch (all its chunks): ceil(L / P), or
-        V max(mesh.pipeline_layers) with uneven stages (the dearest stage, as the lock step runs it)."""
-        lmax = self.uneven_max(num_layers)
+        V `uneven_max` (the dearest stage, as the lock step runs it)."""
+        lmax = self.uneven_max(num_layers, first)
         return self.schedule[1] * lmax if lmax is not None else -(-num_layers // self.pipeline)
 
     def describe(self) -> str:
@@ -116,6 +124,41 @@ def uneven_split(num_layers: int, chunks: int, group: int = 1) -> tuple[int, ...
     for i in ends[:per * chunks - groups]:
         split[i] -= 1
     return tuple(n * group for n in split)
+
+
+def first_layers(model: ModelConfig) -> int:
+    """The model's first layers of their own kind a pipeline places (MoE's `model.moe.first_dense_layers`)."""
+    return model.moe.first_dense_layers if model.moe.enabled else 0
+
+
+def first_parts(split: tuple[int, ...], first: int) -> tuple[list[int], list[int]]:
+    """(first layers, other layers) of each virtual stage of `split`: the first layers fill the stages in order."""
+    firsts = [min(n, max(0, first - sum(split[:w]))) for w, n in enumerate(split)]
+    return firsts, [n - f for n, f in zip(split, firsts)]
+
+
+def first_split(num_layers: int, chunks: int, first: int, group: int = 1) -> tuple[int, ...]:
+    """`mesh.pipeline_layers` for a model whose `first` layers are of their own kind (DeepSeek-V3's dense
+    ones): every virtual stage computes F slots of them and R of the others (lock step), so this picks
+    the F <= first minimising F + R: ceil(first / F) stages take F first layers each (the last of them
+    the rest, then other layers), the other layers (whole groups of `group`) spread evenly after them."""
+    best = None
+    for f in range(1, first + 1):
+        dense_stages = -(-first // f)
+        if dense_stages > chunks:
+            continue
+        groups = (num_layers - first) // group
+        # stages that can take other layers: the last one with first layers, and every one after it
+        takers = chunks - dense_stages + 1
+        per = -(-groups // takers)
+        if best is None or f + per * group < best[0]:
+            counts = [per] * takers
+            for i in range(per * takers - groups):  # the fewer from the end
+                counts[-1 - i] -= 1
+            firsts = [f] * (dense_stages - 1) + [first - f * (dense_stages - 1)]
+            split = firsts[:-1] + [firsts[-1] + counts[0] * group] + [c * group for c in counts[1:]]
+            best = (f + per * group, tuple(split))
+    return best[1]
 
 
 def layout_from_config(cfg: Config, num_devices: int, pipeline: int = 1,

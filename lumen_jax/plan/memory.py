@@ -27,7 +27,7 @@ from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.parallel import rules as rules_lib
 from lumen_jax.parallel.rules import Rules
 from lumen_jax.plan import moe as moe_plan
-from lumen_jax.plan.hardware import Layout, compute_bytes
+from lumen_jax.plan.hardware import Layout, compute_bytes, first_layers, first_parts, first_split
 
 F32 = 4
 # Our step keeps fp32 master parameters, fp32 gradients and Adam's two fp32 moments: 4 + 4 + 8 bytes
@@ -110,19 +110,37 @@ def _state_bytes(model: ModelConfig, layout: Layout) -> tuple[tuple[str, int], .
     leaves = _param_leaves(model)
     # uneven stages: a device holds V * max(mesh.pipeline_layers) slots of every stack (zero padding
     # included), a stack with a share of the layers (MoE) that share of them
-    held = layout.stage_layers(model.num_layers) if layout.uneven_max(model.num_layers) else None
+    first = first_layers(model)
+    held = layout.stage_layers(model.num_layers, first) if layout.uneven_max(model.num_layers, first) else None
     out = {}
     for kind, nbytes in STATE_BYTES.items():
         total = 0
-        for _, shape, names in leaves:
+        for path, shape, names in leaves:
             count = 1
             for dim, axes, name in zip(shape, rules.spec(names, kind), names):
                 # `layers` maps to `pipeline` in the rules: each stage holds ceil(L / p) layers
                 group = math.prod(layout.size(a) for a in ((axes,) if isinstance(axes, str) else axes or ()))
-                count *= held * dim // model.num_layers if held and name == "layers" else -(-dim // group)
+                if held and name == "layers" and first:  # the first dense layers' slots: `blocks` only
+                    count *= _first_stack_slots(layout, model, dim, path.startswith("['blocks']"))
+                else:
+                    count *= held * dim // model.num_layers if held and name == "layers" else -(-dim // group)
             total += count
         out[kind] = nbytes * total
     return tuple(out.items())
+
+
+def _first_stack_slots(layout: Layout, model: ModelConfig, length: int, holds_first: bool) -> int:
+    """Entries of a stack of `length` one device holds with the model's first dense layers placed
+    (parallel/pipeline/layout.Pipeline.pad): V * (F + the most of the stack's share any stage holds),
+    F only in the stack that holds them (`blocks`)."""
+    first = first_layers(model)
+    chunks = layout.pipeline * layout.schedule[1]
+    split = layout.mesh.pipeline_layers
+    if not (len(split) == chunks and sum(split) == model.num_layers):
+        split = first_split(model.num_layers, chunks, first, model.moe.every_n_layers)
+    firsts, rest = first_parts(split, first)
+    share = length - (first if holds_first else 0)
+    return layout.schedule[1] * ((max(firsts) if holds_first else 0) + max(n * share // sum(rest) for n in rest))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -479,7 +497,7 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     tokens = micro_batch * seq_len / layout.mesh.context
     pipelined = layout.pipeline > 1
     name, virtual = layout.schedule
-    layers = layout.chunk_layers(model.num_layers)
+    layers = layout.chunk_layers(model.num_layers, first_layers(model))
     parts = working_bytes_per_token(model, layout, seq_len, remat, attention)
     widths = _widths(model, layout, seq_len)
     slots = wslots = 0

@@ -13,7 +13,7 @@ from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.plan.collectives import Collective, collectives
 from lumen_jax.plan.cost import planned_flops_per_token, planned_score_fraction
 from lumen_jax.plan.efficiency import Compute, Efficiency, Overlap, compute_seconds
-from lumen_jax.plan.hardware import Hardware, Layout, uneven_split
+from lumen_jax.plan.hardware import Hardware, Layout, first_layers, first_split, uneven_split
 from lumen_jax.plan.memory import (Activations, activation_bytes, communication_bytes, fp8_bytes, recomputes,
                                    split_backward, state_bytes)
 
@@ -333,7 +333,10 @@ def _schedules(model: ModelConfig, mesh: MeshConfig, stages: int, micro_batches:
     for name, v in kinds:
         if model.num_layers // group < stages * v or pipeline_lib.check_shape(name, stages, micro_batches, v):
             continue
-        split = () if model.num_layers % (stages * v * group) == 0 else uneven_split(model.num_layers, stages * v, group)
+        first = first_layers(model)  # placed on the first stages: every stage computes slots of them
+        split = (first_split(model.num_layers, stages * v, first, group) if first
+                 else () if model.num_layers % (stages * v * group) == 0
+                 else uneven_split(model.num_layers, stages * v, group))
         out.append(dataclasses.replace(mesh, pipeline=stages, pipeline_schedule=name, pipeline_virtual_stages=v,
                                        pipeline_layers=split))
     return out

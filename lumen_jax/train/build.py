@@ -87,8 +87,8 @@ def _layer_stacks(names: dict) -> tuple[str, ...]:
 
 
 def _on_stacks(pipe: Pipeline, fn: Any, tree: dict) -> dict:
-    """`fn` applied to the layer stacks of a params-like tree (params, model state), the rest kept."""
-    return {k: fn(v) if k in pipe.stacks else v for k, v in tree.items()}
+    """`fn(stack, name)` applied to the layer stacks of a params-like tree (params, model state), the rest kept."""
+    return {k: fn(v, k) if k in pipe.stacks else v for k, v in tree.items()}
 
 
 def _fresh_state(pipe: Pipeline | None, state: dict) -> dict:
@@ -120,10 +120,10 @@ def _stored_layout(pipe: Pipeline, tx: optax.GradientTransformation, abstract: s
     """Uneven or interleaved stages: the stacks as held in memory (params, the optimizer's copies of
     them, model state: `Pipeline.pad`) <-> their real layers [L, ...] in order on disk, so a
     checkpoint restores under any stage split, even stages or no pipeline (checkpoint.StoredLayout)."""
-    marks = {k: jax.tree.map(lambda _: k in pipe.stacks, v) for k, v in abstract.params.items()}
+    marks = {k: jax.tree.map(lambda _: k if k in pipe.stacks else "", v) for k, v in abstract.params.items()}
 
     def convert(fn: Any, state: step_lib.TrainState) -> step_lib.TrainState:
-        opt = optax.tree_map_params(tx, lambda a, stack: fn(a) if stack else a, state.opt_state, marks,
+        opt = optax.tree_map_params(tx, lambda a, stack: fn(a, stack) if stack else a, state.opt_state, marks,
                                     transform_non_params=lambda a: a)
         return state.replace(params=_on_stacks(pipe, fn, state.params), opt_state=opt,
                              model_state=_on_stacks(pipe, fn, state.model_state))
@@ -196,7 +196,9 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
     fp16 = cfg.model.compute_dtype == "float16"
     pipe = (Pipeline.create(mesh, cfg.model.d_model, cfg.model.compute_dtype, cfg.mesh.pipeline_schedule,
                             cfg.train.micro_batches, cfg.mesh.pipeline_virtual_stages,
-                            stacks=_layer_stacks(names), layers=cfg.mesh.pipeline_layers)
+                            stacks=_layer_stacks(names), layers=cfg.mesh.pipeline_layers,
+                            first=cfg.model.moe.first_dense_layers if cfg.model.moe.enabled else 0,
+                            num_layers=cfg.model.num_layers)
             if mesh.shape["pipeline"] > 1 else None)
     sc = step_lib.StepConfig(graphdef=model.graphdef, tx=tx, lr_schedule=schedule(cfg.optim, cfg.train.steps),
                              micro_batches=cfg.train.micro_batches, z_loss=cfg.optim.z_loss,

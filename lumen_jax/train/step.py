@@ -93,7 +93,7 @@ def stage_fns(sc: StepConfig) -> pipeline_step.StageFns:
     """The model's parts the pipelined step runs, each on the parameters of one stage's chunk."""
     def layers(params: dict, state: dict, x_btd: jax.Array, mb: Batch, real_layers: jax.Array | None = None,
                taps: Taps | None = None, *, stage: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
-        model = merge(sc.graphdef, params, state)
+        model = merge(sc.graphdef, params, {**sc.fresh_state, **state})  # the fresh head's state completes the graph
         split = sc.pipeline.stage_layers(model.cfg.num_layers)
         first = jnp.asarray([sum(split[:w]) for w in range(len(split))], jnp.int32)[stage]  # its first layer
         y_btd, aux = model.run_layers(x_btd, mb["positions"], mb["segment_ids"], real_layers, taps,
@@ -103,13 +103,21 @@ def stage_fns(sc: StepConfig) -> pipeline_step.StageFns:
     def head(params: dict, y_btd: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array, weight: jax.Array):
         return merge(sc.graphdef, params, sc.fresh_state).objective(y_btd, targets_bt, mask_bt, weight, sc.z_loss)
 
+    def mtp(params: dict, state: dict, h_btd: jax.Array, mb: Batch, weight: jax.Array):
+        model = merge(sc.graphdef, params, {**sc.fresh_state, **state})
+        objective, ce_sums, counts, extra = model.mtp_terms(h_btd, mb, weight, sc.z_loss, jnp.zeros((), jnp.float32))
+        return objective, extra, jnp.stack(ce_sums), jnp.stack(counts).astype(jnp.float32)
+
     # The embedding and the head keep no model state (fp8 and MoE state live in the layers: the
-    # logits' projection is never fp8): the fresh state only completes the graph.
+    # logits' projection is never fp8): the fresh state only completes the graph. Multi-token
+    # prediction's modules (`mtp`, with the head) keep their MoE layers' state.
+    rules = lambda tree: {k: sc.state_combine[k] for k in tree}  # noqa: E731  (a subset: stages', the head's)
     return pipeline_step.StageFns(table=lambda params: merge(sc.graphdef, params, sc.fresh_state).embed_table(),
                                   embed=embedding_lookup,
                                   layers=layers, head=head, taps=Taps,
-                                  combine_state=lambda a, b: state_lib.combine(sc.state_combine, a, b),
-                                  fold_state=lambda state_r: jax.tree.map(_fold, sc.state_combine, state_r))
+                                  combine_state=lambda a, b: state_lib.combine(rules(a), a, b),
+                                  fold_state=lambda state_r: jax.tree.map(_fold, rules(state_r), state_r),
+                                  mtp=mtp)
 
 
 def _identity(tree: Any) -> Any:

@@ -79,7 +79,7 @@ def test_mtp_objective_and_gradients_equal_the_papers_formula(setup):
     assert float(jnp.abs(g_got["mtp"]["eh_proj"]).max()) > 0  # the modules learn
 
 
-def test_mtp_counts_in_flops_and_is_refused_with_context_and_pipeline():
+def test_mtp_counts_in_flops_and_what_a_pipeline_refuses():
     m = MTP.model
     off = dataclasses.replace(m, mtp_depth=0)
     params = init(m, 0)[0]
@@ -87,17 +87,51 @@ def test_mtp_counts_in_flops_and_is_refused_with_context_and_pipeline():
     d, v = m.d_model, m.vocab_size
     layer = flops.param_counts(off)["layer_matmul"]
     assert flops.param_counts(m)["matmul"] - flops.param_counts(off)["matmul"] == 2 * (2 * d * d + layer + d * v)
-    for mesh, fragment in ((dict(context=2), "mesh.context=2"), (dict(pipeline=2), "mesh.pipeline=2")):
-        with pytest.raises(ConfigError) as e:
-            validate(with_mesh(MTP, micro_batches=2, **mesh), 2)
-        assert f"model.mtp_depth=2 with {fragment}" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        validate(with_mesh(MTP, micro_batches=2, pipeline=2, context=2), 4)
+    assert "model.mtp_depth=2 with mesh.pipeline=2 and mesh.context=2" in str(e.value)
+    with pytest.raises(ConfigError) as e:  # 16 rows / 2 micro-batches / 8 shards: 1 row, not split over 2 stages
+        validate(with_mesh(MTP, micro_batches=2, pipeline=2, fsdp=8), 16)
+    assert "each stage runs multi-token prediction on 1/2 of a micro-batch's 1 rows" in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run(with_mesh(MTP), devices=jax.devices()[:1])
+
+
+def _assert_same_mtp_run(got: dict, ref: dict, name: str) -> None:
+    """Losses, grad norms, gradients (the MTP modules' among them, which must learn) and `mtp_loss` per step."""
+    assert_same_run(got, ref, name, 1e-4)
+    assert all(0 < float(m["mtp_loss"]) < 10 for m in ref["metrics"])
+    assert float(np.abs(ref["grads"]["mtp"]["eh_proj"]).max()) > 0
+    np.testing.assert_allclose([float(m["mtp_loss"]) for m in got["metrics"]],
+                               [float(m["mtp_loss"]) for m in ref["metrics"]], rtol=FP32_RTOL, err_msg=name)
 
 
 @pytest.mark.heavy
-def test_mtp_trains_on_a_mesh_as_on_one_device():
-    ref = run(with_mesh(MTP), devices=jax.devices()[:1])
-    got = run(with_mesh(MTP, data=2, fsdp=2, tensor=2))
-    assert_same_run(got, ref, "data2-fsdp2-tensor2", 1e-4)
-    assert all(0 < float(m["mtp_loss"]) < 10 for m in ref["metrics"])
-    np.testing.assert_allclose([float(m["mtp_loss"]) for m in got["metrics"]],
-                               [float(m["mtp_loss"]) for m in ref["metrics"]], rtol=FP32_RTOL)
+def test_mtp_trains_on_a_mesh_as_on_one_device(reference):
+    _assert_same_mtp_run(run(with_mesh(MTP, data=2, fsdp=2, tensor=2)), reference, "data2-fsdp2-tensor2")
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("mesh", [dict(context=2, fsdp=2, context_parallel="ring"),
+                                  dict(context=2, tensor=2, context_parallel="allgather",
+                                       context_balance="contiguous")],
+                         ids=["context2-fsdp2-ring-zigzag", "context2-tensor2-allgather-contiguous"])
+def test_mtp_trains_under_context_parallelism_as_on_one_device(reference, mesh):
+    """The shifted ids cross the context devices (zigzag's order too); the MTP block attends through
+    context parallelism as the main layers do."""
+    _assert_same_mtp_run(run(with_mesh(MTP, **mesh)), reference, str(mesh))
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("mesh", [dict(pipeline=2, fsdp=2), dict(pipeline=2, fsdp=4, pipeline_schedule="zero_bubble")],
+                         ids=["pipeline2-fsdp2-1f1b", "pipeline2-fsdp4-zero_bubble"])
+def test_mtp_trains_on_a_pipeline_as_on_one_device(mesh):
+    """Multi-token prediction with the head: each stage on half of each micro-batch's rows (the last
+    stage's output shared), its gradients summed over the stages; `mtp_loss` the micro-batches' mean,
+    as on one device with the same 2 micro-batches. (With replica groups, `data`, the metric is the
+    groups' mean of their own ratios, with or without a pipeline: not one device's.)"""
+    ref = run(with_mesh(MTP, micro_batches=2), devices=jax.devices()[:1])
+    _assert_same_mtp_run(run(with_mesh(MTP, micro_batches=2, **mesh)), ref, str(mesh))

@@ -91,6 +91,12 @@ class StageFns:
     # A split backward (zero_bubble): () -> an empty probe of the layers' projection taps
     # (`ops.projection.Taps`), passed to `layers` as `taps=`; None: the backward stays whole.
     taps: Callable[[], Any] | None = None
+    # Multi-token prediction, run with the head (`mtp_keys`: its parameters and model state, outside the
+    # stacks; absent from the parameters: none): (params, its model state, h [B', T, D] whole rows of the
+    # last stage's output, the micro-batch's same rows, weight) -> (weight * its objective, its auxiliary
+    # loss (a mean over the rows), each depth's cross-entropy sum [Dm], each depth's counted tokens [Dm]).
+    mtp: Callable[..., tuple[jax.Array, jax.Array, jax.Array, jax.Array]] | None = None
+    mtp_keys: tuple[str, ...] = ("mtp",)
 
 
 def _varying(fn: Callable, weights: tuple, varying: tuple) -> tuple[list[bool], list[Any]]:
@@ -138,6 +144,16 @@ def _strided(x: jax.Array, p: int, s: jax.Array, pieces: int = 1) -> jax.Array:
     return picked.reshape(b, pieces * per, *rest)
 
 
+def _rows(x: jax.Array, p: int, s: jax.Array, pieces: int = 1) -> jax.Array:
+    """Stage s's share of the rows of [B, ...]: of each of the `pieces` equal runs of rows (a device's rows
+    along the batch axes each, so nothing moves between devices), its s-th P-th: [B / P, ...]."""
+    b, rest = x.shape[0], x.shape[1:]
+    if b % (pieces * p):
+        raise ValueError(f"{b} rows in {pieces} groups do not split over {p} pipeline stages")
+    picked = jax.lax.dynamic_index_in_dim(x.reshape(pieces, p, b // (pieces * p), *rest), s, axis=1, keepdims=False)
+    return picked.reshape(b // p, *rest)
+
+
 class _Carry(NamedTuple):
     """What one device carries from tick to tick (with R > 1 replica groups: each leaf [R, ...])."""
 
@@ -151,6 +167,7 @@ class _Carry(NamedTuple):
     d_table: jax.Array  # [Gb, Gs, V, D] float32: each row group's sum of the embedding table's gradient
     ce: jax.Array  # the summed cross-entropy of this device's share of the head's tokens
     state: dict  # [V, Lc, ...]: the model state's next value (ops/state.py)
+    head_state: dict  # the model state of what runs with the head (multi-token prediction's): its next value
     metrics: dict  # the model's aux metrics, summed over real forwards
 
 
@@ -182,6 +199,7 @@ class _Device:
     stacked: dict  # [V, Lc, ...]
     other: dict
     state: dict  # [V, Lc, ...]
+    head_state: dict  # the model state of what runs with the head (`StageFns.mtp`), replicated
     tokens: jax.Array
     scale: jax.Array
     aux_share: float  # the auxiliary loss's share of one micro-batch of one replica group
@@ -190,6 +208,7 @@ class _Device:
     w_tree: Any = None  # the taps' tree structure (the W stash's leaves)
     table: Any = None  # the embedding table the lookup reads (`StageFns.table` of the cast weights)
     groups: tuple[int, int] = (1, 1)  # the devices a micro-batch's rows and tokens are split over (`_row_groups`)
+    mtp: bool = False  # multi-token prediction runs with the head (`StageFns.mtp`)
 
     @property
     def act_dtype(self):
@@ -231,7 +250,9 @@ class _Device:
                        x_recv=zeros_act, g_recv=zeros_act,
                        d_stacked=jax.tree.map(_f32_zeros, dev.stacked), d_other=jax.tree.map(_f32_zeros, dev.other),
                        d_table=jnp.zeros((*dev.groups, *dev.table.shape), jnp.float32),
-                       ce=jnp.zeros((), jnp.float32), state=jax.tree.map(jnp.zeros_like, dev.state), metrics=metrics0)
+                       ce=jnp.zeros((), jnp.float32), state=jax.tree.map(jnp.zeros_like, dev.state),
+                       head_state=jax.tree.map(jnp.zeros_like, dev.head_state),
+                       metrics={**metrics0, **({"mtp_loss": jnp.zeros((), jnp.float32)} if dev.mtp else {})})
         if r > 1:  # one stash and one gradient sum per replica group (carry [R, ...]), see loss_and_grads
             carry = jax.tree.map(lambda a: jnp.zeros((r, *a.shape), a.dtype), carry)
         return dev, carry
@@ -241,7 +262,8 @@ class _Device:
         """Virtual stage v's forward of one micro-batch from its input x (`stage_input`): ((y [B, T, D]
         in the compute dtype, aux loss), metrics)."""
         w = self.cast({**other, **chunk})
-        real = jnp.asarray(self.pipe.layers, jnp.int32)[v] if self.pipe.layers else None  # uneven stages
+        # uneven stages: the chunk's real layers after the model's first ones (`Pipeline.stage_rest`)
+        real = jnp.asarray(self.pipe.stage_rest(), jnp.int32)[v] if self.pipe.layers else None
         y, aux_loss, metrics = self.fns.layers(w, state, x, mb, real, taps=taps, stage=v)
         return (y.astype(self.act_dtype), jnp.asarray(aux_loss, jnp.float32)), metrics
 
@@ -296,32 +318,56 @@ class _Device:
         stash = [buf.at[f.slot].set(next(kept)) for buf in c.stash]
         weight = f.valid.astype(jnp.float32)
         if self.pipe.layers:  # a chunk's metrics are its layers' mean: weighted by its share of the layers
-            layers = np.asarray(self.pipe.layers)
+            layers = np.asarray(self.pipe.stage_rest())  # (after the model's first ones, which have none)
             weight = weight * jnp.asarray(layers * len(layers) / layers.sum(), jnp.float32)[v]
-        metrics = jax.tree.map(lambda a, x: a + weight * x, c.metrics, metrics)
+        metrics = {**c.metrics, **jax.tree.map(lambda a, x: a + weight * x, {k: c.metrics[k] for k in metrics}, metrics)}
         return c._replace(stash=stash, metrics=metrics), y
 
-    def head_loss(self, other: dict, y_last: jax.Array, mb: dict) -> tuple[jax.Array, jax.Array]:
+    def head_loss(self, other: dict, head_state: dict, y_last: jax.Array,
+                  mb: dict) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
         """The loss of the last virtual stage's output (zeros elsewhere), each stage taking every
-        P-th token of each context device's run (`_strided`: any sequence length): (scaled
-        objective, cross-entropy) of this stage's tokens."""
+        P-th token of each context device's run (`_strided`: any sequence length), and, with
+        multi-token prediction, its depths on this stage's share of the rows (`_rows`: whole, in-order
+        rows): (scaled objective, (cross-entropy of this stage's tokens, multi-token prediction's
+        cross-entropy sums and counted tokens per depth of its rows, [Dm] each; zeros without))."""
         p = self.pipe.program.stages
         y_all = jax.lax.psum(y_last, AXIS)
         w = self.cast({**other, **jax.lax.stop_gradient(self.chunk(self.stacked, 0))})
         pick = functools.partial(_strided, p=p, s=self.s, pieces=self.groups[1])
-        return self.fns.head(w, pick(y_all), pick(mb["targets"]), pick(mb["loss_mask"]), self.scale / self.tokens)
+        objective, ce = self.fns.head(w, pick(y_all), pick(mb["targets"]), pick(mb["loss_mask"]),
+                                      self.scale / self.tokens)
+        if not self.mtp:
+            return objective, (ce, jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32))
+        rows = functools.partial(_rows, p=p, s=self.s, pieces=self.groups[0])
+        mtp_objective, aux_loss, ce_sums, counts = self.fns.mtp(w, head_state, rows(y_all), jax.tree.map(rows, mb),
+                                                                self.scale / self.tokens)
+        # the auxiliary loss is a mean over this stage's rows, 1/P of the micro-batch's
+        objective = objective + mtp_objective + aux_loss * self.scale * self.aux_share / p
+        return objective, (ce, ce_sums, counts)
 
     def head(self, c: _Carry, h: HeadCell, f: Cell, y: jax.Array, mbs: dict) -> _Carry:
         """The loss of this tick's last-virtual-stage output (`h`) and its cotangent, into the slot of
-        this stage's forward `f`, which made it on the last stage."""
+        this stage's forward `f`, which made it on the last stage. With multi-token prediction: its
+        state's next value (merged over micro-batches) and the `mtp_loss` metric (the depths' mean
+        cross-entropy per counted token of the micro-batch, its rows' sums added over the stages)."""
         prog = self.pipe.program
         mb = jax.tree.map(lambda a: a[h.mb], mbs)
         y_last = jnp.where((self.s == prog.stages - 1) & (f.chunk == prog.virtual - 1), y, jnp.zeros_like(y))
-        (_, ce), head_vjp = jax.vjp(lambda o, yl: self.head_loss(o, yl, mb), self.other, y_last)
+        _, head_vjp, (ce, ce_sums, counts) = jax.vjp(lambda o, hs, yl: self.head_loss(o, hs, yl, mb), self.other,
+                                                     self.head_state, y_last, has_aux=True)
         real = h.valid.astype(jnp.float32)
-        d_other, dy = head_vjp((real, jnp.zeros((), jnp.float32)))
-        return c._replace(d_other=jax.tree.map(_add, c.d_other, d_other), ce=c.ce + real * ce,
-                          g_stash=c.g_stash.at[f.slot].set(dy.astype(self.act_dtype)))  # read by the last stage's backward
+        d_other, d_head_state, dy = head_vjp(real)
+        c = c._replace(d_other=jax.tree.map(_add, c.d_other, d_other), ce=c.ce + real * ce,
+                       g_stash=c.g_stash.at[f.slot].set(dy.astype(self.act_dtype)))  # read by the last stage's backward
+        if not self.mtp:
+            return c
+        merged = self.fns.combine_state(c.head_state, d_head_state)
+        head_state = jax.tree.map(lambda a, new: jnp.where(h.valid > 0, new, a), c.head_state, merged)
+        ce_sums, counts = jax.lax.psum((ce_sums, counts), AXIS)
+        mtp_loss = (ce_sums / jnp.maximum(counts, 1.0)).mean()
+        # every stage adds it (identical after the psum); `_reduced` divides the P*V*M copies' sum by P*V*M
+        metrics = {**c.metrics, "mtp_loss": c.metrics["mtp_loss"] + real * prog.virtual * mtp_loss}
+        return c._replace(head_state=head_state, metrics=metrics)
 
     def backward(self, c: _Carry, b: Cell, zeros_act: jax.Array, zero_mb: dict,
                  mbs: dict) -> tuple[_Carry, jax.Array]:
@@ -435,7 +481,8 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
     model_state = model_state or {}
     stacks = {k: params[k] for k in pipe.stacks}
     others = {k: val for k, val in params.items() if k not in pipe.stacks}
-    if set(model_state) - set(pipe.stacks):  # no such model: fp8's and MoE's state live in the layers
+    head_keys = set(fns.mtp_keys) & set(others) if fns.mtp is not None else set()  # what runs with the head
+    if set(model_state) - set(pipe.stacks) - head_keys:  # no such model: fp8's and MoE's state live in the layers
         raise ValueError(f"model state outside the layer stacks {sorted(set(model_state) - set(pipe.stacks))} "
                          "does not run in pipeline stages")
     # Context devices' partial gradients stay apart until the end: as replica groups (the vmap's
@@ -445,14 +492,17 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
     seq_split = replica_seq * (pipe.mesh.shape[CONTEXT] if manual else 1)
     b = batch["inputs"].shape[0] // (prog.micro_batches * r // replica_seq)
     t = batch["inputs"].shape[1] // seq_split
+    fns = fns if head_keys else dataclasses.replace(fns, mtp=None)
     stage = functools.partial(_stage, pipe, fns, cast, r, replica_axes, manual, (b, t))
     stage_spec = lambda tree: jax.tree.map(lambda _: P(AXIS), tree)  # noqa: E731
     same_spec = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+    # the stacks' model state cut into stages; the head's (multi-token prediction's) on every stage
+    state_spec = {k: (stage_spec if k in pipe.stacks else same_spec)(v) for k, v in model_state.items()}
     # [M, (R,) B, T]: the tokens over `context` where it is manual
     mb_spec = jax.tree.map(lambda _: P(*([None] * (3 if r > 1 else 2)), manual), mbs)
     run = jax.shard_map(stage, mesh=pipe.mesh,
-                        in_specs=(stage_spec(stacks), same_spec(others), stage_spec(model_state), mb_spec, P(), P()),
-                        out_specs=(P(), stage_spec(stacks), same_spec(others), stage_spec(model_state), P()),
+                        in_specs=(stage_spec(stacks), same_spec(others), state_spec, mb_spec, P(), P()),
+                        out_specs=(P(), stage_spec(stacks), same_spec(others), state_spec, P()),
                         axis_names={AXIS, manual} - {None}, check_vma=False)
     # The stacks are held device-major (`Pipeline.pad`), as the stages read them: nothing moves here.
     ce, d_stacked, d_other, state_new, metrics = run(stacks, others, model_state, mbs, tokens,
@@ -501,7 +551,9 @@ def _ticks(pipe: Pipeline, fns: StageFns, cast: Callable[[dict], dict], r: int, 
     # gathered once, for every tick (chunk 0 only completes the tree `cast` reads)
     table, table_vjp = jax.vjp(lambda o: fns.table(cast({**o, **jax.lax.stop_gradient(chunk0)})), other)
     dev = _Device(pipe=pipe, fns=fns, cast=cast, s=jax.lax.axis_index(AXIS), stacked=by_chunk(stacked),
-                  other=other, state=by_chunk(state), tokens=tokens, scale=scale,
+                  other=other, state=by_chunk({k: v for k, v in state.items() if k in pipe.stacks}),
+                  head_state={k: v for k, v in state.items() if k not in pipe.stacks}, mtp=fns.mtp is not None,
+                  tokens=tokens, scale=scale,
                   aux_share=1.0 / (prog.micro_batches * r * runs), table=table, groups=groups)
     zeros_act = jnp.zeros((*rows_tokens, pipe.d_model), dt)
     zero_mb = jax.tree.map(jnp.zeros_like, jax.tree.map(lambda a: a[0, 0] if r > 1 else a[0], mbs))
@@ -524,15 +576,19 @@ def _reduced(pipe: Pipeline, fns: StageFns, carry: _Carry, table: jax.Array, tab
     d_stacked [V*Lc, ...], d_other, the model state's next value [V*Lc, ...], metrics)."""
     prog = pipe.program
     d_stacked, d_other, ce, state_new, metrics = carry.d_stacked, carry.d_other, carry.ce, carry.state, carry.metrics
+    head_state = carry.head_state
     d_table = carry.d_table
     if r > 1:  # the replica groups' sums added: the step's one reduction over the replica axes
         d_stacked, d_other, d_table, ce, metrics = jax.tree.map(lambda a: a.sum(0),
                                                                 (d_stacked, d_other, d_table, ce, metrics))
         state_new = fns.fold_state(state_new)
+        head_state = fns.fold_state(head_state)
     # The row groups' table gradients added (the step's one reduction of them), through the
     # table's cast and gather into the embedding's gradient.
     d_other = jax.tree.map(_add, d_other, table_vjp(d_table.sum((0, 1)).astype(table.dtype))[0])
     flat = lambda tree: jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), tree)  # noqa: E731
     metrics = jax.tree.map(lambda a: jax.lax.psum(a, AXIS) / (prog.stages * prog.virtual * prog.micro_batches * r),
                            metrics)
-    return jax.lax.psum(ce, AXIS), flat(d_stacked), jax.lax.psum(d_other, AXIS), flat(state_new), metrics
+    # the head's model state: each stage's next value of its rows, merged over the stages
+    head_state = _fold_over(fns, head_state, AXIS)
+    return jax.lax.psum(ce, AXIS), flat(d_stacked), jax.lax.psum(d_other, AXIS), {**flat(state_new), **head_state}, metrics
