@@ -499,10 +499,17 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     if chunks > 1:
         parts["logits"] = parts["logits"] / chunks + HEAD_WEIGHT_COPIES * model.d_model * vocab * F32 / tokens
     counts = flops.param_counts(model)
-    # A layer casts its fp32 weights to the compute dtype and may keep the casts for the backward:
-    # counted as gathered (split only by tensor parallelism). In fp32 the cast is the weight itself.
+    # A layer casts its fp32 weights to the compute dtype and may keep the casts for the backward,
+    # split by tensor parallelism. In fp32 the cast is the weight itself. Under ZeRO-3 the step casts
+    # the weights while sharded and gathers them where each layer uses them: the backward gathers them
+    # again (the compiled bfloat16 step's layer loops carry no gathered weight, fsdp=8 on 8 CPU
+    # devices), so a layer keeps its shard of the casts; with fsdp_regather=per_step the gathered
+    # casts are `communication_bytes`' gathered_weights, which the layers read in place.
     residuals = _residuals(model, layout, remat, seq_len, attention)
-    copies = (residuals.weight_copies * counts["layer_matmul"] * c / layout.mesh.tensor
+    mesh = layout.mesh
+    shards = math.prod(layout.size(a) for a in mesh.zero_mesh_axes) if mesh.zero_stage >= 3 else 1
+    kept = 0.0 if mesh.zero_stage >= 3 and mesh.fsdp_regather == "per_step" and shards > 1 else 1 / shards
+    copies = (residuals.weight_copies * counts["layer_matmul"] * c / mesh.tensor * kept
               if model.compute_dtype != "float32" else 0.0)
     per_layer = tokens * saved_bytes_per_token(model, layout, seq_len, remat, attention) + copies
     grads = state_bytes(model, layout)["grads"]

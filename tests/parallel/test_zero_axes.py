@@ -3,14 +3,19 @@ moments) sharded over fsdp x context, as Megatron's distributed optimizer shards
 the context devices otherwise hold it whole. The numbers stay one device's; the compiled step's
 state bytes per device fall by the context size."""
 
+import dataclasses
+
 import jax
 import pytest
 
 from helpers.run import BASE, assert_same_run, run, with_mesh
+from lumen_jax import plan
+from lumen_jax.compiler import hlo
 from lumen_jax.compiler.compiled import compile_step
 from lumen_jax.config import ConfigError
 from lumen_jax.config.checks import validate
-from lumen_jax.metrics import memory
+from lumen_jax.metrics import flops, memory
+from lumen_jax.plan import memory as memory_lib
 from lumen_jax.plan.hardware import layout_from_config
 from lumen_jax.plan.memory import state_bytes
 
@@ -72,3 +77,32 @@ def test_a_pipeline_is_refused():
     cfg = with_mesh(BASE, micro_batches=2, fsdp=2, context=2, pipeline=2, zero_axes="fsdp+context")
     with pytest.raises(ConfigError, match="mesh.zero_axes=fsdp\\+context with mesh.pipeline=2"):
         validate(cfg, 8)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("mesh", [dict(fsdp=8), dict(fsdp=4, context=2, zero_axes="fsdp+context")],
+                         ids=["fsdp=8", "fsdp=4,context=2,zero_axes=fsdp+context"])
+def test_gathered_weights_are_not_kept_for_the_backward(mesh):
+    """bfloat16 compute, ZeRO-3 gathering per micro-batch: no layer loop of the compiled step (the
+    forward's, whose results are the backward's residuals, or the backward's) carries a gathered
+    layer weight, only the shards: the backward gathers them again. So the planner keeps a layer's
+    cast weights at the shard's size (`plan.memory.activation_bytes`)."""
+    cfg = with_mesh(BASE, **mesh)
+    cfg = cfg.replace(model=dataclasses.replace(cfg.model, compute_dtype="bfloat16", d_model=128, ffn_dim=256))
+    layout = layout_from_config(cfg, 8)
+    module = hlo.parse(compile_step(cfg, layout).as_text())
+    m, layers = cfg.model, cfg.model.num_layers
+    gathered = {(layers, m.d_model, m.ffn_dim), (layers, m.ffn_dim, m.d_model),
+                (layers, m.d_model, m.num_heads, m.d_model // m.num_heads)}
+    carried = {a.dims for i in module.where("while") for a in i.arrays}
+    assert carried, "no loop in the compiled step"
+    assert not carried & gathered, sorted(carried & gathered)
+    shards = {(layers, m.d_model // 8, m.ffn_dim)}
+    assert carried & shards, "the layer loops carry no weight shard: the test no longer sees the weights"
+    residuals = memory_lib.layer_residuals(m.remat)
+    assert residuals.weight_copies > 0  # the probe keeps the casts: the planner divides them by the shards
+    one = plan.predict(cfg, layout, plan.DEVICES["h100"]).activations.saved
+    whole = plan.predict(cfg.replace(mesh=dataclasses.replace(cfg.mesh, zero_stage=2)), layout_from_config(
+        cfg.replace(mesh=dataclasses.replace(cfg.mesh, zero_stage=2)), 8), plan.DEVICES["h100"]).activations.saved
+    copies = residuals.weight_copies * flops.param_counts(m)["layer_matmul"] * layers * 2
+    assert whole - one == pytest.approx(copies * 7 / 8)
