@@ -134,6 +134,11 @@ def _model_shape(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str
            (f"model.head_dim={m.head_dim}" if m.head_dim else
             f"model.head_dim=0 derives d_model/num_heads={m.d_model}/{m.num_heads}={m.resolved_head_dim}, which")
            + " must be even: RoPE rotates pairs of dimensions; set model.head_dim to an even value")
+    zero = math.prod(shape[a] for a in cfg.mesh.zero_mesh_axes)
+    yield (shape["fsdp"] == zero or m.d_model % zero == 0,
+           f"mesh.zero_axes={cfg.mesh.zero_axes}: mesh.fsdp*mesh.context={zero} does not divide "
+           f"model.d_model={m.d_model} (the ZeRO state is sharded along d_model over both); choose axes whose "
+           f"product divides {m.d_model} or mesh.zero_axes=fsdp")
     yield (m.d_model % shape["fsdp"] == 0,
            f"mesh.fsdp={shape['fsdp']} does not divide model.d_model={m.d_model} (parameters and optimizer "
            f"state are sharded along d_model over fsdp); choose mesh.fsdp among the divisors of {m.d_model} "
@@ -168,6 +173,9 @@ def _model_shape(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str
             yield (not getattr(m, k), f"model.{k}={show(getattr(m, k))} with model.kv_lora_rank={m.kv_lora_rank}: "
                                       f"latent attention has none; set model.{k} to its default")
         for k in ("kv_lora_rank", "q_lora_rank"):
+            yield (cfg.mesh.zero_axes == "fsdp" or getattr(m, k) % math.prod(shape[a] for a in cfg.mesh.zero_mesh_axes) == 0,
+                   f"mesh.zero_axes={cfg.mesh.zero_axes} over {math.prod(shape[a] for a in cfg.mesh.zero_mesh_axes)} "
+                   f"devices does not divide model.{k}={getattr(m, k)}; use mesh.zero_axes=fsdp")
             yield (getattr(m, k) % shape["fsdp"] == 0,
                    f"mesh.fsdp={shape['fsdp']} does not divide model.{k}={getattr(m, k)} (the latent axis of the "
                    f"up-projections is sharded over fsdp); choose mesh.fsdp among the divisors of {getattr(m, k)}")
@@ -359,6 +367,16 @@ def _tensor_overlap(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, 
            f"mesh.tensor_overlap={mesh.tensor_overlap} with mesh.pipeline_schedule=zero_bubble: its W units "
            "replay each projection's weight gradient as one einsum of the gathered input; set "
            "mesh.tensor_overlap=none or another mesh.pipeline_schedule")
+
+
+@rule
+def _zero_axes(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
+    """mesh.zero_axes=fsdp+context shards the ZeRO state over context too; the pipelined step's stages
+    take their weights whole over context (its shard_map), which this layout has not been built for."""
+    mesh = cfg.mesh
+    yield (mesh.zero_axes == "fsdp" or shape["pipeline"] == 1,
+           f"mesh.zero_axes={mesh.zero_axes} with mesh.pipeline={shape['pipeline']}: the pipelined step does not "
+           "shard its state over context yet; set mesh.zero_axes=fsdp or mesh.pipeline=1")
 
 
 @rule

@@ -210,6 +210,10 @@ class MeshConfig:
     # steps under the partial matmuls: parallel/collective_matmul.py)
     tensor_overlap: str = "none"
     zero_stage: int = 3  # over fsdp: 1 optimizer state sharded; 2: + gradients; 3: + parameters (FSDP)
+    # The mesh axes ZeRO shards over (`zero_stage`'s state, along d_model): fsdp | fsdp+context, as
+    # Megatron's distributed optimizer shards over DP x CP (the context devices hold the weights whole
+    # otherwise; their gradients are reduce-scattered over both axes once per step).
+    zero_axes: str = "fsdp"
     # context > 1: ring (K/V hop around the context ring) | allgather (gather K/V, Llama 3)
     context_parallel: str = "ring"
     # zigzag: context device i holds chunks i and 2C-1-i (equal causal work) | contiguous: chunk i
@@ -237,6 +241,11 @@ class MeshConfig:
 
     # The mesh axes, the one list of their names, outermost to innermost (Llama 3's order: docs/PARALLELISM.md).
     AXES: typing.ClassVar[tuple[str, ...]] = ("data", "fsdp", "pipeline", "expert", "context", "tensor")
+
+    @property
+    def zero_mesh_axes(self) -> tuple[str, ...]:
+        """`zero_axes` as mesh axis names, outermost first."""
+        return tuple(self.zero_axes.split("+"))
 
     def shape(self, num_devices: int) -> dict[str, int]:
         """Resolve -1 against `num_devices`; raises ConfigError when the product does not match."""
@@ -457,6 +466,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "model.moe.balance": MOE_BALANCE,
     "optim.schedule": SCHEDULES,
     "mesh.zero_stage": ZERO_STAGES,
+    "mesh.zero_axes": ("fsdp", "fsdp+context"),
     "mesh.context_parallel": CONTEXT_PARALLEL,
     "mesh.context_balance": CONTEXT_BALANCE,
     "mesh.tensor_overlap": TENSOR_OVERLAP,

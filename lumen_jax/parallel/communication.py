@@ -68,7 +68,7 @@ def gradient_plan(cfg: MeshConfig, micro_batches: int, mesh: Mesh, rules: Rules,
     accumulates = micro_batches > 1 or pipelined
     axes = tuple(a for a in candidates if mesh.shape[a] > 1) if accumulates and per_replica else ()
     is_names = lambda x: isinstance(x, tuple)  # noqa: E731
-    gathered = ("fsdp",) if cfg.fsdp_regather == "per_step" else ()
+    gathered = cfg.zero_mesh_axes if cfg.fsdp_regather == "per_step" else ()
     weights = jax.tree.map(lambda n: P(*_without(rules.spec(n, "params"), gathered)), names, is_leaf=is_names)
     accumulators = jax.tree.map(lambda n: P(axes or None, *_without(rules.spec(n, "grads"), axes)), names,
                                 is_leaf=is_names)

@@ -18,7 +18,8 @@ vocab           tensor                 vocab-parallel embedding and logits (Mega
 heads/kv_heads  tensor                 column split of Q/K/V, row split of the attention output
 mlp             tensor                 column split of MLP-in, row split of MLP-out (each expert's too)
 experts         expert                 MoE: each device of the `expert` axis holds num_experts/E experts
-embed, latent   fsdp (params)          ZeRO-3: parameters sharded over `fsdp` (latent: MLA's compressed
+embed, latent   fsdp (params)          ZeRO-3: parameters sharded over `fsdp` (and `context` with
+                                       mesh.zero_axes=fsdp+context, all three kinds; latent: MLA's compressed
                                        width, the input of its up-projections; replicated over tensor)
                 fsdp (optimizer)       ZeRO-1/2/3: optimizer state always sharded
                 fsdp (gradients)       ZeRO-2/3: gradients reduce-scattered
@@ -51,6 +52,9 @@ class Rules:
 
     zero_stage: int = 3
     sequence_parallel: bool = False
+    # The mesh axes the ZeRO-sharded dims (`embed`, `latent`) of params, gradients and optimizer state
+    # split over (mesh.zero_axes): fsdp, or fsdp and context (Megatron's distributed optimizer over DP x CP)
+    zero_axes: tuple[str, ...] = ("fsdp",)
     # How attention crosses the `context` axis (lumen_jax/parallel/context.py): not a table entry,
     # but the same kind of decision, read by the attention dispatch under `activate`.
     context_parallel: str = "ring"  # ring | allgather
@@ -67,14 +71,15 @@ class Rules:
     def _table(self, kind: str) -> dict[str, MeshAxes]:
         embed_sharded = {"params": self.zero_stage >= 3, "grads": self.zero_stage >= 2,
                          "optimizer": self.zero_stage >= 1, "activations": False}[kind]
+        zero = (self.zero_axes[0] if len(self.zero_axes) == 1 else self.zero_axes) if embed_sharded else None
         context = None if "context" in self.replica_axes else "context"
         sp_seq = tuple(a for a in (context, "tensor") if a)
         act_seq = (sp_seq if len(sp_seq) > 1 else sp_seq[0]) if self.sequence_parallel else context
         return {
             # parameter axes
             "vocab": "tensor",
-            "embed": "fsdp" if embed_sharded else None,
-            "latent": "fsdp" if embed_sharded else None,
+            "embed": zero,
+            "latent": zero,
             "heads": "tensor",
             "kv_heads": "tensor",
             "mlp": "tensor",

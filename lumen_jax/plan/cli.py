@@ -41,7 +41,7 @@ def format_plan(plan: Plan, cfg: Config, g: Goodput | None = None) -> str:
     n_params = flops.param_counts(cfg.model)["total"]
     lines = [
         f"{cfg.name}: {n_params / 1e9:.2f}B parameters, {lay.num_devices} devices ({lay.describe()}), "
-        f"zero_stage={lay.mesh.zero_stage}, fsdp_grad_reduce={lay.mesh.fsdp_grad_reduce}, "
+        f"zero_stage={lay.mesh.zero_stage}, zero_axes={lay.mesh.zero_axes}, fsdp_grad_reduce={lay.mesh.fsdp_grad_reduce}, "
         f"fsdp_regather={lay.mesh.fsdp_regather}, remat={plan.remat}, attention={plan.attention}, "
         f"{plan.micro_batch} x {cfg.data.seq_len} tokens per device per micro-batch, "
         f"{lay.micro_batches} micro-batches per step",

@@ -93,7 +93,8 @@ class StepShape:
     @property
     def weights(self) -> float:  # one device's fp32 parameter bytes unsharded over data and fsdp (/tp, /pp)
         mesh = self.layout.mesh
-        return state_bytes(self.model, dataclasses.replace(self.layout, mesh=dataclasses.replace(mesh, data=1, fsdp=1)))[
+        return state_bytes(self.model, dataclasses.replace(self.layout, mesh=dataclasses.replace(
+            mesh, data=1, fsdp=1, zero_axes="fsdp")))[
             "params"]
 
     @property
@@ -111,10 +112,22 @@ class StepShape:
         sp_ticks = pipelined and mesh.sequence_parallel and mesh.tensor > 1
         return self.context_grads == "per_unit" and mesh.context > 1 and accumulates and not sp_ticks
 
+    @property
+    def zero_context(self) -> bool:
+        """`mesh.zero_axes=fsdp+context` with context > 1: the ZeRO collectives span fsdp x context,
+        and the context devices' partial gradients are reduce-scattered with fsdp's."""
+        return "context" in self.layout.mesh.zero_mesh_axes and self.layout.mesh.context > 1
+
+    @property
+    def zero_group(self) -> str:
+        """The mesh axes ZeRO gathers weights and reduce-scatters gradients over (`mesh.zero_axes`)."""
+        return "+".join(a for a in self.layout.mesh.zero_mesh_axes if self.layout.size(a) > 1) or "fsdp"
+
     def replica_group(self, *axes: str) -> str:
         """The mesh axes of the step's one gradient reduction: `axes`, with `context` when it is a
-        replica axis (`context_replicas`), as the compiled program names them (axes of one device left out)."""
-        axes += ("context",) if self.context_replicas else ()
+        replica axis (`context_replicas`) whose sums no ZeRO reduce-scatter takes (`zero_context`), as
+        the compiled program names them (axes of one device left out)."""
+        axes += ("context",) if self.context_replicas and not self.zero_context else ()
         return "+".join(a for a in axes if self.layout.size(a) > 1) or axes[0]
 
     @property
@@ -188,7 +201,7 @@ def _weights_and_gradients(s: StepShape, add: Add) -> None:
             _pipelined_embedding_gradient(s, add)
         if mesh.fsdp_regather == "per_step":
             # Also in a pipelined step: gathered before the first tick (`step.loss_grads_and_state`).
-            add("fsdp", "all-gather", f"{dt} weights, once per step (kept)", weights * gather / F32_BYTES, 1, True)
+            add(s.zero_group, "all-gather", f"{dt} weights, once per step (kept)", weights * gather / F32_BYTES, 1, True)
         elif layout.pipeline > 1:
             # As the compiled step runs them (measured, V = 1 and 2): every tick's forward and
             # backward gather the weights of the chunk they run (1/V of the stage's) in its layer
@@ -200,22 +213,28 @@ def _weights_and_gradients(s: StepShape, add: Add) -> None:
                 layer_weights * gather / F32_BYTES / layout.schedule[1], ticks["forward"] + ticks["backward"], True)
             _pipelined_head_gathers(s, prog, gather, add)
         else:
-            add("fsdp", "all-gather", f"{dt} layer weights, forward and backward", layer_weights * gather / F32_BYTES,
-                2 * m, True)
-            add("fsdp", "all-gather", f"{dt} embedding and logits weights (hoisted)",
+            add(s.zero_group, "all-gather", f"{dt} layer weights, forward and backward",
+                layer_weights * gather / F32_BYTES, 2 * m, True)
+            add(s.zero_group, "all-gather", f"{dt} embedding and logits weights (hoisted)",
                 (weights - layer_weights) * gather / F32_BYTES, 1, True)
     joint = mesh.fsdp_grad_reduce == "once" and m > 1 and mesh.data > 1 and mesh.fsdp > 1
     if joint:  # the step's one reduction spans both batch axes: full-size sums over data x fsdp
         add(s.replica_group("data", "fsdp"), "all-reduce", f"{red_dt} gradients, once per step", weights * red / F32_BYTES, 1, True)
     elif mesh.zero_stage >= 3 and layout.pipeline > 1 and grad_calls > 1:
         _pipelined_gradients(s, add, weights, red)
-    elif mesh.zero_stage >= 3:
+    elif mesh.zero_stage >= 3 and s.zero_context and grad_calls > 1:
+        # every micro-batch reduce-scatters over fsdp into the context group's sum; the sums are
+        # reduce-scattered over context once, after the last micro-batch
         add("fsdp", "reduce-scatter", f"{red_dt} gradients", weights * red / F32_BYTES, grad_calls, True)
+        add("context", "reduce-scatter", f"{red_dt} gradient sums, once per step", weights * red / F32_BYTES / mesh.fsdp,
+            1, True)
+    elif mesh.zero_stage >= 3:
+        add(s.zero_group, "reduce-scatter", f"{red_dt} gradients", weights * red / F32_BYTES, grad_calls, True)
     if mesh.zero_stage < 3:
-        kind = "reduce-scatter" if mesh.zero_stage == 2 else "all-reduce"
+        kind = "reduce-scatter" if mesh.zero_stage == 2 or s.zero_context else "all-reduce"
         if not joint:
-            add("fsdp", kind, f"{red_dt} gradients", weights * red / F32_BYTES, grad_calls, True)
-        add("fsdp", "all-gather", "updated fp32 weights", weights, 1, True)
+            add(s.zero_group, kind, f"{red_dt} gradients", weights * red / F32_BYTES, grad_calls, True)
+        add(s.zero_group, "all-gather", "updated fp32 weights", weights, 1, True)
     if not joint:
         add(s.replica_group("data"), "all-reduce", f"{red_dt} gradients, once per step", s.grads, 1, True)
 
@@ -319,7 +338,7 @@ def _context(s: StepShape, add: Add) -> None:
         add("context", "all-gather", "K/V per layer (again in the backward: measured with remat none as with full)",
             kv, forwards + backwards, False)
         add("context", "reduce-scatter", "dK/dV per layer", kv, backwards, False)
-    if s.context_replicas:  # reduced once per step with data's (`_weights_and_gradients`)
+    if s.context_replicas or s.zero_context:  # reduced once per step with data's or fsdp's (`_weights_and_gradients`)
         return
     weights = s.weights
     shards = _fsdp_shards(mesh)

@@ -77,14 +77,18 @@ def communication_bytes(model: ModelConfig, layout: Layout) -> dict[str, int]:
     sums are full-size over fsdp (else sharded like the gradients, which `state_bytes` counts).
     """
     mesh, out = layout.mesh, {"gathered_weights": 0, "grad_accumulator": 0}
-    if mesh.fsdp == 1:
+    if math.prod(layout.size(a) for a in mesh.zero_mesh_axes) == 1:
         return out
-    unsharded = state_bytes(model, dataclasses.replace(layout, mesh=dataclasses.replace(mesh, fsdp=1)))
+    unsharded = state_bytes(model, dataclasses.replace(layout, mesh=dataclasses.replace(mesh, fsdp=1, zero_axes="fsdp")))
     if mesh.fsdp_regather == "per_step" and mesh.zero_stage == 3:
         dtype = 4 if model.fp8.recipe != "none" or model.compute_dtype == "float32" else 2
         out["gathered_weights"] = unsharded["params"] * dtype // F32
-    if mesh.fsdp_grad_reduce == "once" and layout.micro_batches > 1:
-        red = F32 if mesh.reduce_dtype == "float32" else 2
+    red = F32 if mesh.reduce_dtype == "float32" else 2
+    if mesh.fsdp_grad_reduce == "once" and layout.micro_batches > 1 and layout.pipeline == 1:
+        # the loop's carry: every replica group's full-size sums, beside the reduced gradients they
+        # are reduce-scattered into after the last micro-batch (`state_bytes`' grads)
+        out["grad_accumulator"] = unsharded["grads"] * red // F32
+    elif mesh.fsdp_grad_reduce == "once" and layout.micro_batches > 1:
         out["grad_accumulator"] = unsharded["grads"] * red // F32 - (state_bytes(model, layout)["grads"]
                                                                        if mesh.zero_stage >= 2 else 0)
     return out
@@ -106,7 +110,8 @@ def check_kept_weights_fit(model: ModelConfig, layout: Layout, device_bytes: flo
 
 @functools.lru_cache(maxsize=4096)
 def _state_bytes(model: ModelConfig, layout: Layout) -> tuple[tuple[str, int], ...]:
-    rules = Rules(zero_stage=layout.mesh.zero_stage, sequence_parallel=layout.mesh.sequence_parallel)
+    rules = Rules(zero_stage=layout.mesh.zero_stage, sequence_parallel=layout.mesh.sequence_parallel,
+                  zero_axes=layout.mesh.zero_mesh_axes)
     leaves = _param_leaves(model)
     # uneven stages: a device holds V * max(mesh.pipeline_layers) slots of every stack (zero padding
     # included), a stack with a share of the layers (MoE) that share of them
@@ -512,10 +517,17 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     if chunks > 1:
         parts["logits"] = parts["logits"] / chunks + HEAD_WEIGHT_COPIES * model.d_model * vocab * F32 / tokens
     counts = flops.param_counts(model)
-    # A layer casts its fp32 weights to the compute dtype and may keep the casts for the backward:
-    # counted as gathered (split only by tensor parallelism). In fp32 the cast is the weight itself.
+    # A layer casts its fp32 weights to the compute dtype and may keep the casts for the backward,
+    # split by tensor parallelism. In fp32 the cast is the weight itself. Under ZeRO-3 the step casts
+    # the weights while sharded and gathers them where each layer uses them: the backward gathers them
+    # again (the compiled bfloat16 step's layer loops carry no gathered weight, fsdp=8 on 8 CPU
+    # devices), so a layer keeps its shard of the casts; with fsdp_regather=per_step the gathered
+    # casts are `communication_bytes`' gathered_weights, which the layers read in place.
     residuals = _residuals(model, layout, remat, seq_len, attention)
-    copies = (residuals.weight_copies * counts["layer_matmul"] * c / layout.mesh.tensor
+    mesh = layout.mesh
+    shards = math.prod(layout.size(a) for a in mesh.zero_mesh_axes) if mesh.zero_stage >= 3 else 1
+    kept = 0.0 if mesh.zero_stage >= 3 and mesh.fsdp_regather == "per_step" and shards > 1 else 1 / shards
+    copies = (residuals.weight_copies * counts["layer_matmul"] * c / mesh.tensor * kept
               if model.compute_dtype != "float32" else 0.0)
     per_layer = tokens * saved_bytes_per_token(model, layout, seq_len, remat, attention) + copies
     grads = state_bytes(model, layout)["grads"]
@@ -523,7 +535,23 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     # The pipelined step sums gradients in the scan carry over ticks, in place of the accumulation
     # loop's copies (measured: no copy beyond the gradients themselves). Interleaved stages hold
     # their blocks device-major (`Pipeline.pad`): no reordered copy.
-    buffers = GRAD_ACCUMULATION_COPIES * grads if layout.micro_batches > 1 and not pipelined else 0.0
+    # The accumulation loop (micro-batches > 1, no pipeline) holds the sums it carries and the
+    # micro-batch's gradients that it adds into them. Under fsdp_grad_reduce=once both are full-size:
+    # the sums in `communication_bytes` (reduce dtype), the micro-batch's here, in the compute dtype
+    # of the weights they are taken for (measured on the buffer assignment of a float32 step,
+    # fsdp=4 x context=2 on 8 CPU devices: one full-size buffer per weight for the carried sums and
+    # one for the micro-batch's). Else both are sharded over fsdp (the carried sums of each context
+    # group, over fsdp alone, also with mesh.zero_axes=fsdp+context).
+    buffers = 0.0
+    if layout.micro_batches > 1 and not pipelined:
+        unsharded = state_bytes(model, dataclasses.replace(layout, mesh=dataclasses.replace(
+            layout.mesh, fsdp=1, zero_axes="fsdp")))["grads"]
+        if layout.mesh.fsdp_grad_reduce == "once":
+            buffers = unsharded * c / F32
+        elif layout.mesh.zero_stage >= 2:
+            buffers = GRAD_ACCUMULATION_COPIES * unsharded / layout.mesh.fsdp
+        else:
+            buffers = GRAD_ACCUMULATION_COPIES * grads
     if pipelined:  # each row group's float32 sum of the embedding table's gradient (`_Device.embedding_grad`)
         buffers += model.vocab_size * model.d_model / layout.mesh.tensor * F32
     # A pipelined stage keeps each stashed forward's residuals (its chunk's layers, as the policy

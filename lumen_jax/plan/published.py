@@ -89,11 +89,11 @@ _LLAMA3_NOTE = ("interleaved 1F1B, V=2 assumed (the paper gives no V); 126 layer
 
 TABLE: tuple[Published, ...] = (
     Published("NeMo llama3.1-8b 8 GPUs", LLAMA3_8B, 8, "dgx-h100", "TP1 PP1 CP2 DP4, MBS1 GA32", 8192, 128, 32,
-              "none", dict(fsdp=4, context=2, zero_stage=3, fsdp_grad_reduce="once"), 81222 / 8, "tokens/s",
+              "none", dict(fsdp=4, context=2, zero_stage=3, zero_axes="fsdp+context"), 81222 / 8, "tokens/s",
               "tokens", _NEMO.format("8b"), True, _NEMO_NOTE + "ZeRO-3 over fsdp 4 (ZeRO-1 keeps 8 bytes/param "
               "replicated: 80 GB)"),
     Published("NeMo llama3.1-8b 128 GPUs", LLAMA3_8B, 128, "dgx-h100", "TP1 PP1 CP2 DP64, MBS1 GA32", 8192, 2048,
-              32, "none", dict(data=16, fsdp=4, context=2, zero_stage=3, fsdp_grad_reduce="once"), 1280704 / 128,
+              32, "none", dict(data=16, fsdp=4, context=2, zero_stage=3, zero_axes="fsdp+context"), 1280704 / 128,
               "tokens/s", "tokens", _NEMO.format("8b"), True,
               _NEMO_NOTE + "ZeRO-3 over fsdp 4 in a node x data 16 across nodes"),
     Published("NeMo llama3.1-70b 64 GPUs", LLAMA3_70B, 64, "dgx-h100", "TP4 PP4 VP5 CP2 DP2, MBS1 GA64", 8192, 128,

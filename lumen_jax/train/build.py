@@ -186,6 +186,7 @@ def build(cfg: Config, mesh: Mesh, ops: Ops | None = None) -> Trainer:
     """The run of `cfg` on `mesh`. `ops`: how the model's ops run; None chooses them from the mesh's
     devices (`ops.choice.choose`); `python -m lumen_jax.lower` passes the choice for a target GPU."""
     rules = Rules(zero_stage=cfg.mesh.zero_stage, sequence_parallel=cfg.mesh.sequence_parallel,
+                  zero_axes=cfg.mesh.zero_mesh_axes,
                   context_parallel=cfg.mesh.context_parallel, context_balance=cfg.mesh.context_balance,
                   tensor_overlap=cfg.mesh.tensor_overlap)
     if ops is None:

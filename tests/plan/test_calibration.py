@@ -218,6 +218,21 @@ def test_our_program_beside_each_row(found):
     assert all(r.ours_ratio == pytest.approx(r.ours_per_gpu / r.measured) for r in found)
 
 
+def test_our_program_fits_nemo_8b_within_a_tenth_of_its_recipe(found):
+    """Issue 44 part 4: on NeMo's 8B layouts our program (the ZeRO state over fsdp x context,
+    `mesh.zero_axes`) plans at most 1.1 x the recipe's bytes, and fits the device as the recipe's
+    allocator counts it; its state terms are the shards over 8 of 16 bytes per parameter."""
+    for name in ("NeMo llama3.1-8b 8 GPUs", "NeMo llama3.1-8b 128 GPUs"):
+        row = by_name(found, name)
+        ours = row.ours.bytes_per_device
+        assert row.ours.layout.mesh.zero_axes == "fsdp+context"
+        assert ours["total"] <= 1.1 * row.memory.total, (name, ours["total"] / 1e9, row.memory.total / 1e9)
+        assert ours["total"] <= row.usable
+        params = flops.param_counts(calibration.model_of(row.published))["total"]
+        # the norms' scales (65 x 4096) stay whole
+        assert ours["params"] + ours["optimizer"] == pytest.approx(12 * params / 8 + 12 * 65 * 4096 * 7 / 8, rel=1e-9)
+
+
 def _as_file(rows, path, fmt: str) -> None:
     """`rows` written as a user would: YAML mappings, or CSV with model names and key=value meshes."""
     import csv

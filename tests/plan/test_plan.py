@@ -58,6 +58,13 @@ XLA_CASES = {
     "fsdp=2,context=4 allgather none":
         ["mesh.fsdp=2", "mesh.context=4", "mesh.context_parallel=allgather", "model.remat=none"],
     "context=8 ring none": ["mesh.fsdp=1", "mesh.context=8", "model.remat=none"],
+    # the ZeRO state over fsdp x context (mesh.zero_axes), accumulating per context group over fsdp
+    # or full-size (fsdp_grad_reduce=once: the carried sums and the micro-batch's gradients)
+    "fsdp=4,context=2 zero_axes=fsdp+context micro_batches=2 none":
+        ["mesh.fsdp=4", "mesh.context=2", "mesh.zero_axes=fsdp+context", "train.micro_batches=2", "model.remat=none"],
+    "fsdp=4,context=2 zero_axes=fsdp+context once micro_batches=4 none":
+        ["mesh.fsdp=4", "mesh.context=2", "mesh.zero_axes=fsdp+context", "mesh.fsdp_grad_reduce=once",
+         "train.micro_batches=4", "model.remat=none"],
     "context=8 allgather full":
         ["mesh.fsdp=1", "mesh.context=8", "mesh.context_parallel=allgather", "model.remat=full"],
 }
