@@ -403,16 +403,95 @@ def matmul_flops(module: Module) -> int:
     size of every `dot`, times the executions of its computation (loop bodies times their trip
     counts), a conditional at its dearest branch (`Module.critical`: devices in lock step that take
     different branches, as context parallelism's hop switch does, wait for the dearest)."""
-    shapes = {(i.computation, i.name): i.arrays[0] for i in module.instrs if len(i.arrays) == 1}
     own: dict[str, float] = collections.defaultdict(float)
+    for (comp, _), flops in _dot_flops(module).items():
+        own[comp] += flops
+    return int(module.critical(own))
+
+
+def _dot_flops(module: Module) -> dict[tuple[str, str], int]:
+    """{(computation, dot): 2 x output elements x contracted size} of every `dot`."""
+    shapes = {(i.computation, i.name): i.arrays[0] for i in module.instrs if len(i.arrays) == 1}
+    out: dict[tuple[str, str], int] = {}
     for i in module.where("dot"):
         m, c = _FIRST_OPERAND.search(i.line), _CONTRACTING.search(i.line)
         if m is None or c is None or not i.arrays:
             continue
         lhs = (tuple(int(d) for d in m.group(2).split(",") if d) if m.group(1)
                else getattr(shapes.get((i.computation, m.group(3))), "dims", None))
-        if lhs is None:
-            continue
-        contracted = math.prod(lhs[int(k)] for k in c.group(1).split(",") if k)
-        own[i.computation] += 2 * math.prod(i.arrays[0].dims) * contracted
-    return int(module.critical(own))
+        if lhs is not None:
+            out[(i.computation, i.name)] = 2 * math.prod(i.arrays[0].dims) * math.prod(
+                lhs[int(k)] for k in c.group(1).split(",") if k)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Beside:
+    """An instruction and the matmul work of its computation that could run while it does."""
+
+    instr: Instr
+    flops: float  # matmul FLOPs (per execution of its computation) of the instructions that neither
+    # feed it nor read its result, loops and fusions included (`matmul_flops`' count)
+    computation_flops: float  # all the matmul FLOPs of its computation, per execution
+
+
+def beside(module: Module, ops: Iterable[str] = ("collective-permute", "collective-permute-start")) -> list[Beside]:
+    """For every instruction of `ops`: the matmuls of its computation that are independent of it,
+    neither among what it is computed from nor among what reads its result, which a scheduler may
+    run while it is in flight (an async collective under compute). A `while`, `call`, `fusion` or
+    `conditional` counts with the matmuls it runs (a loop: times its trip count; a conditional: its
+    dearest branch)."""
+    ops = tuple(ops)
+    dots = _dot_flops(module)
+    by_comp: dict[str, list[Instr]] = collections.defaultdict(list)
+    for i in module.instrs:
+        by_comp[i.computation].append(i)
+    memo: dict[str, float] = {}
+
+    def comp_flops(comp: str, depth: int = 0) -> float:
+        if comp not in memo:
+            memo[comp] = 0.0  # a cycle guard; HLO has none
+            memo[comp] = sum(instr_flops(i, depth + 1) for i in by_comp.get(comp, ()))
+        return memo[comp]
+
+    def instr_flops(i: Instr, depth: int = 0) -> float:
+        if i.op == "dot":
+            return dots.get((i.computation, i.name), 0.0)
+        if depth > 64:
+            return 0.0
+        called = dict(_CALLED.findall(i.line))
+        if i.op == "while":
+            cond = called.get("condition", "").lstrip("%")
+            trip = _trip_count(i.line, by_comp.get(cond, [])) or 1
+            return trip * comp_flops(called.get("body", "").lstrip("%"), depth)
+        branches = [b.strip().lstrip("%") for b in (_BRANCHES.findall(i.line) or [""])[0].split(",") if b.strip()]
+        branches += [v.lstrip("%") for k, v in called.items() if k in ("true_computation", "false_computation")]
+        if branches:
+            return max(comp_flops(b, depth) for b in branches)
+        return sum(comp_flops(v.lstrip("%"), depth) for k, v in called.items() if k in ("calls", "to_apply"))
+
+    out = []
+    for comp in sorted({i.computation for i in module.instrs if i.op in ops}):
+        instrs = by_comp[comp]
+        own = {i.name for i in instrs}
+        operands = {i.name: {o for o in re.findall(r"%([\w.\-]+)", i.line.split(" = ", 1)[1]) if o in own}
+                    for i in instrs}
+        users: dict[str, set[str]] = collections.defaultdict(set)
+        for n, used in operands.items():
+            for o in used:
+                users[o].add(n)
+        flops = {i.name: instr_flops(i) for i in instrs}
+
+        def closure(start: str, edges: dict) -> set[str]:
+            seen, todo = set(), [start]
+            while todo:
+                for n in edges.get(todo.pop(), ()):
+                    if n not in seen:
+                        seen.add(n)
+                        todo.append(n)
+            return seen
+        for i in instrs:
+            if i.op in ops:
+                tied = closure(i.name, operands) | closure(i.name, users) | {i.name}
+                out.append(Beside(i, sum(f for n, f in flops.items() if n not in tied), sum(flops.values())))
+    return out

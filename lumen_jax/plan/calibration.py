@@ -18,7 +18,8 @@ from lumen_jax.plan.published import HARDWARE, TABLE, Published
 # The overlap a published recipe reaches on its tensor axis when it decomposes the layer's
 # collectives into its matmuls (Megatron's TP communication overlap, torchtitan's async TP) and on
 # its pipeline axis when it sends under the next micro-batch: fitted (docs/PLANNING.md, section 5).
-# Our program has neither (`Overlap().tensor` = `Overlap().pipeline` = 0).
+# Our program has neither (`Overlap().tensor` = `Overlap().pipeline` = 0) but for the collective matmul
+# and the pipeline sends it runs beside a unit of their tick (`schedule.sends`), which hide whole.
 RECIPE_OVERLAP = {"tensor": 0.31, "pipeline": 1.0}
 
 

@@ -352,10 +352,13 @@ def _context(s: StepShape, add: Add) -> None:
 
 @counts_collectives
 def _pipeline(s: StepShape, add: Add) -> None:
-    """pipeline, as the lock-step program sends (`schedule.lockstep`): one activation forward per
-    forward tick and one cotangent back per backward tick ([tokens, D], fill and drain included),
-    the last stage's output summed over the stages for the shared loss and its cotangent (two
-    all-reduces per loss tick), and the replicated embedding, norm and output gradients summed once."""
+    """pipeline, as the lock-step program sends (`schedule.lockstep`, `schedule.sends`): one activation
+    forward per forward tick and one cotangent back per backward tick (gpipe: one fewer,
+    `Lockstep.alone`) ([tokens, D]), overlapped where a forward, backward or weight unit of the same tick
+    runs beside it (steady ticks; not the fill's activations nor a drain's cotangents, which the
+    next unit waits for), the last stage's output summed over the stages for the shared loss and
+    its cotangent (two all-reduces per loss tick), and the replicated embedding, norm and output
+    gradients summed once."""
     layout, model = s.layout, s.model
     if layout.pipeline == 1:
         return
@@ -363,11 +366,16 @@ def _pipeline(s: StepShape, add: Add) -> None:
     ticks = unit_ticks(prog)
     # Under sequence parallelism a device holds and sends its 1/t of the tokens of [tokens, D].
     row = s.row / (layout.mesh.tensor if layout.mesh.sequence_parallel else 1)
-    add("pipeline", "send/recv", "stage activations, one per forward tick", row, ticks["forward"], False)
-    # The last tick's cotangent goes nowhere: XLA drops its send when that tick is a segment of its own.
-    last = prog.segments[-1]
-    add("pipeline", "send/recv", "cotangents, one per backward tick", row,
-        ticks["backward"] - (last.stop - last.start == 1), False)
+    counts = {(what, hidden): 0 for what in ("activation", "cotangent") for hidden in (True, False)}
+    for _, row_sends in pipeline_lib.sends(prog):
+        for send in row_sends:
+            counts[(send.what, send.hidden)] += send.ticks
+    whats = {"activation": "stage activations, one per forward tick", "cotangent": "cotangents, one per backward tick"}
+    for (what, hidden), n in counts.items():
+        if n:
+            where = ("beside the tick's other units" if hidden else
+                     "waited for by the next tick (" + ("fill" if what == "activation" else "drain") + ")")
+            add("pipeline", "send/recv", f"{whats[what]}, {where}", row, n, hidden)
     add("pipeline", "all-reduce", "the last stage's output for the shared loss, and its cotangent", row,
         2 * ticks["head"], False)
     # the embedding, the final norm and the untied output: the parameters not cut into stages

@@ -191,8 +191,8 @@ def compiled_flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, 
     (its body once: 1 of C). Each counted pair adds `ELEMENTWISE_OPS["pair"]` ops per element of its
     query chunk's output.
 
-    With pipeline stages the compiler counts each segment's scan over ticks once
-    (`schedule.lockstep`): its forward of one chunk (one layer counted, as above) on the
+    With pipeline stages the compiler counts each segment's scan over ticks once, and a first
+    tick run on its own once more (`schedule.lockstep`, `Lockstep.alone`): its forward of one chunk (one layer counted, as above) on the
     micro-batch's local rows (not 1/P of them), its share of the loss (1/P of the tokens), its
     backward (a split program's B: less the tapped projections' weight-gradient matmuls) and a
     split program's W unit (those matmuls, for every layer of the chunk); the layer's elementwise
@@ -215,10 +215,12 @@ def compiled_flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, 
         # over the layers, it does not scan them), so the compiler counts every layer of the chunk.
         weight = wgrad * layout.chunk_layers(model.num_layers, first_layers(model))
         # Each segment's scan body counted once: its forward, its share of the loss, its backward
-        # (B when split), its weight-gradient unit (split).
-        segments = sum((forward if g.forward else 0.0) + (head / layout.pipeline if g.head else 0.0)
-                       + (layer - forward - wgrad if g.backward else 0.0) + (weight if g.weight else 0.0)
-                       for g in prog.segments)
+        # (B when split), its weight-gradient unit (split); a first tick run on its own
+        # (`Lockstep.alone`: gpipe's first backward) once more, unless it is the segment's only tick.
+        segments = sum(((forward if g.forward else 0.0) + (head / layout.pipeline if g.head else 0.0)
+                        + (layer - forward - wgrad if g.backward else 0.0) + (weight if g.weight else 0.0))
+                       * (1 + (alone and g.stop - g.start > 1))
+                       for g, alone in zip(prog.segments, prog.alone()))
         return compiled_flops_per_device(model, flat, seq_len, global_batch) + (segments - layer - head) * u.tokens
     mesh = layout.mesh
     if mesh.context == 1:

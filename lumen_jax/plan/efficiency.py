@@ -57,7 +57,9 @@ class Overlap:
     gathers prefetched one layer ahead and gradient reduce-scatters behind the backward. `data`:
     the gradient all-reduce behind the backward (ours: behind the last micro-batch's backward: the
     sums cross `data` once per step). `context`: the ring's next hop under this hop's attention.
-    `pipeline`: stage sends under the next tick's compute.
+    `pipeline`: what a recipe hides of the sends our program waits for (the fill's activations, a
+    drain's cotangents) and of the loss's shared sums (0: ours waits; the sends our program runs
+    beside a unit of their tick hide whole whatever this says, `predict.exposed_seconds`).
     """
 
     tensor: float = 0.0

@@ -160,8 +160,8 @@ class _Carry(NamedTuple):
     stash: list  # per stashed residual leaf: [S + 1, ...], a forward's residuals until its backward
     w_stash: list  # split: per tap leaf [WS + 1, Lc, ...], a backward's projection inputs and cotangents until W
     g_stash: jax.Array  # [S + 1, B, T, D]: the loss's cotangent of the last virtual stage's outputs
-    x_recv: jax.Array  # [B, T, D]: the activation the previous stage sent
-    g_recv: jax.Array  # [B, T, D]: the cotangent the next stage sent
+    x_recv: jax.Array  # [B, T, D]: the activation the previous stage sent (in the tick that made it)
+    g_send: jax.Array  # [B, T, D]: the last backward's input cotangent, not yet sent (`_Device.tick`)
     d_stacked: dict  # [V, Lc, ...]: gradient sums of this device's chunks
     d_other: dict  # gradient sums of the replicated parameters (embedding, final norm, head)
     d_table: jax.Array  # [Gb, Gs, V, D] float32: each row group's sum of the embedding table's gradient
@@ -247,7 +247,7 @@ class _Device:
         slots = lambda n, a: jnp.zeros((n + 1, *a.shape), a.dtype)  # noqa: E731
         carry = _Carry(stash=[slots(prog.slots, a) for a, keep in zip(shapes, stashed) if keep],
                        w_stash=[slots(prog.wslots, a) for a in w_shapes], g_stash=slots(prog.slots, zeros_act),
-                       x_recv=zeros_act, g_recv=zeros_act,
+                       x_recv=zeros_act, g_send=zeros_act,
                        d_stacked=jax.tree.map(_f32_zeros, dev.stacked), d_other=jax.tree.map(_f32_zeros, dev.other),
                        d_table=jnp.zeros((*dev.groups, *dev.table.shape), jnp.float32),
                        ce=jnp.zeros((), jnp.float32), state=jax.tree.map(jnp.zeros_like, dev.state),
@@ -369,7 +369,7 @@ class _Device:
         metrics = {**c.metrics, "mtp_loss": c.metrics["mtp_loss"] + real * prog.virtual * mtp_loss}
         return c._replace(head_state=head_state, metrics=metrics)
 
-    def backward(self, c: _Carry, b: Cell, zeros_act: jax.Array, zero_mb: dict,
+    def backward(self, c: _Carry, b: Cell, g_recv: jax.Array, zeros_act: jax.Array, zero_mb: dict,
                  mbs: dict) -> tuple[_Carry, jax.Array]:
         """This stage's backward `b` from its stashed residuals and the cotangent received (the loss's on
         the last virtual stage): gradients summed into the chunk's, the input's cotangent returned
@@ -385,7 +385,7 @@ class _Device:
         leaves, treedef = jax.tree.flatten(vjp)
         kept = iter([buf[slot] for buf in c.stash])
         vjp = jax.tree.unflatten(treedef, [next(kept) if keep else leaf for leaf, keep in zip(leaves, self.stashed)])
-        g = jnp.where(v == prog.stages * prog.virtual - 1, c.g_stash[slot], c.g_recv) * valid.astype(self.act_dtype)
+        g = jnp.where(v == prog.stages * prog.virtual - 1, c.g_stash[slot], g_recv) * valid.astype(self.act_dtype)
         d_aux = valid.astype(jnp.float32) * self.scale * self.aux_share
         # A bubble tick's backward runs on an empty slot, whose zero residuals can make inf and
         # NaN (a router's weights divided by their zero sum): it adds nothing, selected away.
@@ -412,45 +412,59 @@ class _Device:
                                      if k in d_w else a
                                      for k, a in c.d_stacked.items()})
 
-    def send(self, c: _Carry, y: jax.Array | None, dx: jax.Array | None) -> _Carry:
-        """The activation one stage on, the cotangent one stage back: used in the next tick."""
-        p = self.pipe.program.stages
-        if y is not None:
-            c = c._replace(x_recv=jax.lax.ppermute(y, AXIS, [(i, (i + 1) % p) for i in range(p)]))
-        if dx is not None:
-            c = c._replace(g_recv=jax.lax.ppermute(dx.astype(self.act_dtype), AXIS, [(i, (i - 1) % p) for i in range(p)]))
-        return c
+    def ring(self, x: jax.Array, step: int) -> jax.Array:
+        """`x` sent `step` stages along `pipeline` (+1: on, -1: back). With one chunk per device
+        (V = 1) the wrap-around pair is left out: stage 0 reads the embedding, not an activation,
+        and the last stage the loss's cotangent, so what would arrive there is never read (it
+        receives zeros). Interleaved: the last stage's chunk c feeds stage 0's chunk c + 1."""
+        prog = self.pipe.program
+        p = prog.stages
+        pairs = [(i, (i + step) % p) for i in range(p) if prog.virtual > 1 or 0 <= i + step < p]
+        return jax.lax.ppermute(x, AXIS, pairs)
 
     def tick(self, seg: Segment, c: _Carry, cells: _TickCells, mbs: dict, zeros_act: jax.Array,
-             zero_mb: dict) -> tuple[_Carry, None]:
-        """One tick of segment `seg`: its kinds of work in this stage's cells, then the sends."""
+             zero_mb: dict, receive: bool = True) -> tuple[_Carry, None]:
+        """One tick of segment `seg`, its sends beside work that does not need them (docs/PIPELINE.md,
+        "Sends under compute"): the cotangent the previous tick's backward returned (`g_send`) is
+        sent first and read only by this tick's backward, so the forward and the loss run beside it;
+        the forward's activation is sent as soon as it is made and read in the next tick, so this
+        tick's backward and weight unit run beside it. The last backward's cotangent is never sent
+        (nothing reads it). `receive` False: the first tick of a segment run on its own
+        (`Lockstep.alone`), after a tick without a backward: no cotangent to send."""
         mine = lambda cell: Cell(*(a[self.s] for a in cell))  # noqa: E731
         f, b, w = mine(cells.fwd), mine(cells.bwd), mine(cells.wgt)
-        y = dx = None
+        g_recv = (self.ring(c.g_send, -1) if receive else zeros_act) if seg.backward else None
         if seg.forward:
             c, y = self.forward(c, f, mbs)
+            c = c._replace(x_recv=self.ring(y, 1))
         if seg.head:
             c = self.head(c, cells.head, f, y, mbs)
         if seg.backward:
-            c, dx = self.backward(c, b, zeros_act, zero_mb, mbs)
+            c, dx = self.backward(c, b, g_recv, zeros_act, zero_mb, mbs)
+            c = c._replace(g_send=dx.astype(self.act_dtype))
         if seg.weight and self.taps is not None:
             c = self.weight(c, w)
-        return self.send(c, y, dx), None
+        return c, None
 
     def run(self, c: _Carry, mbs: dict, zeros_act: jax.Array, zero_mb: dict, r: int,
             replica_axes: tuple[str, ...]) -> _Carry:
         """Every tick of the program: one `lax.scan` per segment (ticks that run the same kinds of
-        work), under a `vmap` over the R replica groups when r > 1 (each its own carry [R, ...])."""
+        work), under a `vmap` over the R replica groups when r > 1 (each its own carry [R, ...]).
+        A segment with backwards after one without (the fill's) runs its first tick on its own, before
+        its scan (`Lockstep.alone`): that tick has no cotangent to receive, so none is sent."""
         cells = _TickCells.of(self.pipe.program)
-        for seg in self.pipe.program.segments:
-            rows = jax.tree.map(lambda a: jnp.asarray(a[seg.start:seg.stop]), cells)
-            tick = functools.partial(self.tick, seg, zeros_act=zeros_act, zero_mb=zero_mb)
-            if r == 1:
-                body = lambda c, rw, tick=tick: tick(c, rw, mbs)  # noqa: E731
-            else:
-                per_replica = jax.vmap(tick, in_axes=(0, None, 0), spmd_axis_name=replica_axes)
-                body = lambda c, rw, per_replica=per_replica: per_replica(c, rw, mbs)  # noqa: E731
-            c, _ = jax.lax.scan(body, c, rows)
+        for seg, alone in zip(self.pipe.program.segments, self.pipe.program.alone()):
+            def body(c, rw, receive=True, seg=seg):
+                tick = functools.partial(self.tick, seg, zeros_act=zeros_act, zero_mb=zero_mb, receive=receive)
+                if r > 1:
+                    tick = jax.vmap(tick, in_axes=(0, None, 0), spmd_axis_name=replica_axes)
+                return tick(c, rw, mbs)
+            start = seg.start
+            if alone:
+                c, _ = body(c, jax.tree.map(lambda a: jnp.asarray(a[start]), cells), receive=False)
+                start += 1
+            if start < seg.stop:
+                c, _ = jax.lax.scan(body, c, jax.tree.map(lambda a: jnp.asarray(a[start:seg.stop]), cells))
         return c
 
 

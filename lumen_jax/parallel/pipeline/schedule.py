@@ -358,9 +358,62 @@ class Lockstep:
         w = sum((s.stop - s.start) for s in self.segments if s.weight)
         return (f + (b + w if self.split else 2 * b)) / self.virtual
 
+    def alone(self) -> tuple[bool, ...]:
+        """Per segment, whether the executor runs its first tick on its own, before the scan of the
+        others: a segment of backwards after a tick without one, whose first tick has no cotangent
+        to receive and so sends none (`sends`), at the price of a second copy of that tick in the
+        compiled program. Not a segment with the loss (the fill's successor in all but gpipe): XLA
+        hoists the logits matrix's loop-invariant gather (ZeRO-3) out of each copy of such a tick,
+        so a copy gathers the matrix once more (0.5 GB a step at Llama 3 405B's layout) to save one
+        activation-sized send of zeros that runs beside that tick's forward (docs/PIPELINE.md)."""
+        return tuple(g.backward and not g.head and not (i and self.segments[i - 1].backward)
+                     for i, g in enumerate(self.segments))
+
     def bubble(self) -> float:
         """The share of the executed work that is the fill and drain's (computed on zeros)."""
         return 1.0 - 3 * self.micro_batches / self.cost()
+
+
+class Send(NamedTuple):
+    """One kind of send over `pipeline` in the ticks of one segment (`sends`)."""
+
+    what: str  # "activation" (one stage on, read by the next tick's forward) | "cotangent" (one stage back)
+    ticks: int  # how many of the segment's ticks send it (once each)
+    beside: str  # the tick's work that neither feeds it nor reads it, letters of F H B W ("": none)
+
+    @property
+    def hidden(self) -> bool:
+        """Whether a forward, backward or weight unit runs beside it (the loss alone, 1/P of the
+        logits on each stage, is too thin to count on)."""
+        return bool(set(self.beside) & set("FBW"))
+
+
+def sends(prog: "Lockstep") -> tuple[tuple[Segment, tuple[Send, ...]], ...]:
+    """What each segment of `prog` sends over `pipeline` as the executor runs it
+    (`executor._Device.tick`), and the work beside each send:
+
+    - the activation, sent as soon as a tick's forward makes it: beside it the tick's backward and
+      weight unit (and the loss, which reads the forward's output, not the send);
+    - the cotangent a tick's backward returns, sent at the start of the next tick, which alone
+      reads it, in its backward: beside it that tick's forward and loss (not its weight unit,
+      which reads what the backward stashes: stage 0's W is the same tick's B's). The last
+      backward's cotangent is never sent; the first tick of backwards after the fill sends the
+      fill's zeros, beside its forward, unless it runs on its own (`Lockstep.alone`: gpipe's drain).
+
+    So in the fill (forward only) the activation waits, since the next forward needs it, and in a
+    drain of backwards alone the cotangent waits; in lock step every input arrives the tick before
+    it is read, so nothing else could run beside them."""
+    out = []
+    for seg, alone in zip(prog.segments, prog.alone()):
+        n = seg.stop - seg.start
+        kinds = lambda *pairs: "".join(k for k, on in pairs if on)  # noqa: E731
+        row = []
+        if seg.forward:
+            row.append(Send("activation", n, kinds(("H", seg.head), ("B", seg.backward), ("W", seg.weight))))
+        if seg.backward and n - alone > 0:
+            row.append(Send("cotangent", n - alone, kinds(("F", seg.forward), ("H", seg.head))))
+        out.append((seg, tuple(row)))
+    return tuple(out)
 
 
 def _entry_tick(i: int, p: int, v: int) -> int:
