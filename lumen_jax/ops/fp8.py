@@ -201,7 +201,10 @@ def _tensor_dot(x: jax.Array, w: jax.Array, hist: dict, keep: jax.Array | None, 
 def _tensor_dot_fwd(x, w, hist, keep, recipe):
     ax, aw, sx, sw = _tensor_scales(recipe, hist, x, w)
     (qx, sx), (qw, sw) = _operand(x, sx, E4M3, keep, x.dtype), _operand(w, sw, E4M3, keep, x.dtype)
-    qx, qw, sx, sw, ax, aw = (_saved(a) for a in (qx, qw, sx, sw, ax, aw))
+    # the scalars as one saved vector: one stacked residual per projection, not four (a scan over
+    # the layers writes each residual into its stack in a pass of its own)
+    qx, qw = _saved(qx), _saved(qw)
+    sx, sw, ax, aw = _saved(jnp.stack([sx, sw, ax, aw]))
     y = _scaled_dot(qx, qw, _dims_xw(x), 1.0 / (sx * sw), x.dtype)
     # fp8 residuals: the backward GEMMs reuse the forward's quantized operands (as Transformer Engine).
     # (Empty arrays carry the operands' dtypes: residuals must be arrays.)

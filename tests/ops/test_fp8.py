@@ -366,6 +366,22 @@ def test_policies_saving_the_products_keep_the_fp8_operands_for_the_backward(rec
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max()), err_msg=remat)
 
 
+def test_a_projections_saved_scalars_are_one_residual():
+    """A projection saves its scales and amaxes for the backward as one vector: under a policy that
+    saves them, the compiled CPU program of 2 scanned layers stacks 7 [layers, 4] vectors (one per
+    projection) and no [layers] scalar stacks (each stack is a pass of its own in the loop; on a
+    GPU, 196 fusions per step of llama3_1b, docs/PERFORMANCE.md)."""
+    from helpers.data import packed_batch
+    batch = packed_batch(4, 64, 512, seed=0)
+    tr = _trainer(Fp8Config(recipe="current", keep_bf16=()), num_layers=2, compute_dtype="float32",
+                  batch=4, steps=10, remat="dots_saveable")
+    state, sc = tr.init(), tr.step_cfg
+    grads = jax.jit(lambda s, b: step_lib.loss_grads_and_state(s.params, s.model_state, b, 1.0, sc)[:2])
+    text = grads.lower(state, batch).compile().as_text()
+    stacks = lambda shape: len(re.findall(rf"= f32\[{shape}\]\{{\S*\}} dynamic-update-slice\(", text))  # noqa: E731
+    assert (stacks("2"), stacks("2,4")) == (0, 7)
+
+
 @pytest.fixture(scope="module")
 def text_batches():
     """300 batches [8, 64] of the builtin corpus (real text: a loss curve worth comparing)."""
