@@ -31,6 +31,7 @@ from typing import Any, Iterator
 
 from lumen_jax.compiler import hlo
 from lumen_jax.config import Config
+from lumen_jax.ops.fp8 import WARM_SCOPE
 
 PLUGIN = "jax_plugins.xla_cuda12"  # the module `pip install "jax[cuda12]"` adds
 INSTALL = 'pip install "jax[cuda12]==<this jax version>" (docs/GPU.md, "Compile for a GPU without one")'
@@ -295,7 +296,7 @@ def gemm_report(text: str, tokens: int, small: int = SMALL) -> Report:
     """What `compiled.as_text()` of a GPU program holds around its GEMMs (see `Report`); `tokens`:
     the rows of a step's activations (batch x sequence), for the f32 [tokens, N] outputs; `small`:
     `fusion_role`'s bound in bytes of a small fusion."""
-    module = hlo.parse(text)
+    module = hlo.parse(text, prefer=WARM_SCOPE)  # fp8 delayed: the branch of every step after the first
     fused = _fused_computations(module)
     top = [i for i in module.instrs if i.computation not in fused and module.executions(i)]
     by_name = {i.name: i for i in module.instrs if i.computation not in fused}
