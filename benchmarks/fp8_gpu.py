@@ -46,9 +46,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def gemm_counts(lowered, compiled) -> tuple[int, int]:
-    """(fp8 GEMMs in the compiled step, fp8 dots in its pre-optimization HLO)."""
-    from lumen_jax.ops.fp8 import fp8_gemms
-    return len(fp8_gemms(compiled.as_text())), len(fp8_gemms(lowered.as_text(dialect="hlo")))
+    """(fp8 GEMMs in the compiled step, fp8 dots in its pre-optimization HLO): instructions, those
+    of the program every step after the first runs (`lower.fp8_dots`)."""
+    from lumen_jax.compiler.lower import fp8_dots
+    return len(fp8_dots(compiled.as_text())[1]), len(fp8_dots(lowered.as_text(dialect="hlo", debug_info=True))[1])
 
 
 def hlo_fp8_gemms(trainer, state, batch) -> tuple[int, int]:

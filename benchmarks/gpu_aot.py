@@ -16,7 +16,8 @@ GEMMs whose epilogue writes f32 or bf16; GEMMs writing an f32 [tokens, N] array;
 quantize (write fp8 from a wider type) and that copy fp8 (transposes for cuBLASLt's TN layout);
 passes over the arrays that get quantized (instructions reading them, per array); non-GEMM
 fusions; the bytes those fusions read and write and that traffic at the GPU's HBM bandwidth; the
-compiled memory (arguments + outputs - aliases + temporaries).
+compiled memory (arguments + outputs - aliases + temporaries). A second table splits the non-GEMM
+fusions by role (`aot.fusion_role`: quantize, fp8 move, amax, small, other).
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ def format_table(rows: list[dict], gpu: str) -> str:
             f"| {r['source_reads'] / r['sources'] if r['sources'] else 0:.1f} ({r['sources']} arrays) "
             f"| {r['fusions']} | {r['fusion_bytes'] / 1e9:.1f} | {r['fusion_ms']:.1f} | {r['memory_gib']:.2f} |")
     lines.append(f"\n(per step; {gpu}: HBM ms = fusion bytes / datasheet bandwidth)")
+    roles = list(rows[0]["by_role"]) if rows else []
+    lines += ["\nNon-GEMM fusions by role (`aot.fusion_role`), per step: fusions / GB\n",
+              "| recipe | " + " | ".join(roles) + " |", "|" + "---|" * (len(roles) + 1)]
+    for r in rows:
+        lines.append(f"| {r['recipe']} | " + " | ".join(f"{n} / {b / 1e9:.1f}" for n, b in r["by_role"].values()) + " |")
     return "\n".join(lines)
 
 

@@ -31,6 +31,7 @@ from typing import Any, Iterator
 
 from lumen_jax.compiler import hlo
 from lumen_jax.config import Config
+from lumen_jax.ops.fp8 import WARM_SCOPE
 
 PLUGIN = "jax_plugins.xla_cuda12"  # the module `pip install "jax[cuda12]"` adds
 INSTALL = 'pip install "jax[cuda12]==<this jax version>" (docs/GPU.md, "Compile for a GPU without one")'
@@ -206,9 +207,47 @@ class Report:
     fusion_bytes: int  # operand + output bytes of every non-GEMM fusion, per step
     fusions: int  # non-GEMM fusions per step
     by_kind: dict[str, int] = dataclasses.field(default_factory=dict)  # fusion bytes by name stem
+    # per `ROLES` entry: [non-GEMM fusions per step, their bytes per step] (`fusion_role`)
+    by_role: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+
+ROLES = ("quantize", "fp8 move", "amax", "small", "other")
+SMALL = 1 << 20  # bytes: a fusion whose arrays are all at most this is scalar/history work
+
+
+def _one_byte(a: hlo.Array) -> bool:  # an fp8 array, or one named as its bits (u8/s8)
+    return a.dtype.startswith("f8") or a.dtype in ("u8", "s8")
+
+
+def fusion_role(ins: list[hlo.Array], outs: list[hlo.Array], body: list[hlo.Instr], reducers: dict[str, str],
+                small: int = SMALL) -> str:
+    """What a non-GEMM fusion does around the fp8 GEMMs, from its arrays and its fused body:
+
+    - `small`: every array it reads or writes is at most `small` bytes (scales, amax histories,
+      saved scalars, the last stage of a reduction): its cost is a launch, not bytes;
+    - `fp8 move`: it reads and writes one-byte arrays only (scalars aside): fp8 operands copied,
+      transposed for cuBLASLt's TN layout, written into or read from the stacks saved for the backward;
+    - `quantize`: it writes an fp8 array from a wider one (with whatever else it fuses);
+    - `amax`: a max-reduction of a large array whose outputs are all small (an amax's first pass
+      over a tensor, fused with nothing that writes a full-size array);
+    - `other`: everything else (the model, the loss, the optimizer), as in the bf16 step.
+    `reducers`: computation name -> the opcode of its root (a reduce's `to_apply`)."""
+    arrays = ins + outs
+    if max((a.nbytes for a in arrays), default=0) <= small:
+        return "small"
+    wide = [a for a in arrays if a.nbytes > 8]
+    if wide and all(_one_byte(a) for a in wide):
+        return "fp8 move"
+    if any(a.dtype.startswith("f8") for a in outs):
+        return "quantize"
+    is_max = any(i.op == "reduce" and reducers.get(m.group(1)) == "maximum"
+                 for i in body if (m := re.search(r"to_apply=%?([\w.\-]+)", i.line)))
+    if is_max and max(a.nbytes for a in outs) <= small:
+        return "amax"
+    return "other"
 
 
 def _stem(name: str) -> str:
@@ -253,10 +292,11 @@ def _moved(fusion: hlo.Instr, ins: list[tuple[hlo.Array, ...]], body: list[hlo.I
     return read + written
 
 
-def gemm_report(text: str, tokens: int) -> Report:
+def gemm_report(text: str, tokens: int, small: int = SMALL) -> Report:
     """What `compiled.as_text()` of a GPU program holds around its GEMMs (see `Report`); `tokens`:
-    the rows of a step's activations (batch x sequence), for the f32 [tokens, N] outputs."""
-    module = hlo.parse(text)
+    the rows of a step's activations (batch x sequence), for the f32 [tokens, N] outputs; `small`:
+    `fusion_role`'s bound in bytes of a small fusion."""
+    module = hlo.parse(text, prefer=WARM_SCOPE)  # fp8 delayed: the branch of every step after the first
     fused = _fused_computations(module)
     top = [i for i in module.instrs if i.computation not in fused and module.executions(i)]
     by_name = {i.name: i for i in module.instrs if i.computation not in fused}
@@ -315,20 +355,25 @@ def gemm_report(text: str, tokens: int) -> Report:
     sources: dict[str, tuple[int, int]] = {}  # array -> (readers, executions per step)
     fusion_bytes = fusions = 0
     kinds: dict[str, int] = collections.Counter()
+    roles: dict[str, list[int]] = {r: [0, 0] for r in ROLES}
     bodies: dict[str, list[hlo.Instr]] = collections.defaultdict(list)
     for i in module.instrs:
         if i.computation in fused:
             bodies[i.computation].append(i)
+    reducers = {c: body[-1].op for c, body in bodies.items() if body}
     for i in top:
         if i.op != "fusion":
             continue
         ins = [a for o in operands(i) for a in arrays(o)]
         called = re.search(r"\bcalls=%?([\w.\-]+)", i.line)
-        moved = _moved(i, [arrays(o) for o in operands(i)], bodies.get(called.group(1) if called else "", [])) \
-            * module.executions(i)
+        body = bodies.get(called.group(1) if called else "", [])
+        moved = _moved(i, [arrays(o) for o in operands(i)], body) * module.executions(i)
         fusions += module.executions(i)
         fusion_bytes += moved
         kinds[_stem(i.name)] += moved
+        role = roles[fusion_role(ins, list(i.arrays), body, reducers, small)]
+        role[0] += module.executions(i)
+        role[1] += moved
         writes_f8 = any(a.dtype.startswith("f8") for a in i.arrays)
         reads_f8 = any(a.dtype.startswith("f8") for a in ins)
         if writes_f8 and reads_f8:
@@ -349,4 +394,4 @@ def gemm_report(text: str, tokens: int) -> Report:
                   f32_output_bytes=f32_bytes, quantize_fusions=quantize, fp8_copies=copies,
                   sources=sum(n for _, n in sources.values()),
                   source_reads=sum(r * n for r, n in sources.values()), fusion_bytes=fusion_bytes,
-                  fusions=fusions, by_kind=dict(kinds))
+                  fusions=fusions, by_kind=dict(kinds), by_role=roles)

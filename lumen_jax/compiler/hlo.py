@@ -153,8 +153,11 @@ class Module:
         return [i for i in self.instrs if i.op == op]
 
 
-def parse(text: str) -> Module:
-    """Parse HLO text (lowered or compiled) into a `Module`."""
+def parse(text: str, prefer: str | None = None) -> Module:
+    """Parse HLO text (lowered or compiled) into a `Module`. Every branch of a conditional is
+    counted once per execution, except that with `prefer`, a conditional some of whose branches
+    hold `prefer` in their own instructions' text (e.g. a named scope in the op names) counts
+    those branches only: the branch a program takes in its steady state."""
     comps: dict[str, list[str]] = collections.defaultdict(list)
     entry, current = None, None
     for line in text.splitlines():
@@ -187,6 +190,9 @@ def parse(text: str) -> Module:
                 continue
             branches = [b.strip().lstrip("%") for b in (_BRANCHES.findall(i.line) or [""])[0].split(",") if b.strip()]
             branches += [v.lstrip("%") for k, v in called.items() if k in ("true_computation", "false_computation")]
+            if prefer is not None and len(branches) > 1:
+                marked = [b for b in branches if any(prefer in ln for ln in comps.get(b, ()))]
+                branches = marked or branches
             if branches:
                 calls[comp].append((tuple(branches), 1))
             calls[comp] += [((v.lstrip("%"),), 1) for k, v in called.items()

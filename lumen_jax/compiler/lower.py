@@ -132,13 +132,21 @@ def partitioned_collectives(cfg: Config, devices: Sequence[Any], lowered_for_cpu
     return hlo.collectives(hlo.parse(lowered.compile().as_text()))
 
 
+def fp8_dots(text: str) -> tuple[hlo.Module, list[hlo.Instr]]:
+    """(the module, its fp8 GEMMs or dots that run after the first step): of a conditional between
+    the first step's layers and the warm ones (fp8 delayed, `ops.choice.Ops.by_state`) only the
+    warm branch's, which every later step runs. The branch is found by its op names: compiled
+    text, or lowered text with them (`lowered.as_text(dialect="hlo", debug_info=True)`)."""
+    from lumen_jax.ops.fp8 import WARM_SCOPE, fp8_gemms
+
+    module = hlo.parse(text, prefer=WARM_SCOPE)
+    names = {line.split(" = ")[0].removeprefix("ROOT ").lstrip("%") for line in fp8_gemms(text)}
+    return module, [i for i in module.instrs if i.name in names and module.executions(i)]
+
+
 def summarize(text: str, seq_len: int) -> dict:
     """What the report shows of one HLO module (`lowered.as_text(dialect="hlo")` or compiled text)."""
-    from lumen_jax.ops.fp8 import fp8_gemms
-
-    module = hlo.parse(text)
-    fp8_names = {line.split(" = ")[0].removeprefix("ROOT ").lstrip("%") for line in fp8_gemms(text)}
-    fp8 = [i for i in module.instrs if i.name in fp8_names]
+    module, fp8 = fp8_dots(text)
     squares = hlo.square_arrays(module, seq_len)
     return {
         "custom_calls": [dataclasses.asdict(c) for c in hlo.custom_calls(module)],
@@ -293,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "devices": n, "mesh": ",".join(f"{a}={s}" for a, s in mesh.items()),
                   "attention": ops.attention, "flash_blocks": str(ops.flash_blocks) if ops.flash_blocks else "",
                   "seq_len": cfg.data.seq_len,
-                  **summarize(lowered.as_text(dialect="hlo"), cfg.data.seq_len)}
+                  **summarize(lowered.as_text(dialect="hlo", debug_info=True), cfg.data.seq_len)}
         if args.partitioned:
             report["collectives_partitioned"] = [dataclasses.asdict(c) for c in partitioned_collectives(
                 cfg, devices, lowered if args.platform == "cpu" else None)]

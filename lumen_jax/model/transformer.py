@@ -209,12 +209,15 @@ class Transformer(nnx.Module):
         xs = (layer_state, stack_taps("blocks"),
               local_layers(cfg, first_layer, jax.tree.leaves(layer_state)[0].shape[0]))
         runs = self.ops.layer_runs(cfg.num_layers) if runs is None else runs
-        if len(runs) == 1:
-            x_btd, _ = jax.lax.scan(make_body(graphdef, runs[0][2], "blocks"), x_btd, xs)
-        else:  # ops that differ by layer (e.g. the first/last layers kept in bf16): one scan per run
-            for start, stop, ops in runs:
-                x_btd, _ = jax.lax.scan(make_body(graphdef, ops, "blocks"), x_btd,
-                                        jax.tree.map(lambda v: v[start:stop], xs))
+
+        def scan(ops: Ops, x_btd: jax.Array, run_xs: tuple) -> jax.Array:
+            return jax.lax.scan(make_body(graphdef, ops, "blocks"), x_btd, run_xs)[0]
+
+        # ops that differ by layer (e.g. the first/last layers kept in bf16): one scan per run, each
+        # as its ops say for the run's model state (`Ops.by_state`)
+        for start, stop, ops in runs:
+            run_xs = xs if len(runs) == 1 else jax.tree.map(lambda v: v[start:stop], xs)
+            x_btd = ops.by_state(scan, run_xs[0], x_btd, run_xs)
         return x_btd, {}
 
     def logits(self, x_btd: jax.Array) -> jax.Array:

@@ -42,9 +42,11 @@ written (`auto` as xla), compiled kernels.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from lumen_jax.config import ConfigError, Fp8Config, ModelConfig
 from lumen_jax.kernels import flash_attention as flash_lib
@@ -71,6 +73,9 @@ class Ops:
     # A traced bool inside a run of pipeline layer slots that hold a kept layer on some stages only
     # (`stage_runs`): where it holds, fp8's projections compute in the compute dtype (`ops.fp8.dot`).
     fp8_keep: Any = dataclasses.field(default=None, compare=False)
+    # delayed: every amax history of the run is known not empty (`by_state`): scales from the
+    # histories alone, not waiting for the current amaxes (`ops.fp8.delayed_scale`)
+    fp8_warm: bool = False
     note: str = dataclasses.field(default="", compare=False)  # how `auto` was resolved, for the start-up line
 
     @classmethod
@@ -103,6 +108,25 @@ class Ops:
         if len(runs) <= 1:
             return [(0, num_layers, self)]
         return [(start, stop, dataclasses.replace(self, fp8_on=on)) for start, stop, on in runs]
+
+    def by_state(self, fn: Callable[..., Any], state: Any, *args: Any) -> Any:
+        """`fn(ops, *args)` for a run of layers whose model state is `state` (the run's stacked
+        layer state): with fp8's delayed recipe, one `lax.cond` per run between `fn` with
+        `fp8_warm` (every history holds an amax, `ops.fp8.warm`: each step's program after the
+        first) and `fn` as it is (the first step: an empty history's scale waits for the current
+        amax). Both give the same values where both apply; the warm one quantizes each operand in
+        the pass that produces it. A slot whose `fp8_keep` is traced (a kept layer on some pipeline
+        stages, whose histories stay empty) and the other recipes: `fn(self, *args)`."""
+        if not (self.fp8_types and self.fp8_on and self.fp8_keep is None and self.fp8.recipe == "delayed"):
+            return fn(self, *args)
+        warm_ops = dataclasses.replace(self, fp8_warm=True)
+        histories = nnx.filter_state(state, fp8_lib.Fp8History)
+        if not jax.tree.leaves(histories):
+            return fn(self, *args)
+        def hot(*a: Any) -> Any:
+            with jax.named_scope(fp8_lib.WARM_SCOPE):  # names the branch that runs after the first step
+                return fn(warm_ops, *a)
+        return jax.lax.cond(fp8_lib.warm(histories), hot, lambda *a: fn(self, *a), *args)
 
     def stage_runs(self, split: Sequence[int], stage: Any) -> list[tuple[int, int, Ops]]:
         """`layer_runs` of one virtual pipeline stage's layer slots: `split` the real layers of each

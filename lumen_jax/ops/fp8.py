@@ -60,6 +60,7 @@ _AMAX_FLOOR = 2.0 ** -100  # keeps fp8_max / amax finite in fp32 for denormal am
 
 RESIDUAL_NAME = "fp8_operand"  # the forward's quantized operands, scales and amaxes, kept for the backward
 HISTORY_KEYS = ("x", "w", "g")  # the operands of one projection: input, weight, output gradient
+WARM_SCOPE = "fp8_warm"  # the named scope of the branch that runs with warm histories (`ops.choice.Ops.by_state`)
 
 
 def fp8_max(dtype: Any) -> float:
@@ -89,10 +90,23 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype: Any = jnp.float32) -> jax.
     return (q.astype(jnp.float32) / scale).astype(dtype)
 
 
-def delayed_scale(history: jax.Array, current_amax: jax.Array, dtype: Any) -> jax.Array:
-    """Scale from the max of the amax history; the current amax while the history is still empty."""
+def delayed_scale(history: jax.Array, current_amax: jax.Array, dtype: Any, warm: bool = False) -> jax.Array:
+    """Scale from the max of the amax history; the current amax while the history is still empty.
+    `warm` (static): the caller knows the history is not empty (`warm`), so the scale is the
+    history's alone and does not wait for the current amax (the same value when the history is not
+    empty): the quantization can then fuse into the pass that produces its operand."""
     past = jnp.max(history)
+    if warm:
+        return compute_scale(past, dtype)
     return compute_scale(jnp.where(past > 0, past, current_amax), dtype)
+
+
+def warm(histories: Any) -> jax.Array:
+    """Whether every amax history [..., H] in the pytree `histories` (a run of layers' `Fp8History`
+    stacks) holds a recorded amax: then every delayed scale of those layers is the history's alone
+    (`delayed_scale(..., warm=True)` gives what `warm=False` gives). False before the first step."""
+    leaves = jax.tree.leaves(histories)
+    return jnp.all(jnp.stack([jnp.all(jnp.max(h, axis=-1) > 0) for h in leaves])) if leaves else jnp.asarray(False)
 
 
 def update_history(history: jax.Array, current_amax: jax.Array) -> jax.Array:
@@ -167,8 +181,9 @@ def _scaled_dot(a: jax.Array, b: jax.Array, dims: Any, inv_scale: jax.Array, dty
 
 def _tensor_scales(recipe: str, hist: dict, x: jax.Array, w: jax.Array) -> tuple[jax.Array, ...]:
     ax, aw = amax(x), amax(w)
-    if recipe == "delayed":
-        return ax, aw, delayed_scale(hist["xs"], ax, E4M3), delayed_scale(hist["w"], aw, E4M3)
+    if recipe in ("delayed", "delayed_warm"):
+        hot = recipe == "delayed_warm"
+        return ax, aw, delayed_scale(hist["xs"], ax, E4M3, hot), delayed_scale(hist["w"], aw, E4M3, hot)
     return ax, aw, compute_scale(ax, E4M3), compute_scale(aw, E4M3)
 
 
@@ -201,7 +216,10 @@ def _tensor_dot(x: jax.Array, w: jax.Array, hist: dict, keep: jax.Array | None, 
 def _tensor_dot_fwd(x, w, hist, keep, recipe):
     ax, aw, sx, sw = _tensor_scales(recipe, hist, x, w)
     (qx, sx), (qw, sw) = _operand(x, sx, E4M3, keep, x.dtype), _operand(w, sw, E4M3, keep, x.dtype)
-    qx, qw, sx, sw, ax, aw = (_saved(a) for a in (qx, qw, sx, sw, ax, aw))
+    # the scalars as one saved vector: one stacked residual per projection, not four (a scan over
+    # the layers writes each residual into its stack in a pass of its own)
+    qx, qw = _saved(qx), _saved(qw)
+    sx, sw, ax, aw = _saved(jnp.stack([sx, sw, ax, aw]))
     y = _scaled_dot(qx, qw, _dims_xw(x), 1.0 / (sx * sw), x.dtype)
     # fp8 residuals: the backward GEMMs reuse the forward's quantized operands (as Transformer Engine).
     # (Empty arrays carry the operands' dtypes: residuals must be arrays.)
@@ -212,7 +230,8 @@ def _tensor_dot_bwd(recipe, res, g):
     qx, qw, sx, sw, ax, aw, hist, keep, x_like, w_like = res
     x_dtype, w_dtype = x_like.dtype, w_like.dtype
     ag = amax(g)
-    sg = delayed_scale(hist["g"], ag, E5M2) if recipe == "delayed" else compute_scale(ag, E5M2)
+    delayed = recipe in ("delayed", "delayed_warm")
+    sg = delayed_scale(hist["g"], ag, E5M2, recipe == "delayed_warm") if delayed else compute_scale(ag, E5M2)
     qg, sg = _operand(g, sg, E5M2, keep, x_dtype)
     dx = _scaled_dot(qg, qw, _dims_gw(g), 1.0 / (sg * sw), x_dtype)
     dw = _scaled_dot(qx, qg, _dims_xg(qx), 1.0 / (sx * sg), w_dtype)
@@ -220,8 +239,8 @@ def _tensor_dot_bwd(recipe, res, g):
     # stays 0, as without `keep`, where the layer's einsum never reads it).
     new_hist = ({"x": update_history(hist["x"], ax), "w": update_history(hist["w"], aw),
                  "g": update_history(hist["g"], ag), "xs": jnp.zeros_like(hist["xs"])}  # xs: no gradient
-                if recipe == "delayed" else hist)
-    if keep is not None and recipe == "delayed":
+                if delayed else hist)
+    if keep is not None and delayed:
         new_hist = jax.tree.map(lambda h: jnp.where(keep, jnp.zeros_like(h), h), new_hist)
     return dx, dw, new_hist, None  # None: `keep` (a bool) has no cotangent
 
@@ -270,7 +289,7 @@ _block_dot.defvjp(_block_dot_fwd, _block_dot_bwd)
 
 
 def dot(x: jax.Array, w: jax.Array, recipe: str, history: dict | None = None,
-        keep: jax.Array | None = None, input_history: jax.Array | None = None) -> jax.Array:
+        keep: jax.Array | None = None, input_history: jax.Array | None = None, warm: bool = False) -> jax.Array:
     """x [*B, K] . w [K, N] -> [*B, N] in x.dtype with fp8 operands (see the module docstring).
 
     Args:
@@ -286,6 +305,8 @@ def dot(x: jax.Array, w: jax.Array, recipe: str, history: dict | None = None,
       input_history: delayed only: the amax history [H] that scales `x` (default `history["x"]`),
         one shared by the projections that read `x`; it has no gradient (`history["x"]` still
         records this `x`'s amax).
+      warm: delayed only (static): every history is known not empty (`warm`): the scales are the
+        histories' alone, not waiting for the current amaxes (same values).
     """
     if recipe == "blockwise":
         return _block_dot(x, w, keep)
@@ -294,7 +315,7 @@ def dot(x: jax.Array, w: jax.Array, recipe: str, history: dict | None = None,
     if recipe != "delayed":
         return _tensor_dot(x, w, {}, keep, recipe)
     scales_x = history["x"] if input_history is None else jax.lax.stop_gradient(input_history)
-    return _tensor_dot(x, w, {**history, "xs": scales_x}, keep, recipe)
+    return _tensor_dot(x, w, {**history, "xs": scales_x}, keep, "delayed_warm" if warm else recipe)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -363,7 +384,7 @@ def _split_spec(spec: str, x_ndim: int, w_ndim: int) -> int:
 
 
 def einsum(spec: str, x: jax.Array, w: jax.Array, recipe: str, history: dict | None = None,
-           keep: jax.Array | None = None, peers: tuple[dict, ...] | None = None) -> jax.Array:
+           keep: jax.Array | None = None, peers: tuple[dict, ...] | None = None, warm: bool = False) -> jax.Array:
     """`jnp.einsum(spec, x, w)` with fp8 operands (recipe current | delayed | blockwise), or in the
     compute dtype with recipe `none` (a layer kept in bf16 among fp8 layers).
 
@@ -373,6 +394,7 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, recipe: str, history: dict | N
     `peers`: delayed only, the histories of every projection reading this `x` (Q/K/V, gate/up; this
     one's included): x is scaled from the max of their x histories (`dot`'s `input_history`), the
     same scale for each, so XLA quantizes x once for them all and may merge their GEMMs.
+    `warm`: see `dot`.
     """
     c = _split_spec(spec, x.ndim, w.ndim)
     batch, out_dims = x.shape[:x.ndim - c], w.shape[c:]
@@ -383,7 +405,7 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, recipe: str, history: dict | N
     else:
         hist = None if history is None else {key: history[key][...] for key in HISTORY_KEYS}
         shared = None if history is None or not peers else jnp.max(jnp.stack([p["x"][...] for p in peers]), axis=0)
-        y = dot(x2, w2, recipe, hist, keep, shared)
+        y = dot(x2, w2, recipe, hist, keep, shared, warm)
     return y.reshape(*batch, *out_dims)
 
 
@@ -421,4 +443,4 @@ _DEF = re.compile(r"(%?[\w.\-]+) = (\w+)\[")
 __all__ = ["E4M3", "E5M2", "TILE", "Fp8History", "amax", "compute_scale", "delayed_scale",
            "dequantize", "dequantize_blocks", "dot", "einsum", "fake_quantize_blocks", "fp8_gemms", "fp8_max",
            "histories", "layer_mask", "layer_runs", "quantize", "quantize_blocks", "runs_fp8",
-           "update_history"]
+           "update_history", "warm"]

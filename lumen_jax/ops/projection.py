@@ -63,7 +63,7 @@ def project(spec: str, x: jax.Array, w: jax.Array, ops: Ops, layer_type: str | N
     """
     how = ops.projection(layer_type)
     if how == "fp8":
-        return fp8.einsum(spec, x, w, ops.fp8.recipe, state, ops.fp8_keep, peers)
+        return fp8.einsum(spec, x, w, ops.fp8.recipe, state, ops.fp8_keep, peers, ops.fp8_warm)
     if how == "fp8_kept":
         return fp8.einsum(spec, x, w, "none")
     w = w.astype(x.dtype)

@@ -121,6 +121,30 @@ def test_gemm_report_counts_the_loop_by_hand():
     assert r.fusion_bytes == sum(per_trip.values()) * TRIPS
 
 
+def test_fusions_by_role_counted_by_hand():
+    """`gemm_report`'s split of the non-GEMM fusions by role (`aot.fusion_role`), with a small-array
+    bound below the module's arrays: per trip the amax, two quantize fusions (x, the weight slice)
+    and two others (the f32 result converted, saved); then the roles of hand-made fusions."""
+    r = aot.gemm_report(MODULE, tokens=64, small=64)
+    amax, quant, wq, cvt, save = (64 * 32 * 2 + 4, 64 * 32 * 2 + 4 + 64 * 32, 32 * 16 * 4 + 4 + 32 * 16,
+                                  64 * 16 * 4 + 64 * 16 * 2, 64 * 16 * 2 + 4 + 64 * 16 * 2)
+    assert r.by_role == {"quantize": [2 * TRIPS, (quant + wq) * TRIPS], "fp8 move": [0, 0],
+                         "amax": [TRIPS, amax * TRIPS], "small": [0, 0], "other": [2 * TRIPS, (cvt + save) * TRIPS]}
+    assert aot.gemm_report(MODULE, tokens=64).by_role["small"] == [5 * TRIPS, r.fusion_bytes]  # all under 1 MiB
+
+    from lumen_jax.compiler import hlo
+    big = lambda t: hlo.Array(t, (4096, 4096))  # noqa: E731
+    reduce_with = lambda comp: [hlo.Instr("r", "reduce", (hlo.Array("f32", ()),), f"r = f32[] reduce(p, z), to_apply={comp}", "f")]  # noqa: E731
+    reducers = {"mx": "maximum", "sum": "add"}
+    role = lambda ins, outs, body=(): aot.fusion_role(ins, outs, list(body), reducers)  # noqa: E731
+    assert role([big("u8"), hlo.Array("s32", ())], [big("f8e4m3fn")]) == "fp8 move"  # a saved operand, transposed
+    assert role([big("bf16"), hlo.Array("f32", ())], [big("f8e5m2"), big("f8e5m2")]) == "quantize"
+    assert role([big("bf16")], [hlo.Array("bf16", (4096,))], reduce_with("mx")) == "amax"
+    assert role([big("bf16")], [hlo.Array("f32", (4096,))], reduce_with("sum")) == "other"  # a sum: a norm's
+    assert role([big("bf16")], [hlo.Array("bf16", (4096,)), big("bf16")], reduce_with("mx")) == "other"  # fused
+    assert role([hlo.Array("f32", (14, 1024))], [hlo.Array("f32", (14, 1024))]) == "small"  # a history
+
+
 def test_script_without_the_cuda_plugin_exits_2(monkeypatch, capsys):
     spec = importlib.util.spec_from_file_location(
         "gpu_aot", os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu_aot.py"))

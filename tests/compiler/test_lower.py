@@ -37,7 +37,7 @@ def lowered_text(cfg) -> str:
     for a in MeshConfig.AXES:
         n *= getattr(cfg.mesh, a)
     lowered, _ = lower.lower_step(cfg, "cuda", jax.devices()[:n])
-    return lowered.as_text(dialect="hlo")
+    return lowered.as_text(dialect="hlo", debug_info=True)
 
 
 def lowered_summary(cfg) -> dict:
@@ -109,7 +109,7 @@ def test_auto_step_for_hopper_runs_cudnn_per_layer_with_our_kernel_as_fallback()
     cfg = config("auto")
     lowered, ops = lower.lower_step(cfg.replace(model=dataclasses.replace(cfg.model, compute_dtype="bfloat16")),
                                     "cuda", jax.devices()[:1])
-    s = lower.summarize(lowered.as_text(dialect="hlo"), SEQ)
+    s = lower.summarize(lowered.as_text(dialect="hlo", debug_info=True), SEQ)
     calls = {c["target"]: (c["instructions"], c["per_step"]) for c in s["custom_calls"]
              if c["target"].startswith("__cudnn")}
     assert ops.attention == "cudnn" and ops.note.startswith("attention=auto: cudnn")

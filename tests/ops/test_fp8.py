@@ -9,6 +9,7 @@ land below the normal range."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -201,6 +202,82 @@ def test_projections_reading_one_input_share_its_delayed_scale():
     assert (count(True), count(False)) == (1, 3)
 
 
+def _after_amax(jaxpr: Any, tainted: list[bool] | None = None) -> tuple[int, list[bool]]:
+    """(fp8 casts of `jaxpr` that depend on an amax (a max of `abs`): quantizations that wait for a
+    pass over their operand before they can run, whether each output depends on one), through the
+    jaxprs nested in call-like equations (jit, custom VJP, remat, scan)."""
+    from jax.extend.core import Literal, jaxprs_in_params
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    flags = dict(zip(jaxpr.invars, tainted or [False] * len(jaxpr.invars)))
+    count, magnitudes = 0, set()  # magnitudes: `abs` results, whose max is an amax (a history's max is not)
+    for eqn in jaxpr.eqns:
+        ins = [False if isinstance(v, Literal) else flags.get(v, False) for v in eqn.invars]
+        subs = list(jaxprs_in_params(eqn.params))
+        amax_here = eqn.primitive.name == "reduce_max" and eqn.invars[0] in magnitudes
+        if eqn.primitive.name == "abs":
+            magnitudes.update(eqn.outvars)
+        outs = [any(ins) or amax_here] * len(eqn.outvars)
+        for sub in subs:
+            inner = getattr(sub, "jaxpr", sub)
+            c, sub_outs = _after_amax(inner, ins if len(inner.invars) == len(ins) else [any(ins)] * len(inner.invars))
+            count += c
+            outs = sub_outs if len(sub_outs) == len(eqn.outvars) else [any(sub_outs)] * len(eqn.outvars)
+        if not subs and eqn.primitive.name == "convert_element_type" and any(ins) \
+                and jnp.dtype(eqn.params["new_dtype"]).itemsize == 1:
+            count += 1
+        flags.update(zip(eqn.outvars, outs))
+    return count, [flags.get(v, False) for v in jaxpr.outvars]
+
+
+def test_warm_delayed_scales_do_not_wait_for_the_amax():
+    """With warm histories (`warm=True`, `Ops.by_state`'s branch after the first step) the delayed
+    scales come from the histories alone: no fp8 cast of the forward and backward depends on an
+    amax (3 do with `warm=False`: x, w, g), and the values, gradients and next histories are
+    those of `warm=False` bit for bit while every history holds an amax; `fp8.warm` says when."""
+    x, w, r = _operands(5)
+    hist = {"x": jnp.array([3.0, 0, 0, 0]), "w": jnp.array([0.0, 0.2, 0, 0]), "g": jnp.array([1e-3, 0, 0, 5e-3])}
+
+    def run(warm):
+        y, back = jax.vjp(lambda x, w, h: fp8.dot(x, w, "delayed", h, warm=warm), x, w, hist)
+        return y, back(r)
+
+    cold, hot = run(False), run(True)
+    for a, b in zip(jax.tree.leaves(hot), jax.tree.leaves(cold)):
+        np.testing.assert_array_equal(a, b)
+    after = lambda warm: _after_amax(jax.make_jaxpr(lambda: run(warm))())[0]  # noqa: E731
+    assert (after(False), after(True)) == (3, 0)
+    stack = {k: jnp.zeros((3, 4)).at[:, 1].set(1.0) for k in "xwg"}  # [layers, H]
+    assert bool(fp8.warm(stack)) and not bool(fp8.warm({**stack, "g": stack["g"].at[2].set(0.0)}))
+    assert not bool(fp8.warm({k: jnp.zeros((3, 4)) for k in "xwg"}))
+
+
+def test_the_step_switches_to_the_warm_branch_with_the_same_numbers(monkeypatch):
+    """The delayed recipe's step: one conditional per fp8 run in the compiled CPU program, forward
+    and backward (`Ops.by_state`; none under `current`); after a first step (histories recorded)
+    its warm branch gives the loss, gradients and next histories of the first step's branch
+    (forced with `fp8.warm` false) to float32 rounding."""
+    from helpers.data import packed_batch
+    batch = packed_batch(4, 64, 512, seed=2)
+    conds = {}
+    for recipe in ("current", "delayed"):
+        tr = _trainer(Fp8Config(recipe=recipe, amax_history=4), num_layers=3, compute_dtype="float32",
+                      batch=4, steps=10, remat="dots_with_no_batch_dims_saveable")
+        sc = tr.step_cfg
+        grads = lambda s, b, sc=sc: step_lib.loss_grads_and_state(s.params, s.model_state, b, 1.0, sc)[:3]  # noqa: E731
+        state = tr.init()
+        conds[recipe] = len(re.findall(r" conditional\(", jax.jit(grads).lower(state, batch).compile().as_text()))
+    assert conds == {"current": 0, "delayed": 2}, conds
+    state, _ = tr.step(state, tr.shard_batch(batch))  # the first step records every history
+    histories = state.model_state["blocks"]
+    assert bool(fp8.warm(jax.tree.map(lambda h: h[1:2], histories)))  # the fp8 layer's (first, last: kept)
+    assert not bool(fp8.warm(histories))
+    hot = jax.device_get(jax.jit(grads)(state, batch))
+    monkeypatch.setattr(fp8, "warm", lambda histories: jnp.asarray(False))
+    cold = jax.device_get(jax.jit(grads)(state, batch))
+    for a, b in zip(jax.tree.leaves(hot), jax.tree.leaves(cold)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7 * float(np.abs(b).max()))
+
+
 def test_current_dot_uses_this_steps_amax():
     x, w, _ = _operands(2)
     sx, sw = (fp8.compute_scale(fp8.amax(a), fp8.E4M3) for a in (x, w))
@@ -357,13 +434,31 @@ def test_policies_saving_the_products_keep_the_fp8_operands_for_the_backward(rec
         text = grads.lower(state, batch).as_text(dialect="hlo")
         counts[remat] = {fmt: len(p.findall(text)) for fmt, p in _QUANTIZE.items()}
         results[remat] = jax.device_get(grads(state, batch))
-    # one scanned layer body: 7 projections, each quantizing x and w (E4M3) and its output gradient (E5M2)
-    assert counts["none"] == {"f8e4m3fn": 14, "f8e5m2": 7}, counts
+    # one scanned layer body: 7 projections, each quantizing x and w (E4M3) and its output gradient
+    # (E5M2); delayed: twice, the body of the first step's branch and the warm one (`Ops.by_state`)
+    n = 2 if recipe == "delayed" else 1
+    assert counts["none"] == {"f8e4m3fn": 14 * n, "f8e5m2": 7 * n}, counts
     assert counts["dots_with_no_batch_dims_saveable"] == counts["dots_saveable"] == counts["none"], counts
-    assert counts["full"] == {"f8e4m3fn": 28, "f8e5m2": 7}, counts
+    assert counts["full"] == {"f8e4m3fn": 28 * n, "f8e5m2": 7 * n}, counts
     for remat in ("dots_with_no_batch_dims_saveable", "dots_saveable", "full"):
         for a, b in zip(jax.tree.leaves(results[remat]), jax.tree.leaves(results["none"])):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max()), err_msg=remat)
+
+
+def test_a_projections_saved_scalars_are_one_residual():
+    """A projection saves its scales and amaxes for the backward as one vector: under a policy that
+    saves them, the compiled CPU program of 2 scanned layers stacks 7 [layers, 4] vectors (one per
+    projection) and no [layers] scalar stacks (each stack is a pass of its own in the loop; on a
+    GPU, 196 fusions per step of llama3_1b, docs/PERFORMANCE.md)."""
+    from helpers.data import packed_batch
+    batch = packed_batch(4, 64, 512, seed=0)
+    tr = _trainer(Fp8Config(recipe="current", keep_bf16=()), num_layers=2, compute_dtype="float32",
+                  batch=4, steps=10, remat="dots_saveable")
+    state, sc = tr.init(), tr.step_cfg
+    grads = jax.jit(lambda s, b: step_lib.loss_grads_and_state(s.params, s.model_state, b, 1.0, sc)[:2])
+    text = grads.lower(state, batch).compile().as_text()
+    stacks = lambda shape: len(re.findall(rf"= f32\[{shape}\]\{{\S*\}} dynamic-update-slice\(", text))  # noqa: E731
+    assert (stacks("2"), stacks("2,4")) == (0, 7)
 
 
 @pytest.fixture(scope="module")
@@ -384,7 +479,7 @@ def _train(fp8_cfg: Fp8Config, batches: dict) -> tuple[np.ndarray, step_lib.Trai
     state = tr.init()
     lowered = run.lower(state, batches)
     state, metrics = lowered.compile(compiler_options=FAST_RUN)(state, batches)  # 1,200 steps: optimized code
-    return np.asarray(metrics["loss"]), state, lowered.as_text(dialect="hlo")
+    return np.asarray(metrics["loss"]), state, lowered.as_text(dialect="hlo", debug_info=True)
 
 
 @pytest.mark.heavy
@@ -402,7 +497,10 @@ def test_300_steps_with_each_recipe_end_within_2_percent_of_bf16(text_batches):
         if recipe == "blockwise":  # quantized per block, multiplied dequantized (docs/KERNELS.md): no fp8 dot
             assert fp8.fp8_gemms(hlo) == [], recipe
         else:  # the layer body (scanned: once) has 7 projections, each a forward, dgrad and wgrad dot
-            assert len(fp8.fp8_gemms(hlo)) == 7 * 3, (recipe, len(fp8.fp8_gemms(hlo)))
+            # (delayed: in the warm branch every step after the first runs; the text holds both)
+            from lumen_jax.compiler.lower import fp8_dots
+            steady = len(fp8_dots(hlo)[1])
+            assert (steady, len(fp8.fp8_gemms(hlo))) == (7 * 3, 7 * 3 * (2 if recipe == "delayed" else 1)), recipe
         if recipe == "delayed":
             x = np.asarray(state.model_state["blocks"]["attn"]["projections"]["q"]["x"])
             assert x.shape == (2, 16) and np.all(x > 0)  # every layer ran fp8 and recorded 16 steps
