@@ -488,16 +488,20 @@ def beside(module: Module, ops: Iterable[str] = ("collective-permute", "collecti
                 users[o].add(n)
         flops = {i.name: instr_flops(i) for i in instrs}
 
-        def closure(start: str, edges: dict) -> set[str]:
-            seen, todo = set(), [start]
-            while todo:
-                for n in edges.get(todo.pop(), ()):
-                    if n not in seen:
-                        seen.add(n)
-                        todo.append(n)
-            return seen
         for i in instrs:
             if i.op in ops:
-                tied = closure(i.name, operands) | closure(i.name, users) | {i.name}
+                tied = reachable(i.name, operands) | reachable(i.name, users) | {i.name}
                 out.append(Beside(i, sum(f for n, f in flops.items() if n not in tied), sum(flops.values())))
     return out
+
+
+def reachable(start: str, edges: dict) -> set[str]:
+    """The instructions reachable from `start` along `edges` (name -> names: operands or users), `start`
+    itself left out unless a cycle returns to it."""
+    seen, todo = set(), [start]
+    while todo:
+        for n in edges.get(todo.pop(), ()):
+            if n not in seen:
+                seen.add(n)
+                todo.append(n)
+    return seen

@@ -372,7 +372,7 @@ def _tensor_overlap(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, 
 @rule
 def _zero_axes(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
     """mesh.zero_axes=fsdp+context shards the ZeRO state over context too; the pipelined step's stages
-    take their weights whole over context (its shard_map), which this layout has not been built for."""
+    take their weights whole over context (their manual partitioning over the stages), which this layout has not been built for."""
     mesh = cfg.mesh
     yield (mesh.zero_axes == "fsdp" or shape["pipeline"] == 1,
            f"mesh.zero_axes={mesh.zero_axes} with mesh.pipeline={shape['pipeline']}: the pipelined step does not "

@@ -101,16 +101,6 @@ def _operands(module: hlo.Module) -> dict[str, dict[str, list[str]]]:
             for comp, own in names.items()}
 
 
-def _closure(start: str, edges: dict[str, list[str]]) -> set[str]:
-    seen, todo = set(), [start]
-    while todo:
-        for n in edges.get(todo.pop(), ()):
-            if n not in seen:
-                seen.add(n)
-                todo.append(n)
-    return seen
-
-
 def _matmuls(module: hlo.Module) -> set[str]:
     """The instructions that run a matmul: dots, and fusions whose computation holds one."""
     with_dot = {i.computation for i in module.instrs if i.op == "dot"}
@@ -143,7 +133,7 @@ def _layers(cfg) -> dict:
         dots = {i.name for i in instrs if i.name in matmuls}
         collectives = [i for i in instrs if i.op in hlo.COLLECTIVES and i.op != "collective-permute"
                        and _over_tensor(i, mesh) and max(a.nbytes for a in i.arrays) > cfg.model.d_model * 4]
-        steps = [(i.name, dots - _closure(i.name, edges) - _closure(i.name, users))
+        steps = [(i.name, dots - hlo.reachable(i.name, edges) - hlo.reachable(i.name, users))
                  for i in instrs if i.op in ("collective-permute", "collective-permute-start")]
         out[body] = (collectives, steps)
     return out
