@@ -99,7 +99,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> f
 
 # What the backward pass runs again under each remat policy, assumed from what the policy saves
 # (docs/FLOPS.md): `projections` (the layers' linear maps), `attention` (QK^T and AV). The planner
-# reads the same two facts off the model's residuals instead (`plan.memory.recomputes`).
+# reads the same two facts off the model's residuals instead (`plan.residuals.recomputes`).
 RECOMPUTES: dict[str, dict[str, bool]] = {
     "none": {"projections": False, "attention": False},
     "dots_saveable": {"projections": False, "attention": False},  # every dot output is saved

@@ -17,6 +17,8 @@ compare a plan with the compiled step: `python -m lumen_jax.lower --against-xla`
 - `hardware`: `Hardware` (memory, peak, links), `DEVICES`, `Layout` (the config's resolved `mesh`
   section, plus pipeline stages and micro-batches).
 - `memory`: `state_bytes` (exact, from the parameter shapes and the sharding rules), `activation_bytes`.
+- `residuals`: `layer_residuals` (what a layer saves under a remat policy, read off a probe of the
+  model), `recomputes` (which forward work the backward re-runs).
 - `cost`: `flops_per_device`, `compiled_flops_per_device`, `bubble_fraction`. FLOP counts per token
   are `lumen_jax.metrics.flops`'s (one count for the trainer and the planner).
 - `collectives`: the collectives of each mesh axis, per step.
@@ -36,9 +38,9 @@ from lumen_jax.plan.cost import (ELEMENTWISE_OPS, bubble_fraction, compiled_flop
                                  flops_per_device, planned_flops_per_token, planned_score_fraction)
 from lumen_jax.plan.hardware import AXES, DEVICES, Hardware, Layout, compute_bytes, layout_from_config
 from lumen_jax.plan.memory import (BACKWARD_ROWS, CONTEXT_BACKWARD_ROWS, STATE_BYTES, TEXTBOOK_BYTES_PER_PARAM,
-                                   Activations, Residuals, activation_bytes, fp8_bytes,
-                                   layer_residuals, recomputes, saved_bytes_per_token, state_bytes,
+                                   Activations, activation_bytes, fp8_bytes, saved_bytes_per_token, state_bytes,
                                    working_bytes_per_token)
+from lumen_jax.plan.residuals import Residuals, layer_residuals, recomputes
 from lumen_jax.plan.predict import SEARCH_REMATS, Plan, planned_attention, predict, search
 
 __all__ = [

@@ -15,7 +15,8 @@ from lumen_jax.plan import moe as moe_plan
 from lumen_jax.plan.cost import unit_ticks
 from lumen_jax.plan.hardware import AXES, Hardware, Layout, compute_bytes, first_layers
 from lumen_jax.plan.memory import F32 as F32_BYTES
-from lumen_jax.plan.memory import recomputes, split_backward, state_bytes
+from lumen_jax.plan.memory import split_backward, state_bytes
+from lumen_jax.plan.residuals import recomputes
 
 DTYPE_NAMES = {2: "bf16", 4: "fp32"}  # by bytes, in a collective's description
 

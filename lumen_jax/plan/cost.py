@@ -13,8 +13,8 @@ from lumen_jax.parallel import context as context_lib
 from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.plan import moe as moe_plan
 from lumen_jax.plan.hardware import Layout, first_layers
-from lumen_jax.plan.memory import (STATE_BYTES, computed_score_fraction, loss_chunks, recomputes, split_backward,
-                                   state_bytes)
+from lumen_jax.plan.memory import STATE_BYTES, loss_chunks, split_backward, state_bytes
+from lumen_jax.plan.residuals import computed_score_fraction, recomputes
 
 # Elementwise work XLA's cost_analysis counts besides the matmuls (ops per element, a non-negative
 # least-squares fit to XLA's CPU counts of our step): softmax and masking per computed score, norms,
@@ -83,7 +83,7 @@ def planned_flops_per_token(model: ModelConfig, layout: Layout, seq_len: int, re
                             score_fraction: float = 0.5, attention: str = "xla",
                             redo: dict[str, bool] | None = None) -> float:
     """`flops.hardware_flops_per_token` of a run on `layout`, with what the backward pass re-runs
-    read off the model's residuals (`memory.recomputes`: the projections unless the policy saves
+    read off the model's residuals (`residuals.recomputes`: the projections unless the policy saves
     one, the attention core unless it saves scores or, under context parallelism, the ring's
     residuals; with `attention` flash, the kernel's) instead of assumed per policy, or `redo` where the
     caller knows it. `score_fraction` as there."""
@@ -102,7 +102,7 @@ def flops_per_device(model: ModelConfig, layout: Layout, seq_len: int, global_ba
       model, layout, seq_len, global_batch: the run.
       remat: the activation-checkpointing policy (default `model.remat`).
       causal: count half of the S x S scores (the MFU convention). False: the part of the square
-        the model's attention actually computes (`memory.computed_score_fraction`: all of it, or
+        the model's attention actually computes (`residuals.computed_score_fraction`: all of it, or
         the blocks on and below the diagonal), which is what the compiler counts.
       layers: count this many layers instead of `model.num_layers`. XLA's `cost_analysis` counts
         the body of the scan over layers once: pass 1 to compare with it.

@@ -14,8 +14,9 @@ from lumen_jax.plan.collectives import Collective, collectives
 from lumen_jax.plan.cost import planned_flops_per_token, planned_score_fraction
 from lumen_jax.plan.efficiency import Compute, Efficiency, Overlap, compute_seconds
 from lumen_jax.plan.hardware import Hardware, Layout, first_layers, first_split, uneven_split
-from lumen_jax.plan.memory import (Activations, activation_bytes, communication_bytes, fp8_bytes, recomputes,
-                                   split_backward, state_bytes)
+from lumen_jax.plan.memory import (Activations, activation_bytes, communication_bytes, fp8_bytes, split_backward,
+                                   state_bytes)
+from lumen_jax.plan.residuals import recomputes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ from lumen_jax.compiler.compiled import compile_step
 from lumen_jax.config import ConfigError
 from lumen_jax.config.checks import validate
 from lumen_jax.metrics import flops, memory
-from lumen_jax.plan import memory as memory_lib
+from lumen_jax.plan import residuals as residuals_lib
 from lumen_jax.plan.hardware import layout_from_config
 from lumen_jax.plan.memory import state_bytes
 
@@ -99,7 +99,7 @@ def test_gathered_weights_are_not_kept_for_the_backward(mesh):
     assert not carried & gathered, sorted(carried & gathered)
     shards = {(layers, m.d_model // 8, m.ffn_dim)}
     assert carried & shards, "the layer loops carry no weight shard: the test no longer sees the weights"
-    residuals = memory_lib.layer_residuals(m.remat)
+    residuals = residuals_lib.layer_residuals(m.remat)
     assert residuals.weight_copies > 0  # the probe keeps the casts: the planner divides them by the shards
     one = plan.predict(cfg, layout, plan.DEVICES["h100"]).activations.saved
     whole = plan.predict(cfg.replace(mesh=dataclasses.replace(cfg.mesh, zero_stage=2)), layout_from_config(

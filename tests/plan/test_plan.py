@@ -414,7 +414,7 @@ def test_state_bytes_with_first_dense_layers_in_stages_are_what_the_trainer_hold
     assert plan.state_bytes(cfg.model, layout)["params"] == held
 
 
-# The planner reads what each remat policy saves off the model (`memory.layer_residuals`).
+# The planner reads what each remat policy saves off the model (`residuals.layer_residuals`).
 
 
 @pytest.mark.parametrize("remat", ["none", "full", "dots_saveable", "offload_dots"])
@@ -423,7 +423,7 @@ def test_residual_probe_accounts_for_every_activation(remat, seq):
     """The probe's classes add up to every per-layer activation residual the model saves."""
     from lumen_jax.model import apply, param_shapes_and_names
 
-    probe = dataclasses.replace(plan.memory.PROBE, remat=remat)
+    probe = dataclasses.replace(plan.residuals.PROBE, remat=remat)
     graphdef, shapes, _ = param_shapes_and_names(probe)
     tokens = jnp.zeros((1, seq), jnp.int32)
     out = io.StringIO()
@@ -599,7 +599,7 @@ def test_our_layer_against_korthikanti():
     # mask 1 + dropout output 2).
     rows = plan.layer_residuals("none", s).counts()
     assert (4 * rows[("S", "f")] + 2 * rows[("S", "c")]) * a * s == pytest.approx(
-        6 * a * s * plan.memory.computed_score_fraction(s))
+        6 * a * s * plan.residuals.computed_score_fraction(s))
     # Flash attention keeps no score rows: nothing grows with s.
     assert per_token("none", 2 * s, "flash") == per_token("none", s, "flash")
     # Its s*b*h terms: the norms' inputs and outputs 4 x 2h (their VJP keeps the compute-dtype input
