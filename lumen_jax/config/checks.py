@@ -185,7 +185,7 @@ def _model_shape(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str
                                       f"set model.kv_lora_rank > 0 (MLA) or model.{k}=0")
     pp, cp = shape["pipeline"], shape["context"]
     # A pipeline runs multi-token prediction with the head, each stage on 1/P of each micro-batch's
-    # rows of each batch shard (parallel/pipeline/executor.py, `_rows`): whole, in-order rows.
+    # rows of each batch shard (parallel/pipeline/units.py, `_rows`): whole, in-order rows.
     yield (not m.mtp_depth or pp == 1 or cp == 1,
            f"model.mtp_depth={m.mtp_depth} with mesh.pipeline={pp} and mesh.context={cp}: a pipeline runs "
            "multi-token prediction on whole rows, which context parallelism splits inside the stages; "

@@ -413,7 +413,7 @@ def _pipelined_head_gathers(s: StepShape, prog: pipeline_lib.Lockstep, gather: i
 
 def _pipelined_embedding_gradient(s: StepShape, add: Add) -> None:
     """Each device of a pipelined step sums the embedding gradient of its own rows of every
-    micro-batch (`executor._Device.embedding_grad`) in float32; the fsdp row groups' sums are
+    micro-batch (`units.Device.embedding_grad`) in float32; the fsdp row groups' sums are
     all-reduced once, after the last tick, whatever `fsdp_regather` (with `fsdp_grad_reduce=once`
     the replica groups' one reduction carries them; context replica groups add theirs before)."""
     model, mesh = s.model, s.layout.mesh

@@ -315,7 +315,7 @@ def loss_chunks(model: ModelConfig, layout: Layout, rows: int, seq_len: int) -> 
     """The chunks `ops.loss` cuts a device's [rows, positions] of the loss into: the positions are the
     sequence over `context` (and, with a pipeline, every P-th token on each stage), the vocabulary
     over `tensor`."""
-    positions = -(-seq_len // layout.mesh.context // layout.pipeline)  # padded to a multiple of P (`executor._strided`)
+    positions = -(-seq_len // layout.mesh.context // layout.pipeline)  # padded to a multiple of P (`units._strided`)
     return chunk_count(max(rows, 1), max(positions, 1), max(model.vocab_size // layout.mesh.tensor, 1),
                        model.loss_chunk_tokens)
 
@@ -396,7 +396,7 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
             buffers = GRAD_ACCUMULATION_COPIES * unsharded / layout.mesh.fsdp
         else:
             buffers = GRAD_ACCUMULATION_COPIES * grads
-    if pipelined:  # each row group's float32 sum of the embedding table's gradient (`_Device.embedding_grad`)
+    if pipelined:  # each row group's float32 sum of the embedding table's gradient (`units.Device.embedding_grad`)
         buffers += model.vocab_size * model.d_model / layout.mesh.tensor * F32
     # A pipelined stage keeps each stashed forward's residuals (its chunk's layers, as the policy
     # saves them) in `slots` + 1 slots (the lock-step program's, one scratch), the loss's cotangents

@@ -28,6 +28,7 @@ from lumen_jax.ops import state as state_lib
 from lumen_jax.ops.projection import Taps
 from lumen_jax.parallel.micro_batches import split_micro_batches, total_tokens
 from lumen_jax.parallel.pipeline import executor as pipeline_step
+from lumen_jax.parallel.pipeline.units import StageFns
 from lumen_jax.parallel.pipeline.layout import Pipeline
 
 Batch = dict[str, jax.Array]
@@ -89,7 +90,7 @@ def _micro_loss(params: dict, model_state: dict, mb: Batch, tokens: jax.Array, s
     return objective, (ce_sum, aux.get("metrics", {}))
 
 
-def stage_fns(sc: StepConfig) -> pipeline_step.StageFns:
+def stage_fns(sc: StepConfig) -> StageFns:
     """The model's parts the pipelined step runs, each on the parameters of one stage's chunk."""
     def layers(params: dict, state: dict, x_btd: jax.Array, mb: Batch, real_layers: jax.Array | None = None,
                taps: Taps | None = None, *, stage: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
@@ -112,7 +113,7 @@ def stage_fns(sc: StepConfig) -> pipeline_step.StageFns:
     # logits' projection is never fp8): the fresh state only completes the graph. Multi-token
     # prediction's modules (`mtp`, with the head) keep their MoE layers' state.
     rules = lambda tree: {k: sc.state_combine[k] for k in tree}  # noqa: E731  (a subset: stages', the head's)
-    return pipeline_step.StageFns(table=lambda params: merge(sc.graphdef, params, sc.fresh_state).embed_table(),
+    return StageFns(table=lambda params: merge(sc.graphdef, params, sc.fresh_state).embed_table(),
                                   embed=embedding_lookup,
                                   layers=layers, head=head, taps=Taps,
                                   combine_state=lambda a, b: state_lib.combine(rules(a), a, b),

@@ -76,7 +76,7 @@ def test_four_stage_gradients_equal_one_device():
 def test_zero3_gradients_equal_one_device(tied, regather):
     """Under ZeRO-3 (fsdp=4: a micro-batch's rows split over 4 devices in every tick) each device
     sums the embedding gradient of its own rows, the 4 sums added once after the last tick
-    (`executor._Device.embedding_grad`): the gradients equal one device's, tied embeddings (whose
+    (`units.Device.embedding_grad`): the gradients equal one device's, tied embeddings (whose
     table the loss reads too) included, and with `fsdp_regather=per_step` (the ticks' gradients
     taken with respect to the weights gathered once for the step)."""
     from helpers.data import packed_batch

@@ -119,7 +119,7 @@ def test_the_planner_counts_what_the_pipeline_sends(stages, m, mesh):
 def test_the_embedding_gradient_keeps_its_rows_on_their_devices(mesh):
     """Under ZeRO-3 a micro-batch's rows are split over fsdp, under context parallelism its tokens
     over context. Each device sums the embedding gradient of its own rows and tokens
-    (`executor._Device.embedding_grad`), the sums reduced once after the last tick: no all-gather
+    (`units.Device.embedding_grad`), the sums reduced once after the last tick: no all-gather
     over fsdp or context carries a token id (a lookup gradient into one table gathers every backward
     tick's rows and their ids onto each device of the group: 4 x 4 rows x 128 tokens x (64 + 1) x 4
     bytes a tick here; under sequence parallelism a tick permutes its 32 ids between the fsdp x

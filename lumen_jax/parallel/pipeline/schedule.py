@@ -390,7 +390,7 @@ class Send(NamedTuple):
 
 def sends(prog: "Lockstep") -> tuple[tuple[Segment, tuple[Send, ...]], ...]:
     """What each segment of `prog` sends over `pipeline` as the executor runs it
-    (`executor._Device.tick`), and the work beside each send:
+    (`units.Device.tick`), and the work beside each send:
 
     - the activation, sent as soon as a tick's forward makes it: beside it the tick's backward and
       weight unit (and the loss, which reads the forward's output, not the send);
