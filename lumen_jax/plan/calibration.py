@@ -4,6 +4,7 @@ and the statistics `python -m lumen_jax.plan --calibration` prints (docs/PLANNIN
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Iterable
 
@@ -11,7 +12,7 @@ from lumen_jax.config import Config, DataConfig, MeshConfig, ModelConfig, TrainC
 from lumen_jax.metrics import flops
 from lumen_jax.plan.efficiency import Efficiency, Overlap
 from lumen_jax.plan.hardware import DEVICES, Hardware, Layout
-from lumen_jax.plan.predict import Plan, predict
+from lumen_jax.plan.predict import Plan, best_setting, predict
 from lumen_jax.plan import recipe_memory
 from lumen_jax.plan.published import HARDWARE, TABLE, Published
 
@@ -96,17 +97,21 @@ def recipe_memory_of(row: Published, plan: Plan) -> recipe_memory.RecipeMemory:
     return recipe_memory.recipe_memory(row.family, model_of(row), layout, row.remat)
 
 
-def plan_ours(row: Published, terms: Efficiency = Efficiency()) -> Plan:
+def plan_ours(row: Published, terms: Efficiency = Efficiency(), best: bool = True) -> Plan:
     """Our program as it runs, in the row's layout, model, batch and hardware: our overlap (none on
     pipeline; on tensor, under sequence parallelism, the collective matmul's steps hidden under the
     projections' matmuls, `mesh.tensor_overlap=collective_matmul`), our gradients' reduction over
     context, the attention `auto` picks on a GPU (cuDNN's, or our flash kernel under context
-    parallelism) with its residuals kept.
+    parallelism) with its residuals kept; with `best`, the best fitting setting of our program's own
+    options on the row's mesh (`predict.best_setting`: remat, micro-batches without a pipeline, the
+    fsdp gradient and gather options, the reduction dtype), else the row's remat and micro-batches.
     "What would lumen_jax do here", beside what the row's own program did (`predict_row`)."""
     cfg, layout = config_of(row), layout_of(row)
     if cfg.mesh.sequence_parallel and cfg.mesh.tensor > 1:
         mesh = dataclasses.replace(cfg.mesh, tensor_overlap="collective_matmul")
         cfg, layout = cfg.replace(mesh=mesh), dataclasses.replace(layout, mesh=mesh)
+    if best:
+        return best_setting(cfg, layout, hardware_of(row), attention="auto", terms=terms)
     return predict(cfg, layout, hardware_of(row), attention="auto", terms=terms)
 
 
@@ -117,7 +122,17 @@ class Row:
     measured: float  # tokens/s per GPU
     memory: recipe_memory.RecipeMemory  # the recipe's own memory, by term
     usable: float  # bytes its allocator can hold
-    ours: Plan | None = None  # our program in the row's layout (`plan_ours`)
+    terms: Efficiency = Efficiency()  # the hardware terms `ours` is planned with
+
+    @functools.cached_property
+    def ours(self) -> Plan:
+        """Our program in the row's layout, its best fitting setting (`plan_ours`); planned when read."""
+        return plan_ours(self.published, self.terms)
+
+    @functools.cached_property
+    def ours_as_published(self) -> Plan:
+        """Our program in the row's layout at the row's remat and micro-batches (`plan_ours(best=False)`)."""
+        return plan_ours(self.published, self.terms, best=False)
 
     @property
     def fits(self) -> bool:
@@ -141,11 +156,25 @@ class Row:
         """Our program's planned tokens/s over the row's measured: >= 1 where we would be as fast."""
         return self.ours_per_gpu / self.measured
 
+    @property
+    def as_published_ratio(self) -> float:
+        """`ours_ratio` at the row's remat and micro-batches (`ours_as_published`)."""
+        return self.ours_as_published.tokens_per_s / self.ours_as_published.layout.num_devices / self.measured
+
+
+def setting_of(plan: Plan) -> str:
+    """The options `predict.best_setting` chooses, in one short cell: remat, micro-batches, and the
+    mesh options that differ from their defaults."""
+    mesh, defaults = plan.layout.mesh, MeshConfig()
+    changed = [f"{k}={getattr(mesh, k)}" for k in ("fsdp_grad_reduce", "fsdp_regather", "reduce_dtype")
+               if getattr(mesh, k) != getattr(defaults, k)]
+    return " ".join([plan.remat, f"m={plan.layout.micro_batches}", *changed])
+
 
 def row_of(r: Published, **kwargs) -> Row:
     plan = predict_row(r, **kwargs)
     return Row(r, plan, measured_tokens_per_gpu(r), recipe_memory_of(r, plan), recipe_usable_bytes(r),
-               plan_ours(r, kwargs.get("terms", Efficiency())))
+               kwargs.get("terms", Efficiency()))
 
 
 def rows(table: Iterable[Published] = TABLE, **kwargs) -> list[Row]:
@@ -167,12 +196,15 @@ def format_calibration(found: list[Row], source: str = "lumen_jax/plan/published
     allocator can hold, whether it fits; then our program in the same layout (`plan_ours`): its
     tokens/s per GPU, that over the measured, its memory per device; and the statistics."""
     head = (f"{'run':42s}{'layout':36s}{'measured':>10s}{'predicted':>11s}{'ratio':>7s}{'recipe GB':>11s}"
-            f"{'usable':>8s}  fits  {'ours':>8s}{'ours/meas':>10s}{'ours GB':>9s}")
+            f"{'usable':>8s}  fits  {'ours':>8s}{'ours/meas':>10s}{'ours GB':>9s}  {'ours fits':9s} {'our setting':58s}"
+            f"{'as pub.':>8s}{'GB':>7s}")
     lines = [head]
     for r in found:
         lines.append(f"{r.published.name:42s}{r.published.layout:36s}{r.measured:10,.0f}{r.predicted:11,.0f}"
                      f"{r.ratio:7.2f}{r.memory.total / 1e9:11.1f}{r.usable / 1e9:8.1f}  {'yes ' if r.fits else 'NO  '}"
-                     f"{r.ours_per_gpu:8,.0f}{r.ours_ratio:10.2f}{r.ours.bytes_per_device['total'] / 1e9:9.1f}")
+                     f"{r.ours_per_gpu:8,.0f}{r.ours_ratio:10.2f}{r.ours.bytes_per_device['total'] / 1e9:9.1f}  "
+                     f"{'yes' if r.ours.fits else 'NO':9s} {setting_of(r.ours):58s}{r.as_published_ratio:8.2f}"
+                     f"{r.ours_as_published.bytes_per_device['total'] / 1e9:7.1f}")
     s = statistics(found)
     lines += ["", f"{s['rows']} published runs: geometric-mean ratio {s['mean_ratio']:.3f}, typical error "
               f"x{s['typical_error']:.3f}, worst x{s['worst']:.3f}; every row fits: "
@@ -190,5 +222,7 @@ def to_json(found: list[Row]) -> dict:
                       "recipe_bytes_by_term": r.memory.terms, "recipe_stage": r.memory.stage,
                       "usable_bytes": r.usable, "our_bytes_per_device": r.ours.bytes_per_device["total"],
                       "our_plan_fits": r.ours.fits, "our_tokens_per_gpu": r.ours_per_gpu,
-                      "our_ratio": r.ours_ratio} for r in found],
+                      "our_ratio": r.ours_ratio, "our_setting": setting_of(r.ours),
+                      "our_ratio_as_published": r.as_published_ratio,
+                      "our_bytes_as_published": r.ours_as_published.bytes_per_device["total"]} for r in found],
             "statistics": statistics(found)}

@@ -18,7 +18,7 @@ from lumen_jax.config.files import load_config
 from lumen_jax.plan import goodput as goodput_lib
 from lumen_jax.plan.goodput import Goodput
 from lumen_jax.plan.hardware import DEVICES, Hardware, layout_from_config
-from lumen_jax.plan.predict import MEMORY_FRACTION, Plan, predict, search
+from lumen_jax.plan.predict import MEMORY_FRACTION, Plan, predict, search, settings
 
 EXIT_BAD_INPUT = 2
 USAGE = "count the bytes, FLOPs and collectives of a run before launch (docs/PLANNING.md)"
@@ -133,6 +133,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "same layout, and the statistics (no --config or --devices needed): those of "
                         "lumen_jax/plan/published.py, or of FILE (YAML or CSV, docs/PLANNING.md)")
     p.add_argument("--search", action="store_true", help="rank fitting meshes x remat x micro-batch sizes")
+    p.add_argument("--search-options", action="store_true",
+                   help="rank our options on the config's own mesh: remat, train.micro_batches (no pipeline), "
+                        "mesh.fsdp_grad_reduce, mesh.fsdp_regather, mesh.reduce_dtype")
     p.add_argument("--top", type=int, default=5, help="candidates --search lists")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.tensor=8 model.remat=full")
@@ -179,7 +182,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             if value is not None and not low < value <= high:
                 raise ConfigError(f"{name}={value} must be in ({low}, {high}]")
         kwargs = {"attention": args.attention, "efficiency": args.efficiency, "memory_fraction": args.memory_fraction}
-        if args.search:  # the search picks the mesh (but `expert`) and the schedule: check everything else
+        if args.search and args.search_options:
+            raise ConfigError("--search and --search-options: give one (--search changes the mesh, "
+                              "--search-options keeps the config's)")
+        if args.search_options:
+            layout = layout_from_config(cfg, args.devices, args.pipeline, args.pipeline_microbatches or None)
+            plans = settings(cfg, layout, hw, top=args.top, **kwargs)
+            text = (json.dumps([p.to_json() for p in plans], indent=2) if args.json else format_search(plans))
+        elif args.search:  # the search picks the mesh (but `expert`) and the schedule: check everything else
             one = dataclasses.replace(cfg.mesh, data=1, fsdp=1, context=1, tensor=1, pipeline=1)
             validate(cfg.replace(mesh=one, train=dataclasses.replace(cfg.train, micro_batches=1)), max(one.expert, 1))
             if args.pipeline < 1 or args.devices % args.pipeline:

@@ -443,3 +443,36 @@ def _bf16_reductions(layout: Layout) -> Layout | None:
     if mesh.reduce_dtype == "bfloat16" or mesh.data * mesh.fsdp * mesh.pipeline == 1:
         return None
     return dataclasses.replace(layout, mesh=dataclasses.replace(mesh, reduce_dtype="bfloat16"))
+
+
+
+def settings(cfg: Config, layout: Layout, hw: Hardware, *, top: int = 5, **predict_kwargs: Any) -> list[Plan]:
+    """The `top` fitting settings of our program's own options on `layout`'s mesh, best first (as
+    `search` ranks: MFU, then bytes; `--search-options`): the axes, the pipeline schedule and the ZeRO
+    stage stay; tried are the remat policies of `SEARCH_REMATS`, without a pipeline the micro-batch
+    counts that split the device's sequences (`train.micro_batches`), over fsdp
+    `mesh.fsdp_grad_reduce` (with several micro-batches) and (ZeRO-3) `mesh.fsdp_regather` both
+    ways, and `mesh.reduce_dtype` both ways where gradients cross devices."""
+    mesh = layout.mesh
+    sequences = cfg.data.global_batch_size // (mesh.data * mesh.fsdp * mesh.expert)
+    counts = [layout.micro_batches] if layout.pipeline > 1 else _divisors(sequences)
+    found = []
+    for m, remat, reduce, regather, dtype in itertools.product(
+            counts, SEARCH_REMATS, COMM_OPTIONS["fsdp_grad_reduce"], COMM_OPTIONS["fsdp_regather"], REDUCE_DTYPES):
+        if (reduce != mesh.fsdp_grad_reduce and (m == 1 or mesh.fsdp == 1)) or \
+                (regather != mesh.fsdp_regather and (mesh.fsdp == 1 or mesh.zero_stage < 3)) or \
+                (dtype != mesh.reduce_dtype and mesh.data * mesh.fsdp * layout.pipeline == 1):
+            continue
+        tried = dataclasses.replace(layout, micro_batches=m, mesh=dataclasses.replace(
+            mesh, fsdp_grad_reduce=reduce, fsdp_regather=regather, reduce_dtype=dtype))
+        c = cfg.replace(mesh=tried.mesh, train=dataclasses.replace(cfg.train, micro_batches=m))
+        if _fits(c, tried, hw, remat, **predict_kwargs):
+            found.append(predict(c, tried, hw, remat=remat, **predict_kwargs))
+    return sorted(found, key=lambda p: (-round(p.mfu, 4), p.bytes_per_device["total"]))[:top]
+
+
+def best_setting(cfg: Config, layout: Layout, hw: Hardware, **predict_kwargs: Any) -> Plan:
+    """Our program's best fitting setting of its options on `layout`'s mesh, as a user would pick it
+    (`settings`' first); where nothing fits, the plan of `cfg` as given (its verdict says why)."""
+    best = settings(cfg, layout, hw, top=1, **predict_kwargs)
+    return best[0] if best else predict(cfg, layout, hw, **predict_kwargs)

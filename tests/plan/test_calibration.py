@@ -206,16 +206,42 @@ def test_our_program_beside_each_row(found):
     collective matmul (`mesh.tensor_overlap`), whose steps hide whole under (n-1)/n of the matmuls:
     faster than the recipe planned without overlap and than its async TP (31% hidden in the fit)."""
     plain = by_name(found, "torchtitan llama3.1-8b 8 GPUs")
-    assert plain.ours.attention == "cudnn" and plain.published.remat != "none"
-    extra = plain.ours.hardware_flops_per_token - plain.plan.hardware_flops_per_token
+    as_published = plain.ours_as_published
+    assert as_published.attention == "cudnn" and plain.published.remat != "none"
+    extra = as_published.hardware_flops_per_token - plain.plan.hardware_flops_per_token
     assert extra == pytest.approx(32 * 4 * 8192 * 32 * 128 / 2, rel=1e-9)
-    assert plain.ours_per_gpu < plain.predicted
+    assert as_published.tokens_per_s / plain.published.gpus < plain.predicted
     sync, overlapped = by_name(found, "torchtitan llama3-8b 64 GPUs TP"), by_name(found, "torchtitan llama3-8b 64 GPUs async TP")
     assert overlapped.ours_per_gpu == pytest.approx(sync.ours_per_gpu, rel=1e-12)
     assert sync.predicted < overlapped.predicted < overlapped.ours_per_gpu
     assert sync.ours.layout.mesh.tensor_overlap == "collective_matmul"
     assert plain.ours.layout.mesh.tensor_overlap == "none"  # no tensor axis
     assert all(r.ours_ratio == pytest.approx(r.ours_per_gpu / r.measured) for r in found)
+
+
+def test_ours_is_our_best_fitting_setting_in_the_rows_layout(found):
+    """`ours` is our program's best fitting setting of its own options on the row's mesh
+    (`predict.best_setting`): the axes, ZeRO stage and pipeline schedule are the row's; every row's
+    fits the device; where the row's own remat and micro-batches fit, ours is at least as fast; and a
+    row's remat is not kept where memory allows less recompute: torchtitan's 70B async-TP row (full
+    AC, 16 sequences in one micro-batch, 39.9 GB of 96.4 usable) runs remat none over 16 micro-batches
+    in 51.1 GB, 1.17x the measured (0.91x at full remat: the issue's 0.95x target met on this row)."""
+    for r in found:
+        ours, mesh = r.ours, r.published.ours
+        assert ours.fits, (r.published.name, ours.bytes_per_device["total"] / 1e9)
+        assert all(getattr(ours.layout.mesh, k) == v for k, v in mesh.items()
+                   if k not in ("fsdp_grad_reduce", "fsdp_regather", "reduce_dtype")), r.published.name
+        assert ours.layout.num_devices == r.published.gpus
+        if r.ours_as_published.fits:
+            assert r.ours_per_gpu >= r.ours_as_published.tokens_per_s / r.published.gpus * (1 - 1e-9), r.published.name
+    titan = by_name(found, "torchtitan llama3-70b 256 GPUs async TP")
+    assert titan.published.remat == "full" and titan.ours_as_published.fits
+    assert (titan.ours.remat, titan.ours.layout.micro_batches, titan.ours.micro_batch) == ("none", 16, 1)
+    assert titan.ours_ratio >= 0.95 > titan.as_published_ratio
+    # the pipelined rows' as-published plans hold the lock-step stash (issue 45) and do not fit
+    nemo70 = by_name(found, "NeMo llama3.1-70b 64 GPUs")
+    assert not nemo70.ours_as_published.fits and nemo70.ours.remat == "full"
+    assert "our setting" in calibration.format_calibration(found)
 
 
 def test_our_program_fits_nemo_8b_within_a_tenth_of_its_recipe(found):

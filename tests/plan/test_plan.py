@@ -23,7 +23,8 @@ from lumen_jax.train.build import build
 from lumen_jax.config import Fp8Config, MeshConfig, ModelConfig
 from lumen_jax.config.files import load_config
 from lumen_jax.parallel.mesh import make_mesh
-from lumen_jax.plan.predict import MEMORY_FRACTION, search as search_plans
+from lumen_jax.plan.hardware import DEVICES, layout_from_config
+from lumen_jax.plan.predict import MEMORY_FRACTION, SEARCH_REMATS, predict, search as search_plans
 from lumen_jax.plan.cli import main
 from lumen_jax.compiler.compiled import against_xla, compile_step
 from lumen_jax.compiler.lower import main as lower_main
@@ -704,6 +705,31 @@ def test_cli_table_and_search(capsys, monkeypatch):
     assert mfus == sorted(mfus, reverse=True)
 
 
+def test_search_options_keeps_the_mesh_and_ranks_our_options(capsys):
+    """`--search-options` (`predict.settings`) ranks our program's options on the config's own mesh:
+    every candidate has its axes, fits and is ranked by MFU; the remat policies, the micro-batch
+    counts that split the device's sequences (tiny: 16 / 8 devices = 2: 1 and 2) and, over
+    fsdp, the gather and reduction options are tried; the config's own setting is among them."""
+    import json
+
+    cfg = load_config("configs/tiny.yaml", [])
+    layout = layout_from_config(cfg, 8)
+    assert main(["--config", "configs/tiny.yaml", "--devices", "8", "--search-options", "--top", "400", "--json"]) == 0
+    ranked = json.loads(capsys.readouterr().out)
+    axes = ("data", "fsdp", "context", "tensor", "expert", "zero_stage")
+    assert all(r["fits"] for r in ranked)
+    assert all(r["layout"]["mesh"][a] == getattr(layout.mesh, a) for r in ranked for a in axes)
+    mfus = [r["predicted_mfu"] for r in ranked]
+    assert mfus == sorted(mfus, reverse=True)
+    assert {r["remat"] for r in ranked} == set(SEARCH_REMATS)
+    assert {r["layout"]["micro_batches"] for r in ranked} == {1, 2}
+    assert {r["layout"]["mesh"]["fsdp_regather"] for r in ranked} == {"per_micro_batch", "per_step"}
+    assert {r["layout"]["mesh"]["fsdp_grad_reduce"] for r in ranked} == {"every_micro_batch", "once"}
+    own = predict(cfg, layout, DEVICES["h100"])
+    assert any(r["predicted_step_time_s"] == pytest.approx(own.step_time_s, rel=1e-12) and r["remat"] == own.remat
+               for r in ranked)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--devices", "8", "mesh.fsdp=3"], "fsdp=3"),
     (["--devices", "8", "model.d_modle=64"], "did you mean model.d_model"),
@@ -718,6 +744,7 @@ def test_cli_table_and_search(capsys, monkeypatch):
     (["--devices", "8", "--memory-gb", "-1"], "--memory-gb=-1.0 must be a positive finite number"),
     (["--devices", "8", "--ib-gbps", "nan"], "--ib-gbps=nan must be a positive finite number"),
     (["--devices", "8", "--devices-per-node", "0"], "--devices-per-node=0 must be a positive finite number"),
+    (["--devices", "8", "--search", "--search-options"], "--search and --search-options: give one"),
 ])
 def test_cli_bad_input_exits_2(capsys, argv, message):
     assert main(["--config", "configs/tiny.yaml", *argv]) == 2
