@@ -104,7 +104,8 @@ def plan_ours(row: Published, terms: Efficiency = Efficiency(), best: bool = Tru
     context, the attention `auto` picks on a GPU (cuDNN's, or our flash kernel under context
     parallelism) with its residuals kept; with `best`, the best fitting setting of our program's own
     options on the row's mesh (`predict.best_setting`: remat, micro-batches without a pipeline, the
-    fsdp gradient and gather options, the reduction dtype), else the row's remat and micro-batches.
+    ZeRO stage, the fsdp gradient and gather options, the reduction dtype), else the row's remat,
+    micro-batches and mesh options.
     "What would lumen_jax do here", beside what the row's own program did (`predict_row`)."""
     cfg, layout = config_of(row), layout_of(row)
     if cfg.mesh.sequence_parallel and cfg.mesh.tensor > 1:
@@ -164,9 +165,9 @@ class Row:
 
 def setting_of(plan: Plan) -> str:
     """The options `predict.best_setting` chooses, in one short cell: remat, micro-batches, and the
-    mesh options that differ from their defaults."""
+    mesh options that differ from their defaults (ZeRO-3, every micro-batch, per micro-batch, float32)."""
     mesh, defaults = plan.layout.mesh, MeshConfig()
-    changed = [f"{k}={getattr(mesh, k)}" for k in ("fsdp_grad_reduce", "fsdp_regather", "reduce_dtype")
+    changed = [f"{k}={getattr(mesh, k)}" for k in ("zero_stage", "fsdp_grad_reduce", "fsdp_regather", "reduce_dtype")
                if getattr(mesh, k) != getattr(defaults, k)]
     return " ".join([plan.remat, f"m={plan.layout.micro_batches}", *changed])
 

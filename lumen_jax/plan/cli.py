@@ -96,7 +96,7 @@ def format_search(plans: Sequence[Plan]) -> str:
     micro-batch (b), micro-batches (m)."""
     head = (f"{'rank':>4s}  {'mesh':62s}{'remat':34s}{'b':>3s}{'m':>5s}{'GB':>8s}{'step s':>9s}"
             f"{'tokens/s':>12s}{'MFU':>7s}")
-    rows = [f"{i + 1:4d}  {p.layout.describe():62s}{p.remat:34s}{p.micro_batch:3d}{p.layout.micro_batches:5d}"
+    rows = [f"{i + 1:4d}  {p.layout.describe():61s} {p.remat:34s}{p.micro_batch:3d}{p.layout.micro_batches:5d}"
             f"{p.bytes_per_device['total'] / 1e9:8.1f}{p.step_time_s:9.3f}{p.tokens_per_s:12,.0f}{p.mfu:7.1%}"
             for i, p in enumerate(plans)]
     return "\n".join([head, *rows]) if rows else "no candidate fits"

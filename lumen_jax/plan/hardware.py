@@ -104,6 +104,7 @@ class Layout:
         parts = [f"{a}={self.size(a)}" for a in AXES if self.size(a) > 1 or a in ("data", "fsdp")]
         comm = [v for v in (self.mesh.fsdp_grad_reduce, self.mesh.fsdp_regather) if v in ("once", "per_step")]
         comm += ["bf16-reduce"] if self.mesh.reduce_dtype == "bfloat16" else []
+        comm += [f"zero{self.mesh.zero_stage}"] if self.mesh.zero_stage != 3 else []  # ZeRO-3 the default
         name, v = self.schedule
         stages = [f"{name}" + (f" V={v}" if v > 1 else "")] if self.pipeline > 1 else []
         if self.pipeline > 1 and len(set(self.mesh.pipeline_layers)) > 1:

@@ -290,6 +290,7 @@ REDUCE_DTYPES = ("float32", "bfloat16")  # mesh.reduce_dtype, tried wherever gra
 SEARCH_VIRTUAL = (2, 4, 8)  # interleaved virtual stages --search tries (each chunk at least one layer or MoE group)
 
 
+ZERO_STAGES = (1, 2, 3)  # mesh.zero_stage, which `settings` tries over fsdp
 COMM_OPTIONS = {"fsdp_grad_reduce": ("every_micro_batch", "once"), "fsdp_regather": ("per_micro_batch", "per_step")}
 
 
@@ -448,23 +449,25 @@ def _bf16_reductions(layout: Layout) -> Layout | None:
 
 def settings(cfg: Config, layout: Layout, hw: Hardware, *, top: int = 5, **predict_kwargs: Any) -> list[Plan]:
     """The `top` fitting settings of our program's own options on `layout`'s mesh, best first (as
-    `search` ranks: MFU, then bytes; `--search-options`): the axes, the pipeline schedule and the ZeRO
-    stage stay; tried are the remat policies of `SEARCH_REMATS`, without a pipeline the micro-batch
-    counts that split the device's sequences (`train.micro_batches`), over fsdp
-    `mesh.fsdp_grad_reduce` (with several micro-batches) and (ZeRO-3) `mesh.fsdp_regather` both
-    ways, and `mesh.reduce_dtype` both ways where gradients cross devices."""
+    `search` ranks: MFU, then bytes; `--search-options`): the axes and the pipeline schedule stay;
+    tried are the remat policies of `SEARCH_REMATS`, without a pipeline the micro-batch counts that
+    split the device's sequences (`train.micro_batches`), over fsdp the ZeRO stages of
+    `ZERO_STAGES`, `mesh.fsdp_grad_reduce` (with several micro-batches) and (ZeRO-3)
+    `mesh.fsdp_regather` both ways, and `mesh.reduce_dtype` both ways where gradients cross devices."""
     mesh = layout.mesh
     sequences = cfg.data.global_batch_size // (mesh.data * mesh.fsdp * mesh.expert)
     counts = [layout.micro_batches] if layout.pipeline > 1 else _divisors(sequences)
     found = []
-    for m, remat, reduce, regather, dtype in itertools.product(
-            counts, SEARCH_REMATS, COMM_OPTIONS["fsdp_grad_reduce"], COMM_OPTIONS["fsdp_regather"], REDUCE_DTYPES):
-        if (reduce != mesh.fsdp_grad_reduce and (m == 1 or mesh.fsdp == 1)) or \
-                (regather != mesh.fsdp_regather and (mesh.fsdp == 1 or mesh.zero_stage < 3)) or \
+    for m, remat, zero, reduce, regather, dtype in itertools.product(
+            counts, SEARCH_REMATS, ZERO_STAGES, COMM_OPTIONS["fsdp_grad_reduce"], COMM_OPTIONS["fsdp_regather"],
+            REDUCE_DTYPES):
+        if (zero != mesh.zero_stage and mesh.fsdp == 1) or \
+                (reduce != mesh.fsdp_grad_reduce and (m == 1 or mesh.fsdp == 1)) or \
+                (regather != mesh.fsdp_regather and (mesh.fsdp == 1 or zero < 3)) or \
                 (dtype != mesh.reduce_dtype and mesh.data * mesh.fsdp * layout.pipeline == 1):
             continue
         tried = dataclasses.replace(layout, micro_batches=m, mesh=dataclasses.replace(
-            mesh, fsdp_grad_reduce=reduce, fsdp_regather=regather, reduce_dtype=dtype))
+            mesh, zero_stage=zero, fsdp_grad_reduce=reduce, fsdp_regather=regather, reduce_dtype=dtype))
         c = cfg.replace(mesh=tried.mesh, train=dataclasses.replace(cfg.train, micro_batches=m))
         if _fits(c, tried, hw, remat, **predict_kwargs):
             found.append(predict(c, tried, hw, remat=remat, **predict_kwargs))

@@ -709,20 +709,22 @@ def test_search_options_keeps_the_mesh_and_ranks_our_options(capsys):
     """`--search-options` (`predict.settings`) ranks our program's options on the config's own mesh:
     every candidate has its axes, fits and is ranked by MFU; the remat policies, the micro-batch
     counts that split the device's sequences (tiny: 16 / 8 devices = 2: 1 and 2) and, over
-    fsdp, the gather and reduction options are tried; the config's own setting is among them."""
+    fsdp, the ZeRO stages and the gather and reduction options are tried; the config's own setting
+    is among them."""
     import json
 
     cfg = load_config("configs/tiny.yaml", [])
     layout = layout_from_config(cfg, 8)
     assert main(["--config", "configs/tiny.yaml", "--devices", "8", "--search-options", "--top", "400", "--json"]) == 0
     ranked = json.loads(capsys.readouterr().out)
-    axes = ("data", "fsdp", "context", "tensor", "expert", "zero_stage")
+    axes = ("data", "fsdp", "context", "tensor", "expert")
     assert all(r["fits"] for r in ranked)
     assert all(r["layout"]["mesh"][a] == getattr(layout.mesh, a) for r in ranked for a in axes)
     mfus = [r["predicted_mfu"] for r in ranked]
     assert mfus == sorted(mfus, reverse=True)
     assert {r["remat"] for r in ranked} == set(SEARCH_REMATS)
     assert {r["layout"]["micro_batches"] for r in ranked} == {1, 2}
+    assert {r["layout"]["mesh"]["zero_stage"] for r in ranked} == {1, 2, 3}
     assert {r["layout"]["mesh"]["fsdp_regather"] for r in ranked} == {"per_micro_batch", "per_step"}
     assert {r["layout"]["mesh"]["fsdp_grad_reduce"] for r in ranked} == {"every_micro_batch", "once"}
     own = predict(cfg, layout, DEVICES["h100"])
