@@ -197,14 +197,14 @@ def format_calibration(found: list[Row], source: str = "lumen_jax/plan/published
     allocator can hold, whether it fits; then our program in the same layout (`plan_ours`): its
     tokens/s per GPU, that over the measured, its memory per device; and the statistics."""
     head = (f"{'run':42s}{'layout':36s}{'measured':>10s}{'predicted':>11s}{'ratio':>7s}{'recipe GB':>11s}"
-            f"{'usable':>8s}  fits  {'ours':>8s}{'ours/meas':>10s}{'ours GB':>9s}  {'ours fits':9s} {'our setting':58s}"
+            f"{'usable':>8s}  fits  {'ours':>8s}{'ours/meas':>10s}{'ours GB':>9s}  {'ours fits':9s} {'our setting':92s}"
             f"{'as pub.':>8s}{'GB':>7s}")
     lines = [head]
     for r in found:
         lines.append(f"{r.published.name:42s}{r.published.layout:36s}{r.measured:10,.0f}{r.predicted:11,.0f}"
                      f"{r.ratio:7.2f}{r.memory.total / 1e9:11.1f}{r.usable / 1e9:8.1f}  {'yes ' if r.fits else 'NO  '}"
                      f"{r.ours_per_gpu:8,.0f}{r.ours_ratio:10.2f}{r.ours.bytes_per_device['total'] / 1e9:9.1f}  "
-                     f"{'yes' if r.ours.fits else 'NO':9s} {setting_of(r.ours):58s}{r.as_published_ratio:8.2f}"
+                     f"{'yes' if r.ours.fits else 'NO':9s} {setting_of(r.ours):92s}{r.as_published_ratio:8.2f}"
                      f"{r.ours_as_published.bytes_per_device['total'] / 1e9:7.1f}")
     s = statistics(found)
     lines += ["", f"{s['rows']} published runs: geometric-mean ratio {s['mean_ratio']:.3f}, typical error "

@@ -99,7 +99,7 @@ def compute_seconds(model: ModelConfig, layout: Layout, seq_len: int, micro_batc
                     kernel: str = "cudnn", loss: str = "chunked", update_bytes: float = 0.0) -> Compute:
     """One device's compute per step: for each of the m micro-batches, the stage's layers' GEMMs
     (forward 1, backward 2, +1 when the backward recomputes the projections: `redo`), the attention
-    core (forward 1, backward 2, or 2.5 under context parallelism, +1 forward when recomputed) over
+    core (forward 1, backward 2; the reference's 2.5 under context parallelism; +1 forward when recomputed) over
     `score_fraction` of the square, the logits GEMM (its share: 1/p of it per device) and the
     memory-bound work; once per step the optimizer's update, moving `update_bytes` through HBM.
 
@@ -121,7 +121,10 @@ def compute_seconds(model: ModelConfig, layout: Layout, seq_len: int, micro_batc
     logits = (logit_gemm + backward_gemms) / layout.pipeline
     one = dataclasses.replace(model, num_layers=1)
     core = flops.attention_forward_flops_per_token(one, seq_len, causal=False) * score_fraction / mesh.tensor
-    backward = 2.0 if mesh.context == 1 else 2.5
+    # Under context parallelism the reference's chunk backward recomputes QK^T from the log-sum-exp
+    # (2.5 forwards); a fused kernel's backward always does, with or without it (the ring runs the
+    # same backward kernels per chunk pair), and its measured rate counts that backward as 2 forwards.
+    backward = 2.0 if mesh.context == 1 or attention == "flash" else 2.5
     forwards = 1.0 + (1.0 if redo["attention"] else 0.0)
     if attention == "flash":
         forward_rate, backward_rate = measured.kernel_rates(kernel, seq_len // mesh.context)

@@ -111,3 +111,29 @@ def test_cudnn_plans_its_forward_again_under_every_policy_that_saves_dots():
     flash, cudnn = (predict(cfg, layout, hw, attention=a) for a in ("flash", "cudnn"))
     assert cudnn.hardware_flops_per_token - flash.hardware_flops_per_token == pytest.approx(
         16 * 4 * 8192 * 32 * 64 / 2, rel=1e-9)
+
+
+def test_a_fused_kernel_runs_its_measured_backward_under_context_parallelism():
+    """The ring runs the same backward kernels per chunk pair (`kernels.flash_attention_bwd`, from the
+    merged o and lse) as the kernel does without context parallelism: QK^T recomputed in both, which
+    the measured backward rate holds (five matmuls counted as two forwards). So under context the
+    attention core takes m x L x n x core x (1/f + 2/b) / peak, by hand (n = b·S/C local tokens, core
+    = 4·S·N·H FLOPs per token and layer over the busiest device's share of the square). (The
+    reference, xla, saves its probabilities without context and recomputes them in the ring: 2.5
+    forwards there, and in the FLOP count of both.)"""
+    from lumen_jax.plan.cost import planned_score_fraction
+    from lumen_jax.plan.efficiency import Efficiency, compute_seconds
+
+    cfg = load_config("configs/llama3_8b.yaml", ["mesh.fsdp=4", "mesh.context=2", "data.seq_len=8192",
+                                                 "data.global_batch_size=128", "train.micro_batches=32"])
+    hw, model, seq = DEVICES["h100"], cfg.model, 8192
+    layout = layout_from_config(cfg, 8)
+    fraction = planned_score_fraction(model, layout.mesh, seq, "flash")
+    keep = {"projections": False, "attention": False}
+    n, peak, per_layer = seq / 2, hw.peak("bfloat16"), model.num_layers * 32  # b = 1, m = 32
+    core = 4 * seq * model.num_heads * model.resolved_head_dim * fraction
+    for kernel in ("flash", "cudnn"):
+        f, b = measured.kernel_rates(kernel, seq // 2)
+        got = compute_seconds(model, layout, seq, 1, keep, "flash", hw, Efficiency(), score_fraction=fraction,
+                              kernel=kernel).attention_s
+        assert got == pytest.approx(per_layer * n * core * (1 / f + 2 / b) / peak, rel=1e-9), kernel
