@@ -155,6 +155,8 @@ def _check(**changes):
     (dict(pipeline=2, pipeline_virtual_stages=2),
      "mesh.pipeline_virtual_stages=2 is for mesh.pipeline_schedule=interleaved, not 1f1b"),
     (dict(pipeline=2, pipeline_schedule="pipedream"), "mesh.pipeline_schedule"),
+    (dict(pipeline=2, fsdp=2, tensor=2, sequence_parallel=True, fsdp_grad_reduce="once"),
+     "mesh.fsdp_grad_reduce=once with mesh.sequence_parallel=true, mesh.tensor=2 and mesh.pipeline=2"),
 ])
 def test_config_errors(changes, message):
     with pytest.raises(ConfigError) as e:
