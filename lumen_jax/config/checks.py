@@ -303,6 +303,14 @@ def _pipeline(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str]]:
            f"mesh.pipeline_schedule={mesh.pipeline_schedule} needs train.micro_batches={m} >= mesh.pipeline={p} "
            f"(each stage keeps up to {p} micro-batches in flight); raise train.micro_batches to {p} or more "
            "or use mesh.pipeline_schedule=gpipe")
+    # Sequence parallelism's ticks run without the replica vmap (XLA's SPMD partitioner stops on it,
+    # docs/PLATFORM.md): data and context are manual in the stages instead, which fsdp cannot be (its
+    # weights are sharded), so its gradients would cross it in every tick, not once.
+    yield (p == 1 or not mesh.sequence_parallel or shape["tensor"] == 1 or shape["fsdp"] == 1
+           or mesh.fsdp_grad_reduce != "once",
+           f"mesh.fsdp_grad_reduce=once with mesh.sequence_parallel=true, mesh.tensor={shape['tensor']} and "
+           f"mesh.pipeline={p}: these stages reduce fsdp's gradients in every tick, not once; set "
+           "mesh.fsdp_grad_reduce=every_micro_batch, or move mesh.fsdp to mesh.data")
     yield (p == 1 or mesh.pipeline_schedule != "interleaved" or m % p == 0,
            f"mesh.pipeline_schedule=interleaved needs train.micro_batches={m} divisible by mesh.pipeline={p} "
            f"(micro-batches go through the chunks in groups of {p}); use a multiple of {p}")

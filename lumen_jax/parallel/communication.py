@@ -62,7 +62,8 @@ def gradient_plan(cfg: MeshConfig, micro_batches: int, mesh: Mesh, rules: Rules,
       pipelined: the step runs a pipeline schedule (parallel/pipeline/executor.py), whose stages sum
         their gradients over the schedule's ticks even with one micro-batch.
       per_replica: whether the step may run under the replica vmap (not a pipelined step with
-        sequence parallelism, `train/build.py`); if not, there are no replica axes.
+        sequence parallelism, `train/build.py`); if not, there are no replica axes (that step's
+        stages make `data` and `context` manual and reduce them once: parallel/pipeline/executor.py).
     """
     candidates = ("data", "fsdp", "context") if cfg.fsdp_grad_reduce == "once" else ("data", "context")
     accumulates = micro_batches > 1 or pipelined

@@ -114,6 +114,16 @@ class StepShape:
         return self.context_grads == "per_unit" and mesh.context > 1 and accumulates and not sp_ticks
 
     @property
+    def context_manual(self) -> bool:
+        """A pipeline whose ticks split activations over tensor (sequence parallelism) runs them
+        without the replica vmap, `data` and `context` manual in its stages (`parallel/pipeline/
+        executor.py`): each device's sums are reduced once, after the last tick, over data x context
+        in one all-reduce (with data's, as `context_replicas` has them)."""
+        mesh = self.layout.mesh
+        return (self.context_grads == "per_unit" and mesh.context > 1 and self.layout.pipeline > 1
+                and mesh.sequence_parallel and mesh.tensor > 1)
+
+    @property
     def zero_context(self) -> bool:
         """`mesh.zero_axes=fsdp+context` with context > 1: the ZeRO collectives span fsdp x context,
         and the context devices' partial gradients are reduce-scattered with fsdp's."""
@@ -128,7 +138,7 @@ class StepShape:
         """The mesh axes of the step's one gradient reduction: `axes`, with `context` when it is a
         replica axis (`context_replicas`) whose sums no ZeRO reduce-scatter takes (`zero_context`), as
         the compiled program names them (axes of one device left out)."""
-        axes += ("context",) if self.context_replicas and not self.zero_context else ()
+        axes += ("context",) if (self.context_replicas or self.context_manual) and not self.zero_context else ()
         return "+".join(a for a in axes if self.layout.size(a) > 1) or axes[0]
 
     @property
@@ -316,8 +326,9 @@ def _context(s: StepShape, add: Add) -> None:
     The weights are replicated over context and each device's gradients are partial sums of its
     tokens: where the step accumulates (`StepShape.context_replicas`) they are summed per device and
     reduced once per step with `data`'s; in a pipeline whose ticks run sequence parallelism (no
-    replica vmap) `context` is manual in the stages and they are reduced once, after the last tick;
-    with one micro-batch XLA all-reduces them (float32, measured) where they are made, once."""
+    replica vmap) `context` is manual in the stages with `data` (`StepShape.context_manual`) and they
+    are reduced once, after the last tick, with data's too; with one micro-batch XLA all-reduces them
+    (float32, measured) where they are made, once."""
     model, layout, m, layers, c = s.model, s.layout, s.m, s.layers, s.c
     mesh = layout.mesh
     cp, hops = mesh.context_parallel, mesh.context - 1
@@ -339,13 +350,12 @@ def _context(s: StepShape, add: Add) -> None:
         add("context", "all-gather", "K/V per layer (again in the backward: measured with remat none as with full)",
             kv, forwards + backwards, False)
         add("context", "reduce-scatter", "dK/dV per layer", kv, backwards, False)
-    if s.context_replicas or s.zero_context:  # reduced once per step with data's or fsdp's (`_weights_and_gradients`)
-        return
+    if s.context_replicas or s.context_manual or s.zero_context:  # once per step with data's or fsdp's
+        return  # (`_weights_and_gradients`)
     weights = s.weights
     shards = _fsdp_shards(mesh)
-    if s.context_grads == "once" or layout.pipeline > 1:  # our pipeline: `context` manual in the stages
-        after = "with the data-parallel reduction" if s.context_grads == "once" else "after the last tick"
-        add("context", "all-reduce", f"gradients, once per step ({after})", s.grads, 1, True)
+    if s.context_grads == "once":
+        add("context", "all-reduce", "gradients, once per step (with the data-parallel reduction)", s.grads, 1, True)
     else:
         add("context", "all-reduce", "fp32 gradients of each micro-batch (partial sums of its tokens)",
             weights / shards, m, True)

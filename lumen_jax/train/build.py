@@ -169,8 +169,10 @@ def _placement(cfg: Config, mesh: Mesh, rules: Rules, names: dict, pipelined: bo
     communication plan (`communication.gradient_plan`) places them."""
     # A pipelined step runs its ticks under the replica vmap (one gradient reduction per step) unless
     # sequence parallelism splits its activations over `tensor`: XLA's SPMD partitioner stops on such
-    # vmapped ticks (jaxlib 0.10.2, a check failure, docs/PLATFORM.md); that step sums its gradients
-    # over the replica axes where XLA places the sum.
+    # vmapped ticks (jaxlib 0.10.2, a check failure, docs/PLATFORM.md). That step has no replica axes
+    # here: its stages make `data` and `context` manual instead (parallel/pipeline/executor.py), each
+    # device ticking on its own rows and tokens, and reduce them once, after the last tick (fsdp
+    # reduced once is refused with it: config/checks.py).
     sp_ticks = pipelined and cfg.mesh.sequence_parallel and mesh.shape["tensor"] > 1
     plan = comm.gradient_plan(cfg.mesh, cfg.train.micro_batches, mesh, rules, names, pipelined=pipelined,
                               per_replica=not sp_ticks)

@@ -204,7 +204,7 @@ def loss_grads_and_state(params: dict, model_state: dict, batch: Batch, scale: j
             weights, cast = params, lambda w: compute_weights(w, sc)
         loss, grads, state_new, aux = pipeline_step.loss_and_grads(
             sc.pipeline, stage_fns(sc), weights, batch, scale, cast, placement.replicas, placement.replica_axes,
-            model_state, placement.replica_seq)
+            model_state, placement.replica_seq, sc.reduce_dtype)
         return loss, placement.grads(grads), state_new, aux
     tokens = total_tokens(batch)
     weights = placement.weights(compute_weights(params, sc))

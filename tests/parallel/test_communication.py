@@ -77,8 +77,9 @@ def test_moe_gradients_cross_data_once_per_step():
 @pytest.mark.parametrize("schedule,moe,axis,mesh", [
     ("1f1b", False, "data", dict(data=4)), ("zero_bubble", False, "data", dict(data=4)),
     ("1f1b", True, "data", None), ("zero_bubble", False, "context", dict(data=2, context=2)),
-    ("1f1b", False, "context", dict(context=2, tensor=2, sequence_parallel=True))],
-    ids=["1f1b", "zero_bubble", "moe-expert2-1f1b", "context2-zero_bubble", "context2-tensor2-sp"])
+    ("1f1b", False, "context", dict(context=2, tensor=2, sequence_parallel=True)),
+    ("1f1b", False, "fsdp", dict(fsdp=4, zero_stage=1, fsdp_grad_reduce="once"))],
+    ids=["1f1b", "zero_bubble", "moe-expert2-1f1b", "context2-zero_bubble", "context2-tensor2-sp", "fsdp4-zero1-once"])
 def test_pipelined_data_parallel_gradients_cross_once_per_step(schedule, moe, axis, mesh):
     """pipeline=2 x data=4, 4 micro-batches: the data-axis gradient reduction of the compiled step is
     one reduction of a device's gradients (its stage's blocks and the replicated embedding, norm and
@@ -87,7 +88,10 @@ def test_pipelined_data_parallel_gradients_cross_once_per_step(schedule, moe, ax
     the replica vmap: every tick's gradients crossed `data`). pipeline=2 x data=2 x context=2: the
     context devices' partial gradients too, in the same one reduction (before: every unit's, in its
     tick, 3.3 times the gradient bytes); with sequence parallelism over tensor (no replica vmap:
-    `context` manual in the stages' shard_map) once too (before: 3.8 times)."""
+    `context` manual in the stages' shard_map) once too (before: 3.8 times). ZeRO-1 over fsdp=4 with
+    `fsdp_grad_reduce=once` (Llama 3's "sharded but not re-sharded": the optimizer state sharded, the
+    weights and gradients whole): one all-reduce of a device's gradients per step (with the default
+    every_micro_batch they cross fsdp in every tick: 2.5 times at m=2, 4.2 times at m=4)."""
     from lumen_jax.train.build import build
     from lumen_jax.parallel.mesh import make_mesh
     from lumen_jax.compiler.compiled import abstract_step_args
@@ -106,6 +110,31 @@ def test_pipelined_data_parallel_gradients_cross_once_per_step(schedule, moe, ax
     grads = sum(int(np.prod(sh.shard_shape(p.shape))) * p.dtype.itemsize
                 for p, sh in zip(jax.tree.leaves(params), jax.tree.leaves(trainer.state_shardings.params)))
     assert abs(got - grads) <= 0.05 * grads, f"{schedule}: {axis} reduction bytes per step {got}, gradients {grads}"
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_sequence_parallel_pipeline_gradients_cross_data_once_per_step(schedule):
+    """pipeline=2 x data=2 x tensor=2 with sequence parallelism, 4 layers: the stages run with `data`
+    manual in their shard_map (no replica vmap, on which XLA's partitioner stops), so the gradients
+    cross `data` once, after the last tick: the all-reduce bytes over data at 4 micro-batches are those
+    at P = 2, and one device's gradients (before, summed where XLA placed the sum: 1f1b 4.2 times the
+    gradient bytes at m=4 and 2.5 times at m=2, interleaved 4.2 and 2.2 times)."""
+    layers = lambda m: dataclasses.replace(  # noqa: E731
+        _cfg(m, pipeline=2, data=2, tensor=2, sequence_parallel=True, pipeline_schedule=schedule,
+             pipeline_virtual_stages=2 if schedule == "interleaved" else 1),
+        model=dataclasses.replace(BASE32.model, num_layers=4))
+    at_p, four = (_bytes(_collectives(layers(m)), "data", ("all-reduce",)) for m in (2, 4))
+    from lumen_jax.train.build import build
+    from lumen_jax.parallel.mesh import make_mesh
+
+    cfg = layers(4)
+    trainer = build(cfg, make_mesh({a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}))
+    params = jax.eval_shape(trainer.init).params
+    grads = sum(int(np.prod(sh.shard_shape(p.shape))) * p.dtype.itemsize
+                for p, sh in zip(jax.tree.leaves(params), jax.tree.leaves(trainer.state_shardings.params)))
+    assert abs(four - at_p) <= 0.05 * at_p, f"{schedule}: data all-reduce bytes m=4 {four}, m=P=2 {at_p}"
+    assert abs(four - grads) <= 0.05 * grads, f"{schedule}: data all-reduce bytes {four}, gradients {grads}"
 
 
 @pytest.mark.heavy
@@ -215,6 +244,25 @@ def test_reduce_dtype_sets_the_accumulators_and_the_reduction(reduce_dtype, mesh
         if c.axes == tuple(mesh) and c.kind == "all-reduce" and c.bytes > 8:  # not the loss's scalars
             reduced[c.dtype] = reduced.get(c.dtype, 0) + c.total
     assert reduced == {want: count * {"f32": 4, "bf16": 2}[want]}, reduced
+
+
+@pytest.mark.heavy
+def test_sequence_parallel_pipeline_reduces_data_in_reduce_dtype(tmp_path):
+    """pipeline=2 x data=2 x tensor=2 with sequence parallelism (`data` manual in the stages) and
+    `mesh.reduce_dtype=bfloat16`: the one gradient reduction over data after the last tick moves 2 bytes
+    per parameter of a device's shard, in bfloat16 (as partitioned for the mesh; the ticks' gradient
+    sums stay float32). float32 compute: a bfloat16 pipelined step with sequence parallelism aborts
+    XLA:CPU (docs/PLATFORM.md)."""
+    cfg = dataclasses.replace(_cfg(2, reduce_dtype="bfloat16", data=2, pipeline=2, tensor=2, sequence_parallel=True),
+                              model=dataclasses.replace(BASE32.model, num_layers=4))
+    trainer, _, collectives = _compiled_and_partitioned(cfg, tmp_path)
+    shards = sum(int(np.prod(sh.shard_shape(p.shape))) for p, sh in zip(
+        jax.tree.leaves(jax.eval_shape(trainer.init).params), jax.tree.leaves(trainer.state_shardings.params)))
+    reduced = {}
+    for c in collectives:
+        if c.axes == ("data",) and c.kind == "all-reduce" and c.bytes > 8:  # not the loss's scalars
+            reduced[c.dtype] = reduced.get(c.dtype, 0) + c.total
+    assert reduced == {"bf16": shards * 2}, (reduced, shards)
 
 
 @pytest.fixture(scope="module")

@@ -104,11 +104,13 @@ def test_zero3_gradients_equal_one_device(tied, regather):
     *(dict(fsdp=2, tensor=2, sequence_parallel=True, pipeline_schedule=s) for s in ("gpipe", "zero_bubble")),
     *(dict(pipeline=4, data=2, pipeline_schedule=s) for s in ("1f1b", "gpipe", "zero_bubble")),
     dict(pipeline=4, data=2, pipeline_schedule="interleaved", pipeline_virtual_stages=2),
-    *(dict(context=2, tensor=2, sequence_parallel=True, pipeline_schedule=s) for s in ("1f1b", "zero_bubble"))],
+    *(dict(context=2, tensor=2, sequence_parallel=True, pipeline_schedule=s) for s in ("1f1b", "zero_bubble")),
+    dict(fsdp=4, zero_stage=1, fsdp_grad_reduce="once")],
     ids=["fsdp2-tensor2-sp", "data2-context2", "data2-fsdp2-once-zero_bubble", "fsdp2-tensor2-sp-interleaved",
          "data2-context2-zero_bubble", "data2-tensor2-gpipe", "fsdp2-tensor2-sp-gpipe", "fsdp2-tensor2-sp-zero_bubble",
          "pipeline4-data2", "pipeline4-data2-gpipe",
-         "pipeline4-data2-zero_bubble", "pipeline4-data2-interleaved", "context2-tensor2-sp", "context2-tensor2-sp-zero_bubble"])
+         "pipeline4-data2-zero_bubble", "pipeline4-data2-interleaved", "context2-tensor2-sp", "context2-tensor2-sp-zero_bubble",
+         "fsdp4-zero1-once"])
 def test_pipeline_composes_with_the_other_axes(reference, mesh):
     """With data (and fsdp under fsdp_grad_reduce=once) the ticks run once per replica group (R = 2, 4).
     The issue's two meshes, pipeline=4 data=2 and pipeline=2 fsdp=2 tensor=2 + SP, run every schedule.
@@ -116,7 +118,8 @@ def test_pipeline_composes_with_the_other_axes(reference, mesh):
     whose programs differ most: 1f1b, gpipe's all-forwards-first table with tensor parallelism,
     interleaved's virtual stages under SP, and zero_bubble's split backward with ring attention
     (context): the composition where a conditional under shard_map once gave wrong gradients. Context
-    with sequence parallelism: `context` manual in the stages' shard_map (no replica vmap there)."""
+    with sequence parallelism: `context` manual in the stages' shard_map (no replica vmap there).
+    ZeRO-1 over fsdp reduced once: the optimizer state sharded, the weights and gradients whole."""
     cfg = with_mesh(CFG, micro_batches=M, **{"pipeline": 2, "pipeline_schedule": "1f1b", **mesh})
     assert_same_run(run(cfg, jax.devices()), reference, f"pipeline=2 {mesh}")
 
@@ -155,6 +158,8 @@ def _check(**changes):
     (dict(pipeline=2, pipeline_virtual_stages=2),
      "mesh.pipeline_virtual_stages=2 is for mesh.pipeline_schedule=interleaved, not 1f1b"),
     (dict(pipeline=2, pipeline_schedule="pipedream"), "mesh.pipeline_schedule"),
+    (dict(pipeline=2, fsdp=2, tensor=2, sequence_parallel=True, fsdp_grad_reduce="once"),
+     "mesh.fsdp_grad_reduce=once with mesh.sequence_parallel=true, mesh.tensor=2 and mesh.pipeline=2"),
 ])
 def test_config_errors(changes, message):
     with pytest.raises(ConfigError) as e:

@@ -125,15 +125,21 @@ def test_last_stage_loss_keeps_the_logits_sharded_over_vocab():
     assert re.search(r"all-gather\(", hlo)  # the regex sees the step's gathers (FSDP's weights)
 
 
-@pytest.mark.heavy
-@pytest.mark.parametrize("mesh", [dict(data=2), dict(fsdp=2, fsdp_grad_reduce="once", pipeline_schedule="zero_bubble")],
-                         ids=["data", "fsdp-once-zero_bubble"])
-def test_sequence_parallel_with_replica_groups_equals_one_device(mesh):
-    """Sequence parallelism with replica groups (data, or fsdp reduced once) under a pipeline: XLA's
-    SPMD partitioner stopped the process (a check failure) on the replica vmap's ticks, so this
-    composition runs without it (build.py); losses, grad norms and gradients are one device's."""
+@pytest.fixture(scope="module")
+def four_layers_reference():
     cfg = BASE.replace(model=dataclasses.replace(BASE.model, num_layers=4))
-    ref = run(with_mesh(cfg, micro_batches=M), jax.devices()[:1])
-    got = run(with_mesh(cfg, micro_batches=M, **{"pipeline": 2, "tensor": 2, "sequence_parallel": True,
-                                                 "pipeline_schedule": "1f1b", **mesh}), jax.devices())
-    assert_same_run(got, ref, f"pipeline=2 tensor=2 SP {mesh}")
+    return cfg, run(with_mesh(cfg, micro_batches=M), jax.devices()[:1])
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zero_bubble"])
+def test_sequence_parallel_with_replica_groups_equals_one_device(four_layers_reference, schedule):
+    """Sequence parallelism with data replica groups under a pipeline: XLA's SPMD partitioner stops the
+    process (a check failure) on the replica vmap's ticks, so these stages run with `data` manual in
+    their shard_map instead, each device ticking on its own rows (executor.py); losses, grad norms and
+    gradients are one device's. (tests/parallel/test_communication.py: the gradients cross `data` once.)"""
+    cfg, ref = four_layers_reference
+    extra = {"pipeline_virtual_stages": 2} if schedule == "interleaved" else {}
+    got = run(with_mesh(cfg, micro_batches=M, pipeline=2, tensor=2, sequence_parallel=True, data=2,
+                        pipeline_schedule=schedule, **extra), jax.devices())
+    assert_same_run(got, ref, f"pipeline=2 data=2 tensor=2 SP {schedule}")

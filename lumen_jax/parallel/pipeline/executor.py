@@ -36,9 +36,13 @@ the dearest stage, so a shorter stage would wait that long anyway: the padding c
 
 A stage with nothing to do in the fill or the drain computes on zeros and adds zeros: that work is
 the bubble (`Lockstep.bubble`, the schedule's formula). Gradients of the replicated parameters are
-summed over `pipeline` once at the end. With replica groups (`data`, and `fsdp` under
+summed over `pipeline` once at the end. With replica groups (`data`, `context`, and `fsdp` under
 `fsdp_grad_reduce=once`: `communication.gradient_plan`) the ticks run once per group under a
-`vmap`, so the data-parallel reduction also happens once, after the last tick. The other mesh
+`vmap`, so the data-parallel reduction also happens once, after the last tick. Under sequence
+parallelism XLA's SPMD partitioner stops on that vmap (docs/PLATFORM.md): there `data` and
+`context` are manual in the `shard_map` instead (`manual`), each device ticking on its own rows and
+its run of their tokens, and its sums are reduced over them once, after the last tick, the
+gradients in `mesh.reduce_dtype`. The other mesh
 axes stay automatic inside the `shard_map`. The loss equals one big batch: every micro-batch's
 objective is divided by the token count of the whole batch.
 
@@ -51,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable
 
 import jax
@@ -62,13 +67,14 @@ from lumen_jax.parallel.micro_batches import split_micro_batches, total_tokens
 from lumen_jax.parallel.pipeline.layout import AXIS, Pipeline
 from lumen_jax.parallel.pipeline.units import Carry, Device, StageFns, add_to, row_groups
 
-CONTEXT = "context"
+CONTEXT, DATA = "context", "data"
 
 
 def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, scale: jax.Array,
                    cast: Callable[[dict], dict] = lambda w: w, replicas: int = 1,
                    replica_axes: tuple[str, ...] = (),
-                   model_state: dict | None = None, replica_seq: int = 1) -> tuple[jax.Array, dict, dict, dict]:
+                   model_state: dict | None = None, replica_seq: int = 1,
+                   reduce_dtype: str = "float32") -> tuple[jax.Array, dict, dict, dict]:
     """(mean token cross-entropy of `batch`, float32 gradients of the scaled objective, the model
     state's next value, the model's aux metrics averaged over layers and micro-batches), pipelined.
 
@@ -96,53 +102,66 @@ def loss_and_grads(pipe: Pipeline, fns: StageFns, params: dict, batch: dict, sca
     if set(model_state) - set(pipe.stacks) - head_keys:  # no such model: fp8's and MoE's state live in the layers
         raise ValueError(f"model state outside the layer stacks {sorted(set(model_state) - set(pipe.stacks))} "
                          "does not run in pipeline stages")
-    # Context devices' partial gradients stay apart until the end: as replica groups (the vmap's
-    # `replica_seq`), or, where the ticks cannot run under the replica vmap (sequence parallelism),
-    # with `context` manual in the stages' shard_map, each device ticking on its own run of tokens.
-    manual = CONTEXT if pipe.mesh.shape[CONTEXT] > 1 and CONTEXT not in replica_axes else None
-    seq_split = replica_seq * (pipe.mesh.shape[CONTEXT] if manual else 1)
-    b = batch["inputs"].shape[0] // (prog.micro_batches * r // replica_seq)
-    t = batch["inputs"].shape[1] // seq_split
+    # The data and context devices' partial gradients stay apart until the end: as replica groups
+    # (the vmap), or, where the ticks cannot run under the replica vmap (sequence parallelism), with
+    # `data` and `context` manual in the stages' shard_map, each device ticking on its own rows and
+    # its own run of their tokens.
+    manual = tuple(a for a in (DATA, CONTEXT) if pipe.mesh.shape[a] > 1 and a not in replica_axes)
+    size = lambda axis: pipe.mesh.shape[axis] if axis in manual else 1  # noqa: E731
+    b = batch["inputs"].shape[0] // (prog.micro_batches * r // replica_seq) // size(DATA)
+    t = batch["inputs"].shape[1] // (replica_seq * size(CONTEXT))
     fns = fns if head_keys else dataclasses.replace(fns, mtp=None)
-    stage = functools.partial(_stage, pipe, fns, cast, r, replica_axes, manual, (b, t))
+    stage = functools.partial(_stage, pipe, fns, cast, r, replica_axes, manual, reduce_dtype, (b, t))
     stage_spec = lambda tree: jax.tree.map(lambda _: P(AXIS), tree)  # noqa: E731
     same_spec = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
     # the stacks' model state cut into stages; the head's (multi-token prediction's) on every stage
     state_spec = {k: (stage_spec if k in pipe.stacks else same_spec)(v) for k, v in model_state.items()}
-    # [M, (R,) B, T]: the tokens over `context` where it is manual
-    mb_spec = jax.tree.map(lambda _: P(*([None] * (3 if r > 1 else 2)), manual), mbs)
+    # [M, (R,) B, T]: the rows over `data` and the tokens over `context` where they are manual
+    named = lambda axis: axis if axis in manual else None  # noqa: E731
+    mb_spec = jax.tree.map(lambda _: P(*([None] * (2 if r > 1 else 1)), named(DATA), named(CONTEXT)), mbs)
+    # manual axes: each device's gradient sums [1, ...] out, stacked over them, reduced below
+    by_device = lambda spec: P(manual, *spec) if manual else spec  # noqa: E731
     run = jax.shard_map(stage, mesh=pipe.mesh,
                         in_specs=(stage_spec(stacks), same_spec(others), state_spec, mb_spec, P(), P()),
-                        out_specs=(P(), stage_spec(stacks), same_spec(others), state_spec, P()),
-                        axis_names={AXIS, manual} - {None}, check_vma=False)
+                        out_specs=(P(), jax.tree.map(lambda _: by_device(P(AXIS)), stacks),
+                                   jax.tree.map(lambda _: by_device(P()), others), state_spec, P()),
+                        axis_names={AXIS, *manual}, check_vma=False)
     # The stacks are held device-major (`Pipeline.pad`), as the stages read them: nothing moves here.
     ce, d_stacked, d_other, state_new, metrics = run(stacks, others, model_state, mbs, tokens,
                                                      jnp.asarray(scale, jnp.float32))
+    if manual:  # the step's one reduction over them, in reduce_dtype (float32 sums whatever it is)
+        add = lambda a: jax.lax.reduce(a, jnp.zeros((), a.dtype), jax.lax.add, (0,)).astype(jnp.float32)  # noqa: E731
+        d_stacked, d_other = jax.tree.map(add, (d_stacked, d_other))
     return ce / tokens, {**d_other, **d_stacked}, state_new, metrics
 
 
 def _stage(pipe: Pipeline, fns: StageFns, cast: Callable[[dict], dict], r: int, replica_axes: tuple[str, ...],
-           manual: str | None, rows_tokens: tuple[int, int], stacked: dict, other: dict, state: dict,
-           mbs: dict, tokens: jax.Array, scale: jax.Array) -> tuple[jax.Array, dict, dict, dict, dict]:
+           manual: tuple[str, ...], reduce_dtype: str, rows_tokens: tuple[int, int], stacked: dict, other: dict,
+           state: dict, mbs: dict, tokens: jax.Array, scale: jax.Array) -> tuple[jax.Array, dict, dict, dict, dict]:
     """What each device along `pipeline` runs inside the `shard_map` (`loss_and_grads`), with its
     stage's slice of the stacks and of the model state: the lock-step program's ticks, then its sums
-    reduced (`_reduced`). `rows_tokens`: (B, T) of a micro-batch on this device; `manual`: `context`
-    when it is manual here (the model's `seq` then maps to no mesh axis: each device holds its run)."""
-    if manual is None:
+    reduced (`_reduced`). `rows_tokens`: (B, T) of a micro-batch on this device; `manual`: the
+    replica axes manual here (`data`, `context`; the model's `batch` and `seq` then map to the other
+    axes: each device holds its own rows and its run of their tokens), whose sums are reduced once,
+    after the last tick; the gradient sums come out [1, ...] in `reduce_dtype`, unreduced over them."""
+    if not manual:
         return _ticks(pipe, fns, cast, r, replica_axes, rows_tokens, stacked, other, state, mbs, tokens, scale)
     mesh, rules = rules_lib.active()
-    with rules_lib.activate(mesh, dataclasses.replace(rules, replica_axes=(*rules.replica_axes, manual))):
+    devices = math.prod(pipe.mesh.shape[a] for a in manual)
+    with rules_lib.activate(mesh, dataclasses.replace(rules, replica_axes=(*rules.replica_axes, *manual))):
         ce, d_stacked, d_other, state_new, metrics = _ticks(pipe, fns, cast, r, replica_axes, rows_tokens, stacked,
-                                                            other, state, mbs, tokens, scale,
-                                                            runs=pipe.mesh.shape[manual])
-    # the step's one reduction over context: every sum, once; the model state's next values folded
-    ce, d_stacked, d_other, metrics = jax.lax.psum((ce, d_stacked, d_other, metrics), manual)
-    metrics = jax.tree.map(lambda a: a / pipe.mesh.shape[manual], metrics)
+                                                            other, state, mbs, tokens, scale, runs=devices)
+    # The gradient sums leave as they are, in reduce_dtype, for the step's one reduction over the
+    # manual axes (`loss_and_grads`: a psum of bfloat16 here aborts XLA:CPU, docs/PLATFORM.md); the
+    # scalars are summed here and the model state's next values folded.
+    d_stacked, d_other = jax.tree.map(lambda a: a.astype(reduce_dtype)[None], (d_stacked, d_other))
+    ce, metrics = jax.lax.psum((ce, metrics), manual)
+    metrics = jax.tree.map(lambda a: a / devices, metrics)
     return ce, d_stacked, d_other, _fold_over(fns, state_new, manual), metrics
 
 
-def _fold_over(fns: StageFns, state: dict, axis: str) -> dict:
-    """The model state's next values of the devices along `axis`, merged by their rules."""
+def _fold_over(fns: StageFns, state: dict, axis: str | tuple[str, ...]) -> dict:
+    """The model state's next values of the devices along `axis` (or axes), merged by their rules."""
     if not state:
         return state
     return fns.fold_state(jax.lax.all_gather(state, axis))
@@ -152,8 +171,8 @@ def _ticks(pipe: Pipeline, fns: StageFns, cast: Callable[[dict], dict], r: int, 
            rows_tokens: tuple[int, int], stacked: dict, other: dict, state: dict,
            mbs: dict, tokens: jax.Array, scale: jax.Array, runs: int = 1) -> tuple[jax.Array, dict, dict, dict, dict]:
     """`_stage`'s ticks and their sums, reduced over the replica groups and `pipeline`. `runs`: the
-    devices a micro-batch's tokens are cut into outside the model's view (manual `context`), each
-    computing the auxiliary loss of its own run: like replica groups, a share of it each."""
+    devices a micro-batch is cut into outside the model's view (manual `data` and `context`: rows,
+    tokens), each computing the auxiliary loss of its own share: like replica groups, a share of it each."""
     groups = row_groups(*rows_tokens)
     prog = pipe.program
     dt = jnp.dtype(pipe.compute_dtype)
