@@ -24,6 +24,7 @@ from lumen_jax.config import Fp8Config, MeshConfig, ModelConfig
 from lumen_jax.config.files import load_config
 from lumen_jax.parallel.mesh import make_mesh
 from lumen_jax.plan.predict import MEMORY_FRACTION, search as search_plans
+from lumen_jax.plan import recipe_memory
 from lumen_jax.plan.cli import main
 from lumen_jax.compiler.compiled import against_xla, compile_step
 from lumen_jax.compiler.lower import main as lower_main
@@ -603,14 +604,22 @@ def test_our_layer_against_korthikanti():
     # Flash attention keeps no score rows: nothing grows with s.
     assert per_token("none", 2 * s, "flash") == per_token("none", s, "flash")
     # Its s*b*h terms: the norms' inputs and outputs 4 x 2h (their VJP keeps the compute-dtype input
-    # and 1 / rms, where autodiff kept two float32 copies: 16h), q, o (the kernel's output and the
-    # projection's input) and o again, k, v 5 x 2h, SwiGLU's gate, up and product 3 x 2F (its VJP
-    # rebuilds the sigmoid: autodiff kept six F-wide rows), and a log-sum-exp per head: 18h + 6F
-    # against Korthikanti's 34h for a GPT layer (whose MLP is 4h wide, F = 8h / 3 x 2 here).
-    assert per_token("none", s, "flash") == 8 * h + 10 * h + 6 * f + 4 * a
-    # Tensor + sequence parallelism split everything t ways but the norm outputs a matmul gathers.
+    # and 1 / rms, where autodiff kept two float32 copies: 16h), q, o (the kernel's output, which is
+    # the projection's input: named for remat=save_attention_out only, planted: named always -> 3 q-wide
+    # rows), k, v 4 x 2h, SwiGLU's gate, up and product 3 x 2F (its VJP rebuilds the sigmoid: autodiff
+    # kept six F-wide rows), and a log-sum-exp per head: 16h + 6F + 4a, Korthikanti's count for the
+    # Llama layer (`recipe_memory.megatron_layer_widths`: 34h for a GPT layer, whose MLP is 4h wide).
+    assert per_token("none", s, "flash") == 8 * h + 8 * h + 6 * f + 4 * a
+    widths = recipe_memory.megatron_layer_widths(LLAMA_7B, "none")
+    assert per_token("none", s, "flash") == 2 * (widths["D"] * h + widths["T"])
+    # Tensor + sequence parallelism split everything t ways: the norm outputs a matmul gathers are
+    # kept as the device's own rows and gathered again in the backward (`Ops.regather`; planted:
+    # `memory.regathered_inputs` 0 -> fails), as Megatron keeps them (31.75 sbh / t for 405B); where
+    # the projections gather them in steps themselves (collective matmul) the gathered rows count.
     tp = plan.Layout(MeshConfig(fsdp=1, tensor=8, sequence_parallel=True))
-    assert plan.saved_bytes_per_token(LLAMA_7B, tp, s, "none", "flash") == pytest.approx(
+    assert plan.saved_bytes_per_token(LLAMA_7B, tp, s, "none", "flash") == pytest.approx(per_token("none", s, "flash") / 8)
+    cm = plan.Layout(MeshConfig(fsdp=1, tensor=8, sequence_parallel=True, tensor_overlap="collective_matmul"))
+    assert plan.saved_bytes_per_token(LLAMA_7B, cm, s, "none", "flash") == pytest.approx(
         (per_token("none", s, "flash") - 4 * h) / 8 + 4 * h)
 
 
