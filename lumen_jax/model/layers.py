@@ -200,6 +200,7 @@ class Attention(nnx.Module):
         # Output projection scaled down by depth (GPT-2 / Megatron residual init).
         self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"),
                          cfg.init_std / math.sqrt(2 * cfg.num_layers))
+        self.name_out = cfg.remat == "save_attention_out"  # `out`: the one policy that reads the name
         if cfg.qkv_bias:  # Qwen2: learned biases of the q, k, v projections (zero at init)
             self.bq = nnx.Param(jnp.zeros((n, h), jnp.float32), out_sharding=("heads", "head_dim"))
             self.bk = nnx.Param(jnp.zeros((k, h), jnp.float32), out_sharding=("kv_heads", "head_dim"))
@@ -247,8 +248,11 @@ class Attention(nnx.Module):
 
     def out(self, o_btnh: jax.Array, ops: Ops, tape: Tape | None = None) -> jax.Array:
         """The output projection of the attention result [B, T, N, H] -> [B, T, D]."""
-        # Named so that remat=save_attention_out keeps it and recomputes only the projections/MLP.
-        o = checkpoint_name(constrain(o_btnh, ("batch", "seq", "act_heads", None)), "attention_out")
+        # Named so that remat=save_attention_out keeps it and recomputes only the projections/MLP;
+        # only then: a named copy is a second residual beside the attention's own saved output (the
+        # flash kernel's), which the compiled program stores once but the planner's probe counts.
+        o = constrain(o_btnh, ("batch", "seq", "act_heads", None))
+        o = checkpoint_name(o, "attention_out") if self.name_out else o
         return _projector(self, ops, "attention", self.projections, tape)("btnh,nhd->btd", o, "wo", "o", rows=True)
 
 

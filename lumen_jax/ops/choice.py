@@ -31,6 +31,12 @@ trace time where it runs. What is decided:
 - `moe_matmul`: how the experts' grouped matmuls run (`ops/grouped.py`): `ragged`
   (`jax.lax.ragged_dot`, a grouped GEMM) on GPU, `blocks` (a loop over row blocks in use)
   elsewhere: XLA:CPU lowers `ragged_dot` as a dense matmul against every expert.
+- `regather`: where the remat policy saves a projection's input (`model.remat=none`), the
+  column-parallel projections under sequence parallelism keep their input's own rows, not the
+  gathered input, and gather them again in the backward (`ops.projection.project_columns`;
+  Megatron's choice, Korthikanti et al. 2022): d_model * (t - 1) / t elements less saved per token
+  and input, one all-gather more per input in the backward. Whether the mesh gathers that input
+  at all is the active rules' (`ops.projection.regathers`, at trace time, as collective matmuls).
 - `fp8`: which layer types' projections run fp8 matmuls (`model.fp8`); `layer_runs` splits the
   layer stack into runs of equal setting (the first and last layers can stay in bf16), and
   `stage_runs` a pipeline stage's layer slots (the kept layers sit in some stages' slots only).
@@ -76,6 +82,10 @@ class Ops:
     # delayed: every amax history of the run is known not empty (`by_state`): scales from the
     # histories alone, not waiting for the current amaxes (`ops.fp8.delayed_scale`)
     fp8_warm: bool = False
+    # the remat policy saves the projections' inputs (`remat: none`): under sequence parallelism the
+    # column-parallel projections keep their input's local rows, not the gathered input, and gather
+    # them again for the weight gradients (`ops.projection.project_columns`); True as `model.remat`'s default
+    regather: bool = True
     note: str = dataclasses.field(default="", compare=False)  # how `auto` was resolved, for the start-up line
 
     @classmethod
@@ -83,7 +93,8 @@ class Ops:
         """The choice without a backend (see the module docstring), with `changes` applied."""
         types = tuple(t for t in LAYER_TYPES if fp8_lib.runs_fp8(model.fp8, model.num_layers, t))
         attention = model.attention if model.attention in ("flash", "cudnn") else "xla"
-        return cls(**{"attention": attention, "fp8": model.fp8, "fp8_types": types, **changes})
+        return cls(**{"attention": attention, "fp8": model.fp8, "fp8_types": types,
+                      "regather": model.remat == "none", **changes})
 
     def projection(self, layer_type: str | None) -> str:
         """How a projection of `layer_type` (attention | mlp | None: the logits) runs:

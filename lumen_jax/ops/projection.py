@@ -12,6 +12,14 @@ The model computes every projection (Q/K/V/O, SwiGLU, logits) through `project`;
 - `fp8_kept`: an fp8 layer type in a layer kept in the compute dtype (the first/last layer):
   the plain matmul in the form `ops.fp8.einsum` gives it.
 
+`regather` (`Ops.regather`: the policy saves a projection's input, `remat: none`): under sequence
+parallelism the column-parallel projections (Q/K/V, gate/up) read their input gathered along the
+sequence over `tensor`, and autodiff would keep that gathered input, [B, T, D] per device, for the
+weight gradients. `project_columns` runs them as one custom VJP instead (`_regathered`) whose residual
+is the device's own rows, [B, T/t, D] (Megatron's: Korthikanti et al. 2022, section 4.2.2), gathered
+again in the backward for the weight gradients: one all-gather per input more, t - 1 rows of t less
+saved per input.
+
 A custom VJP reaches remat policies as one opaque `custom_vjp_call`: `remat_policy` wraps a
 `jax.checkpoint_policies` policy so that it sees each `token_grad` projection as its dot.
 
@@ -25,6 +33,7 @@ An MoE layer's routed experts (grouped matmuls, `ops.grouped`) are tapped the sa
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -35,6 +44,7 @@ from flax import nnx
 from lumen_jax.ops import cpu, fp8, grouped
 from lumen_jax.ops.choice import Ops
 from lumen_jax.parallel import collective_matmul
+from lumen_jax.parallel import rules as rules_lib
 
 
 # Residual names (`checkpoint_name`) of projections' backward passes that the remat policies saving the
@@ -78,7 +88,9 @@ def project_columns(specs: tuple[str, ...], x: jax.Array, ws: tuple[jax.Array, .
     """The column-parallel projections of one input (Q/K/V, gate/up): `project(spec, x, w, ...)` for
     each of `specs` and `ws`, weights split over their output features by the rules (`heads`, `mlp`).
 
-    Under `mesh.tensor_overlap=collective_matmul` (with sequence parallelism over `tensor`) `x`
+    With `Ops.regather` under sequence parallelism (`regathers`) `x` arrives gathered and the plain
+    einsums run as one custom VJP that keeps x's own rows and gathers them again in the backward
+    (`_regathered`). Under `mesh.tensor_overlap=collective_matmul` (with sequence parallelism over `tensor`) `x`
     arrives split along the sequence (`proj_seq`) and the plain einsums run as one all-gather
     matmul (`parallel.collective_matmul`): x's blocks travel under the partial matmuls of every
     weight. Otherwise, and for fp8 projections (whose scales see the whole operand), each runs as
@@ -88,6 +100,8 @@ def project_columns(specs: tuple[str, ...], x: jax.Array, ws: tuple[jax.Array, .
     states = states if states is not None else (None,) * len(specs)
     if ops.projection(layer_type) == "einsum" and collective_matmul.active():
         return collective_matmul.all_gather_matmul(specs, x, tuple(w.astype(x.dtype) for w in ws))
+    if ops.projection(layer_type) == "einsum" and ops.regather and regathers(x.ndim):
+        return _regathered(specs, x, tuple(w.astype(x.dtype) for w in ws))
     peers = None if all(st is None for st in states) else states  # fp8: one scale of x for all of them
     return tuple(project(spec, x, w, ops, layer_type, st, peers=peers) for spec, w, st in zip(specs, ws, states))
 
@@ -97,10 +111,82 @@ def project_rows(spec: str, x: jax.Array, w: jax.Array, ops: Ops, layer_type: st
     """A row-parallel projection (O, down: the weight split over its input features, the output
     summed over `tensor`): `project(spec, x, w, ...)`, or under `mesh.tensor_overlap=collective_matmul`
     a reduce-scatter matmul whose result is split along the sequence as the residual stream
-    (`parallel.collective_matmul`)."""
+    (`parallel.collective_matmul`). With `Ops.regather` under sequence parallelism, the einsum with
+    its output cotangent gathered once for both of the backward's matmuls (`_cotangent_gathered`)."""
     if ops.projection(layer_type) == "einsum" and collective_matmul.active():
         return collective_matmul.reduce_scatter_matmul(spec, x, w.astype(x.dtype))
+    if ops.projection(layer_type) == "einsum" and ops.regather and regathers(len(spec.split("->")[1])):
+        return _cotangent_gathered(spec, x, w.astype(x.dtype))
     return project(spec, x, w, ops, layer_type, state)
+
+
+# A column-parallel projection's input [B, T, D]: split along the sequence as the residual stream
+# (`act_seq`: over `tensor` under sequence parallelism), gathered for the matmul (`proj_seq`).
+_SPLIT = ("batch", "act_seq", "act_embed")
+_GATHERED = ("batch", "proj_seq", "act_embed")
+
+
+def regathers(ndim: int = 3) -> bool:
+    """Whether the enclosing `rules.activate` gathers a column-parallel projection's input ([B, T, D]:
+    `ndim` 3) along the sequence over mesh axes of more than one device (sequence parallelism without
+    `mesh.tensor_overlap=collective_matmul`, which gathers it in steps itself): where `Ops.regather`
+    keeps only the local rows for the backward. False outside `activate`."""
+    got = rules_lib.active()
+    if got is None or ndim != 3 or collective_matmul.active():
+        return False
+    mesh, rules = got
+    axes = lambda a: set((a,) if isinstance(a, str) else a or ())  # noqa: E731
+    split = axes(rules.spec(_SPLIT)[1]) - axes(rules.spec(_GATHERED)[1])
+    return any(dict(mesh.shape).get(a, 1) > 1 for a in split)
+
+
+def _einsums(specs: tuple[str, ...], x: jax.Array, ws: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    return tuple(jnp.einsum(spec, x, w) for spec, w in zip(specs, ws))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _regathered(specs: tuple[str, ...], x: jax.Array, ws: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """`einsum(spec, x, w)` for each of `specs` and `ws` of one gathered input `x` [B, T, D]; the
+    residual is x's local rows ([B, T/t, D] under sequence parallelism), gathered again in the
+    backward for the weight gradients (`regathers`)."""
+    return _einsums(specs, x, ws)
+
+
+def _regathered_fwd(specs: tuple[str, ...], x: jax.Array, ws: tuple[jax.Array, ...]) -> tuple[tuple, tuple]:
+    # x's own rows: a slice of the gathered x (the partitioner's rows of the norm output it gathered)
+    return _einsums(specs, x, ws), (rules_lib.constrain(x, _SPLIT), ws)
+
+
+def _regathered_bwd(specs: tuple[str, ...], res: tuple, dys: tuple) -> tuple:
+    rows, ws = res
+    x = rules_lib.constrain(rows, _GATHERED)  # the all-gather again, for the weight gradients
+    _, vjp = jax.vjp(functools.partial(_einsums, specs), x, ws)
+    return vjp(tuple(dys))
+
+
+_regathered.defvjp(_regathered_fwd, _regathered_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _cotangent_gathered(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`einsum(spec, x, w)` of a row-parallel projection (output [B, T, D], partial sums over
+    `tensor`, reduce-scattered along the sequence by the partitioner) whose backward gathers the
+    output cotangent once, for the input and the weight gradient together. Left to autodiff the
+    partitioner gathered it once per matmul (the two all-gathers of one operand spelled with
+    different device groups, which XLA's CSE does not merge): two all-gathers per projection."""
+    return jnp.einsum(spec, x, w)
+
+
+def _cotangent_gathered_fwd(spec: str, x: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple]:
+    return jnp.einsum(spec, x, w), (x, w)
+
+
+def _cotangent_gathered_bwd(spec: str, res: tuple, dy: jax.Array) -> tuple:
+    _, vjp = jax.vjp(functools.partial(jnp.einsum, spec), *res)
+    return vjp(rules_lib.constrain(dy, _GATHERED))
+
+
+_cotangent_gathered.defvjp(_cotangent_gathered_fwd, _cotangent_gathered_bwd)
 
 
 @jax.custom_vjp

@@ -15,7 +15,7 @@ from lumen_jax.plan import moe as moe_plan
 from lumen_jax.plan.cost import unit_ticks
 from lumen_jax.plan.hardware import AXES, Hardware, Layout, compute_bytes, first_layers
 from lumen_jax.plan.memory import F32 as F32_BYTES
-from lumen_jax.plan.memory import split_backward, state_bytes
+from lumen_jax.plan.memory import regathered_inputs, split_backward, state_bytes
 from lumen_jax.plan.residuals import recomputes
 
 DTYPE_NAMES = {2: "bf16", 4: "fp32"}  # by bytes, in a collective's description
@@ -301,9 +301,14 @@ def _tensor(s: StepShape, add: Add) -> None:
         add("tensor", "reduce-scatter", "the head's input gradient (sequence parallel)", row, m, False)
         return
     if s.layout.mesh.sequence_parallel:
-        # all-gathers: the two norm outputs in the forward, again for the weight gradients and as
-        # the transposes of the two reduce-scatters in the backward; outside the layers the final
-        # norm's output, the embedding's gradient and (once: loop-invariant) the vocab table for the lookup.
+        # all-gathers: the two norm outputs in the forward; in the backward the two row-parallel
+        # outputs' cotangents (the reduce-scatters' transposes) and the two norm outputs again for
+        # the weight gradients: from the layer's own rows (`memory.regathered_inputs`, remat none;
+        # measured on fsdp=4 x tensor=2 at 1 and data=2 x fsdp=2 x tensor=2 at 4 micro-batches: 6
+        # per layer), or, with a policy, as the partitioner gathers the cotangents a second time for
+        # the weight gradients (two device-group spellings of one all-gather, which CSE leaves
+        # apart; with one micro-batch it did not: 4); outside the layers the final norm's output,
+        # the embedding's gradient and (once: loop-invariant) the vocab table for the lookup.
         gathers = 2 + 4 + (2 if s.redo else 0)
         add("tensor", "all-gather", f"activations, {gathers}/layer (sequence parallel)", row,
             m * (gathers * layers + 2), False)
@@ -464,8 +469,8 @@ def _pipelined_tensor(s: StepShape, add: Add) -> None:
     micro-batches. Per layer, a forward reduces its two row-parallel outputs and a backward the input
     gradients of the five column-parallel projections (+1 when it recomputes them, remat full: measured). Under sequence
     parallelism each reduction is a reduce-scatter and a layer gathers two norm outputs per forward
-    and two cotangents per backward (its forward's gathered inputs are in the stash, not gathered
-    again; +2 when the backward recomputes); every backward tick gathers the embedding gradient's
+    and two cotangents per backward (+2 when the backward recomputes, or gathers its stashed own
+    rows of the norm outputs again: `memory.regathered_inputs`); every backward tick gathers the embedding gradient's
     rows and ids (split over tokens by tensor, the table over the vocabulary: `executor`), every
     loss tick its 1/P of the final norm's output, a split backward's W unit two stashed rows per
     layer (zero_bubble, measured), and the vocab table is gathered twice (three times when split).
@@ -474,6 +479,10 @@ def _pipelined_tensor(s: StepShape, add: Add) -> None:
     model, prog = s.model, _lockstep(s)
     ticks, chunk = unit_ticks(prog), s.layers / prog.virtual
     regather, rereduce = (2, 1) if s.redo else (0, 0)  # a backward that recomputes its projections
+    # ... or gathers the layer's own rows of its two norm outputs again (`memory.regathered_inputs`:
+    # remat none; measured on pipeline=2 x fsdp=2 x tensor=2, 1f1b, m=4: +2 rows per layer of each
+    # backward tick, the stash holding the local rows)
+    regather += 2 if regathered_inputs(model, s.layout, s.remat) else 0
     reduces = chunk * (2 * ticks["forward"] + (5 + rereduce) * ticks["backward"])
     share = s.row / prog.stages  # a loss tick's tokens
     overlapped = _collective_matmul(s, add, chunk * ticks["forward"], chunk * ticks["backward"])
@@ -481,8 +490,8 @@ def _pipelined_tensor(s: StepShape, add: Add) -> None:
         gathers = chunk * (2 * ticks["forward"] + (2 + regather) * ticks["backward"])
         ids = s.row * 4 / (model.d_model * s.c)
         if not overlapped:
-            add("tensor", "all-gather", "activations, 2/layer forward, 2/layer backward (sequence parallel)", s.row,
-                gathers, False)
+            add("tensor", "all-gather", f"activations, 2/layer forward, {2 + regather}/layer backward (sequence parallel)",
+                s.row, gathers, False)
         add("tensor", "all-gather", "embedding gradient rows and ids, per backward tick", s.row + ids,
             ticks["backward"], False)
         add("tensor", "all-gather", "final norm output of a loss tick's tokens", share, ticks["head"], False)

@@ -202,14 +202,31 @@ def _bytes(rows: collections.Counter, widths: dict[str, float], c: int) -> float
     return sum(n * widths[k] * {"c": c, "f": F32, "b": 1}[d] for (k, d), n in rows.items())
 
 
-def _as_gathered(rows: collections.Counter, remat: str) -> collections.Counter:
+def regathered_inputs(model: ModelConfig, layout: Layout, remat: str) -> int:
+    """The projection inputs per layer kept as the device's own rows and gathered again in the
+    backward for the weight gradients (`Ops.regather`, `ops.projection.project_columns`): the
+    attention's and the MLP's normed inputs, where the policy saves them (`remat: none`), sequence
+    parallelism splits them over `tensor` > 1, plain GSPMD collectives gather them (not
+    `mesh.tensor_overlap=collective_matmul`), the layer type's projections are plain einsums (not
+    fp8) and the backward is not split (zero_bubble's taps record the gathered input themselves)."""
+    mesh = layout.mesh
+    if not (Ops.plain(dataclasses.replace(model, remat=remat)).regather and mesh.sequence_parallel
+            and mesh.tensor > 1 and mesh.tensor_overlap != "collective_matmul"):
+        return 0
+    if layout.pipeline > 1 and layout.schedule[0] == "zero_bubble":
+        return 0
+    return sum(Ops.plain(model).projection(t) == "einsum" for t in ("attention", "mlp"))
+
+
+def _as_gathered(rows: collections.Counter, remat: str, regathered: int = 0) -> collections.Counter:
     # Without checkpointing, two of the compute-dtype D rows a layer saves are its norm outputs (the
     # attention's and the MLP's inputs), which a matmul gathers under sequence parallelism; the others
     # (the norms' inputs, which their VJP keeps) stay split, as the layer input does under a policy.
+    # The `regathered` ones of the two stay split too (`regathered_inputs`).
     if remat != "none":
         return rows
     out = collections.Counter(rows)
-    gathered = min(out[("D", "c")], 2)
+    gathered = max(min(out[("D", "c")], 2) - regathered, 0)
     out[("D", "c")] -= gathered
     out[("G", "c")] += gathered
     return +out
@@ -222,7 +239,8 @@ def _residuals(model: ModelConfig, layout: Layout, remat: str, seq_len: int, att
 def saved_bytes_per_token(model: ModelConfig, layout: Layout, seq_len: int, remat: str,
                           attention: str = "xla") -> float:
     """Bytes one layer saves per local token under `remat` with `attention` (xla or flash)."""
-    rows = _as_gathered(_residuals(model, layout, remat, seq_len, attention).counts(), remat)
+    rows = _as_gathered(_residuals(model, layout, remat, seq_len, attention).counts(), remat,
+                        regathered_inputs(model, layout, remat))
     return _bytes(rows, _widths(model, layout, seq_len), compute_bytes(model))
 
 
@@ -245,7 +263,8 @@ def working_bytes_per_token(model: ModelConfig, layout: Layout, seq_len: int, re
     scores, share = (CONTEXT_BACKWARD_ROWS if cp else BACKWARD_ROWS)[remat]
     every = _as_gathered(_residuals(model, layout, "none", seq_len, attention).counts(), "none")
     every.update(REBUILT)
-    unsaved = every - _as_gathered(_residuals(model, layout, remat, seq_len, attention).counts(host=True), remat)
+    unsaved = every - _as_gathered(_residuals(model, layout, remat, seq_len, attention).counts(host=True), remat,
+                                   regathered_inputs(model, layout, remat))
     unsaved = collections.Counter({key: n for key, n in unsaved.items() if key[0] != "S" and n > 0})
     row = model.num_heads * seq_len / layout.mesh.tensor * F32  # one query's fp32 scores, every local head
     # Context parallelism: all-gather holds the whole K and V and the fp32 dK/dV of the whole
