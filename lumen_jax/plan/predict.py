@@ -463,6 +463,7 @@ def settings(cfg: Config, layout: Layout, hw: Hardware, *, top: int = 5, **predi
             REDUCE_DTYPES):
         if (zero != mesh.zero_stage and mesh.fsdp == 1) or \
                 (reduce != mesh.fsdp_grad_reduce and (m == 1 or mesh.fsdp == 1)) or \
+                (reduce == "once" and _reduces_every_tick(mesh, layout)) or \
                 (regather != mesh.fsdp_regather and (mesh.fsdp == 1 or zero < 3)) or \
                 (dtype != mesh.reduce_dtype and mesh.data * mesh.fsdp * layout.pipeline == 1):
             continue
@@ -472,6 +473,12 @@ def settings(cfg: Config, layout: Layout, hw: Hardware, *, top: int = 5, **predi
         if _fits(c, tried, hw, remat, **predict_kwargs):
             found.append(predict(c, tried, hw, remat=remat, **predict_kwargs))
     return sorted(found, key=lambda p: (-round(p.mfu, 4), p.bytes_per_device["total"]))[:top]
+
+
+def _reduces_every_tick(mesh: MeshConfig, layout: Layout) -> bool:
+    """Stages under sequence parallelism over tensor reduce fsdp's gradients in every tick: the
+    trainer refuses `mesh.fsdp_grad_reduce=once` there (config.checks, `_pipeline`)."""
+    return layout.pipeline > 1 and mesh.sequence_parallel and layout.size("tensor") > 1 and layout.size("fsdp") > 1
 
 
 def best_setting(cfg: Config, layout: Layout, hw: Hardware, **predict_kwargs: Any) -> Plan:

@@ -68,6 +68,10 @@ class Published:
         return self.program or next((f for prefix, f in FAMILY_OF_NAME.items() if self.name.startswith(prefix)), "")
 
 
+# Llama 3 405B's 126 layers on 16 stages x V=2: one layer fewer on the first virtual stage (device 0)
+# and on the last (device 15; virtual stage c*P + s runs on device s), so 7, 8, ..., 8, 7 layers by device.
+LLAMA3_405B_SPLIT = (3,) + (4,) * 30 + (3,)
+
 # Which program ran each row: its memory is that program's (`plan.recipe_memory`), not ours.
 FAMILY_OF_NAME = {"NeMo": "megatron", "Llama 3": "llama3", "MaxText": "maxtext", "torchtitan": "torchtitan"}
 
@@ -82,8 +86,11 @@ _MAXTEXT_NOTE = ("per_device_batch_size 4, seq 4096, ici_fsdp 8 in a VM, dcn_dat
                  "cudnn flash; FLOP convention: MaxText's 2024 calculate_tflops_training_per_device counted the "
                  "whole S x S square (assumed)")
 _LLAMA3 = "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4 (BF16 MFU, TFLOPs/GPU)"
-_LLAMA3_NOTE = ("interleaved 1F1B, V=2 assumed (the paper gives no V); 126 layers planned as ceil(126/16) = 8 per "
-                "stage (the paper balances the first and last stages); FSDP with parameters kept after the "
+_LLAMA3_NOTE = ("interleaved 1F1B, V=2 assumed (the paper gives no V); 126 layers balanced as the paper does, one "
+                "layer fewer on the first and the last stage (embedding, output layer): mesh.pipeline_layers "
+                "3, 4 x 30, 3 over the 32 virtual stages puts 7 layers on the first and last devices and 8 on the "
+                "14 others (the paper's first and last chunks of the embedding or output alone would need chunks "
+                "of one layer, V=8, and empty virtual stages, which our trainer refuses); FSDP with parameters kept after the "
                 "forward planned as ZeRO-3 fsdp_regather=per_step; no activation recompute; TFLOP/s counted "
                 "as 6N + causal attention (assumed: the paper does not say)")
 
@@ -117,12 +124,14 @@ TABLE: tuple[Published, ...] = (
     Published("Llama 3 405b 8,192 GPUs", LLAMA3_405B, 8192, "dgx-h100", "TP8 CP1 PP16 DP64, batch/DP 32", 8192,
               2048, 32, "none", dict(fsdp=64, pipeline=16, tensor=8, sequence_parallel=True, zero_stage=3,
                                      fsdp_regather="per_step", fsdp_grad_reduce="once",
-                                     pipeline_schedule="interleaved", pipeline_virtual_stages=2), 430, "TFLOP/s",
+                                     pipeline_schedule="interleaved", pipeline_virtual_stages=2,
+                                     pipeline_layers=LLAMA3_405B_SPLIT), 430, "TFLOP/s",
               "6N+causal", _LLAMA3, True, _LLAMA3_NOTE),
     Published("Llama 3 405b 16,384 GPUs", LLAMA3_405B, 16384, "dgx-h100", "TP8 CP1 PP16 DP128, batch/DP 16", 8192,
               2048, 16, "none", dict(fsdp=128, pipeline=16, tensor=8, sequence_parallel=True, zero_stage=3,
                                      fsdp_regather="per_step", fsdp_grad_reduce="once",
-                                     pipeline_schedule="interleaved", pipeline_virtual_stages=2), 400, "TFLOP/s",
+                                     pipeline_schedule="interleaved", pipeline_virtual_stages=2,
+                                     pipeline_layers=LLAMA3_405B_SPLIT), 400, "TFLOP/s",
               "6N+causal", _LLAMA3, True, _LLAMA3_NOTE),
     *(Published(f"MaxText llama2-7b {8 * n} GPUs", LLAMA2_7B, 8 * n, "gcp-a3", f"FSDP8 x DP{n}, per-device batch 4",
                 4096, 32 * n, 1, "dots_with_no_batch_dims_saveable", dict(data=n, fsdp=8, zero_stage=3), tf,
