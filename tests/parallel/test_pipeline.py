@@ -193,17 +193,17 @@ def test_1f1b_memory_bound_holds_in_compiled_bytes(remat):
     whatever the remat policy keeps of each (remat full: the layers' inputs); zero_bubble (2P - 1
     residual slots and P W slots) is as flat in m as 1F1B."""
     one = {m: _temp_bytes("1f1b", m, remat=remat) for m in (8, 16)}
-    gpipe = {m: _temp_bytes("gpipe", m, remat=remat) for m in (8, 16)}
     zb = {m: _temp_bytes("zero_bubble", m, remat=remat) for m in (8, 16)}  # and its W stash: P slots
-    figures = (f"temp bytes 1f1b m=8/16: {one[8]}/{one[16]}, gpipe m=8/16: {gpipe[8]}/{gpipe[16]}, "
-               f"zero_bubble m=8/16: {zb[8]}/{zb[16]}")
+    # GPipe, the contrast that shows the measurement sees a stash grow, once (two compiles a case)
+    gpipe = {m: _temp_bytes("gpipe", m, remat=remat) for m in (8, 16)} if remat == "none" else None
+    figures = f"temp bytes 1f1b m=8/16: {one[8]}/{one[16]}, zero_bubble m=8/16: {zb[8]}/{zb[16]}, gpipe: {gpipe}"
 
     slot = 4 * 256 * 64 * 4  # one stashed stage input [4, 256, 64] fp32
     # The rest of the step (the recomputed stage's residuals) dwarfs the stash at these sizes, so
     # besides the issue's 10% the growth is bounded in slots: 1F1B's only growth is the batch itself.
     for fused in (one, zb):
         assert fused[16] <= 1.10 * fused[8] and fused[16] - fused[8] < 2 * slot, figures
-    assert gpipe[16] - gpipe[8] >= 8 * slot, figures  # 8 more micro-batches stashed
+    assert gpipe is None or gpipe[16] - gpipe[8] >= 8 * slot, figures  # 8 more micro-batches stashed
     # Measured (remat none / full): 1f1b 161.6 / 23.1 MB, zero_bubble 187.9 / 50.6 MB at m = 8 and
     # 16: its W stash holds each projection's input and output cotangent, which no policy recomputes.
 
