@@ -12,13 +12,13 @@ import functools
 import math
 
 from lumen_jax.metrics import flops
-from lumen_jax.config import ConfigError, ModelConfig
+from lumen_jax.config import ConfigError, MeshConfig, ModelConfig
 from lumen_jax.ops.choice import Ops
 from lumen_jax.ops.loss import chunk_count
 from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.parallel.rules import Rules
 from lumen_jax.plan import moe as moe_plan
-from lumen_jax.plan.hardware import Layout, compute_bytes, first_layers, first_parts, first_split
+from lumen_jax.plan.hardware import AXES, Layout, compute_bytes, first_layers, first_parts, first_split
 from lumen_jax.plan.residuals import Residuals, layer_residuals, param_leaves
 
 F32 = 4
@@ -28,6 +28,7 @@ STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}
 TEXTBOOK_BYTES_PER_PARAM = 2 + 2 + 12
 
 
+@functools.lru_cache(maxsize=16)  # a ModelConfig replace costs more than the state's cache lookup
 def _shape_key(model: ModelConfig) -> ModelConfig:
     # Only the shape fields matter; one trace serves every remat/dtype/attention variant.
     return dataclasses.replace(model, remat="none", compute_dtype="bfloat16", attention="xla")
@@ -43,12 +44,23 @@ def state_bytes(model: ModelConfig, layout: Layout) -> dict[str, int]:
     embedding, final norm and logits weights are replicated over the stages (every stage of the
     pipelined step holds them, `parallel/pipeline/executor.py`), so each device holds them all.
     """
-    return dict(_state_bytes_of(model, layout))
+    mesh = layout.mesh
+    # keyed on what `_state_bytes` reads: the communication options, the reduce dtype, the collective
+    # matmul and the micro-batches do not move the state (a search tries them all on each mesh)
+    return dict(_state_bytes_of(model, tuple(layout.size(a) for a in AXES), mesh.zero_stage, mesh.sequence_parallel,
+                                mesh.zero_axes, mesh.pipeline_schedule, mesh.pipeline_virtual_stages,
+                                mesh.pipeline_layers))
 
 
 @functools.lru_cache(maxsize=4096)  # the search asks it several times for every candidate
-def _state_bytes_of(model: ModelConfig, layout: Layout) -> dict[str, int]:
-    return _state_bytes(_shape_key(model), dataclasses.replace(layout, micro_batches=1))
+def _state_bytes_of(model: ModelConfig, sizes: tuple[int, ...], zero_stage: int, sequence_parallel: bool,
+                    zero_axes: str, pipeline_schedule: str, pipeline_virtual_stages: int,
+                    pipeline_layers: tuple[int, ...]) -> tuple[tuple[str, int], ...]:
+    axes = dict(zip(AXES, sizes))
+    mesh = MeshConfig(**axes, zero_stage=zero_stage, sequence_parallel=sequence_parallel, zero_axes=zero_axes,
+                      pipeline_schedule=pipeline_schedule, pipeline_virtual_stages=pipeline_virtual_stages,
+                      pipeline_layers=pipeline_layers)
+    return _state_bytes(_shape_key(model), Layout(mesh, pipeline=axes["pipeline"], micro_batches=1))
 
 
 def communication_bytes(model: ModelConfig, layout: Layout) -> dict[str, int]:
@@ -91,7 +103,6 @@ def check_kept_weights_fit(model: ModelConfig, layout: Layout, device_bytes: flo
             "mesh.fsdp_regather=per_micro_batch, or more mesh.tensor (python -m lumen_jax.plan shows the cost)")
 
 
-@functools.lru_cache(maxsize=4096)
 def _state_bytes(model: ModelConfig, layout: Layout) -> tuple[tuple[str, int], ...]:
     rules = Rules(zero_stage=layout.mesh.zero_stage, sequence_parallel=layout.mesh.sequence_parallel,
                   zero_axes=layout.mesh.zero_mesh_axes)
@@ -213,10 +224,17 @@ def regathered_inputs(model: ModelConfig, layout: Layout, remat: str) -> int:
     block (`parallel.collective_matmul`; measured on fsdp=4 x tensor=2: the layers' forward loop
     stacks the same four [B, T/t, D] rows either way)."""
     mesh = layout.mesh
-    if not (Ops.plain(dataclasses.replace(model, remat=remat)).regather and mesh.sequence_parallel
-            and mesh.tensor > 1):
+    if not (mesh.sequence_parallel and mesh.tensor > 1):
         return 0
     if layout.pipeline > 1 and layout.schedule[0] == "zero_bubble":
+        return 0
+    return _regathered_projections(model, remat)
+
+
+@functools.lru_cache(maxsize=64)  # the search asks it for every candidate; a ModelConfig replace is dear
+def _regathered_projections(model: ModelConfig, remat: str) -> int:
+    """`regathered_inputs` where sequence parallelism over `tensor` gathers them: by the model alone."""
+    if not Ops.plain(dataclasses.replace(model, remat=remat)).regather:
         return 0
     return sum(Ops.plain(model).projection(t) == "einsum" for t in ("attention", "mlp"))
 
@@ -242,9 +260,34 @@ def _residuals(model: ModelConfig, layout: Layout, remat: str, seq_len: int, att
 def saved_bytes_per_token(model: ModelConfig, layout: Layout, seq_len: int, remat: str,
                           attention: str = "xla") -> float:
     """Bytes one layer saves per local token under `remat` with `attention` (xla or flash)."""
-    rows = _as_gathered(_residuals(model, layout, remat, seq_len, attention).counts(), remat,
-                        regathered_inputs(model, layout, remat))
-    return _bytes(rows, _widths(model, layout, seq_len), compute_bytes(model))
+    rows = _layer_rows(remat, seq_len, attention, layout.mesh.context, layout.mesh.context_parallel,
+                       regathered_inputs(model, layout, remat)).saved
+    return _bytes(dict(rows), _widths(model, layout, seq_len), compute_bytes(model))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """A layer's rows per token by (width class, dtype class), as (key, count) pairs in the order
+    the counters that `_bytes` sums hold them."""
+
+    saved: tuple  # kept for the backward (`saved_bytes_per_token`)
+    unsaved: tuple  # recomputed in the backward, with the custom VJPs' rebuilt rows (`working_bytes_per_token`)
+    host: tuple  # offloaded to host memory (`activation_bytes`)
+
+
+@functools.lru_cache(maxsize=256)  # a search asks for every candidate: the Counter sums cost more than the bytes
+def _layer_rows(remat: str, seq_len: int, attention: str, context: int, context_parallel: str,
+                regathered: int) -> _Rows:
+    """The rows of the probe's residuals (`layer_residuals` of these arguments) under `remat`, with
+    `regathered` projection inputs kept as the device's own rows (`regathered_inputs`)."""
+    residuals = layer_residuals(remat, seq_len, attention, context, context_parallel)
+    every = _as_gathered(layer_residuals("none", seq_len, attention, context, context_parallel).counts(), "none")
+    every.update(REBUILT)
+    unsaved = every - _as_gathered(residuals.counts(host=True), remat, regathered)
+    unsaved = collections.Counter({key: n for key, n in unsaved.items() if key[0] != "S" and n > 0})
+    return _Rows(saved=tuple(_as_gathered(residuals.counts(), remat, regathered).items()),
+                 unsaved=tuple(unsaved.items()),
+                 host=tuple((residuals.counts(host=True) - residuals.counts()).items()))
 
 
 # What the custom VJP of SwiGLU (`ops.swiglu`) rebuilds in the backward of a layer instead of saving
@@ -264,11 +307,8 @@ def working_bytes_per_token(model: ModelConfig, layout: Layout, seq_len: int, re
     c, w = compute_bytes(model), _widths(model, layout, seq_len)
     cp = layout.mesh.context > 1
     scores, share = (CONTEXT_BACKWARD_ROWS if cp else BACKWARD_ROWS)[remat]
-    every = _as_gathered(_residuals(model, layout, "none", seq_len, attention).counts(), "none")
-    every.update(REBUILT)
-    unsaved = every - _as_gathered(_residuals(model, layout, remat, seq_len, attention).counts(host=True), remat,
-                                   regathered_inputs(model, layout, remat))
-    unsaved = collections.Counter({key: n for key, n in unsaved.items() if key[0] != "S" and n > 0})
+    unsaved = dict(_layer_rows(remat, seq_len, attention, layout.mesh.context, layout.mesh.context_parallel,
+                               regathered_inputs(model, layout, remat)).unsaved)
     row = model.num_heads * seq_len / layout.mesh.tensor * F32  # one query's fp32 scores, every local head
     # Context parallelism: all-gather holds the whole K and V and the fp32 dK/dV of the whole
     # sequence, C times the local K/V. So, on XLA:CPU, does the ring: its C hops are unrolled and
@@ -338,8 +378,11 @@ def loss_chunks(model: ModelConfig, layout: Layout, rows: int, seq_len: int) -> 
     sequence over `context` (and, with a pipeline, every P-th token on each stage), the vocabulary
     over `tensor`."""
     positions = -(-seq_len // layout.mesh.context // layout.pipeline)  # padded to a multiple of P (`units._strided`)
-    return chunk_count(max(rows, 1), max(positions, 1), max(model.vocab_size // layout.mesh.tensor, 1),
-                       model.loss_chunk_tokens)
+    return _chunk_count(max(rows, 1), max(positions, 1), max(model.vocab_size // layout.mesh.tensor, 1),
+                        model.loss_chunk_tokens)
+
+
+_chunk_count = functools.lru_cache(maxsize=1024)(chunk_count)  # a search asks it for every candidate
 
 
 def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_batch: int,
@@ -396,8 +439,8 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     copies = (residuals.weight_copies * counts["layer_matmul"] * c / mesh.tensor * kept
               if model.compute_dtype != "float32" else 0.0)
     per_layer = tokens * saved_bytes_per_token(model, layout, seq_len, remat, attention) + copies
-    grads = state_bytes(model, layout)["grads"]
-    host = _bytes(residuals.counts(host=True) - residuals.counts(), widths, c)
+    host = _bytes(dict(_layer_rows(remat, seq_len, attention, mesh.context, mesh.context_parallel,
+                                   regathered_inputs(model, layout, remat)).host), widths, c)
     # The pipelined step sums gradients in the scan carry over ticks, in place of the accumulation
     # loop's copies (measured: no copy beyond the gradients themselves). Interleaved stages hold
     # their blocks device-major (`Pipeline.pad`): no reordered copy.
@@ -417,7 +460,7 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
         elif layout.mesh.zero_stage >= 2:
             buffers = GRAD_ACCUMULATION_COPIES * unsharded / layout.mesh.fsdp
         else:
-            buffers = GRAD_ACCUMULATION_COPIES * grads
+            buffers = GRAD_ACCUMULATION_COPIES * state_bytes(model, layout)["grads"]
     if pipelined:  # each row group's float32 sum of the embedding table's gradient (`units.Device.embedding_grad`)
         buffers += model.vocab_size * model.d_model / layout.mesh.tensor * F32
     # A pipelined stage keeps each stashed forward's residuals (its chunk's layers, as the policy

@@ -77,7 +77,6 @@ def _probe_mesh(context: int):
                                      axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
 
 
-@functools.lru_cache(maxsize=64)
 def layer_residuals(remat: str, seq_len: int = _PROBE_MIN_SEQ, attention: str = "xla", context: int = 1,
                     context_parallel: str = "ring") -> Residuals:
     """The residuals of the model's layer under `remat` at sequence length `seq_len`, with the
@@ -94,10 +93,16 @@ def layer_residuals(remat: str, seq_len: int = _PROBE_MIN_SEQ, attention: str = 
     parallelism the chunk kernel is the flash kernel, whose residuals are the same as without it.
     """
     if context > 1 and attention == "flash":
-        return layer_residuals(remat, seq_len, attention)
+        context = 1
     # Under context parallelism one saved score block per token is seq/context elements: longer
     # than every width from 48 * context tokens on (the ring's counts do not depend on seq_len).
     seq = 64 * context if context > 1 else max(seq_len, _PROBE_MIN_SEQ)
+    return _probe(remat, seq, attention, context, context_parallel if context > 1 else "ring")
+
+
+@functools.lru_cache(maxsize=64)  # one trace per distinct probe, however its callers spell the arguments
+def _probe(remat: str, seq: int, attention: str, context: int, context_parallel: str) -> Residuals:
+    """`layer_residuals` of a probe of `seq` tokens (its arguments as the probe uses them)."""
     model = dataclasses.replace(PROBE, remat=remat, attention=attention)
     # Traced, never run: Pallas's interpreter takes the probe's head_dim of 6, which the compiled
     # kernel refuses; its custom VJP saves the same residuals.

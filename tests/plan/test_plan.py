@@ -849,7 +849,7 @@ def test_cli_against_xla():
     assert check["flops_predicted"] == pytest.approx(check["flops_compiled"], rel=FLOPS_RTOL)
 
 
-@pytest.mark.heavy  # --search tries pipeline depths too: 28 s (89 s before the memory-first check)
+@pytest.mark.heavy  # --search tries pipeline depths too: 57 s contended (2 min 4 s before the cheap-key memory checks)
 def test_the_issue_commands(capsys):
     """The two commands of the issue: the 70B preset is valid at 1024 H100s and fits; the 405B search ranks."""
     assert main(["--config", "configs/llama3_70b.yaml", "--devices", "1024", "--device", "h100"]) == 0
