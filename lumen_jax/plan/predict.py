@@ -9,7 +9,8 @@ import math
 from typing import Any, Callable
 
 from lumen_jax.metrics import flops
-from lumen_jax.config import Config, MeshConfig, ModelConfig
+from lumen_jax.config import Config, ConfigError, MeshConfig, ModelConfig
+from lumen_jax.config.checks import validate
 from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.plan.collectives import Collective, collectives
 from lumen_jax.plan.cost import planned_flops_per_token, planned_score_fraction
@@ -477,28 +478,38 @@ def settings(cfg: Config, layout: Layout, hw: Hardware, *, top: int = 5, **predi
     mesh = layout.mesh
     sequences = cfg.data.global_batch_size // (mesh.data * mesh.fsdp * mesh.expert)
     counts = [layout.micro_batches] if layout.pipeline > 1 else _divisors(sequences)
-    found = []
+    found, taken = [], {}
     for m, remat, zero, reduce, regather, dtype in itertools.product(
             counts, SEARCH_REMATS, ZERO_STAGES, COMM_OPTIONS["fsdp_grad_reduce"], COMM_OPTIONS["fsdp_regather"],
             REDUCE_DTYPES):
         if (zero != mesh.zero_stage and mesh.fsdp == 1) or \
                 (reduce != mesh.fsdp_grad_reduce and (m == 1 or mesh.fsdp == 1)) or \
-                (reduce == "once" and _reduces_every_tick(mesh, layout)) or \
                 (regather != mesh.fsdp_regather and (mesh.fsdp == 1 or zero < 3)) or \
                 (dtype != mesh.reduce_dtype and mesh.data * mesh.fsdp * layout.pipeline == 1):
             continue
         tried = dataclasses.replace(layout, micro_batches=m, mesh=dataclasses.replace(
             mesh, zero_stage=zero, fsdp_grad_reduce=reduce, fsdp_regather=regather, reduce_dtype=dtype))
         c = cfg.replace(mesh=tried.mesh, train=dataclasses.replace(cfg.train, micro_batches=m))
-        if _fits(c, tried, hw, remat, **predict_kwargs):
+        if _trainer_takes(c, tried, taken) and _fits(c, tried, hw, remat, **predict_kwargs):
             found.append(predict(c, tried, hw, remat=remat, **predict_kwargs))
     return sorted(found, key=lambda p: (-round(p.mfu, 4), p.bytes_per_device["total"]))[:top]
 
 
-def _reduces_every_tick(mesh: MeshConfig, layout: Layout) -> bool:
-    """Stages under sequence parallelism over tensor reduce fsdp's gradients in every tick: the
-    trainer refuses `mesh.fsdp_grad_reduce=once` there (config.checks, `_pipeline`)."""
-    return layout.pipeline > 1 and mesh.sequence_parallel and layout.size("tensor") > 1 and layout.size("fsdp") > 1
+def _trainer_takes(cfg: Config, layout: Layout, taken: dict[tuple[MeshConfig, int], bool]) -> bool:
+    """Whether the trainer's own checks (`config.checks.validate`) take `cfg` on `layout`'s devices, as
+    `layout` runs it (its stages and the schedule it plans), so `settings` offers only what a user can
+    launch; `taken` remembers each mesh and micro-batch count's answer (the remat policies share it)."""
+    name, v = layout.schedule
+    mesh = dataclasses.replace(layout.mesh, pipeline=layout.pipeline, pipeline_schedule=name,
+                               pipeline_virtual_stages=v)
+    key = (mesh, layout.micro_batches)
+    if key not in taken:
+        try:
+            validate(cfg.replace(mesh=mesh), layout.num_devices)
+            taken[key] = True
+        except ConfigError:
+            taken[key] = False
+    return taken[key]
 
 
 def best_setting(cfg: Config, layout: Layout, hw: Hardware, **predict_kwargs: Any) -> Plan:
