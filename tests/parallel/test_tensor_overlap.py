@@ -34,8 +34,7 @@ def one_device():
             "kv4": run(with_mesh(KV4), devices=jax.devices()[:1])}
 
 
-MESHES = {  # name: (model, micro-batches, mesh)
-    "fsdp=4,tensor=2": ("base", 1, dict(fsdp=4, tensor=2)),
+MESHES = {  # name: (model, micro-batches, mesh); fsdp with tensor: the replica vmap's mesh (data=2, fsdp=2, tensor=2)
     "data=2,tensor=4": ("kv4", 1, dict(data=2, tensor=4)),
     "data=2,tensor=2,m=2 (replica vmap)": ("base", 2, dict(data=2, fsdp=2, tensor=2)),
     "fsdp=2,context=2,tensor=2 (ring)": ("base", 1, dict(fsdp=2, context=2, tensor=2)),
