@@ -257,7 +257,7 @@ OPTIONS = {
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("name", ["data=2,fsdp=2,tensor=2,sp,once,per_step", "zero1,data=2,fsdp=4,once",
-                                  "zero2,data=2,fsdp=4,per_step", "data=2,context=2,fsdp=2", "data=4,context=2"])
+                                  "zero2,data=2,fsdp=4,per_step", "data=2,context=2,fsdp=2"])
 def test_four_micro_batches_equal_one_big_batch(name, reference32):
     """Every replica axis of the step's accumulators (`communication.gradient_plan`: data, context, and
     fsdp under `once`) and the weights gathered per step, under ZeRO-3, -2 and -1. (The defaults over

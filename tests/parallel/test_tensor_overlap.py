@@ -34,8 +34,9 @@ def one_device():
             "kv4": run(with_mesh(KV4), devices=jax.devices()[:1])}
 
 
-MESHES = {  # name: (model, micro-batches, mesh); fsdp with tensor: the replica vmap's mesh (data=2, fsdp=2, tensor=2)
-    "data=2,tensor=4": ("kv4", 1, dict(data=2, tensor=4)),
+# name: (model, micro-batches, mesh); fsdp with tensor: the replica vmap's mesh (data=2, fsdp=2, tensor=2);
+# data=2, tensor=4: test_overlap_matches_one_device_and_the_same_mesh_without_it
+MESHES = {
     "data=2,tensor=2,m=2 (replica vmap)": ("base", 2, dict(data=2, fsdp=2, tensor=2)),
     "fsdp=2,context=2,tensor=2 (ring)": ("base", 1, dict(fsdp=2, context=2, tensor=2)),
     "pipeline=2,fsdp=2,tensor=2,1f1b": ("base", 2, dict(pipeline=2, fsdp=2, tensor=2)),
@@ -72,9 +73,12 @@ def test_bfloat16_matches_one_device(m, mesh, one_device_bf16):
 
 
 @pytest.mark.heavy
-def test_overlap_matches_the_same_mesh_without_it():
+def test_overlap_matches_one_device_and_the_same_mesh_without_it(one_device):
+    """data=2 x tensor=4 (three steps per collective): one device's numbers, and the same mesh's
+    without the option."""
     cfg = with_mesh(KV4, data=2, tensor=4, sequence_parallel=True)
     got = run(dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, tensor_overlap=CM)))
+    assert_same_run(got, one_device["kv4"], "data=2,tensor=4")
     assert_same_run(got, run(cfg), "data=2,tensor=4 with and without tensor_overlap")
 
 
