@@ -579,9 +579,11 @@ def test_benchmark_script_imports_and_its_hlo_check_runs_on_cpu():
     from helpers.paths import load_script
     bench = load_script("benchmarks/fp8_gpu.py")
     assert bench.parse_args([]).recipes == "none,delayed,current"
+    # The trainer and batch shapes of test_the_step_switches_to_the_warm_branch_with_the_same_numbers: the
+    # step it runs is the program compiled here (one compile for both).
     tr = _trainer(Fp8Config(recipe="delayed", amax_history=4), num_layers=3, compute_dtype="float32",
-                  batch=2, seq_len=32, steps=10)
+                  batch=4, steps=10, remat="dots_with_no_batch_dims_saveable")
     from helpers.data import packed_batch
-    compiled, pre = bench.hlo_fp8_gemms(tr, tr.init(), tr.shard_batch(packed_batch(2, 32, 512, seed=0)))
+    compiled, pre = bench.hlo_fp8_gemms(tr, tr.init(), tr.shard_batch(packed_batch(4, 64, 512, seed=2)))
     assert compiled == 0  # XLA:CPU upcasts fp8 operands before its dots
     assert pre == 7 * 3  # the middle layer's 7 projections: forward, dgrad and wgrad each
