@@ -157,10 +157,12 @@ def test_matches_reference_more(case):
 
 @pytest.mark.heavy
 def test_random_shapes():
-    """Shapes drawn afresh from LUMEN_TEST_SEED (default 0; the seed is in any failure message)."""
+    """A shape drawn afresh from LUMEN_TEST_SEED (default 0; the seed is in any failure message): one
+    draw, each its own interpreted forward and backward (the fixed cases above hold every G, dtype and
+    mask; set the seed to draw others)."""
     seed = int(os.environ.get("LUMEN_TEST_SEED", "0"))
     rng = np.random.default_rng(seed)
-    for i in range(3):
+    for i in range(1):
         kh, ratio = int(rng.choice([1, 2])), int(rng.choice([1, 2, 4, 8]))
         case = Case(b=int(rng.integers(1, 3)), t=int(rng.integers(16, 65)), n=kh * ratio, kh=kh,
                     h=int(rng.choice([64, 128])), causal=bool(rng.integers(2)),

@@ -20,7 +20,7 @@ from lumen_jax.compiler import hlo
 from lumen_jax.compiler.compiled import compile_step
 from lumen_jax.plan.hardware import layout_from_config
 
-# Batch 32 so that data=8 with 4 micro-batches gives every device one row per micro-batch.
+# Batch 32 so that data=4 with 4 micro-batches gives every device two rows per micro-batch.
 BASE32 = BASE.replace(data=dataclasses.replace(BASE.data, global_batch_size=32))
 
 
@@ -39,126 +39,100 @@ def _bytes(collectives, axis: str, kinds=("all-reduce", "reduce-scatter")) -> in
     return sum(c.total for c in collectives if axis in c.axes and c.kind in kinds)
 
 
-@pytest.mark.heavy
-def test_data_parallel_gradients_cross_once_per_step():
-    one = _bytes(_collectives(_cfg(1, data=8)), "data")
-    four = _bytes(_collectives(_cfg(4, data=8)), "data")
-    assert one > 0
-    assert abs(four - one) <= 0.05 * one, f"gradient reduction bytes per step: m=1 {one}, m=4 {four}"
+def _collectives_and_grads(cfg):
+    """The step of `cfg`: its collectives on the mesh (compiled, never run) and one device's
+    gradient bytes (its shards of the parameters: what one reduction per step moves)."""
+    from lumen_jax.train.build import build
+    from lumen_jax.parallel.mesh import make_mesh
+    from lumen_jax.compiler.compiled import abstract_step_args
 
-
-@pytest.mark.heavy
-def test_context_gradients_cross_once_per_step():
-    """data=4 x context=2: every context device's gradients are partial sums of its tokens. With 4
-    micro-batches they are summed per device and reduced once per step, with data's (before: 4 x
-    the m=1 bytes over context, one all-reduce per micro-batch), in the accumulator's dtype."""
-    context_bytes = lambda m: _bytes(_collectives(_cfg(m, data=4, context=2)), "context", ("all-reduce",))  # noqa: E731
-    one, four = context_bytes(1), context_bytes(4)
-    assert one > 0
-    assert abs(four - one) <= 0.05 * one, f"gradient reduction bytes over context per step: m=1 {one}, m=4 {four}"
+    shape = {a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}
+    trainer = build(cfg, make_mesh(shape))
+    compiled = trainer.step.lower(*abstract_step_args(trainer, cfg)).compile()
+    params = jax.eval_shape(trainer.init).params
+    grads = sum(int(np.prod(sh.shard_shape(p.shape))) * p.dtype.itemsize
+                for p, sh in zip(jax.tree.leaves(params), jax.tree.leaves(trainer.state_shardings.params)))
+    return hlo.on_mesh(hlo.parse(compiled.as_text()), shape), grads
 
 
 @pytest.mark.heavy
 def test_moe_gradients_cross_data_once_per_step():
     """8 experts, top-2 on expert=4 x data=2: with 4 micro-batches the gradients cross `data` once
-    per step, as with 1 (the experts' grouped matmuls run under the replica vmap, ops/grouped.py;
-    before, 4 times). Over `expert`, which splits the tokens as `data` does, the other weights'
-    gradients are still summed every micro-batch (as under fsdp_grad_reduce=every_micro_batch)."""
-    moe = lambda m: dataclasses.replace(  # noqa: E731
-        _cfg(m, expert=4, data=2), model=dataclasses.replace(
-            BASE32.model, moe=MoeConfig(num_experts=8, top_k=2, expert_ffn_dim=32)))
-    one = _bytes(_collectives(moe(1)), "data")
-    four = _bytes(_collectives(moe(4)), "data")
-    assert one > 0
-    assert abs(four - one) <= 0.05 * one, f"MoE gradient reduction bytes over data per step: m=1 {one}, m=4 {four}"
+    per step, one device's gradients (the experts' grouped matmuls run under the replica vmap,
+    ops/grouped.py; before, 4 times). Over `expert`, which splits the tokens as `data` does, the other
+    weights' gradients are still summed every micro-batch (as under fsdp_grad_reduce=every_micro_batch)."""
+    cfg = dataclasses.replace(_cfg(4, expert=4, data=2), model=dataclasses.replace(
+        BASE32.model, moe=MoeConfig(num_experts=8, top_k=2, expert_ffn_dim=32)))
+    collectives, grads = _collectives_and_grads(cfg)
+    four = _bytes(collectives, "data")
+    assert abs(four - grads) <= 0.05 * grads, f"MoE: data reduction bytes per step {four}, gradients {grads}"
 
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("schedule,moe,axis,mesh", [
-    ("1f1b", False, "data", dict(data=4)), ("zero_bubble", False, "data", dict(data=4)),
     ("1f1b", True, "data", None), ("zero_bubble", False, "context", dict(data=2, context=2)),
     ("1f1b", False, "context", dict(context=2, tensor=2, sequence_parallel=True)),
     ("1f1b", False, "fsdp", dict(fsdp=4, zero_stage=1, fsdp_grad_reduce="once"))],
-    ids=["1f1b", "zero_bubble", "moe-expert2-1f1b", "context2-zero_bubble", "context2-tensor2-sp", "fsdp4-zero1-once"])
+    ids=["moe-expert2-1f1b", "context2-zero_bubble", "context2-tensor2-sp", "fsdp4-zero1-once"])
 def test_pipelined_data_parallel_gradients_cross_once_per_step(schedule, moe, axis, mesh):
-    """pipeline=2 x data=4, 4 micro-batches: the data-axis gradient reduction of the compiled step is
-    one reduction of a device's gradients (its stage's blocks and the replicated embedding, norm and
-    output), not one per tick (1f1b has 10 ticks here; before: 7.7 times the gradient bytes per step,
-    zero_bubble 10 times). MoE on pipeline=2 x expert=2 x data=2 too (before its stages ran without
-    the replica vmap: every tick's gradients crossed `data`). pipeline=2 x data=2 x context=2: the
-    context devices' partial gradients too, in the same one reduction (before: every unit's, in its
-    tick, 3.3 times the gradient bytes); with sequence parallelism over tensor (no replica vmap:
-    `context` manual in the stages' shard_map) once too (before: 3.8 times). ZeRO-1 over fsdp=4 with
+    """pipeline=2 with data replicas, 4 micro-batches: the data-axis gradient reduction of the compiled
+    step is one reduction of a device's gradients (its stage's blocks and the replicated embedding, norm
+    and output), not one per tick (on pipeline=2 x data=4, before: 1f1b 7.7 times the gradient bytes
+    per step, zero_bubble 10 times). MoE on pipeline=2 x expert=2 x data=2, 1f1b (before its stages ran
+    without the replica vmap: every tick's gradients crossed `data`). pipeline=2 x data=2 x context=2,
+    zero_bubble: the context devices' partial gradients too, in the same one reduction (before: every
+    unit's, in its tick, 3.3 times the gradient bytes); with sequence parallelism over tensor (no replica
+    vmap: `context` manual in the stages' shard_map) once too (before: 3.8 times). ZeRO-1 over fsdp=4 with
     `fsdp_grad_reduce=once` (Llama 3's "sharded but not re-sharded": the optimizer state sharded, the
     weights and gradients whole): one all-reduce of a device's gradients per step (with the default
-    every_micro_batch they cross fsdp in every tick: 2.5 times at m=2, 4.2 times at m=4)."""
-    from lumen_jax.train.build import build
-    from lumen_jax.parallel.mesh import make_mesh
-    from lumen_jax.compiler.compiled import abstract_step_args
-
+    every_micro_batch they cross fsdp in every tick: 2.5 times at m=2, 4.2 times at m=4). (Dense
+    pipeline=2 x data=4 under each schedule: the MoE and context cells run the same replica vmap.)"""
     if mesh:
         cfg = _cfg(4, pipeline=2, pipeline_schedule=schedule, **mesh)
     if moe:
         cfg = dataclasses.replace(_cfg(4, data=2, expert=2, pipeline=2, pipeline_schedule=schedule),
                                   model=dataclasses.replace(BASE32.model, moe=MoeConfig(num_experts=4, top_k=2,
                                                                                         expert_ffn_dim=32)))
-    shape = {a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}
-    trainer = build(cfg, make_mesh(shape))
-    compiled = trainer.step.lower(*abstract_step_args(trainer, cfg)).compile()
-    got = _bytes(hlo.on_mesh(hlo.parse(compiled.as_text()), shape), axis)
-    params = jax.eval_shape(trainer.init).params
-    grads = sum(int(np.prod(sh.shard_shape(p.shape))) * p.dtype.itemsize
-                for p, sh in zip(jax.tree.leaves(params), jax.tree.leaves(trainer.state_shardings.params)))
+    collectives, grads = _collectives_and_grads(cfg)
+    got = _bytes(collectives, axis)
     assert abs(got - grads) <= 0.05 * grads, f"{schedule}: {axis} reduction bytes per step {got}, gradients {grads}"
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
-def test_sequence_parallel_pipeline_gradients_cross_data_once_per_step(schedule):
-    """pipeline=2 x data=2 x tensor=2 with sequence parallelism, 4 layers: the stages run with `data`
-    manual in their shard_map (no replica vmap, on which XLA's partitioner stops), so the gradients
-    cross `data` once, after the last tick: the all-reduce bytes over data at 4 micro-batches are those
-    at P = 2, and one device's gradients (before, summed where XLA placed the sum: 1f1b 4.2 times the
-    gradient bytes at m=4 and 2.5 times at m=2, interleaved 4.2 and 2.2 times)."""
-    layers = lambda m: dataclasses.replace(  # noqa: E731
-        _cfg(m, pipeline=2, data=2, tensor=2, sequence_parallel=True, pipeline_schedule=schedule,
-             pipeline_virtual_stages=2 if schedule == "interleaved" else 1),
+def test_sequence_parallel_pipeline_gradients_cross_data_once_per_step():
+    """pipeline=2 x data=2 x tensor=2 with sequence parallelism, 4 layers, interleaved (2 virtual
+    stages): the stages run with `data` manual in their shard_map (no replica vmap, on which XLA's
+    partitioner stops), so the gradients cross `data` once, after the last tick: the all-reduce bytes
+    over data at 4 micro-batches are one device's gradients (before, summed where XLA placed the sum:
+    4.2 times the gradient bytes at m=4, 2.2 times at m=2). 1f1b on the same mesh:
+    test_sequence_parallel_pipeline_reduces_data_in_reduce_dtype (one shard's bytes at m=2)."""
+    cfg = dataclasses.replace(
+        _cfg(4, pipeline=2, data=2, tensor=2, sequence_parallel=True, pipeline_schedule="interleaved",
+             pipeline_virtual_stages=2),
         model=dataclasses.replace(BASE32.model, num_layers=4))
-    at_p, four = (_bytes(_collectives(layers(m)), "data", ("all-reduce",)) for m in (2, 4))
-    from lumen_jax.train.build import build
-    from lumen_jax.parallel.mesh import make_mesh
-
-    cfg = layers(4)
-    trainer = build(cfg, make_mesh({a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}))
-    params = jax.eval_shape(trainer.init).params
-    grads = sum(int(np.prod(sh.shard_shape(p.shape))) * p.dtype.itemsize
-                for p, sh in zip(jax.tree.leaves(params), jax.tree.leaves(trainer.state_shardings.params)))
-    assert abs(four - at_p) <= 0.05 * at_p, f"{schedule}: data all-reduce bytes m=4 {four}, m=P=2 {at_p}"
-    assert abs(four - grads) <= 0.05 * grads, f"{schedule}: data all-reduce bytes {four}, gradients {grads}"
+    collectives, grads = _collectives_and_grads(cfg)
+    four = _bytes(collectives, "data", ("all-reduce",))
+    assert abs(four - grads) <= 0.05 * grads, f"interleaved: data all-reduce bytes {four}, gradients {grads}"
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("option,kinds,grows", [
-    ("every_micro_batch", ("all-reduce", "reduce-scatter"), True),  # the sharded accumulator: once per micro-batch
-    ("once", ("all-reduce", "reduce-scatter"), False),
-])
-def test_fsdp_gradient_reduction(option, kinds, grows):
-    one = _bytes(_collectives(_cfg(1, fsdp=8, fsdp_grad_reduce=option)), "fsdp", kinds)
-    four = _bytes(_collectives(_cfg(4, fsdp=8, fsdp_grad_reduce=option)), "fsdp", kinds)
-    message = f"fsdp_grad_reduce={option}: gradient reduction bytes m=1 {one}, m=4 {four}"
+@pytest.mark.parametrize("options,grows", [(dict(), True),
+                                           (dict(fsdp_grad_reduce="once", fsdp_regather="per_step"), False)],
+                         ids=["every_micro_batch,per_micro_batch", "once,per_step"])
+def test_fsdp_gradient_reduction_and_weight_gathers(options, grows):
+    """fsdp=8, 1 and 4 micro-batches. The defaults (every_micro_batch, per_micro_batch): the sharded
+    gradient accumulator is reduced once per micro-batch and the weights gathered once per micro-batch,
+    so both grow with m. `fsdp_grad_reduce=once` and `fsdp_regather=per_step` (independent choices,
+    `communication.gradient_plan`): both once per step."""
+    one, four = (_collectives(_cfg(m, fsdp=8, **options)) for m in (1, 4))
+    reduced = [_bytes(c, "fsdp", ("all-reduce", "reduce-scatter")) for c in (one, four)]
+    gathered = [_bytes(c, "fsdp", ("all-gather",)) for c in (one, four)]
+    message = f"{options}: gradient reduction bytes m=1, m=4 {reduced}; weight all-gather bytes {gathered}"
     if grows:
-        assert four >= 3.5 * one, message
+        assert reduced[1] >= 3.5 * reduced[0] and gathered[1] >= 2 * gathered[0], message
     else:
-        assert abs(four - one) <= 0.05 * one, message
-
-
-@pytest.mark.heavy
-@pytest.mark.parametrize("option,grows", [("per_micro_batch", True), ("per_step", False)])
-def test_fsdp_weight_gathers(option, grows):
-    one = _bytes(_collectives(_cfg(1, fsdp=8, fsdp_regather=option)), "fsdp", ("all-gather",))
-    four = _bytes(_collectives(_cfg(4, fsdp=8, fsdp_regather=option)), "fsdp", ("all-gather",))
-    message = f"fsdp_regather={option}: weight all-gather bytes m=1 {one}, m=4 {four}"
-    assert (four >= 2 * one) if grows else (abs(four - one) <= 0.05 * one), message
+        assert abs(reduced[1] - reduced[0]) <= 0.05 * reduced[0], message
+        assert abs(gathered[1] - gathered[0]) <= 0.05 * gathered[0], message
 
 
 def _constraints(text: str) -> list[tuple[str, tuple[int, ...], str]]:
@@ -221,15 +195,15 @@ def _compiled_and_partitioned(cfg, tmp_path):
     return trainer, hlo.parse(compiled.as_text()), hlo.on_mesh(partitioned, shape)
 
 
-@pytest.mark.parametrize("reduce_dtype,mesh", [("float32", dict(data=2)), ("bfloat16", dict(data=2)),
-                                                ("bfloat16", dict(data=2, context=2))],
-                         ids=["float32", "bfloat16", "bfloat16-context2"])
+@pytest.mark.parametrize("reduce_dtype,mesh", [("float32", dict(data=2)), ("bfloat16", dict(data=2, context=2))],
+                         ids=["float32", "bfloat16-context2"])
 def test_reduce_dtype_sets_the_accumulators_and_the_reduction(reduce_dtype, mesh, tmp_path):
     """bfloat16 compute, data=2, 2 micro-batches: the micro-batch loop carries one gradient sum per
     parameter in `mesh.reduce_dtype` (norm scales too), and the step's one gradient reduction over
-    `data` moves 4 bytes per parameter in float32, 2 in bfloat16 (as partitioned for the mesh).
-    With context=2 too, that one reduction spans data x context (the context devices' partial sums
-    of their tokens are accumulated as `data`'s are), in bfloat16."""
+    `data` moves 4 bytes per parameter in float32 (on data=2), 2 in bfloat16 (on data=2 x context=2,
+    as partitioned for the mesh): one reduction per step, spanning data x context (the context devices'
+    partial sums of their tokens are accumulated as `data`'s are; before, every micro-batch's crossed
+    `context`). The data-only gradients crossing once per step: the float32 case."""
     cfg = _cfg(2, "bfloat16", reduce_dtype=reduce_dtype, **mesh)
     trainer, compiled, collectives = _compiled_and_partitioned(cfg, tmp_path)
     params = jax.tree.leaves(jax.eval_shape(trainer.init).params)
@@ -271,9 +245,6 @@ def reference32():
 
 
 OPTIONS = {
-    "data=8": dict(data=8),
-    "fsdp=8,once": dict(fsdp=8, fsdp_grad_reduce="once"),
-    "fsdp=8,per_step": dict(fsdp=8, fsdp_regather="per_step"),
     "data=2,fsdp=2,tensor=2,sp": dict(data=2, fsdp=2, tensor=2, sequence_parallel=True),
     "data=2,fsdp=2,tensor=2,sp,once,per_step": dict(data=2, fsdp=2, tensor=2, sequence_parallel=True,
                                                     fsdp_grad_reduce="once", fsdp_regather="per_step"),
@@ -285,8 +256,12 @@ OPTIONS = {
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("name", list(OPTIONS))
+@pytest.mark.parametrize("name", ["data=2,fsdp=2,tensor=2,sp,once,per_step", "zero1,data=2,fsdp=4,once",
+                                  "zero2,data=2,fsdp=4,per_step", "data=2,context=2,fsdp=2"])
 def test_four_micro_batches_equal_one_big_batch(name, reference32):
+    """Every replica axis of the step's accumulators (`communication.gradient_plan`: data, context, and
+    fsdp under `once`) and the weights gathered per step, under ZeRO-3, -2 and -1. (The defaults over
+    fsdp at 4 micro-batches: tests/parallel/test_parallel.py's test_micro_batches_equal_one_big_batch.)"""
     got = run(with_mesh(BASE32, micro_batches=4, **OPTIONS[name]))
     assert_same_run(got, reference32, f"{name}, 4 micro-batches")
 
@@ -338,11 +313,12 @@ def test_an_option_this_xla_lacks(monkeypatch, capsys):
                                   "zero1,data=2,fsdp=4,once", "zero2,data=2,fsdp=4,per_step", "data=4,context=2"])
 def test_planned_collectives_match_the_compiled_step(name):
     """The planner's collective bytes per step, by mesh axes and kind, within 10% of the compiled
-    program's (4 micro-batches); data=8's single reduction is covered by the first test. Entries under
-    5% of the largest are not compared: the planner leaves out one small reshard (with sequence
-    parallelism XLA collective-permutes 33 KB over fsdp+tensor per step, 2.6% of the largest).
-    data=4,context=2: the ring's hops and the gradients' all-reduce over context, every micro-batch
-    (the weights are replicated over context; measured: both within 0.1%)."""
+    program's (4 micro-batches); data's single reduction is checked by
+    test_reduce_dtype_sets_the_accumulators_and_the_reduction. Entries under 5% of the largest are not
+    compared: the planner leaves out one small reshard (with sequence parallelism XLA
+    collective-permutes 33 KB over fsdp+tensor per step, 2.6% of the largest). data=4,context=2: the
+    ring's hops and the gradients' all-reduce over context, every micro-batch (the weights are
+    replicated over context; measured: both within 0.1%)."""
     from lumen_jax.plan import DEVICES, predict
     from lumen_jax.compiler.compiled import against_xla
 
