@@ -225,28 +225,29 @@ def _trainer(stages: int):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("first,then", [(4, 1), (1, 4)])
-def test_checkpoint_moves_between_pipeline_depths(reference, tmp_path, first, then):
-    """One step at pipeline=`first`, saved, restored at pipeline=`then`: the next two steps' losses
-    and grad norms are the uninterrupted run's."""
-    writer = _trainer(first)
+def test_checkpoint_moves_between_pipeline_depths(reference, tmp_path):
+    """One step at pipeline=4, saved, restored at pipeline=1, and one step at pipeline=1, saved,
+    restored at pipeline=4 (the two trainers built once): the next two steps' losses and grad norms
+    are the uninterrupted run's."""
+    trainers = {stages: _trainer(stages) for stages in (4, 1)}
     data = batches(CFG)
-    state, _ = writer.step(writer.init(), writer.shard_batch(data[0]))
-    ckpt = Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig())
-    ckpt.save(1, state, {})
-    ckpt.wait()
-    ckpt.close()
-    reader = _trainer(then)
-    state = Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig()).restore_latest(reader.abstract_state()).state
-    for got, sh in zip(jax.tree.leaves(state.params), jax.tree.leaves(reader.state_shardings.params)):
-        assert got.sharding == sh
-    losses, norms = [], []
-    for batch in data[1:]:
-        state, m = reader.step(state, reader.shard_batch(batch))
-        losses.append(float(m["loss"]))
-        norms.append(float(m["grad_norm"]))
-    np.testing.assert_allclose(losses, reference["losses"][1:], rtol=FP32_RTOL)
-    np.testing.assert_allclose(norms, reference["grad_norms"][1:], rtol=FP32_RTOL)
+    for first, then in ((4, 1), (1, 4)):
+        writer, reader, path = trainers[first], trainers[then], str(tmp_path / f"ckpt{first}")
+        state, _ = writer.step(writer.init(), writer.shard_batch(data[0]))
+        ckpt = Checkpointer(path, CheckpointConfig())
+        ckpt.save(1, state, {})
+        ckpt.wait()
+        ckpt.close()
+        state = Checkpointer(path, CheckpointConfig()).restore_latest(reader.abstract_state()).state
+        for got, sh in zip(jax.tree.leaves(state.params), jax.tree.leaves(reader.state_shardings.params)):
+            assert got.sharding == sh
+        losses, norms = [], []
+        for batch in data[1:]:
+            state, m = reader.step(state, reader.shard_batch(batch))
+            losses.append(float(m["loss"]))
+            norms.append(float(m["grad_norm"]))
+        np.testing.assert_allclose(losses, reference["losses"][1:], rtol=FP32_RTOL, err_msg=f"{first} -> {then}")
+        np.testing.assert_allclose(norms, reference["grad_norms"][1:], rtol=FP32_RTOL, err_msg=f"{first} -> {then}")
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
