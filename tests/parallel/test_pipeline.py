@@ -117,7 +117,7 @@ def test_pipeline_composes_with_the_other_axes(reference, mesh):
     under 1f1b. zero_bubble under the replica vmap: test_pipeline_compose (MoE, fp8) and
     test_pipeline_split (pipeline=4 data=2). The other schedules on the issue's two meshes:
     test_pipeline_matches_single_device (P=4), test_pipeline_split (zero_bubble, the gradients),
-    test_pipeline_work and test_pipeline_sends (the compiled programs)."""
+    test_pipeline_work (the compiled programs)."""
     cfg = with_mesh(CFG, micro_batches=M, **{"pipeline": 2, "pipeline_schedule": "1f1b", **mesh})
     assert_same_run(run(cfg, jax.devices()), reference, f"pipeline=2 {mesh}")
 
