@@ -1,7 +1,8 @@
 """Any pipeline depth with any sequence length (issue 44 part 3): the stages share the last stage's
 loss by tokens, every P-th token of each context device's run, padded to a multiple of P (the padded
 positions carry no loss), so `data.seq_len` need not divide by `mesh.pipeline` (NeMo's 405B recipe
-runs PP 9 at 8k). Losses, grad norms and gradients against one device."""
+runs PP 9 at 8k). Losses, grad norms and gradients against one device; the train CLI's bubble and
+HFU/MFU of a pipelined run."""
 
 import dataclasses
 import json
@@ -16,6 +17,8 @@ import pytest
 from helpers.paths import REPO
 from helpers.run import BASE, assert_same_run, run, with_mesh
 from helpers.tolerances import FP32_RTOL
+from lumen_jax.config import from_dict
+from lumen_jax.metrics import flops
 
 
 def _cfg(seq_len: int, layers: int, micro_batches: int, **mesh):
@@ -56,9 +59,16 @@ def _train(tmp_path, name: str, *overrides: str) -> list[dict]:
 @pytest.mark.heavy
 def test_nine_stages_at_a_sequence_length_nine_does_not_divide(tmp_path):
     """pipeline=9 (9 emulated devices, as a user types it) on 40 tokens: the losses and grad norms
-    of 3 steps equal one device's."""
+    of 3 steps equal one device's. The train CLI reports the bubble, and no stage forward is
+    recomputed: HFU/MFU is the remat policy's ratio, as without a pipeline."""
     nine = _train(tmp_path, "nine", "runtime.cpu_devices=9", "mesh.pipeline=9")
     one = _train(tmp_path, "one", "runtime.cpu_devices=1")
     assert len(nine) == len(one) == 3
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose([r[key] for r in nine], [r[key] for r in one], rtol=FP32_RTOL, err_msg=key)
+    assert [r["pipeline_bubble"] for r in nine] == [pytest.approx(8 / 17)] * 3  # 1f1b's (P-1)/(m+P-1), P=m=9
+    with open(os.path.join(tmp_path, "nine", "config.json"), encoding="utf-8") as f:
+        cfg = from_dict(json.load(f))
+    model, seq = cfg.model, cfg.data.seq_len
+    ratio = flops.hardware_flops_per_token(model, seq) / flops.flops_per_token(model, seq)
+    assert [r["hfu"] / r["mfu"] for r in nine] == [pytest.approx(ratio, rel=1e-6)] * 3

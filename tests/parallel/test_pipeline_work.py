@@ -1,11 +1,27 @@
 """The pipelined step does its schedule's work and nothing more: matmul FLOPs of the compiled step
 (every dot times its loops' trip counts) against the same model on the same devices without a
 pipeline, 16 layers, m = 8. Each schedule costs 1/(1 - bubble) of the unpipelined step: the fill
-and the drain, no discarded branch, no recomputed stage forward, the logits once."""
+and the drain, no discarded branch, no recomputed stage forward, the logits once.
 
+The pipeline's sends run beside compute (issue 45 part 3), read off the same compiled steps
+(pipeline=4 x data=2): every collective-permute over `pipeline` that `schedule.sends` says has a
+forward, a backward or a weight unit beside it has matmuls that neither feed it nor read its result,
+at least a forward's (the fill's tick, a forward alone, is the measure); the ones it says wait (the
+fill's activations, a drain's cotangents) have less (gpipe's activations the loss's share of the
+logits; zero_bubble's sends at the ends of the ticks had its W unit beside them, about 0.9 of a
+forward). Per step the program sends one activation per forward tick and one cotangent per backward
+tick (the last backward's is not sent, the first tick with a backward sends the fill's zeros;
+gpipe's, run on its own, sends none): as many as before the sends moved (gpipe one fewer), except
+where the drain is a single tick (pipeline=2), whose unread send XLA dropped before: one more there.
+The numbers are the same as before: tests/parallel/test_pipeline*.py against one device, and the
+baseline's bit-identical losses and gradient norms (CHANGELOG, 2026-12-06)."""
+
+import collections
 import dataclasses
+import functools
 
 import jax
+import numpy as np
 import pytest
 
 from helpers.run import BASE, batches, with_mesh
@@ -23,6 +39,7 @@ M = 8
 TIGHT = 1.01
 
 
+@functools.cache  # the sends test reads the steps test_executed_work_is_the_schedules compiled
 def compiled_step(cfg) -> hlo.Module:
     trainer = build(cfg, make_mesh({a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}, jax.devices()))
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding)
@@ -30,8 +47,12 @@ def compiled_step(cfg) -> hlo.Module:
     return hlo.parse(trainer.step.lower(trainer.abstract_state(), batch).compile().as_text())
 
 
+def at_64_rows(cfg):
+    return cfg.replace(data=dataclasses.replace(cfg.data, global_batch_size=64))
+
+
 def matmul_flops(cfg) -> int:
-    return hlo.matmul_flops(compiled_step(cfg.replace(data=dataclasses.replace(cfg.data, global_batch_size=64))))
+    return hlo.matmul_flops(compiled_step(at_64_rows(cfg)))
 
 
 @pytest.mark.heavy
@@ -52,6 +73,55 @@ def test_executed_work_is_the_schedules(mesh, flat, schedules):
         assert ratio > 0.95 * bound, f"{name}: {ratio:.3f}x: less work than the schedule needs?"
         assert ratio <= 1.15 * table, f"{name}: {ratio:.3f}x > 1.15 x {table:.3f}"  # the issue's bound
     assert ratios["zero_bubble"] <= ratios["1f1b"] * 1.0001  # no slower than 1f1b
+
+
+def _direction(line: str, shape: dict[str, int]) -> str:
+    """"activation" for a send one stage on (the interleaved wrap from the last stage to the
+    first included), "cotangent" for one stage back."""
+    p, axis = shape["pipeline"], list(shape).index("pipeline")
+    steps = {int(np.unravel_index(b, list(shape.values()))[axis] - np.unravel_index(a, list(shape.values()))[axis]) % p
+             for a, b in hlo.device_groups(line)}
+    assert len(steps) == 1 and steps <= {1, p - 1}, (steps, line[:200])
+    return "activation" if steps == {1} else "cotangent"
+
+
+# (schedule, V): pipeline=4 x data=2 (the replica vmap), 16 layers, m = 8: the steps of
+# test_executed_work_is_the_schedules; P = 4, where one stage on and one back are two permutations
+SENDS = [("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1), ("gpipe", 1)]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("name,virtual", SENDS, ids=[c[0] for c in SENDS])
+def test_sends_run_beside_compute_where_the_schedule_says(name, virtual):
+    stages = 4
+    cfg = at_64_rows(with_mesh(CFG, micro_batches=M, pipeline=stages, data=2, pipeline_schedule=name,
+                               pipeline_virtual_stages=virtual))
+    shape = {a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}
+    module = compiled_step(cfg)
+    prog = pipeline_lib.lockstep(name, stages, M, virtual)
+    sends = [b for b in hlo.beside(module) if hlo._axes(hlo.device_groups(b.instr.line), shape) == ("pipeline",)]
+    fill = pipeline_lib.sends(prog)[0]
+    assert not fill[0].backward and fill[1][0].beside == ""
+    # the fill's tick, a forward alone (its loop body's matmuls): a forward's matmuls
+    forward = {b.computation_flops for b in sends if module.executions(b.instr) == fill[0].stop - fill[0].start
+               and _direction(b.instr.line, shape) == "activation" and b.flops == 0}
+    assert len(forward) == 1, forward
+    forward = forward.pop()
+
+    compiled: collections.Counter = collections.Counter()
+    for b in sends:
+        compiled[(_direction(b.instr.line, shape), b.flops >= forward)] += module.executions(b.instr)
+    planned: collections.Counter = collections.Counter()
+    for _, row in pipeline_lib.sends(prog):
+        for send in row:
+            planned[(send.what, send.hidden)] += send.ticks
+    assert compiled == planned, f"{name}: compiled (what, beside compute): {dict(compiled)}, planned {dict(planned)}"
+    # ticks with a forward and a backward: both sends beside compute (gpipe has none: its sends all wait)
+    assert name == "gpipe" or (planned[("activation", True)] and planned[("cotangent", True)]), planned
+    # one per forward and one per backward tick (gpipe: one fewer), as many as the sends at the ends of
+    # the ticks were (where the drain is longer than one tick, whose last send XLA did not drop)
+    ticks = {k: sum(g.stop - g.start for g in prog.segments if getattr(g, k)) for k in ("forward", "backward")}
+    assert sum(compiled.values()) == ticks["forward"] + ticks["backward"] - sum(prog.alone()), (dict(compiled), ticks)
 
 
 @pytest.mark.heavy
