@@ -186,7 +186,12 @@ def test_absorbed_decoding_equals_the_full_forward():
 
     cfg = DEEPSEEK.model
     params, state = init(cfg, 0)
-    model = merge(abstract_model(cfg).graphdef, params, state)
+    graphdef = abstract_model(cfg).graphdef
+    model = merge(graphdef, params, state)
+    # jitted, as generate runs them (eager, each small op would compile on its own): one program each
+    prefill = jax.jit(lambda p, *a: decode.prefill(merge(graphdef, p, state), *a))
+    step = jax.jit(lambda p, *a: decode.decode(merge(graphdef, p, state), *a))
+    forward = jax.jit(lambda p, *a: merge(graphdef, p, state)(*a))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (2, 12)).astype(np.int32)
     prompt, total = 5, 12
@@ -194,17 +199,17 @@ def test_absorbed_decoding_equals_the_full_forward():
     valid[1, :2] = False  # row 1: a 3-token prompt, left-padded
     cache = decode.init_cache(model, 2, total)
     assert cache["k"].shape == (3, 2, total, 16) and cache["v"].shape == (3, 2, total, 8)
-    logits, cache = decode.prefill(model, jnp.asarray(tokens[:, :prompt]), jnp.asarray(valid), cache)
+    logits, cache = prefill(params, jnp.asarray(tokens[:, :prompt]), jnp.asarray(valid), cache)
     got = [np.asarray(logits)]
     valid_bs = np.concatenate([valid, np.ones((2, total - prompt), bool)], axis=1)
     for slot in range(prompt, total - 1):
         positions = np.asarray([slot, slot - 2], np.int32)
-        logits, cache = decode.decode(model, jnp.asarray(tokens[:, slot]), jnp.asarray(positions), jnp.int32(slot),
-                                      jnp.asarray(valid_bs), cache)
+        logits, cache = step(params, jnp.asarray(tokens[:, slot]), jnp.asarray(positions), jnp.int32(slot),
+                             jnp.asarray(valid_bs), cache)
         got.append(np.asarray(logits))
     for row, start in ((0, 0), (1, 2)):  # each row's own sequence through the forward
         seq = tokens[row:row + 1, start:total - 1]
-        full = np.asarray(model(jnp.asarray(seq), jnp.arange(seq.shape[1])[None]))[0]
+        full = np.asarray(forward(params, jnp.asarray(seq), jnp.arange(seq.shape[1])[None]))[0]
         want = full[prompt - 1 - start:]
         np.testing.assert_allclose(np.stack([g[row] for g in got]), want, rtol=FP32_RTOL,
                                    atol=FP32_RTOL * float(np.abs(want).max()))
