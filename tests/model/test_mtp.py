@@ -53,10 +53,14 @@ def paper_objective(model, batch, weight):
     return total
 
 
+_init = jax.jit(init, static_argnums=(0, 1))  # one program (eager, each of its ops compiles on its own)
+
+
 @pytest.fixture(scope="module")
 def setup():
-    params, state = init(MTP.model, 0)
-    params = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(jax.random.key(1), p.shape), params)  # norms off 1
+    params, state = _init(MTP.model, 0)
+    params = jax.jit(lambda ps: jax.tree.map(  # norms off 1
+        lambda p: p + 0.05 * jax.random.normal(jax.random.key(1), p.shape), ps))(params)
     batch = {k: jnp.asarray(v) for k, v in packed_batch(4, 32, MTP.model.vocab_size, seed=3).items()}
     return abstract_model(MTP.model).graphdef, params, state, batch
 
@@ -83,7 +87,7 @@ def test_mtp_objective_and_gradients_equal_the_papers_formula(setup):
 def test_mtp_counts_in_flops_and_what_a_pipeline_refuses():
     m = MTP.model
     off = dataclasses.replace(m, mtp_depth=0)
-    params = init(m, 0)[0]
+    params = _init(m, 0)[0]
     assert sum(x.size for x in jax.tree.leaves(params)) == flops.param_counts(m)["total"]
     d, v = m.d_model, m.vocab_size
     layer = flops.param_counts(off)["layer_matmul"]
