@@ -1,5 +1,7 @@
 """DeepSeek-V3's model: multi-head latent attention and the first layers dense then MoE, trained on every
-mesh axis as on one device; MLA's narrower values through the flash kernel; its config refusals."""
+mesh axis but `data` as on one device (`data` adds only the step's replica vmap, which the MoE tests cover:
+tests/model/test_moe.py, tests/ops/test_moe_balance.py); MLA's narrower values through the flash kernel; its
+config refusals."""
 
 import dataclasses
 
