@@ -116,7 +116,12 @@ def test_init_from_an_imported_deepseek_starts_with_its_router_bias(imported, tm
     """A run with train.init_from= the import starts with its routers' selection bias: the bias its first
     step chose with (the model state of its step-1 checkpoint) is the checkpoint's. The Hugging Face
     directory itself, converted in memory, gives the same state; a run whose model state is laid out
-    otherwise (another model.moe.balance) starts with its own, and a note says so."""
+    otherwise (another model.moe.balance) starts with its own, and a note says so.
+
+    Then to-hf of that trained run (a large bias_update_rate, so that the selection bias changes the
+    routing) writes the bias the model state chooses with (its last bias updated by its last load) as
+    e_score_correction_bias, and transformers' logits equal ours with that state (and differ from ours
+    without it). One training subprocess for both claims."""
     import dataclasses
 
     import jax
@@ -134,6 +139,7 @@ def test_init_from_an_imported_deepseek_starts_with_its_router_bias(imported, tm
     run_dir = str(tmp_path / "run")
     raw["data"].update(builtin_max_bytes=100_000, seq_len=16, global_batch_size=2)
     raw["train"].update(steps=1, init_from=source, run_dir=run_dir)
+    raw["model"]["moe"]["bias_update_rate"] = 0.5  # for to-hf below: the next bias moves the routing
     raw["checkpoint"]["every_steps"] = 1
     raw["log"].update(every_steps=1, tensorboard=False, progress=False)
     raw["runtime"]["cpu_devices"] = 1
@@ -158,6 +164,32 @@ def test_init_from_an_imported_deepseek_starts_with_its_router_bias(imported, tm
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"note: the model state of train.init_from={source} (moe_blocks/mlp/balance/bias") and (
         "the run starts with its own fresh model state" in err and "\n" not in err), err
+
+    # to-hf of the trained run: the bias its next step chooses with
+    from lumen_jax.model import apply
+
+    back = str(tmp_path / "back")
+    assert convert(["to-hf", "--run-dir", run_dir, "--out", back]) == 0
+    cfg = weights.read_config(run_dir, 1)
+    a = abstract_model(cfg.model)
+    params = weights.load_params(run_dir, 1, on_one(a.params))
+    state = weights.load_model_state(run_dir, 1, on_one(a.state))
+    balance = state["moe_blocks"]["mlp"]["balance"]
+    bias, load = np.asarray(balance["bias"]), np.asarray(balance["load"])
+    np.testing.assert_array_equal(bias, want)
+    bias = bias + 0.5 * np.sign(load.mean(-1, keepdims=True) - load)  # what the next step chooses with
+    assert np.abs(bias - want).max() > 0.1
+    exported = tensors(back)
+    first = cfg.model.moe.first_dense_layers
+    for i in range(bias.shape[0]):
+        np.testing.assert_array_equal(exported[f"model.layers.{i + first}.mlp.gate.e_score_correction_bias"], bias[i])
+    tokens = TOKENS % cfg.model.vocab_size
+    positions = np.arange(tokens.shape[1])[None]
+    ours = np.asarray(apply(a.graphdef, params, tokens, positions, state=state))
+    ref = hf_logits(back, tokens)
+    np.testing.assert_allclose(ours, ref, rtol=FP32_RTOL, atol=FP32_RTOL * float(np.abs(ref).max()))
+    zero = jax.tree.map(np.zeros_like, state)
+    assert not logits_close(np.asarray(apply(a.graphdef, params, tokens, positions, state=zero)), ref)
 
 
 def _with_mtp_layer(src: str, dst: str) -> dict:
@@ -229,44 +261,3 @@ def test_from_hf_imports_the_mtp_layer_and_to_hf_writes_it_back(imported, tmp_pa
     assert convert(["from-hf", "--hf-dir", hf_dir, "--out", str(tmp_path / "run2")]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "model.layers.3.shared_head.head.weight differs from lm_head.weight" in err, err
-
-
-@pytest.mark.heavy
-def test_to_hf_of_a_trained_run_writes_its_router_bias(tmp_path):
-    """configs/tiny_deepseek_v3.yaml trained 2 steps (a large bias_update_rate, so that the selection bias
-    changes the routing): to-hf writes the bias the model state chooses with (its last bias updated by its
-    last load) as e_score_correction_bias, and transformers' logits equal ours with that state (and differ
-    from ours without it)."""
-    import jax
-
-    from lumen_jax.checkpoint import weights
-    from lumen_jax.model import abstract_model, apply
-
-    run_dir, back = str(tmp_path / "run"), str(tmp_path / "back")
-    train = subprocess.run([sys.executable, "-m", "lumen_jax.train", "--config", "configs/tiny_deepseek_v3.yaml",
-                            "train.steps=2", "checkpoint.every_steps=2", f"train.run_dir={run_dir}",
-                            "model.moe.bias_update_rate=0.5", "runtime.cpu_devices=1", "mesh.fsdp=1"],
-                           cwd=REPO, timeout=600, capture_output=True, text=True)
-    assert train.returncode == 0, train.stderr[-2000:]
-    assert convert(["to-hf", "--run-dir", run_dir, "--out", back]) == 0
-    cfg = weights.read_config(run_dir, 2)
-    a = abstract_model(cfg.model)
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    on_one = lambda tree: jax.tree.map(  # noqa: E731
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), tree)
-    params = weights.load_params(run_dir, 2, on_one(a.params))
-    state = weights.load_model_state(run_dir, 2, on_one(a.state))
-    balance = state["moe_blocks"]["mlp"]["balance"]
-    bias, load = np.asarray(balance["bias"]), np.asarray(balance["load"])
-    bias = bias + 0.5 * np.sign(load.mean(-1, keepdims=True) - load)  # what the next step chooses with
-    assert np.abs(bias).max() > 0.1
-    exported = tensors(back)
-    for i in range(bias.shape[0]):
-        np.testing.assert_array_equal(exported[f"model.layers.{i + 1}.mlp.gate.e_score_correction_bias"], bias[i])
-    tokens = TOKENS % cfg.model.vocab_size
-    positions = np.arange(tokens.shape[1])[None]
-    ours = np.asarray(apply(a.graphdef, params, tokens, positions, state=state))
-    ref = hf_logits(back, tokens)
-    np.testing.assert_allclose(ours, ref, rtol=FP32_RTOL, atol=FP32_RTOL * float(np.abs(ref).max()))
-    zero = jax.tree.map(np.zeros_like, state)
-    assert not logits_close(np.asarray(apply(a.graphdef, params, tokens, positions, state=zero)), ref)

@@ -177,13 +177,19 @@ def our_model_state(run_dir: str) -> dict:
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), a.state))
 
 
+# One program per model (the graph static): eager, each of the forward's many small ops compiles on its own,
+# and a control (other weights, the state zeroed) of the same model reuses the program.
+_apply = jax.jit(lambda graphdef, params, tokens, positions, state: apply(graphdef, params, tokens, positions,
+                                                                           state=state), static_argnums=0)
+
+
 def logits_of(model_cfg, params: dict, tokens: np.ndarray, state: dict | None = None) -> np.ndarray:
     """Our logits of `tokens`; `state`: the model state (None: zeros, as a run starts)."""
     positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
     a = abstract_model(model_cfg)
     if state is None:
         state = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), a.state)
-    return np.asarray(apply(a.graphdef, params, tokens, positions, state=state))
+    return np.asarray(_apply(a.graphdef, params, tokens, positions, state))
 
 
 def our_logits(run_dir: str, tokens: np.ndarray) -> np.ndarray:

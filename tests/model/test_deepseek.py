@@ -1,5 +1,7 @@
 """DeepSeek-V3's model: multi-head latent attention and the first layers dense then MoE, trained on every
-mesh axis as on one device; MLA's narrower values through the flash kernel; its config refusals."""
+mesh axis but `data` as on one device (`data` adds only the step's replica vmap, which the MoE tests cover:
+tests/model/test_moe.py, tests/ops/test_moe_balance.py); MLA's narrower values through the flash kernel; its
+config refusals."""
 
 import dataclasses
 
@@ -24,9 +26,6 @@ DS_MOE = MoeConfig(num_experts=8, top_k=2, first_dense_layers=1, shared_experts=
                    aux_loss_weight=0.0, sequence_aux_loss_weight=1e-4)
 DEEPSEEK = BASE.replace(optim=dataclasses.replace(BASE.optim, lr=1e-3), model=dataclasses.replace(
     BASE.model, num_layers=3, **MLA, moe=DS_MOE))
-# Every layer MoE (no first dense layer): the pipeline cuts it.
-DEEPSEEK_PP = DEEPSEEK.replace(model=dataclasses.replace(
-    DEEPSEEK.model, num_layers=2, moe=dataclasses.replace(DS_MOE, first_dense_layers=0)))
 # Measured after 3 Adam steps against one device: see the commit; losses, grad norms and first gradients
 # within FP32_RTOL.
 GRADS_END_RTOL = 1e-4
@@ -35,7 +34,7 @@ GRADS_END_RTOL = 1e-4
 def test_mla_parameters_and_count():
     from lumen_jax.model import init_params
 
-    params = init_params(DEEPSEEK.model, 0)
+    params = jax.jit(init_params, static_argnums=(0, 1))(DEEPSEEK.model, 0)  # eager: each op compiled alone
     attn = params["moe_blocks"]["attn"]
     assert attn["wkv_a"].shape == (2, 64, 16) and attn["wk_rope"].shape == (2, 64, 8)
     assert attn["wk_b"].shape == (2, 16, 4, 16) and attn["wv_b"].shape == (2, 16, 4, 12)
@@ -51,30 +50,16 @@ def reference():
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2, tensor=2), dict(fsdp=2, tensor=2, sequence_parallel=True),
-                                  dict(expert=2, context=2, fsdp=2)],
-                         ids=["data2-fsdp2-tensor2", "fsdp2-tensor2-sp", "expert2-context2-fsdp2"])
+@pytest.mark.parametrize("mesh", [dict(expert=2, context=2, tensor=2, sequence_parallel=True)],
+                         ids=["expert2-context2-tensor2-sp"])
 def test_deepseek_trains_on_meshes_as_on_one_device(reference, mesh):
-    """Heads over tensor with the latent replicated; the expanded K/V around the context ring (values
-    padded to the q/k head dim); experts over expert."""
+    """Heads over tensor with the latent replicated, sequence parallel; the expanded K/V around the context
+    ring (values padded to the q/k head dim); experts over expert: one program for the three (was
+    fsdp2-tensor2-sp and expert2-context2-fsdp2; the latent over fsdp: the pipeline case below). (`data`
+    adds only the replica vmap, test_moe.py's expert=2,fsdp=2,data=2.)"""
     got = run(with_mesh(DEEPSEEK, **mesh))
     assert_same_run(got, reference, str(mesh), GRADS_END_RTOL)
     assert reference["losses"][-1] < reference["losses"][0]
-
-
-@pytest.fixture(scope="module")
-def reference_pp():
-    return run(with_mesh(DEEPSEEK_PP), devices=jax.devices()[:1])
-
-
-@pytest.mark.heavy
-@pytest.mark.parametrize("mesh", [dict(pipeline=2, tensor=2, fsdp=2),
-                                  dict(pipeline=2, fsdp=4, pipeline_schedule="zero_bubble")],
-                         ids=["pipeline2-tensor2-fsdp2", "pipeline2-fsdp4-zero_bubble"])
-def test_deepseek_without_dense_layers_trains_on_a_pipeline_as_on_one_device(reference_pp, mesh):
-    """1F1B, and zero-bubble's split backward (the latent attention's projections tapped)."""
-    got = run(with_mesh(DEEPSEEK_PP, micro_batches=2, **mesh))
-    assert_same_run(got, reference_pp, str(mesh), GRADS_END_RTOL)
 
 
 def test_flash_takes_narrower_values_by_padding():
@@ -118,44 +103,65 @@ def test_what_mla_cannot_do_is_one_config_line(case):
     assert fragment in str(e.value), str(e.value)
 
 
+# On a pipeline, all three: the first dense layer, MoE layers, a multi-token prediction depth (an MoE block
+# with the selection bias) run with the head on half the rows each; pipeline_layers=[1, 2] (stage 0 the dense
+# layer alone, stage 1 the MoE layers: the dense stack padded to one slot per stage), experts over `expert`
+# in the stages, zero-bubble's split backward (the latent attention's projections tapped). One compile (and
+# one of its one-device reference, with the same 2 micro-batches) shared by the training comparison and the
+# checkpoint's writer. 1F1B with MTP: tests/model/test_mtp.py; first dense layers on other splits and
+# schedules: tests/parallel/test_pipeline_uneven.py and test_pipeline_compose.py (two stacks).
+DEEPSEEK_MTP = DEEPSEEK.replace(model=dataclasses.replace(DEEPSEEK.model, mtp_depth=1, mtp_loss_weight=0.3))
+IN_STAGES = dict(pipeline=2, fsdp=2, expert=2, pipeline_schedule="zero_bubble", pipeline_layers=(1, 2))
+
+
+@pytest.fixture(scope="module")
+def reference_mtp():
+    return run(with_mesh(DEEPSEEK_MTP, micro_batches=2), devices=jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def in_stages():
+    return run(with_mesh(DEEPSEEK_MTP, micro_batches=2, **IN_STAGES))
+
+
 @pytest.mark.heavy
-@pytest.mark.parametrize("mesh", [dict(pipeline=2, fsdp=2, expert=2, pipeline_layers=(2, 1)),
-                                  dict(pipeline=2, fsdp=4, pipeline_schedule="zero_bubble", pipeline_layers=(1, 2))],
-                         ids=["pipeline2-fsdp2-expert2-1f1b-2+1", "pipeline2-fsdp4-zero_bubble-1+2"])
-def test_first_dense_layers_train_on_a_pipeline_as_on_one_device(reference, mesh):
+def test_first_dense_layers_and_mtp_train_on_a_pipeline_as_on_one_device(reference_mtp, in_stages):
     """The first dense layer in the first stage's dense slots (zeros on the other stages: the identity),
-    then the MoE layers: losses, grad norms and gradients equal one device's; the padding slots' gradients
-    are exactly 0."""
-    got = run(with_mesh(DEEPSEEK, micro_batches=2, **mesh))
-    assert_same_run(got, reference, str(mesh), GRADS_END_RTOL)
+    then the MoE layers, then MTP with the head: losses, grad norms, gradients, `mtp_loss` and the model
+    state after 3 steps (the MTP block's bias and expert load, summed over the stages' rows) equal one
+    device's with the same 2 micro-batches; the padding slots' gradients are exactly 0."""
+    got, ref = in_stages, reference_mtp
+    assert_same_run(got, ref, "pipeline2-fsdp2-expert2-zero_bubble-1+2 mtp", GRADS_END_RTOL)
     pipe = got["trainer"].step_cfg.pipeline
     for k in pipe.stacks:
         for a in jax.tree.leaves(got["held"]["grads"][k]):
             a = np.asarray(pipe.from_stages(a))
             assert not np.any(np.delete(a, pipe.real_slots(a.shape[0], k), axis=0)), k
+    assert float(np.abs(ref["grads"]["mtp"]["eh_proj"]).max()) > 0
+    np.testing.assert_allclose([float(m["mtp_loss"]) for m in got["metrics"]],
+                               [float(m["mtp_loss"]) for m in ref["metrics"]], rtol=FP32_RTOL)
+    assert float(np.abs(ref["model_state"]["mtp"]["block"]["mlp"]["balance"]["load"]).sum()) > 0
+    for a, b in zip(jax.tree.leaves(got["model_state"]), jax.tree.leaves(ref["model_state"])):
+        np.testing.assert_allclose(a, b, rtol=FP32_RTOL, atol=1e-6)
 
 
 @pytest.mark.heavy
-def test_a_checkpoint_with_first_dense_layers_in_stages_restores_without_a_pipeline(reference, tmp_path):
+def test_a_checkpoint_with_first_dense_layers_in_stages_restores_without_a_pipeline(reference_mtp, in_stages,
+                                                                                      tmp_path):
     """One step on pipeline_layers=[1, 2] (stage 0: the dense layer alone, stage 1: the MoE layers; the
     dense stack padded to one slot per stage), saved: on disk the real layers in order (one dense
     layer, then the MoE layers, as the slots say by hand); restored on one device, bit for bit, and its
     next step's loss is the uninterrupted run's (not sensitive to the layers' order at this init scale:
-    the slots are checked by hand for that)."""
+    the slots are checked by hand for that). The writer and the reader are the trainers (and programs)
+    of the pipelined run and of its one-device reference."""
     from lumen_jax.checkpoint.manager import Checkpointer
-    from lumen_jax.config import CheckpointConfig, MeshConfig
-    from lumen_jax.parallel.mesh import make_mesh
-    from lumen_jax.train.build import build
+    from lumen_jax.config import CheckpointConfig
     from helpers.run import batches
     from helpers.tolerances import assert_tree_close
 
-    def trainer(cfg):
-        shape = {a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}
-        return build(cfg, make_mesh(shape, jax.devices()[:int(np.prod(list(shape.values())))]))
-
-    data, path = batches(DEEPSEEK), str(tmp_path / "ckpt")
-    writer = trainer(with_mesh(DEEPSEEK, micro_batches=2, pipeline=2, fsdp=2, pipeline_layers=(1, 2)))
-    state, _ = writer.step(writer.init(), writer.shard_batch(data[0]))
+    data, path = batches(DEEPSEEK_MTP), str(tmp_path / "ckpt")
+    writer, reader = in_stages["trainer"], reference_mtp["trainer"]
+    state, _, _ = writer.step_and_grads(writer.init(), writer.shard_batch(data[0]))
     assert jax.tree.leaves(state.params["blocks"])[0].shape[0] == 2  # one dense slot per stage
     ckpt = Checkpointer(path, CheckpointConfig(), layout=writer.stored)
     ckpt.save(1, state, {})
@@ -167,29 +173,10 @@ def test_a_checkpoint_with_first_dense_layers_in_stages_restores_without_a_pipel
     held = jax.device_get(state.params)
     assert_tree_close(stored.params["blocks"], jax.tree.map(lambda a: a[:1], held["blocks"]), 0.0, what="dense ")
     assert_tree_close(stored.params["moe_blocks"], jax.tree.map(lambda a: a[2:], held["moe_blocks"]), 0.0, what="moe ")
-    reader = trainer(with_mesh(DEEPSEEK, micro_batches=2))
     restored = Checkpointer(path, CheckpointConfig(), layout=reader.stored).restore_latest(reader.abstract_state())
     assert_tree_close(jax.device_get(reader.stored.save(restored.state)), stored, 0.0, what="restored ")
-    _, m = reader.step(restored.state, reader.shard_batch(data[1]))
-    np.testing.assert_allclose(float(m["loss"]), reference["losses"][1], rtol=FP32_RTOL)
-
-
-@pytest.mark.heavy
-def test_deepseek_with_mtp_trains_on_a_pipeline_as_on_one_device():
-    """All three: the first dense layer in stage 0's slots, MoE layers, and a multi-token prediction
-    depth (an MoE block with the selection bias) run with the head on half the rows each: losses, grad
-    norms, gradients, `mtp_loss` and the model state after 3 steps (the MTP block's bias and expert
-    load, summed over the stages' rows) equal one device's with the same 2 micro-batches."""
-    cfg = DEEPSEEK.replace(model=dataclasses.replace(DEEPSEEK.model, mtp_depth=1, mtp_loss_weight=0.3))
-    ref = run(with_mesh(cfg, micro_batches=2), devices=jax.devices()[:1])
-    got = run(with_mesh(cfg, micro_batches=2, pipeline=2, fsdp=2, expert=2, pipeline_layers=(2, 1)))
-    assert_same_run(got, ref, "pipeline2-fsdp2-expert2 mtp", GRADS_END_RTOL)
-    assert float(np.abs(ref["grads"]["mtp"]["eh_proj"]).max()) > 0
-    np.testing.assert_allclose([float(m["mtp_loss"]) for m in got["metrics"]],
-                               [float(m["mtp_loss"]) for m in ref["metrics"]], rtol=FP32_RTOL)
-    assert float(np.abs(ref["model_state"]["mtp"]["block"]["mlp"]["balance"]["load"]).sum()) > 0
-    for a, b in zip(jax.tree.leaves(got["model_state"]), jax.tree.leaves(ref["model_state"])):
-        np.testing.assert_allclose(a, b, rtol=FP32_RTOL, atol=1e-6)
+    _, m, _ = reader.step_and_grads(restored.state, reader.shard_batch(data[1]))
+    np.testing.assert_allclose(float(m["loss"]), reference_mtp["losses"][1], rtol=FP32_RTOL)
 
 
 def test_absorbed_decoding_equals_the_full_forward():
@@ -201,8 +188,13 @@ def test_absorbed_decoding_equals_the_full_forward():
     from lumen_jax.model import abstract_model
 
     cfg = DEEPSEEK.model
-    params, state = init(cfg, 0)
-    model = merge(abstract_model(cfg).graphdef, params, state)
+    params, state = jax.jit(init, static_argnums=(0, 1))(cfg, 0)
+    graphdef = abstract_model(cfg).graphdef
+    model = merge(graphdef, params, state)
+    # jitted, as generate runs them (eager, each small op would compile on its own): one program each
+    prefill = jax.jit(lambda p, *a: decode.prefill(merge(graphdef, p, state), *a))
+    step = jax.jit(lambda p, *a: decode.decode(merge(graphdef, p, state), *a))
+    forward = jax.jit(lambda p, *a: merge(graphdef, p, state)(*a))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (2, 12)).astype(np.int32)
     prompt, total = 5, 12
@@ -210,17 +202,17 @@ def test_absorbed_decoding_equals_the_full_forward():
     valid[1, :2] = False  # row 1: a 3-token prompt, left-padded
     cache = decode.init_cache(model, 2, total)
     assert cache["k"].shape == (3, 2, total, 16) and cache["v"].shape == (3, 2, total, 8)
-    logits, cache = decode.prefill(model, jnp.asarray(tokens[:, :prompt]), jnp.asarray(valid), cache)
+    logits, cache = prefill(params, jnp.asarray(tokens[:, :prompt]), jnp.asarray(valid), cache)
     got = [np.asarray(logits)]
     valid_bs = np.concatenate([valid, np.ones((2, total - prompt), bool)], axis=1)
     for slot in range(prompt, total - 1):
         positions = np.asarray([slot, slot - 2], np.int32)
-        logits, cache = decode.decode(model, jnp.asarray(tokens[:, slot]), jnp.asarray(positions), jnp.int32(slot),
-                                      jnp.asarray(valid_bs), cache)
+        logits, cache = step(params, jnp.asarray(tokens[:, slot]), jnp.asarray(positions), jnp.int32(slot),
+                             jnp.asarray(valid_bs), cache)
         got.append(np.asarray(logits))
     for row, start in ((0, 0), (1, 2)):  # each row's own sequence through the forward
         seq = tokens[row:row + 1, start:total - 1]
-        full = np.asarray(model(jnp.asarray(seq), jnp.arange(seq.shape[1])[None]))[0]
+        full = np.asarray(forward(params, jnp.asarray(seq), jnp.arange(seq.shape[1])[None]))[0]
         want = full[prompt - 1 - start:]
         np.testing.assert_allclose(np.stack([g[row] for g in got]), want, rtol=FP32_RTOL,
                                    atol=FP32_RTOL * float(np.abs(want).max()))

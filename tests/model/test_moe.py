@@ -142,22 +142,18 @@ MOE = BASE.replace(model=dataclasses.replace(
     BASE.model, moe=MoeConfig(num_experts=8, top_k=2, shared_experts=1, expert_ffn_dim=32)))
 
 
-@pytest.fixture(scope="module")
-def moe_reference():
-    return run(with_mesh(MOE, expert=1), devices=jax.devices()[:1])
-
-
 # Fine-grained (DeepSeekMoE, Qwen3-MoE): 64 experts of width 16, top-6, one shared expert. No balance
 # loss: with micro-batches it is a mean over each micro-batch of each replica group (a product of two
 # means, so not the whole batch's); every other term of the objective is a sum over tokens.
 FINE = BASE.replace(model=dataclasses.replace(BASE.model, moe=MoeConfig(
     num_experts=64, top_k=6, shared_experts=1, expert_ffn_dim=16, aux_loss_weight=0.0)))
-EP_MESHES = {  # (config, micro-batches, mesh); 2 micro-batches: the step's replica vmap over `data` (x fsdp)
-    "fine expert=4,data=2, 2 micro-batches": (FINE, 2, dict(expert=4, data=2)),
-    "fine expert=8": (FINE, 1, dict(expert=8)),
-    "fine expert=2,tensor=2,fsdp=2": (FINE, 1, dict(expert=2, tensor=2, fsdp=2)),
-    "fine expert=2,fsdp=2,data=2, 2 micro-batches": (FINE, 2, dict(expert=2, fsdp=2, data=2, fsdp_grad_reduce="once")),
-    "expert=2,context=2,fsdp=2": (MOE, 1, dict(expert=2, context=2, fsdp=2)),  # ring attention, zigzag tokens
+# (expert=4,data=2 with 2 micro-batches went: expert=2,fsdp=2,data=2 below takes the same replica vmap over
+# `data` with the experts exchanged, and more. Experts with context=2 and fsdp=2, ring attention over zigzag
+# tokens: tests/model/test_deepseek.py's expert2-context2-fsdp2, the DeepSeek MoE with its shared expert.)
+EP_MESHES = {  # (micro-batches, mesh); 2 micro-batches: the step's replica vmap over `data` (x fsdp)
+    "fine expert=8": (1, dict(expert=8)),
+    "fine expert=2,tensor=2,fsdp=2": (1, dict(expert=2, tensor=2, fsdp=2)),
+    "fine expert=2,fsdp=2,data=2, 2 micro-batches": (2, dict(expert=2, fsdp=2, data=2, fsdp_grad_reduce="once")),
 }
 
 
@@ -168,10 +164,10 @@ def fine_reference():
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("name", list(EP_MESHES))
-def test_dropless_expert_parallel_matches_one_device(name, request):
-    cfg, micro_batches, mesh = EP_MESHES[name]
-    ref = request.getfixturevalue("fine_reference" if cfg is FINE else "moe_reference")
-    got = run(with_mesh(cfg, micro_batches, **mesh))
+def test_dropless_expert_parallel_matches_one_device(name, fine_reference):
+    micro_batches, mesh = EP_MESHES[name]
+    ref = fine_reference
+    got = run(with_mesh(FINE, micro_batches, **mesh))
     assert np.all(np.diff(ref["losses"]) < 0), ref["losses"]
     assert_same_run(got, ref, name)
 
@@ -309,7 +305,7 @@ def test_every_n_layers_runs_dense_then_moe_layers_in_order():
 
     cfg = dataclasses.replace(MOE.model, num_layers=4, moe=dataclasses.replace(MOE.model.moe, every_n_layers=2))
     graphdef, _, _ = param_shapes_and_names(cfg)
-    params = init_params(cfg, 0)
+    params = jax.jit(init_params, static_argnums=(0, 1))(cfg, 0)  # eager: each op compiled alone
     tokens = jnp.arange(32).reshape(2, 16) * 7 % cfg.vocab_size
     positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
 
