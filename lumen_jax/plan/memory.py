@@ -260,8 +260,7 @@ def _residuals(model: ModelConfig, layout: Layout, remat: str, seq_len: int, att
 def saved_bytes_per_token(model: ModelConfig, layout: Layout, seq_len: int, remat: str,
                           attention: str = "xla") -> float:
     """Bytes one layer saves per local token under `remat` with `attention` (xla or flash)."""
-    rows = _layer_rows(remat, seq_len, attention, layout.mesh.context, layout.mesh.context_parallel,
-                       regathered_inputs(model, layout, remat)).saved
+    rows = _rows(model, layout, seq_len, remat, attention).saved
     return _bytes(dict(rows), _widths(model, layout, seq_len), compute_bytes(model))
 
 
@@ -273,6 +272,12 @@ class _Rows:
     saved: tuple  # kept for the backward (`saved_bytes_per_token`)
     unsaved: tuple  # recomputed in the backward, with the custom VJPs' rebuilt rows (`working_bytes_per_token`)
     host: tuple  # offloaded to host memory (`activation_bytes`)
+
+
+def _rows(model: ModelConfig, layout: Layout, seq_len: int, remat: str, attention: str) -> _Rows:
+    """`_layer_rows` on `layout`'s context, with the projection inputs `regathered_inputs` keeps."""
+    return _layer_rows(remat, seq_len, attention, layout.mesh.context, layout.mesh.context_parallel,
+                       regathered_inputs(model, layout, remat))
 
 
 @functools.lru_cache(maxsize=256)  # a search asks for every candidate: the Counter sums cost more than the bytes
@@ -307,8 +312,7 @@ def working_bytes_per_token(model: ModelConfig, layout: Layout, seq_len: int, re
     c, w = compute_bytes(model), _widths(model, layout, seq_len)
     cp = layout.mesh.context > 1
     scores, share = (CONTEXT_BACKWARD_ROWS if cp else BACKWARD_ROWS)[remat]
-    unsaved = dict(_layer_rows(remat, seq_len, attention, layout.mesh.context, layout.mesh.context_parallel,
-                               regathered_inputs(model, layout, remat)).unsaved)
+    unsaved = dict(_rows(model, layout, seq_len, remat, attention).unsaved)
     row = model.num_heads * seq_len / layout.mesh.tensor * F32  # one query's fp32 scores, every local head
     # Context parallelism: all-gather holds the whole K and V and the fp32 dK/dV of the whole
     # sequence, C times the local K/V. So, on XLA:CPU, does the ring: its C hops are unrolled and
@@ -439,8 +443,7 @@ def activation_bytes(model: ModelConfig, layout: Layout, seq_len: int, micro_bat
     copies = (residuals.weight_copies * counts["layer_matmul"] * c / mesh.tensor * kept
               if model.compute_dtype != "float32" else 0.0)
     per_layer = tokens * saved_bytes_per_token(model, layout, seq_len, remat, attention) + copies
-    host = _bytes(dict(_layer_rows(remat, seq_len, attention, mesh.context, mesh.context_parallel,
-                                   regathered_inputs(model, layout, remat)).host), widths, c)
+    host = _bytes(dict(_rows(model, layout, seq_len, remat, attention).host), widths, c)
     # The pipelined step sums gradients in the scan carry over ticks, in place of the accumulation
     # loop's copies (measured: no copy beyond the gradients themselves). Interleaved stages hold
     # their blocks device-major (`Pipeline.pad`): no reordered copy.
