@@ -1,5 +1,6 @@
 """Pipeline parallelism (mesh.pipeline): loss and gradients for 3 steps equal the single-device run
-for every schedule at pipeline=2 and 4, config checks, and 1F1B's memory bound in compiled bytes."""
+(1f1b at pipeline=4, every schedule with the other axes), config checks, and 1F1B's memory bound in
+compiled bytes."""
 
 import dataclasses
 import subprocess
@@ -27,62 +28,44 @@ def reference():
     return run(with_mesh(CFG, micro_batches=M), jax.devices()[:1])
 
 
-# interleaved at P=4: test_pipeline_composes_with_the_other_axes's pipeline4-data2-interleaved (the
-# same program under the replica vmap)
-CASES = [("gpipe", 2, 1), ("1f1b", 2, 1), ("interleaved", 2, 2), ("zero_bubble", 2, 1),
-         pytest.param("gpipe", 4, 1, marks=pytest.mark.heavy), pytest.param("1f1b", 4, 1, marks=pytest.mark.heavy),
-         pytest.param("zero_bubble", 4, 1, marks=pytest.mark.heavy)]
+@pytest.fixture(scope="module")
+def four_stages():
+    """1f1b on pipeline=4: the run, whose trainer (and compiled step) the checkpoint test writes and reads with."""
+    return run(with_mesh(CFG, micro_batches=M, pipeline=4, pipeline_schedule="1f1b"), jax.devices()[:4])
 
 
-@pytest.mark.parametrize("schedule,stages,virtual", CASES)
-def test_pipeline_matches_single_device(reference, schedule, stages, virtual):
-    cfg = with_mesh(CFG, micro_batches=M, pipeline=stages, pipeline_schedule=schedule,
-                    pipeline_virtual_stages=virtual)
-    got = run(cfg, jax.devices()[:stages])
-    assert_same_run(got, reference, f"pipeline={stages} {schedule} V={virtual}")
+@pytest.mark.heavy
+def test_pipeline_matches_single_device(reference, four_stages):
+    """1f1b on 4 stages, no other axis: only P >= 3 sees a cotangent sent the wrong way round the ring
+    (at P=2 a stage's two neighbours are one device), and every schedule's cotangents take the same
+    ppermute. Each schedule's own table against one device (losses and gradients): gpipe with tensor
+    under the replica vmap, 1f1b at P=2 with ZeRO-1 under it, interleaved at P=2 (fsdp, tensor, SP)
+    and P=4 (data), zero_bubble with context manual: test_pipeline_composes_with_the_other_axes;
+    zero_bubble with no replica axis (pipeline=2 fsdp=2 tensor=2 SP) and at P=4 (data=2), the
+    gradients: test_pipeline_split; every schedule's executed work at P=4: test_pipeline_work."""
+    assert_same_run(four_stages, reference, "pipeline=4 1f1b")
 
 
-# Four stages of one layer each, the smallest shapes: at P=2 a stage's two neighbours are one device,
-# so only P >= 3 sees a cotangent sent the wrong way round the ring.
+# The smallest shapes: 4 layers of d_model 32, 8 rows of 8 tokens.
 TINY4 = BASE.replace(model=dataclasses.replace(BASE.model, d_model=32, num_layers=4, num_heads=2, num_kv_heads=1,
                                                ffn_dim=64, vocab_size=64),
                      data=dataclasses.replace(BASE.data, seq_len=8, global_batch_size=8))
 
 
-def test_four_stage_gradients_equal_one_device():
-    """The pipelined step's loss and gradients on 4 stages x 4 micro-batches against one device, once
-    (no optimizer steps): every stage's block gradients need the cotangent from the stage after it.
-    (Every schedule's cotangents take the same ppermute; the heavy cases run them all at P=4, interleaved
-    with data=2 in test_pipeline_composes_with_the_other_axes.)"""
-    from helpers.data import packed_batch
-    from helpers.tolerances import assert_tree_close
-
-    cfg = lambda stages: with_mesh(TINY4, micro_batches=4, pipeline=stages, pipeline_schedule="1f1b")  # noqa: E731
-    batch = packed_batch(8, 8, TINY4.model.vocab_size, seed=0)
-    out = {}
-    for stages in (1, 4):
-        trainer = build(cfg(stages), make_mesh({a: getattr(cfg(stages).mesh, a) for a in MeshConfig.AXES},
-                                               jax.devices()[:stages]))
-        out[stages] = jax.device_get(trainer.grads(trainer.init().params, trainer.shard_batch(batch)))
-    (loss1, grads1), (loss4, grads4) = out[1], out[4]
-    np.testing.assert_allclose(loss4, loss1, rtol=FP32_RTOL)
-    assert_tree_close(grads4, grads1, FP32_RTOL, what="1f1b P=4 gradients ")
-
-
-@pytest.mark.parametrize("tied,regather", [(False, "per_micro_batch"), (True, "per_micro_batch"), (False, "per_step")],
-                         ids=["untied", "tied", "per_step"])
-def test_zero3_gradients_equal_one_device(tied, regather):
+def test_zero3_gradients_equal_one_device():
     """Under ZeRO-3 (fsdp=4: a micro-batch's rows split over 4 devices in every tick) each device
     sums the embedding gradient of its own rows, the 4 sums added once after the last tick
-    (`units.Device.embedding_grad`): the gradients equal one device's, tied embeddings (whose
-    table the loss reads too) included, and with `fsdp_regather=per_step` (the ticks' gradients
-    taken with respect to the weights gathered once for the step)."""
+    (`units.Device.embedding_grad`): the gradients equal one device's, with tied embeddings (whose
+    table the loss reads too) and `fsdp_regather=per_step` (the ticks' gradients taken with respect
+    to the weights gathered once for the step). Untied, per micro-batch: the fsdp=2 cell of
+    test_pipeline_composes_with_the_other_axes; tied, per micro-batch: tests/model/test_gemma3.py's
+    pipeline2-fsdp2 cell (Gemma ties its embeddings)."""
     from helpers.data import packed_batch
     from helpers.tolerances import assert_tree_close
 
-    base = TINY4.replace(model=dataclasses.replace(TINY4.model, tie_embeddings=tied))
+    base = TINY4.replace(model=dataclasses.replace(TINY4.model, tie_embeddings=True))
     cfg = lambda **mesh: with_mesh(base, micro_batches=2, pipeline_schedule="1f1b",  # noqa: E731
-                                   fsdp_regather=regather, **mesh)
+                                   fsdp_regather="per_step", **mesh)
     batch = packed_batch(8, 8, base.model.vocab_size, seed=0)
     out = []
     for c in (cfg(), cfg(pipeline=2, fsdp=4)):
@@ -90,7 +73,7 @@ def test_zero3_gradients_equal_one_device(tied, regather):
         out.append(jax.device_get(trainer.grads(trainer.init().params, trainer.shard_batch(batch))))
     (loss1, grads1), (loss8, grads8) = out
     np.testing.assert_allclose(loss8, loss1, rtol=FP32_RTOL)
-    assert_tree_close(grads8, grads1, FP32_RTOL, what=f"pipeline=2 fsdp=4 tied={tied} {regather} gradients ")
+    assert_tree_close(grads8, grads1, FP32_RTOL, what="pipeline=2 fsdp=4 tied per_step gradients ")
 
 
 @pytest.mark.heavy
@@ -116,7 +99,7 @@ def test_pipeline_composes_with_the_other_axes(reference, mesh):
     (fsdp a replica axis beside data: the optimizer state sharded, the weights and gradients whole)
     under 1f1b. zero_bubble under the replica vmap: test_pipeline_compose (MoE, fp8) and
     test_pipeline_split (pipeline=4 data=2). The other schedules on the issue's two meshes:
-    test_pipeline_matches_single_device (P=4), test_pipeline_split (zero_bubble, the gradients),
+    test_pipeline_matches_single_device (1f1b at P=4), test_pipeline_split (zero_bubble, the gradients),
     test_pipeline_work (the compiled programs)."""
     cfg = with_mesh(CFG, micro_batches=M, **{"pipeline": 2, "pipeline_schedule": "1f1b", **mesh})
     assert_same_run(run(cfg, jax.devices()), reference, f"pipeline=2 {mesh}")
@@ -187,24 +170,22 @@ def _temp_bytes(schedule: str, micro_batches: int, rows: int = 4, remat: str = "
 @pytest.mark.heavy
 def test_1f1b_memory_bound_holds_in_compiled_bytes():
     """1F1B stashes at most P micro-batches' stage inputs (its own vjp per micro-batch), GPipe all m,
-    whatever the remat policy keeps of each; zero_bubble (2P - 1 residual slots and P W slots) is
-    as flat in m as 1F1B. Two compiles a case: 1F1B and GPipe (the contrast that shows the
-    measurement sees a stash grow) under remat none, where a micro-batch's stash is largest;
-    zero_bubble under remat full (the layers' inputs), where its W stash, which no policy
-    recomputes, is most of the step's bytes."""
+    whatever the remat policy keeps of each. Two compiles a case, under remat none, where a
+    micro-batch's stash is largest: 1F1B and GPipe (the contrast that shows the measurement sees a
+    stash grow). zero_bubble runs 1F1B's residual slots in the same stash, and its W stash has P
+    slots whatever m (tests/parallel/test_pipeline_schedule.py, on a grid of P and m); its compiled
+    stash is the planned one (tests/plan/test_plan.py: test_zero_bubble_stash_is_its_weight_units,
+    test_pipeline_bytes_match_the_compiled_step)."""
     one = {m: _temp_bytes("1f1b", m) for m in (8, 16)}
     gpipe = {m: _temp_bytes("gpipe", m) for m in (8, 16)}
-    zb = {m: _temp_bytes("zero_bubble", m, remat="full") for m in (8, 16)}  # and its W stash: P slots
-    figures = f"temp bytes 1f1b m=8/16: {one[8]}/{one[16]}, zero_bubble (full) m=8/16: {zb[8]}/{zb[16]}, gpipe: {gpipe}"
+    figures = f"temp bytes 1f1b m=8/16: {one[8]}/{one[16]}, gpipe: {gpipe}"
 
     slot = 4 * 256 * 64 * 4  # one stashed stage input [4, 256, 64] fp32
     # The rest of the step (the recomputed stage's residuals) dwarfs the stash at these sizes, so
     # besides the issue's 10% the growth is bounded in slots: 1F1B's only growth is the batch itself.
-    for fused in (one, zb):
-        assert fused[16] <= 1.10 * fused[8] and fused[16] - fused[8] < 2 * slot, figures
+    assert one[16] <= 1.10 * one[8] and one[16] - one[8] < 2 * slot, figures
     assert gpipe[16] - gpipe[8] >= 8 * slot, figures  # 8 more micro-batches stashed
-    # Measured (remat none / full): 1f1b 161.6 / 23.1 MB, zero_bubble 187.9 / 50.6 MB at m = 8 and
-    # 16: its W stash holds each projection's input and output cotangent, which no policy recomputes.
+    # Measured (remat none): 1f1b 161.6 MB at m = 8 and 16.
 
 
 def _train(*overrides: str) -> subprocess.CompletedProcess:
@@ -219,21 +200,16 @@ def test_train_cli_bad_pipeline_is_one_line(tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
 
 
-def _trainer(stages: int):
-    cfg = with_mesh(CFG, micro_batches=M, pipeline=stages)
-    return build(cfg, make_mesh({a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}, jax.devices()[:stages]))
-
-
 @pytest.mark.heavy
-def test_checkpoint_moves_between_pipeline_depths(reference, tmp_path):
+def test_checkpoint_moves_between_pipeline_depths(reference, four_stages, tmp_path):
     """One step at pipeline=4, saved, restored at pipeline=1, and one step at pipeline=1, saved,
-    restored at pipeline=4 (the two trainers built once): the next two steps' losses and grad norms
-    are the uninterrupted run's."""
-    trainers = {stages: _trainer(stages) for stages in (4, 1)}
+    restored at pipeline=4: the next two steps' losses and grad norms are the uninterrupted run's.
+    The trainers (and compiled steps) are the 1f1b pipeline=4 case's and the one-device reference's."""
+    trainers = {4: four_stages["trainer"], 1: reference["trainer"]}
     data = batches(CFG)
     for first, then in ((4, 1), (1, 4)):
         writer, reader, path = trainers[first], trainers[then], str(tmp_path / f"ckpt{first}")
-        state, _ = writer.step(writer.init(), writer.shard_batch(data[0]))
+        state, _, _ = writer.step_and_grads(writer.init(), writer.shard_batch(data[0]))
         ckpt = Checkpointer(path, CheckpointConfig())
         ckpt.save(1, state, {})
         ckpt.wait()
@@ -243,7 +219,7 @@ def test_checkpoint_moves_between_pipeline_depths(reference, tmp_path):
             assert got.sharding == sh
         losses, norms = [], []
         for batch in data[1:]:
-            state, m = reader.step(state, reader.shard_batch(batch))
+            state, m, _ = reader.step_and_grads(state, reader.shard_batch(batch))
             losses.append(float(m["loss"]))
             norms.append(float(m["grad_norm"]))
         np.testing.assert_allclose(losses, reference["losses"][1:], rtol=FP32_RTOL, err_msg=f"{first} -> {then}")

@@ -1,6 +1,7 @@
-"""Pipeline stages with mixture-of-experts layers (expert, tensor, fsdp and data parallelism inside
-the stages) and with fp8's delayed-scaling state: losses, gradients, metrics and model state against
-the same model without a pipeline."""
+"""Pipeline stages with mixture-of-experts layers (expert, tensor and data parallelism inside the
+stages; with fsdp: tests/model/test_deepseek.py) and with fp8's delayed-scaling state: losses,
+gradients, metrics and model state against the same model without a pipeline; sequence parallelism
+with `data` manual in the stages."""
 
 import dataclasses
 
@@ -10,36 +11,29 @@ import pytest
 
 from helpers.run import BASE, STEPS, assert_same_run, batches, devices_for, fp8_run, moe_config, run, with_mesh
 from helpers.tolerances import FP32_RTOL, FP8_STEPS_RTOL, assert_tree_close
-from lumen_jax.config import ConfigError, Fp8Config, MeshConfig, MoeConfig
+from lumen_jax.config import ConfigError, Fp8Config, MoeConfig
 from lumen_jax.config.checks import validate
-from lumen_jax.parallel.mesh import make_mesh
-from lumen_jax.train.build import build
 
 M = 4  # micro-batches
 
 
-@pytest.fixture(scope="module")
-def moe_reference():
-    return {n: run(with_mesh(moe_config(4, n), micro_batches=M), jax.devices()[:1]) for n in (1, 2)}
-
-
 @pytest.mark.heavy
-@pytest.mark.parametrize("every_n,mesh", [
-    (2, dict(pipeline=2, expert=2, tensor=2)),  # two stacks (dense, MoE) cut into stages; EP and TP in a stage
-    (1, dict(pipeline=2, expert=2, fsdp=2, pipeline_schedule="zero_bubble")),
-    (1, dict(pipeline=2, expert=2, pipeline_schedule="interleaved", pipeline_virtual_stages=2)),
-], ids=["n2-pp2-ep2-tp2", "n1-pp2-ep2-fsdp2-zero_bubble", "n1-pp2-ep2-interleaved"])
-def test_moe_in_stages_matches_one_device(moe_reference, every_n, mesh):
-    """Losses, grad norms, the gradients before and after 3 steps, and the `moe/...` metrics (the aux
-    loss's share of the gradient flows back with the stage's cotangent). An MoE stage's cotangent
-    takes the dense stages' ppermute: four stages are test_pipeline.py's (and, MoE, the compiled
-    program of test_pipeline_work's moe-pipeline4-expert2); gpipe's table is the stages' own."""
-    cfg = with_mesh(moe_config(4, every_n), micro_batches=M, **{"pipeline_schedule": "1f1b", **mesh})
+def test_moe_in_stages_matches_one_device():
+    """pipeline=2 x expert=2 x tensor=2, an MoE layer every 2 (the aux loss): two stacks (dense, MoE)
+    cut into stages, EP and TP in a stage. Losses, grad norms, the gradients before and after 3 steps,
+    and the `moe/...` metrics (the aux loss's share of the gradient flows back with the stage's
+    cotangent). An MoE stage's cotangent takes the dense stages' ppermute: four stages are
+    test_pipeline.py's (and, MoE, the compiled program of test_pipeline_work's moe-pipeline4-expert2);
+    gpipe's table is the stages' own. Every layer MoE with the selection bias (the model state) in
+    stages: tests/model/test_deepseek.py on pipeline=2 x fsdp=2 x expert=2 under zero_bubble (the
+    model state after 3 steps), test_pipeline_uneven.py's n1-[1,2]-ep2 (and the `moe/...` metrics),
+    and the replica groups' case below; model state through interleaved's virtual stages: the fp8
+    case below."""
+    cfg = with_mesh(moe_config(4, 2), micro_batches=M, pipeline=2, expert=2, tensor=2, pipeline_schedule="1f1b")
     validate(cfg, len(devices_for(cfg)))
-    got, ref = run(cfg, devices_for(cfg)), moe_reference[every_n]
-    assert_same_run(got, ref, f"MoE every {every_n} {mesh}")
-    assert_tree_close(got["model_state"], ref["model_state"], FP32_RTOL, what="MoE model state ")
-    assert bool(ref["model_state"]) == (every_n == 1)
+    got, ref = run(cfg, devices_for(cfg)), run(with_mesh(moe_config(4, 2), micro_batches=M), jax.devices()[:1])
+    assert_same_run(got, ref, "MoE every 2 pp2 ep2 tp2")
+    assert not ref["model_state"] and not got["model_state"]  # the aux loss: no model state
     for step in range(STEPS):
         for key in (k for k in ref["metrics"][step] if k.startswith("moe/")):
             np.testing.assert_allclose(got["metrics"][step][key], ref["metrics"][step][key], rtol=FP32_RTOL,
@@ -108,40 +102,45 @@ def test_config_errors(changes, message):
     assert str(e.value).startswith(message), str(e.value)
 
 
+# 8 layers, 4 micro-batches: the one-device reference is test_pipeline.py's (the same program)
+EIGHT_LAYERS = BASE.replace(model=dataclasses.replace(BASE.model, num_layers=8))
+
+
+@pytest.fixture(scope="module")
+def sp_data_manual():
+    """pipeline=2 x data=2 x tensor=2 with sequence parallelism, interleaved: the run (its compiled step
+    is read by the logits test too)."""
+    cfg = with_mesh(EIGHT_LAYERS, micro_batches=M, pipeline=2, tensor=2, sequence_parallel=True, data=2,
+                    pipeline_schedule="interleaved", pipeline_virtual_stages=2)
+    return cfg, run(cfg, jax.devices())
+
+
 @pytest.mark.heavy
-def test_last_stage_loss_keeps_the_logits_sharded_over_vocab():
+def test_last_stage_loss_keeps_the_logits_sharded_over_vocab(sp_data_manual):
     """With tensor parallelism the logits are split over `vocab`; the stages' cross-entropy reduces
-    each device's slice and adds the partial sums, so no [rows, tokens, vocab] array is gathered."""
+    each device's slice and adds the partial sums, so no [rows, tokens, vocab] array is gathered.
+    Read off the compiled step of the sequence-parallel case below (one compile for both)."""
     import re
 
-    cfg = with_mesh(BASE.replace(model=dataclasses.replace(BASE.model, num_layers=2)), micro_batches=2,
-                    pipeline=2, fsdp=2, tensor=2, pipeline_schedule="1f1b")
-    trainer = build(cfg, make_mesh({a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}, devices_for(cfg)))
-    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding)
-             for k, v in batches(cfg)[0].items()}
-    hlo = trainer.step.lower(trainer.abstract_state(), batch).compile().as_text()
+    cfg, got = sp_data_manual
+    trainer = got["trainer"]
+    hlo = trainer.step_and_grads.lower(got["state"], trainer.shard_batch(batches(cfg)[0])).compile().as_text()
     vocab = cfg.model.vocab_size
     gathered = [m for m in re.findall(r"= f32\[([\d,]+)\][^=]*? all-gather\(", hlo)
                 if len(m.split(",")) >= 3 and int(m.split(",")[-1]) == vocab]
     assert not gathered, f"all-gathers of logits over the vocabulary: {gathered}"
-    assert re.search(r"all-gather\(", hlo)  # the regex sees the step's gathers (FSDP's weights)
-
-
-@pytest.fixture(scope="module")
-def four_layers_reference():
-    cfg = BASE.replace(model=dataclasses.replace(BASE.model, num_layers=4))
-    return cfg, run(with_mesh(cfg, micro_batches=M), jax.devices()[:1])
+    assert re.search(r"all-gather\(", hlo)  # the regex sees the step's gathers (sequence parallelism's)
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zero_bubble"])
-def test_sequence_parallel_with_replica_groups_equals_one_device(four_layers_reference, schedule):
+def test_sequence_parallel_with_replica_groups_equals_one_device(sp_data_manual):
     """Sequence parallelism with data replica groups under a pipeline: XLA's SPMD partitioner stops the
     process (a check failure) on the replica vmap's ticks, so these stages run with `data` manual in
     their shard_map instead, each device ticking on its own rows (executor.py); losses, grad norms and
-    gradients are one device's. (tests/parallel/test_communication.py: the gradients cross `data` once.)"""
-    cfg, ref = four_layers_reference
-    extra = {"pipeline_virtual_stages": 2} if schedule == "interleaved" else {}
-    got = run(with_mesh(cfg, micro_batches=M, pipeline=2, tensor=2, sequence_parallel=True, data=2,
-                        pipeline_schedule=schedule, **extra), jax.devices())
-    assert_same_run(got, ref, f"pipeline=2 data=2 tensor=2 SP {schedule}")
+    gradients are one device's. Interleaved (virtual stages, the wrap); `data` manual is the same
+    branch under every schedule, and the schedules' units with an axis manual in the stages are
+    test_pipeline.py's context2-tensor2-sp-zero_bubble (zero_bubble) and its MoE test with context
+    manual (1f1b). (tests/parallel/test_communication.py: the gradients cross `data` once.)"""
+    cfg, got = sp_data_manual
+    ref = run(with_mesh(EIGHT_LAYERS, micro_batches=M), jax.devices()[:1])
+    assert_same_run(got, ref, "pipeline=2 data=2 tensor=2 SP interleaved")

@@ -20,8 +20,9 @@ from lumen_jax.train.build import build
 
 
 def _split_grads(cfg):
-    """(plain vjp, tapped vjp, replay's vjp) of a stack of layers: input and parameter gradients."""
-    params, state = transformer.init(cfg, 0)
+    """(plain vjp, tapped vjp, replay's vjp) of a stack of layers: input and parameter gradients. Each
+    jitted (eager, each op of the init and the backward compiled on its own)."""
+    params, state = jax.jit(transformer.init, static_argnums=(0, 1))(cfg, 0)
     graphdef = transformer.abstract_model(cfg).graphdef
     x = jax.random.normal(jax.random.key(1), (2, 16, cfg.d_model), jnp.float32)
     g = jax.random.normal(jax.random.key(2), x.shape, jnp.float32)
@@ -30,12 +31,12 @@ def _split_grads(cfg):
     def layers(p, x, taps=None):
         return transformer.merge(graphdef, p, state).run_layers(x, positions, None, None, taps)[0]
 
-    whole_dp, whole_dx = jax.vjp(layers, params, x)[1](g)
+    whole_dp, whole_dx = jax.jit(lambda p, x, g: jax.vjp(layers, p, x)[1](g))(params, x, g)
     probe = Taps()
     jax.eval_shape(lambda: layers(params, x, probe))
-    b_dp, b_dx, cts = jax.vjp(lambda p, x, t: layers(probe.stop(p), x, probe.tapping(t)), params, x,
-                              probe.zeros(params))[1](g)
-    w_dp = probe.weight_grads(lambda p: p, params, cts)
+    b_dp, b_dx, cts = jax.jit(lambda p, x, g: jax.vjp(
+        lambda p, x, t: layers(probe.stop(p), x, probe.tapping(t)), p, x, probe.zeros(p))[1](g))(params, x, g)
+    w_dp = jax.jit(lambda p, cts: probe.weight_grads(lambda p: p, p, cts))(params, cts)
     w_dp = {k: w_dp.get(k, jax.tree.map(jnp.zeros_like, v)) for k, v in params.items()}  # untapped: nothing
     return probe, (whole_dp, whole_dx), (b_dp, b_dx), w_dp
 
