@@ -71,9 +71,8 @@ def test_moe_gradients_cross_data_once_per_step():
 @pytest.mark.heavy
 @pytest.mark.parametrize("schedule,moe,axis,mesh", [
     ("1f1b", True, "data", None), ("zero_bubble", False, "context", dict(data=2, context=2)),
-    ("1f1b", False, "context", dict(context=2, tensor=2, sequence_parallel=True)),
     ("1f1b", False, "fsdp", dict(fsdp=4, zero_stage=1, fsdp_grad_reduce="once"))],
-    ids=["moe-expert2-1f1b", "context2-zero_bubble", "context2-tensor2-sp", "fsdp4-zero1-once"])
+    ids=["moe-expert2-1f1b", "context2-zero_bubble", "fsdp4-zero1-once"])
 def test_pipelined_data_parallel_gradients_cross_once_per_step(schedule, moe, axis, mesh):
     """pipeline=2 with data replicas, 4 micro-batches: the data-axis gradient reduction of the compiled
     step is one reduction of a device's gradients (its stage's blocks and the replicated embedding, norm
@@ -82,7 +81,10 @@ def test_pipelined_data_parallel_gradients_cross_once_per_step(schedule, moe, ax
     without the replica vmap: every tick's gradients crossed `data`). pipeline=2 x data=2 x context=2,
     zero_bubble: the context devices' partial gradients too, in the same one reduction (before: every
     unit's, in its tick, 3.3 times the gradient bytes); with sequence parallelism over tensor (no replica
-    vmap: `context` manual in the stages' shard_map) once too (before: 3.8 times). ZeRO-1 over fsdp=4 with
+    vmap: `context` manual in the stages' shard_map) once too (before: 3.8 times):
+    tests/plan/test_plan.py::test_pipeline_sequence_parallel_reduces_context_once holds that program's
+    context reduction (pipeline=2 x context=2 x tensor=2, 1f1b, m=4) to the planner's one reduction
+    per step. ZeRO-1 over fsdp=4 with
     `fsdp_grad_reduce=once` (Llama 3's "sharded but not re-sharded": the optimizer state sharded, the
     weights and gradients whole): one all-reduce of a device's gradients per step (with the default
     every_micro_batch they cross fsdp in every tick: 2.5 times at m=2, 4.2 times at m=4). (Dense
