@@ -154,9 +154,9 @@ def test_compositions_do_the_schedules_work(moe, mesh, flat):
 
 
 # The planner's cells: pipeline=4 x data=2 is test_executed_work_is_the_schedules' 1f1b step (16 layers,
-# m = 8); pipeline=2 x data=2 x fsdp=2 (ZeRO-3) is also the embedding test's fsdp cell
+# m = 8); pipeline=2 x data=2 x fsdp=2 (ZeRO-3) is also the embedding test's fsdp cell. pipeline=2 with
+# data replicas under each schedule (m = 8): tests/plan/test_plan.py::test_pipeline_collectives_match_the_compiled_step
 PLANNER_CASES = {
-    "pipeline2-data4": (2, 4, dict(data=4)),
     "pipeline4-data2": None,
     "pipeline2-data2-fsdp2": (2, 2, dict(data=2, fsdp=2)),
 }
