@@ -71,9 +71,8 @@ def test_moe_gradients_cross_data_once_per_step():
 @pytest.mark.heavy
 @pytest.mark.parametrize("schedule,moe,axis,mesh", [
     ("1f1b", True, "data", None), ("zero_bubble", False, "context", dict(data=2, context=2)),
-    ("1f1b", False, "context", dict(context=2, tensor=2, sequence_parallel=True)),
     ("1f1b", False, "fsdp", dict(fsdp=4, zero_stage=1, fsdp_grad_reduce="once"))],
-    ids=["moe-expert2-1f1b", "context2-zero_bubble", "context2-tensor2-sp", "fsdp4-zero1-once"])
+    ids=["moe-expert2-1f1b", "context2-zero_bubble", "fsdp4-zero1-once"])
 def test_pipelined_data_parallel_gradients_cross_once_per_step(schedule, moe, axis, mesh):
     """pipeline=2 with data replicas, 4 micro-batches: the data-axis gradient reduction of the compiled
     step is one reduction of a device's gradients (its stage's blocks and the replicated embedding, norm
@@ -82,7 +81,10 @@ def test_pipelined_data_parallel_gradients_cross_once_per_step(schedule, moe, ax
     without the replica vmap: every tick's gradients crossed `data`). pipeline=2 x data=2 x context=2,
     zero_bubble: the context devices' partial gradients too, in the same one reduction (before: every
     unit's, in its tick, 3.3 times the gradient bytes); with sequence parallelism over tensor (no replica
-    vmap: `context` manual in the stages' shard_map) once too (before: 3.8 times). ZeRO-1 over fsdp=4 with
+    vmap: `context` manual in the stages' shard_map) once too (before: 3.8 times):
+    tests/plan/test_plan.py::test_pipeline_sequence_parallel_reduces_context_once holds that program's
+    context reduction (pipeline=2 x context=2 x tensor=2, 1f1b, m=4) to the planner's one reduction
+    per step. ZeRO-1 over fsdp=4 with
     `fsdp_grad_reduce=once` (Llama 3's "sharded but not re-sharded": the optimizer state sharded, the
     weights and gradients whole): one all-reduce of a device's gradients per step (with the default
     every_micro_batch they cross fsdp in every tick: 2.5 times at m=2, 4.2 times at m=4). (Dense
@@ -96,23 +98,6 @@ def test_pipelined_data_parallel_gradients_cross_once_per_step(schedule, moe, ax
     collectives, grads = _collectives_and_grads(cfg)
     got = _bytes(collectives, axis)
     assert abs(got - grads) <= 0.05 * grads, f"{schedule}: {axis} reduction bytes per step {got}, gradients {grads}"
-
-
-@pytest.mark.heavy
-def test_sequence_parallel_pipeline_gradients_cross_data_once_per_step():
-    """pipeline=2 x data=2 x tensor=2 with sequence parallelism, 4 layers, interleaved (2 virtual
-    stages): the stages run with `data` manual in their shard_map (no replica vmap, on which XLA's
-    partitioner stops), so the gradients cross `data` once, after the last tick: the all-reduce bytes
-    over data at 4 micro-batches are one device's gradients (before, summed where XLA placed the sum:
-    4.2 times the gradient bytes at m=4, 2.2 times at m=2). 1f1b on the same mesh:
-    test_sequence_parallel_pipeline_reduces_data_in_reduce_dtype (one shard's bytes at m=2)."""
-    cfg = dataclasses.replace(
-        _cfg(4, pipeline=2, data=2, tensor=2, sequence_parallel=True, pipeline_schedule="interleaved",
-             pipeline_virtual_stages=2),
-        model=dataclasses.replace(BASE32.model, num_layers=4))
-    collectives, grads = _collectives_and_grads(cfg)
-    four = _bytes(collectives, "data", ("all-reduce",))
-    assert abs(four - grads) <= 0.05 * grads, f"interleaved: data all-reduce bytes {four}, gradients {grads}"
 
 
 @pytest.mark.heavy
@@ -221,14 +206,20 @@ def test_reduce_dtype_sets_the_accumulators_and_the_reduction(reduce_dtype, mesh
 
 
 @pytest.mark.heavy
-def test_sequence_parallel_pipeline_reduces_data_in_reduce_dtype(tmp_path):
-    """pipeline=2 x data=2 x tensor=2 with sequence parallelism (`data` manual in the stages) and
-    `mesh.reduce_dtype=bfloat16`: the one gradient reduction over data after the last tick moves 2 bytes
-    per parameter of a device's shard, in bfloat16 (as partitioned for the mesh; the ticks' gradient
-    sums stay float32). float32 compute: a bfloat16 pipelined step with sequence parallelism aborts
-    XLA:CPU (docs/PLATFORM.md)."""
-    cfg = dataclasses.replace(_cfg(2, reduce_dtype="bfloat16", data=2, pipeline=2, tensor=2, sequence_parallel=True),
-                              model=dataclasses.replace(BASE32.model, num_layers=4))
+def test_sequence_parallel_pipeline_reduces_data_once_in_reduce_dtype(tmp_path):
+    """pipeline=2 x data=2 x tensor=2 with sequence parallelism, 4 layers, interleaved (2 virtual
+    stages), 4 micro-batches, `mesh.reduce_dtype=bfloat16`: the stages run with `data` manual in their
+    shard_map (no replica vmap, on which XLA's partitioner stops), so the gradients cross `data` once,
+    after the last tick: the all-reduce over data moves 2 bytes per parameter of a device's shard, in
+    bfloat16 (as partitioned for the mesh; the ticks' gradient sums stay float32). Before: summed where
+    XLA placed the sum, 4.2 times the gradient bytes at m=4 (interleaved), 2.5 times at m=2 (1f1b); the
+    reduction over the manual axes is the executor's, after any schedule's ticks (each schedule on this
+    mesh against one device: test_pipeline_compose.py). float32 compute: a bfloat16 pipelined step
+    with sequence parallelism aborts XLA:CPU (docs/PLATFORM.md)."""
+    cfg = dataclasses.replace(
+        _cfg(4, reduce_dtype="bfloat16", data=2, pipeline=2, tensor=2, sequence_parallel=True,
+             pipeline_schedule="interleaved", pipeline_virtual_stages=2),
+        model=dataclasses.replace(BASE32.model, num_layers=4))
     trainer, _, collectives = _compiled_and_partitioned(cfg, tmp_path)
     shards = sum(int(np.prod(sh.shard_shape(p.shape))) for p, sh in zip(
         jax.tree.leaves(jax.eval_shape(trainer.init).params), jax.tree.leaves(trainer.state_shardings.params)))
@@ -245,7 +236,6 @@ def reference32():
 
 
 OPTIONS = {
-    "data=2,fsdp=2,tensor=2,sp": dict(data=2, fsdp=2, tensor=2, sequence_parallel=True),
     "data=2,fsdp=2,tensor=2,sp,once,per_step": dict(data=2, fsdp=2, tensor=2, sequence_parallel=True,
                                                     fsdp_grad_reduce="once", fsdp_regather="per_step"),
     "zero1,data=2,fsdp=4,once": dict(data=2, fsdp=4, zero_stage=1, fsdp_grad_reduce="once"),
@@ -309,7 +299,7 @@ def test_an_option_this_xla_lacks(monkeypatch, capsys):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("name", ["fsdp=8", "data=2,fsdp=2,tensor=2,sp", "data=2,fsdp=2,tensor=2,sp,once,per_step",
+@pytest.mark.parametrize("name", ["fsdp=8", "data=2,fsdp=2,tensor=2,sp,once,per_step",
                                   "zero1,data=2,fsdp=4,once", "zero2,data=2,fsdp=4,per_step", "data=4,context=2"])
 def test_planned_collectives_match_the_compiled_step(name):
     """The planner's collective bytes per step, by mesh axes and kind, within 10% of the compiled

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from helpers.paths import REPO
-from helpers.run import BASE, assert_same_run, batches, fp8_run, moe_config, run, with_mesh
+from helpers.run import BASE, assert_same_run, batches, devices_for, fp8_run, moe_config, run, with_mesh
 from helpers.tolerances import FP32_RTOL, FP8_STEPS_RTOL, assert_tree_close
 from lumen_jax.checkpoint.manager import Checkpointer
 from lumen_jax.config import CheckpointConfig, ConfigError, Fp8Config, MeshConfig, MoeConfig
@@ -37,6 +37,24 @@ def reference():
     return {n: run(with_mesh(cfg, micro_batches=M), jax.devices()[:1]) for n, cfg in ((3, L3), (6, L6))}
 
 
+@pytest.fixture(scope="module")
+def uneven_run():
+    """`run` of a config, once per module: test_checkpoint_moves_between_stage_splits steps the
+    trainers test_uneven_stages_match_one_device built (their programs, traced and compiled once)."""
+    runs = {}
+
+    def get(cfg):
+        if cfg not in runs:
+            runs[cfg] = run(cfg, devices_for(cfg))
+        return runs[cfg]
+    return get
+
+
+def _uneven(schedule, stages, virtual, layers, split, mesh=None):
+    return with_mesh(L3 if layers == 3 else L6, micro_batches=M, pipeline=stages, pipeline_schedule=schedule,
+                     pipeline_virtual_stages=virtual, pipeline_layers=tuple(split), **(mesh or {}))
+
+
 def _padding_slots(got: dict, pipe) -> list:
     """The padding slots' leaves of `run`'s gradients (before and after) as the stages hold them
     (`run` compares the real layers)."""
@@ -53,21 +71,20 @@ def _padding(pipe, a):
 CASES = [
     ("1f1b", 2, 1, 3, [1, 2], {}),
     ("gpipe", 2, 1, 3, [2, 1], {}),
-    pytest.param("zero_bubble", 2, 1, 3, [2, 1], {}, marks=pytest.mark.heavy),
     pytest.param("interleaved", 2, 2, 6, [1, 2, 2, 1], {}, marks=pytest.mark.heavy),
-    # the padded stacks under the replica vmap and split over tensor, in one program
-    pytest.param("1f1b", 2, 1, 3, [1, 2], dict(data=2, tensor=2), marks=pytest.mark.heavy),
+    # zero_bubble's split backward (B and W units) over the padded stacks, under the replica vmap and
+    # split over tensor, in one program
+    pytest.param("zero_bubble", 2, 1, 3, [2, 1], dict(data=2, tensor=2), marks=pytest.mark.heavy),
 ]
 
 
 @pytest.mark.parametrize("schedule,stages,virtual,layers,split,mesh", CASES)
-def test_uneven_stages_match_one_device(reference, schedule, stages, virtual, layers, split, mesh):
+def test_uneven_stages_match_one_device(reference, uneven_run, schedule, stages, virtual, layers, split, mesh):
     """3 steps: losses, grad norms, the real layers' gradients before and after them equal one
     device's; the padding slots' gradients are exactly 0 and their weights still exactly 0."""
-    cfg = with_mesh(L3 if layers == 3 else L6, micro_batches=M, pipeline=stages, pipeline_schedule=schedule,
-                    pipeline_virtual_stages=virtual, pipeline_layers=tuple(split), **mesh)
+    cfg = _uneven(schedule, stages, virtual, layers, split, mesh)
     validate(cfg, stages * int(np.prod(list(mesh.values()) or [1])))
-    got = run(cfg, jax.devices()[:stages * int(np.prod(list(mesh.values()) or [1]))])
+    got = uneven_run(cfg)
     pipe = got["trainer"].step_cfg.pipeline
     assert pipe.layers == tuple(split)
     padding = _padding_slots(got, pipe)
@@ -88,42 +105,37 @@ def test_zero_layer_is_the_identity():
 
     cfg = dataclasses.replace(BASE.model, num_layers=2, qk_norm=True, qkv_bias=True)
     graphdef3, _, _ = param_shapes_and_names(dataclasses.replace(cfg, num_layers=3))
-    params = init_params(cfg, 0)
-    padded = {**params, "blocks": jax.tree.map(lambda a: jnp.concatenate([a[:1], jnp.zeros_like(a[:1]), a[1:]]),
-                                               params["blocks"])}
+    params = jax.jit(init_params, static_argnums=(0, 1))(cfg, 0)  # jitted: eagerly each op compiles on its own
+    padded = jax.jit(lambda p: {**p, "blocks": jax.tree.map(
+        lambda a: jnp.concatenate([a[:1], jnp.zeros_like(a[:1]), a[1:]]), p["blocks"])})(params)
     graphdef2, _, _ = param_shapes_and_names(cfg)
     tokens = jnp.arange(64, dtype=jnp.int32).reshape(2, 32) % cfg.vocab_size
     positions = jnp.broadcast_to(jnp.arange(32), (2, 32))
-    np.testing.assert_array_equal(apply(graphdef3, padded, tokens, positions), apply(graphdef2, params, tokens, positions))
-    grads = jax.grad(lambda p: apply(graphdef3, p, tokens, positions).sum())(padded)
+    logits = jax.jit(apply, static_argnums=0)
+    np.testing.assert_array_equal(logits(graphdef3, padded, tokens, positions), logits(graphdef2, params, tokens, positions))
+    grads = jax.jit(jax.grad(lambda p: apply(graphdef3, p, tokens, positions).sum()))(padded)
     assert all(not np.any(a[1]) for a in jax.tree.leaves(grads["blocks"]))
     assert all(np.any(a[0]) for a in jax.tree.leaves(grads["blocks"]))  # the real layers do get gradients
 
 
-def _one_step_saved(cfg, path: str, data: list):
-    trainer = _trainer(cfg)
-    state, _ = trainer.step(trainer.init(), trainer.shard_batch(data[0]))
-    ckpt = Checkpointer(path, CheckpointConfig(), layout=trainer.stored)
-    ckpt.save(1, state, {})
-    ckpt.wait()
-    ckpt.close()
-    return trainer, state
-
-
 @pytest.mark.heavy
-def test_checkpoint_moves_between_stage_splits(reference, tmp_path):
-    """A step at pipeline_layers=[1, 2], saved (the real layers [3, ...] on disk), restored with no
-    pipeline and at [2, 1]: the restored real weights and moments are bit-identical to what was saved
-    (a copy), and the next two steps continue the uninterrupted one-device run (fp32 tolerance: the
-    stages add the gradients in another order)."""
+def test_checkpoint_moves_between_stage_splits(reference, uneven_run, tmp_path):
+    """A step at pipeline_layers=[1, 2] (1f1b), saved (the real layers [3, ...] on disk), restored with
+    no pipeline and at [2, 1] (gpipe): the restored real weights and moments are bit-identical to what
+    was saved (a copy), and the next two steps continue the uninterrupted one-device run (fp32
+    tolerance: the stages add the gradients in another order). The trainers (and their compiled
+    steps) are the one-device reference's and test_uneven_stages_match_one_device's."""
     data = batches(L3)
     path = str(tmp_path / "ckpt")
-    uneven = with_mesh(L3, micro_batches=M, pipeline=2, pipeline_layers=(1, 2))
-    writer, saved = _one_step_saved(uneven, path, data)
+    writer = uneven_run(_uneven("1f1b", 2, 1, 3, [1, 2]))["trainer"]
+    saved, _, _ = writer.step_and_grads(writer.init(), writer.shard_batch(data[0]))
+    ckpt = Checkpointer(path, CheckpointConfig(), layout=writer.stored)
+    ckpt.save(1, saved, {})
+    ckpt.wait()
+    ckpt.close()
     stored = jax.device_get(writer.stored.save(saved))
     assert jax.tree.leaves(stored.params["blocks"])[0].shape[0] == 3
-    for cfg in (with_mesh(L3, micro_batches=M), with_mesh(L3, micro_batches=M, pipeline=2, pipeline_layers=(2, 1))):
-        reader = _trainer(cfg)
+    for reader in (reference[3]["trainer"], uneven_run(_uneven("gpipe", 2, 1, 3, [2, 1]))["trainer"]):
         restored = Checkpointer(path, CheckpointConfig(), layout=reader.stored).restore_latest(reader.abstract_state())
         state = restored.state
         for got, sh in zip(jax.tree.leaves(state), jax.tree.leaves(reader.state_shardings)):
@@ -131,7 +143,7 @@ def test_checkpoint_moves_between_stage_splits(reference, tmp_path):
         assert_tree_close(jax.device_get(reader.stored.save(state)), stored, 0.0, what="restored ")
         losses, norms = [], []
         for batch in data[1:]:
-            state, m = reader.step(state, reader.shard_batch(batch))
+            state, m, _ = reader.step_and_grads(state, reader.shard_batch(batch))
             losses.append(float(m["loss"]))
             norms.append(float(m["grad_norm"]))
         np.testing.assert_allclose(losses, reference[3]["losses"][1:], rtol=FP32_RTOL)
@@ -189,12 +201,14 @@ def test_train_cli_points_uneven_depths_to_pipeline_layers(tmp_path):
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("layers,every_n,split,mesh", [
-    (3, 1, [1, 2], dict(expert=2)),  # MoE every layer, bias balance: the padding's routing leaves no trace
     (6, 2, [4, 2], {}),  # two stacks (dense, MoE) padded in the same share; the aux loss of real groups only
-], ids=["n1-[1,2]-ep2", "n2-[4,2]"])
+], ids=["n2-[4,2]"])
 def test_uneven_moe_stages_match_one_device(layers, every_n, split, mesh):
     """Losses, grad norms, gradients (real layers) of 3 steps, the `moe/...` metrics (each stage's
-    mean weighted by its share of the layers) and the model state equal one device's."""
+    mean weighted by its share of the layers) and the model state equal one device's. The bias
+    balance (the model state: the padding's routing leaves no trace) with experts over `expert=2` on
+    uneven stages: tests/model/test_deepseek.py::test_first_dense_layers_and_mtp_train_on_a_pipeline_as_on_one_device
+    (pipeline_layers=[1, 2], the bias and expert load against one device, the padding's gradients 0)."""
     ref = run(with_mesh(moe_config(layers, every_n), micro_batches=M), jax.devices()[:1])
     cfg = with_mesh(moe_config(layers, every_n), micro_batches=M, pipeline=2, pipeline_schedule="1f1b",
                     pipeline_layers=tuple(split), **mesh)

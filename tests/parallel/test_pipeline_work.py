@@ -126,9 +126,9 @@ def test_sends_run_beside_compute_where_the_schedule_says(name, virtual):
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("moe,mesh,flat", [
-    (False, dict(pipeline=2, context=2, data=2), dict(context=2, data=4)),
+    (False, dict(pipeline=2, context=2, fsdp=2), dict(context=2, data=2, fsdp=2)),
     (True, dict(pipeline=4, expert=2), dict(data=4, expert=2)),
-], ids=["pipeline2-context2-data2", "moe-pipeline4-expert2"])
+], ids=["pipeline2-context2-fsdp2", "moe-pipeline4-expert2"])
 def test_compositions_do_the_schedules_work(moe, mesh, flat):
     """A context and an expert composition (MoE every second layer): 1f1b within its lock-step bound,
     zero_bubble within its lock-step program's (every unit, the routed experts' weight gradients
@@ -136,7 +136,9 @@ def test_compositions_do_the_schedules_work(moe, mesh, flat):
     table's bubble), and no slower than 1f1b.
     Measured: 1f1b 1.122x (bound 1.125) and 1.366x (1.375); zero_bubble 1.086x (its lock-step
     program's 1.083, the issue's 1.198) and 1.257x (1.25, the issue's 1.294; 1.293x while the
-    experts' weight gradients stayed in B)."""
+    experts' weight gradients stayed in B). (The context cell ran on data=2 before it took fsdp=2, so
+    that test_the_embedding_gradient_keeps_its_rows_on_their_devices reads its 1f1b step: context is
+    the replica vmap's axis either way; data's replica vmap: pipeline4-data2 above.)"""
     from lumen_jax.config import MoeConfig
 
     cfg = CFG.replace(model=dataclasses.replace(CFG.model, moe=MoeConfig(num_experts=4, top_k=2, every_n_layers=2))
@@ -151,26 +153,38 @@ def test_compositions_do_the_schedules_work(moe, mesh, flat):
     assert bound["zero_bubble"] <= 1.15 * table
 
 
+# The planner's cells: pipeline=4 x data=2 is test_executed_work_is_the_schedules' 1f1b step (16 layers,
+# m = 8); pipeline=2 x data=2 x fsdp=2 (ZeRO-3) is also the embedding test's fsdp cell. pipeline=2 with
+# data replicas under each schedule (m = 8): tests/plan/test_plan.py::test_pipeline_collectives_match_the_compiled_step
+PLANNER_CASES = {
+    "pipeline4-data2": None,
+    "pipeline2-data2-fsdp2": (2, 2, dict(data=2, fsdp=2)),
+}
+
+
+def planner_cfg(name: str):
+    if PLANNER_CASES[name] is None:
+        return at_64_rows(with_mesh(CFG, micro_batches=M, pipeline=4, data=2, pipeline_schedule="1f1b",
+                                    pipeline_virtual_stages=1))
+    stages, m, mesh = PLANNER_CASES[name]
+    cfg = with_mesh(BASE, micro_batches=m, pipeline=stages, **mesh)
+    return cfg.replace(data=dataclasses.replace(cfg.data, global_batch_size=32),
+                       model=dataclasses.replace(cfg.model, num_layers=2 * stages))
+
+
 @pytest.mark.heavy
-@pytest.mark.parametrize("stages,m,mesh", [(2, 4, dict(data=4)), (4, 8, dict(data=2)), (2, 2, dict(data=2, fsdp=2))],
-                         ids=["pipeline2-data4", "pipeline4-data2", "pipeline2-data2-fsdp2"])
-def test_the_planner_counts_what_the_pipeline_sends(stages, m, mesh):
+@pytest.mark.parametrize("name", list(PLANNER_CASES))
+def test_the_planner_counts_what_the_pipeline_sends(name):
     """The planner's collectives over `pipeline` (`plan/collectives.py`) against the compiled step's, by kind:
     one activation per forward tick and one cotangent per backward tick (collective-permutes), the
     shared loss's all-reduces and the replicated weights' gradient sum (over `fsdp` shards under ZeRO-3)."""
     from lumen_jax import plan
     from lumen_jax.plan.hardware import DEVICES
 
-    cfg = with_mesh(BASE, micro_batches=m, pipeline=stages, **mesh)
-    cfg = cfg.replace(data=dataclasses.replace(cfg.data, global_batch_size=32),
-                      model=dataclasses.replace(cfg.model, num_layers=2 * stages))
+    cfg = planner_cfg(name)
     shape = {a: getattr(cfg.mesh, a) for a in MeshConfig.AXES}
-    trainer = build(cfg, make_mesh(shape, jax.devices()))
-    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding)
-             for k, v in batches(cfg)[0].items()}
-    module = hlo.parse(trainer.step.lower(trainer.abstract_state(), batch).compile().as_text())
     compiled: dict[str, int] = {}
-    for c in hlo.on_mesh(module, shape):
+    for c in hlo.on_mesh(compiled_step(cfg), shape):
         if c.axes == ("pipeline",) and c.bytes > 1024:  # the loss scalars left out
             compiled[c.kind] = compiled.get(c.kind, 0) + c.bytes * c.count
     planned: dict[str, float] = {}
@@ -183,19 +197,27 @@ def test_the_planner_counts_what_the_pipeline_sends(stages, m, mesh):
         assert planned[kind] == pytest.approx(nbytes, rel=0.10), (kind, planned, compiled)
 
 
-@pytest.mark.parametrize("mesh", [dict(fsdp=4), dict(fsdp=2, tensor=2, sequence_parallel=True),
-                                  dict(fsdp=2, context=2)],
-                         ids=["fsdp4", "fsdp2-tensor2-sp", "fsdp2-context2"])
-def test_the_embedding_gradient_keeps_its_rows_on_their_devices(mesh):
+def embedding_cfg(name: str):
+    """ZeRO-3 (rows over fsdp): the planner's pipeline=2 x data=2 x fsdp=2 step (1f1b, m = 2); with
+    sequence parallelism: test_executed_work_is_the_schedules' pipeline=2 x fsdp=2 x tensor=2 1f1b step
+    (16 layers, m = 8); fsdp and context together (rows over fsdp, tokens over context):
+    test_compositions_do_the_schedules_work's pipeline=2 x context=2 x fsdp=2 1f1b step (16 layers, m = 8)."""
+    if name == "data2-fsdp2":
+        return planner_cfg("pipeline2-data2-fsdp2")
+    mesh = dict(fsdp=2, tensor=2, sequence_parallel=True) if name == "fsdp2-tensor2-sp" else dict(context=2, fsdp=2)
+    return at_64_rows(with_mesh(CFG, micro_batches=M, pipeline=2, pipeline_schedule="1f1b", **mesh))
+
+
+@pytest.mark.parametrize("name", ["data2-fsdp2", "fsdp2-tensor2-sp", "fsdp2-context2"])
+def test_the_embedding_gradient_keeps_its_rows_on_their_devices(name):
     """Under ZeRO-3 a micro-batch's rows are split over fsdp, under context parallelism its tokens
     over context. Each device sums the embedding gradient of its own rows and tokens
     (`units.Device.embedding_grad`), the sums reduced once after the last tick: no all-gather
     over fsdp or context carries a token id (a lookup gradient into one table gathers every backward
-    tick's rows and their ids onto each device of the group: 4 x 4 rows x 128 tokens x (64 + 1) x 4
-    bytes a tick here; under sequence parallelism a tick permutes its 32 ids between the fsdp x
-    tensor devices, 128 bytes). The planner counts the table's one reduction (tests/plan/test_plan.py)."""
-    cfg = with_mesh(BASE, micro_batches=4, pipeline=2, pipeline_schedule="1f1b", **mesh)
-    cfg = cfg.replace(model=dataclasses.replace(cfg.model, num_layers=4))
+    tick's rows and their ids onto each device of the group; under sequence parallelism a tick
+    permutes its ids between the fsdp x tensor devices). The planner counts the table's one
+    reduction (tests/plan/test_plan.py). The three steps are other tests' (`embedding_cfg`)."""
+    cfg = embedding_cfg(name)
     collectives = hlo.on_mesh(compiled_step(cfg), {a: getattr(cfg.mesh, a) for a in MeshConfig.AXES})
     ids = [c for c in collectives if {"fsdp", "context"} & set(c.axes) and c.kind == "all-gather" and c.dtype == "s32"]
-    assert not ids, f"{mesh}: token ids gathered over fsdp or context: {ids}"
+    assert not ids, f"{name}: token ids gathered over fsdp or context: {ids}"
