@@ -270,7 +270,8 @@ def test_pipeline_sequence_parallel_reduces_context_once():
     where > 1) manual in the stages, the gradients reduced over them once after the last tick
     (`StepShape.context_manual`; with data too one all-reduce over data x context: planned 313,600 B,
     compiled 313,604 on 16 devices, measured by hand). Here the context reduction, the stage sends and
-    the shared loss's sums within 10% of the compiled step's. The config and mesh are
+    the shared loss's sums within 10% of the compiled step's (measured: 140,032 B against 140,044;
+    0.0%, -0.1%). The config and mesh are
     tests/parallel/test_communication.py's `context2-tensor2-sp` cell (helpers.run.BASE, 2 layers,
     batch 32): the persistent compilation cache compiles the step once for both."""
     cfg = with_mesh(BASE32, 4, pipeline=2, pipeline_schedule="1f1b", context=2, tensor=2, sequence_parallel=True)
