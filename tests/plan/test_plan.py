@@ -17,6 +17,7 @@ import pytest
 from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import NamedSharding, PartitionSpec
 
+from helpers.run import BASE, with_mesh
 from lumen_jax.metrics import flops
 from lumen_jax import plan
 from lumen_jax.train.build import build
@@ -41,17 +42,17 @@ YEAR_S = 365 * 24 * 3600
 
 # The tiny model (configs/tiny.yaml: fp32, 2 layers, d_model 64, seq 128, batch 16) on 8 CPU devices:
 # the meshes and remat policies of the issue (no recompute, full, and dots in between; ZeRO-1;
-# tensor + sequence parallelism; gradient accumulation).
+# tensor + sequence parallelism; gradient accumulation). remat=full over fsdp is held by the
+# fsdp x tensor and fsdp x context cells under full; accumulating micro-batches under ZeRO-3 by the
+# zero_axes=fsdp+context cells (m = 2 every micro-batch, m = 4 once).
 XLA_CASES = {
     "fsdp=8 none": ["mesh.fsdp=8", "model.remat=none"],
-    "fsdp=8 full": ["mesh.fsdp=8", "model.remat=full"],
     "data=8 dots_with_no_batch_dims_saveable":
         ["mesh.data=8", "mesh.fsdp=1", "model.remat=dots_with_no_batch_dims_saveable"],
     "fsdp=4,tensor=2,sp full": ["mesh.fsdp=4", "mesh.tensor=2", "mesh.sequence_parallel=true", "model.remat=full"],
     "fsdp=4,tensor=2,sp dots_saveable":
         ["mesh.fsdp=4", "mesh.tensor=2", "mesh.sequence_parallel=true", "model.remat=dots_saveable"],
     "fsdp=8 zero_stage=1 none": ["mesh.fsdp=8", "mesh.zero_stage=1", "model.remat=none"],
-    "fsdp=8 micro_batches=2 none": ["mesh.fsdp=8", "train.micro_batches=2", "model.remat=none"],
     # context parallelism: the ring (C unrolled hops) and the all-gather attention (a scan over C)
     # under shard_map, zigzag chunks, C = 2 and 4 (the planner's terms are formulas in C: C = 8 added
     # no branch, and its ring unrolled 8 hops, the dearest compile here)
@@ -113,16 +114,21 @@ def _assert_matmuls(name, check, rtol):
 # in every tick) is held by `test_pipeline_sequence_parallel_sends_its_share` (pipeline=2 x fsdp=2 x
 # tensor=2, both schedules: its fsdp gathers, reductions and temporaries).
 PIPELINE = ["mesh.fsdp=1", "mesh.data=2", "mesh.pipeline=2", "model.num_layers=4"]
+# helpers.run.BASE at batch 32: tests/parallel/test_communication.py's pipelined steps, whose programs
+# the persistent compilation cache compiles once for both files
+BASE32 = BASE.replace(data=dataclasses.replace(BASE.data, global_batch_size=32))
 PIPELINE_XLA_CASES = {
-    **{f"data=2 {s}": [*PIPELINE, "train.micro_batches=8", f"mesh.pipeline_schedule={s}"]
+    **{f"data=2 {s}": load_config("configs/tiny.yaml", [*PIPELINE, "train.micro_batches=8", f"mesh.pipeline_schedule={s}"])
        for s in ("1f1b", "gpipe", "zero_bubble")},
-    "data=2 interleaved": [*PIPELINE, "train.micro_batches=8", "mesh.pipeline_schedule=interleaved",
-                           "mesh.pipeline_virtual_stages=2"],
-    # context parallelism in stages: the ring's hops and the gradients' reductions over context per
-    # tick, under zero_bubble (its split backward: B and W units each reduce their own; 1F1B's context
-    # in stages: `test_pipeline_sequence_parallel_reduces_context_once`)
-    "context=2 zero_bubble": ["mesh.fsdp=1", "mesh.context=2", "mesh.pipeline=2", "model.num_layers=4",
-                              "train.micro_batches=8", "mesh.pipeline_schedule=zero_bubble"],
+    "data=2 interleaved": load_config("configs/tiny.yaml", [*PIPELINE, "train.micro_batches=8",
+                                                           "mesh.pipeline_schedule=interleaved",
+                                                           "mesh.pipeline_virtual_stages=2"]),
+    # context parallelism in stages, under zero_bubble (its split backward: B and W units): the ring's
+    # hops, and the context devices' partial gradients reduced once with data's (`context_replicas`;
+    # 1F1B's context in stages, with sequence parallelism: `test_pipeline_sequence_parallel_reduces_context_once`).
+    # test_communication's `context2-zero_bubble` cell (BASE32, 2 layers, m = 4)
+    "data=2,context=2 zero_bubble": with_mesh(BASE32, 4, pipeline=2, pipeline_schedule="zero_bubble", data=2,
+                                              context=2),
 }
 
 
@@ -138,17 +144,22 @@ def test_pipelined_mtp_matmuls_match_the_compiled_step():
     assert check.flops_predicted == pytest.approx(check.flops_compiled, rel=FLOPS_RTOL)
 
 
-@pytest.fixture(scope="module")
-def pipeline_steps():
-    """{case: (plan, `against_xla` check, the compiled step's temporaries in bytes)} of `PIPELINE_XLA_CASES`."""
-    out = {}
-    for name, overrides in PIPELINE_XLA_CASES.items():
-        cfg = load_config("configs/tiny.yaml", overrides)
-        layout = plan.layout_from_config(cfg, 4)
+class _PipelineSteps(dict):
+    """{case: (plan, `against_xla` check, the compiled step's temporaries in bytes)} of
+    `PIPELINE_XLA_CASES`, each compiled when a test first reads it."""
+
+    def __missing__(self, name: str):
+        cfg = PIPELINE_XLA_CASES[name]
+        layout = plan.layout_from_config(cfg, math.prod(getattr(cfg.mesh, a) for a in MeshConfig.AXES))
         p = plan.predict(cfg, layout, H100)
         compiled = compile_step(cfg, layout)
-        out[name] = p, against_xla(cfg, p, compiled), compiled.memory_analysis().temp_size_in_bytes
-    return out
+        self[name] = p, against_xla(cfg, p, compiled), compiled.memory_analysis().temp_size_in_bytes
+        return self[name]
+
+
+@pytest.fixture(scope="module")
+def pipeline_steps():
+    return _PipelineSteps()
 
 
 def _planned_temporaries(p) -> float:
@@ -164,7 +175,7 @@ def test_pipeline_bytes_match_the_compiled_step(pipeline_steps, name):
     """The planner's bytes of a pipelined step (`memory.activation_bytes`: the lock-step program's
     residual slots, zero_bubble's W stash) against XLA's, and its FLOPs (the compiler counts each
     segment's scan over ticks once: a forward, the loss's share, a backward or B, a W unit over the
-    chunk's layers, as the segment runs them). Measured: bytes -4.5% to +1.6%, FLOPs -3.7% to -6.5%."""
+    chunk's layers, as the segment runs them). Measured: bytes -4.5% to +3.3%, FLOPs -3.7% to -6.5%."""
     p, check, temporaries = pipeline_steps[name]
     predicted, compiled = p.bytes_per_device["total"], check.bytes_compiled
     assert predicted == pytest.approx(compiled, rel=BYTES_RTOL), (
@@ -217,20 +228,24 @@ def test_pipeline_stash_is_the_schedules(pipeline_steps):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
-def test_pipeline_sequence_parallel_sends_its_share(schedule):
+@pytest.mark.parametrize("schedule,regather", [("1f1b", "per_step"), ("zero_bubble", "per_micro_batch")])
+def test_pipeline_sequence_parallel_sends_its_share(schedule, regather):
     """Under sequence parallelism a stage sends, and sums for the shared loss, its 1/t of each
     [tokens, D] activation: the pipeline's collectives and the fsdp gradient reductions within 10% of
-    the compiled step's (measured: within 0.2%). The fsdp gathers within 1% (measured 0.0%; -14.5%,
-    zero_bubble -20.3%, with the embedding and logits gathered once per loss tick): the embedding
-    table once, the logits once per segment with the loss, its forward and backward apart (the
-    vocabulary is split over tensor), and no row of the embedding gradient
-    (`collectives._pipelined_head_gathers`). The tensor axis within 10% (measured +0.0% gathers, -0.3%
+    the compiled step's (measured: within 0.2%). The fsdp gathers within 1%. Gathered per micro-batch
+    (zero_bubble; measured 0.0%; -14.5% for 1f1b, zero_bubble -20.3%, with the embedding and logits
+    gathered once per loss tick): the chunk's weights in every tick's forward and backward, the
+    embedding table once, the logits once per segment with the loss, its forward and backward apart
+    (the vocabulary is split over tensor), and no row of the embedding gradient
+    (`collectives._pipelined_head_gathers`). `mesh.fsdp_regather=per_step` (1f1b): the compute-dtype
+    weights are gathered once, before the first tick, and every tick computes with them (measured
+    +0.4%; when the pipelined step ignored the setting it gathered each chunk's weights every tick,
+    2.74 MB against 0.31 MB). The tensor axis within 10% (measured +0.0% gathers, -0.3%
     reductions; +13.6% / -16.9% while it was planned as the unpipelined step's, per micro-batch
     rather than per executed tick: `collectives._pipelined_tensor`)."""
     cfg = load_config("configs/tiny.yaml", ["mesh.fsdp=2", "mesh.tensor=2", "mesh.sequence_parallel=true",
                                             "mesh.pipeline=2", "model.num_layers=4", "train.micro_batches=4",
-                                            f"mesh.pipeline_schedule={schedule}"])
+                                            f"mesh.pipeline_schedule={schedule}", f"mesh.fsdp_regather={regather}"])
     layout = plan.layout_from_config(cfg, 8)
     p, compiled = plan.predict(cfg, layout, H100), compile_step(cfg, layout)
     check = against_xla(cfg, p, compiled)
@@ -242,7 +257,8 @@ def test_pipeline_sequence_parallel_sends_its_share(schedule):
             f"{schedule} {key}: predicted {predicted:,.0f} B, compiled {compiled_bytes:,.0f} B")
     # The temporaries within 10% with the stash as each schedule keeps it under sequence parallelism:
     # 1f1b the norm outputs' own rows (`memory.regathered_inputs`), zero_bubble the gathered ones its
-    # taps record (measured: 1f1b -6.9%, -5.5% before the regather; zero_bubble -2.9%)
+    # taps record (measured: 1f1b -6.6% with per_step, -6.9% per micro-batch, -5.5% before the
+    # regather; zero_bubble -2.9%)
     temporaries = compiled.memory_analysis().temp_size_in_bytes
     assert _planned_temporaries(p) == pytest.approx(temporaries, rel=BYTES_RTOL), (
         f"{schedule}: planned temporaries {_planned_temporaries(p):,.0f} B, XLA {temporaries:,.0f} B")
@@ -250,36 +266,21 @@ def test_pipeline_sequence_parallel_sends_its_share(schedule):
 
 @pytest.mark.heavy
 def test_pipeline_sequence_parallel_reduces_context_once():
-    """pipeline=2 x context=2 x tensor=2 with sequence parallelism: `context` (and `data`, where > 1)
-    manual in the stages, the gradients reduced over them once after the last tick
+    """pipeline=2 x context=2 x tensor=2 with sequence parallelism, 1f1b, m = 4: `context` (and `data`,
+    where > 1) manual in the stages, the gradients reduced over them once after the last tick
     (`StepShape.context_manual`; with data too one all-reduce over data x context: planned 313,600 B,
-    compiled 313,604 on 16 devices, measured by hand). Here the context reduction within 10% of the
-    compiled step's (measured 313,600 B against 313,612)."""
-    cfg = load_config("configs/tiny.yaml", ["mesh.fsdp=1", "mesh.context=2", "mesh.tensor=2",
-                                            "mesh.sequence_parallel=true", "mesh.pipeline=2", "model.num_layers=4",
-                                            "train.micro_batches=4"])
+    compiled 313,604 on 16 devices, measured by hand). Here the context reduction, the stage sends and
+    the shared loss's sums within 10% of the compiled step's (measured: 140,032 B against 140,044;
+    0.0%, -0.1%). The config and mesh are
+    tests/parallel/test_communication.py's `context2-tensor2-sp` cell (helpers.run.BASE, 2 layers,
+    batch 32): the persistent compilation cache compiles the step once for both."""
+    cfg = with_mesh(BASE32, 4, pipeline=2, pipeline_schedule="1f1b", context=2, tensor=2, sequence_parallel=True)
     layout = plan.layout_from_config(cfg, 8)
     check = against_xla(cfg, plan.predict(cfg, layout, H100), compile_step(cfg, layout))
     for key in ("context reduce", "pipeline permute", "pipeline reduce"):
         predicted, compiled = check.collectives[key]
         assert predicted == pytest.approx(compiled, rel=COLLECTIVES_RTOL), (
             f"{key}: predicted {predicted:,.0f} B, compiled {compiled:,.0f} B")
-
-
-def test_pipeline_per_step_gathers_the_weights_once():
-    """`mesh.fsdp_regather=per_step` under a pipeline: the compute-dtype weights are gathered once,
-    before the first tick, and every tick computes with them: the fsdp gathers within 1% of the
-    planned once-per-step gather (measured +0.4%; when the pipelined step ignored the setting it
-    gathered each chunk's weights every tick, 2.74 MB against 0.31 MB), the reductions within 10%
-    (measured 0.0%)."""
-    cfg = load_config("configs/tiny.yaml", ["mesh.fsdp=2", "mesh.tensor=2", "mesh.sequence_parallel=true",
-                                            "mesh.pipeline=2", "model.num_layers=4", "train.micro_batches=4",
-                                            "mesh.fsdp_regather=per_step"])
-    layout = plan.layout_from_config(cfg, 8)
-    check = against_xla(cfg, plan.predict(cfg, layout, H100), compile_step(cfg, layout))
-    for key, rtol in (("fsdp gather", 0.01), ("fsdp reduce", COLLECTIVES_RTOL)):
-        predicted, compiled = check.collectives[key]
-        assert predicted == pytest.approx(compiled, rel=rtol), f"{key}: predicted {predicted:,.0f} B, compiled {compiled:,.0f} B"
 
 
 @pytest.mark.heavy
@@ -893,10 +894,9 @@ def test_fp8_scaling_state_and_ring_hops():
 
 MOE_RTOL = 0.10  # the issue's bound for --against-xla on MoE configs (bytes, FLOPs, all-to-all bytes)
 # configs/tiny_moe.yaml (8 experts of width 64, top-2, dropless, fp32) and a fine-grained variant: expert
-# parallelism with fsdp, with data under the replica vmap, with tensor; no recompute and full (expert
-# alone at 8: the fine-grained variant; under full: the expert x tensor x fsdp case).
+# parallelism with data under the replica vmap, with tensor and fsdp; no recompute and full (expert
+# alone at 8: the fine-grained variant; under full, and expert x fsdp: the expert x tensor x fsdp case).
 MOE_XLA_CASES = {
-    "expert=4,fsdp=2 none": ["mesh.expert=4", "mesh.fsdp=2"],
     "expert=4,data=2 micro_batches=2": ["mesh.expert=4", "mesh.data=2", "mesh.fsdp=1", "train.micro_batches=2"],
     "expert=2,tensor=2,fsdp=2 full": ["mesh.expert=2", "mesh.tensor=2", "mesh.fsdp=2", "model.remat=full"],
     "64 experts top-8 expert=8": ["mesh.expert=8", "mesh.fsdp=1", "model.moe.num_experts=64", "model.moe.top_k=8",
