@@ -216,8 +216,9 @@ def remat_reference():
     return run(with_mesh(BASE), devices=jax.devices()[:1])
 
 
-# dots_with_no_batch_dims_saveable: with the flash kernel, in the test below (the same policy, the kernel's
-# residuals kept too).
+# dots_with_no_batch_dims_saveable: with the flash kernel, tests/ops/test_sliding_window.py's
+# test_a_window_trains_with_our_kernel_as_with_the_reference (the same policy, the kernel's residuals kept
+# too; was this file's test_flash_kept_by_the_remat_policy_gives_the_same_losses_and_grads).
 @pytest.mark.parametrize("policy", ["full", "dots_saveable", "save_attention_out", "offload_dots"])
 def test_remat_policies_same_losses_and_grads(policy, remat_reference):
     assert BASE.model.remat == "none"
@@ -225,18 +226,6 @@ def test_remat_policies_same_losses_and_grads(policy, remat_reference):
     got = run(with_mesh(cfg), devices=jax.devices()[:1])
     assert np.all(np.diff(remat_reference["losses"]) < 0), remat_reference["losses"]
     assert_same_run(got, remat_reference, f"remat={policy}")
-
-
-@pytest.mark.heavy  # the flash kernels in Pallas's interpreter, twice
-def test_flash_kept_by_the_remat_policy_gives_the_same_losses_and_grads():
-    """dots_with_no_batch_dims_saveable keeps the flash kernel's output and log-sum-exp (the backward
-    no longer runs the forward kernel again: tests/compiler/test_lower.py counts it): the backward
-    reads them as it read the recomputed ones, so losses and gradients are remat=none's."""
-    flash = dataclasses.replace(BASE.model, attention="flash")
-    ref = run(with_mesh(BASE.replace(model=flash)), devices=jax.devices()[:1])
-    got = run(with_mesh(BASE.replace(model=dataclasses.replace(flash, remat="dots_with_no_batch_dims_saveable"))),
-              devices=jax.devices()[:1])
-    assert_same_run(got, ref, "flash, remat=dots_with_no_batch_dims_saveable")
 
 
 def test_tied_embeddings_have_no_lm_head_and_train():

@@ -513,9 +513,12 @@ def _history_leaves(state):
 
 def test_delayed_state_is_replicated_and_survives_a_checkpoint_and_a_reshard(tmp_path):
     from helpers.data import packed_batch
-    fp8_cfg = Fp8Config(recipe="delayed", amax_history=8)  # 3 layers: the middle one runs fp8
-    tr = _trainer(fp8_cfg, compute_dtype="float32", batch=16, seq_len=128, steps=10, fsdp=4, tensor=2)
-    batch = packed_batch(16, 128, 512, seed=0)
+    # 3 layers: the middle one runs fp8. The model, shapes and remat policy of the warm-branch test's
+    # trainer: restored on one device, the next step is that test's program (one compile for both).
+    fp8_cfg, shapes = Fp8Config(recipe="delayed", amax_history=4), dict(batch=4, seq_len=64, steps=10)
+    tr = _trainer(fp8_cfg, compute_dtype="float32", remat="dots_with_no_batch_dims_saveable", fsdp=4, tensor=2,
+                  **shapes)
+    batch = packed_batch(4, 64, 512, seed=0)
     state = tr.init()
     for _ in range(3):
         state, _ = tr.step(state, tr.shard_batch(batch))
@@ -533,7 +536,7 @@ def test_delayed_state_is_replicated_and_survives_a_checkpoint_and_a_reshard(tmp
     expected = jax.device_get(state)
     # Resharded from fsdp=4 x tensor=2 onto one device. (Data replicas stepping fp8 state:
     # tests/parallel/test_pipeline_compose.py's unpipelined references.)
-    other = _trainer(fp8_cfg, compute_dtype="float32", batch=16, seq_len=128, steps=10)
+    other = _trainer(fp8_cfg, compute_dtype="float32", remat="dots_with_no_batch_dims_saveable", **shapes)
     restored = Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig()).restore_latest(other.abstract_state())
     assert restored.step == 3
     for (path, got), want in zip(_history_leaves(restored.state), jax.tree.leaves(expected.model_state)):
