@@ -55,16 +55,19 @@ def reference():
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("mesh", [dict(expert=2, context=2, tensor=2, sequence_parallel=True)],
-                         ids=["expert2-context2-tensor2-sp"])
+@pytest.mark.parametrize("mesh", [dict(expert=2, context=2, tensor=2, sequence_parallel=True),
+                                  dict(context=2, tensor=2, context_parallel="allgather",
+                                       context_balance="contiguous")],
+                         ids=["expert2-context2-tensor2-sp", "context2-tensor2-allgather-contiguous"])
 def test_deepseek_trains_on_meshes_as_on_one_device(reference, mesh):
     """Heads over tensor with the latent replicated, sequence parallel; the expanded K/V around the context
     ring (values padded to the q/k head dim); experts over expert: one program for the three (was
     fsdp2-tensor2-sp and expert2-context2-fsdp2; the latent over fsdp: the pipeline case below). (`data`
-    adds only the replica vmap, test_moe.py's expert=2,fsdp=2,data=2.) With the MTP depths: their shifted
-    ids cross the ring's zigzag context devices and their blocks attend around the ring as the main layers
-    do (test_mtp.py's context2-fsdp2-ring-zigzag went for it; all-gather over contiguous tokens: there);
-    `mtp_loss` as one device's."""
+    adds only the replica vmap, test_moe.py's expert=2,fsdp=2,data=2.) The MTP depths' shifted ids cross
+    the context devices, in zigzag's held order (the ring) and in contiguous order (all-gathered), and
+    their blocks attend through context parallelism as the main layers do; `mtp_loss` as one device's
+    (were test_mtp.py's context2-fsdp2-ring-zigzag and context2-tensor2-allgather-contiguous, MLA with 2
+    dense depths)."""
     got = run(with_mesh(DEEPSEEK_MTP, **mesh))
     assert_same_mtp_run(got, reference, str(mesh), GRADS_END_RTOL)
     assert reference["losses"][-1] < reference["losses"][0]

@@ -1,5 +1,7 @@
 """Multi-token prediction (`model.mtp_depth`) against the DeepSeek-V3 paper's formula written by hand
-(section 2.2): objective and gradients; it trains on a mesh as on one device and reports `mtp_loss`."""
+(section 2.2): objective and gradients; its parameter count and what a pipeline refuses. Trained on meshes
+as on one device, `mtp_loss` reported: tests/model/test_deepseek.py (two MoE depths under context
+parallelism, ring and all-gather, and on a pipeline)."""
 
 import dataclasses
 
@@ -10,7 +12,7 @@ import pytest
 from flax import nnx
 
 from helpers.data import packed_batch
-from helpers.run import BASE, assert_same_mtp_run, run, with_mesh
+from helpers.run import BASE, with_mesh
 from helpers.tolerances import FP32_RTOL
 from lumen_jax.config import ConfigError
 from lumen_jax.config.checks import validate
@@ -98,19 +100,3 @@ def test_mtp_counts_in_flops_and_what_a_pipeline_refuses():
     with pytest.raises(ConfigError) as e:  # 16 rows / 2 micro-batches / 8 shards: 1 row, not split over 2 stages
         validate(with_mesh(MTP, micro_batches=2, pipeline=2, fsdp=8), 16)
     assert "each stage runs multi-token prediction on 1/2 of a micro-batch's 1 rows" in str(e.value)
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return run(with_mesh(MTP), devices=jax.devices()[:1])
-
-
-@pytest.mark.heavy
-def test_mtp_trains_under_context_parallelism_as_on_one_device(reference):
-    """All-gather over contiguous tokens on context=2 tensor=2: the shifted ids cross the context devices;
-    the MTP block attends through context parallelism as the main layers do. Losses, grad norms,
-    gradients (the MTP modules', which must learn) and `mtp_loss` per step. (The ring over zigzag
-    tokens, and MTP on a pipeline: tests/model/test_deepseek.py's expert2-context2-tensor2-sp and
-    pipeline cases, two MoE depths.)"""
-    mesh = dict(context=2, tensor=2, context_parallel="allgather", context_balance="contiguous")
-    assert_same_mtp_run(run(with_mesh(MTP, **mesh)), reference, str(mesh), 1e-4)
