@@ -95,6 +95,16 @@ def assert_same_run(got: dict, ref: dict, name: str, grads_end_rtol: float = FP3
     assert diff <= grads_end_rtol * optax.tree.norm(ref["grads_end"]), f"{name} grads after 3 steps: {diff}"
 
 
+def assert_same_mtp_run(got: dict, ref: dict, name: str, grads_end_rtol: float = FP32_RTOL) -> None:
+    """`assert_same_run`, and for multi-token prediction: the MTP modules learn and `mtp_loss` per step
+    equals the reference's (to FP32_RTOL)."""
+    assert_same_run(got, ref, name, grads_end_rtol)
+    assert all(0 < float(m["mtp_loss"]) < 10 for m in ref["metrics"])
+    assert float(np.abs(ref["grads"]["mtp"]["eh_proj"]).max()) > 0
+    np.testing.assert_allclose([float(m["mtp_loss"]) for m in got["metrics"]],
+                               [float(m["mtp_loss"]) for m in ref["metrics"]], rtol=FP32_RTOL, err_msg=name)
+
+
 def fp8_run(cfg: Config) -> dict:
     """An fp8 run of `cfg` on `devices_for(cfg)`: the first step's gradients, (loss, grad norm) per
     step and the model state (amax histories) after each step, the stacks' layers in the model's

@@ -1,7 +1,7 @@
-"""DeepSeek-V3's model: multi-head latent attention and the first layers dense then MoE, trained on every
-mesh axis but `data` as on one device (`data` adds only the step's replica vmap, which the MoE tests cover:
-tests/model/test_moe.py, tests/ops/test_moe_balance.py); MLA's narrower values through the flash kernel; its
-config refusals."""
+"""DeepSeek-V3's model: multi-head latent attention, the first layers dense then MoE and two multi-token
+prediction depths, trained on every mesh axis but `data` as on one device (`data` adds only the step's
+replica vmap, which the MoE tests cover: tests/model/test_moe.py, tests/ops/test_moe_balance.py); MLA's
+narrower values through the flash kernel; its config refusals."""
 
 import dataclasses
 
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers.run import BASE, assert_same_run, run, with_mesh
+from helpers.run import BASE, assert_same_mtp_run, run, with_mesh
 from helpers.tolerances import FP32_RTOL
 from lumen_jax.config import ConfigError
 from lumen_jax.config.checks import validate
@@ -44,21 +44,32 @@ def test_mla_parameters_and_count():
     assert n == flops.param_counts(DEEPSEEK.model)["total"]
 
 
+# With two multi-token prediction depths (MoE blocks with the selection bias): the model of every training
+# comparison below.
+DEEPSEEK_MTP = DEEPSEEK.replace(model=dataclasses.replace(DEEPSEEK.model, mtp_depth=2, mtp_loss_weight=0.3))
+
+
 @pytest.fixture(scope="module")
 def reference():
-    return run(with_mesh(DEEPSEEK), devices=jax.devices()[:1])
+    return run(with_mesh(DEEPSEEK_MTP), devices=jax.devices()[:1])
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("mesh", [dict(expert=2, context=2, tensor=2, sequence_parallel=True)],
-                         ids=["expert2-context2-tensor2-sp"])
+@pytest.mark.parametrize("mesh", [dict(expert=2, context=2, tensor=2, sequence_parallel=True),
+                                  dict(context=2, tensor=2, context_parallel="allgather",
+                                       context_balance="contiguous")],
+                         ids=["expert2-context2-tensor2-sp", "context2-tensor2-allgather-contiguous"])
 def test_deepseek_trains_on_meshes_as_on_one_device(reference, mesh):
     """Heads over tensor with the latent replicated, sequence parallel; the expanded K/V around the context
     ring (values padded to the q/k head dim); experts over expert: one program for the three (was
     fsdp2-tensor2-sp and expert2-context2-fsdp2; the latent over fsdp: the pipeline case below). (`data`
-    adds only the replica vmap, test_moe.py's expert=2,fsdp=2,data=2.)"""
-    got = run(with_mesh(DEEPSEEK, **mesh))
-    assert_same_run(got, reference, str(mesh), GRADS_END_RTOL)
+    adds only the replica vmap, test_moe.py's expert=2,fsdp=2,data=2.) The MTP depths' shifted ids cross
+    the context devices, in zigzag's held order (the ring) and in contiguous order (all-gathered), and
+    their blocks attend through context parallelism as the main layers do; `mtp_loss` as one device's
+    (were test_mtp.py's context2-fsdp2-ring-zigzag and context2-tensor2-allgather-contiguous, MLA with 2
+    dense depths)."""
+    got = run(with_mesh(DEEPSEEK_MTP, **mesh))
+    assert_same_mtp_run(got, reference, str(mesh), GRADS_END_RTOL)
     assert reference["losses"][-1] < reference["losses"][0]
 
 
@@ -103,14 +114,14 @@ def test_what_mla_cannot_do_is_one_config_line(case):
     assert fragment in str(e.value), str(e.value)
 
 
-# On a pipeline, all three: the first dense layer, MoE layers, a multi-token prediction depth (an MoE block
-# with the selection bias) run with the head on half the rows each; pipeline_layers=[1, 2] (stage 0 the dense
-# layer alone, stage 1 the MoE layers: the dense stack padded to one slot per stage), experts over `expert`
-# in the stages, zero-bubble's split backward (the latent attention's projections tapped). One compile (and
-# one of its one-device reference, with the same 2 micro-batches) shared by the training comparison and the
-# checkpoint's writer. 1F1B with MTP: tests/model/test_mtp.py; first dense layers on other splits and
-# schedules: tests/parallel/test_pipeline_uneven.py and test_pipeline_compose.py (two stacks).
-DEEPSEEK_MTP = DEEPSEEK.replace(model=dataclasses.replace(DEEPSEEK.model, mtp_depth=1, mtp_loss_weight=0.3))
+# On a pipeline, all three: the first dense layer, MoE layers, two multi-token prediction depths (MoE blocks
+# with the selection bias) run with the head on half the rows each (`mtp_loss` the depths' mean);
+# pipeline_layers=[1, 2] (stage 0 the dense layer alone, stage 1 the MoE layers: the dense stack padded to one
+# slot per stage), experts over `expert` in the stages, zero-bubble's split backward (the latent attention's
+# projections tapped). One compile (and one of its one-device reference, with the same 2 micro-batches)
+# shared by the training comparison and the checkpoint's writer. MTP with the head is the same code on every
+# schedule (`pipeline/units.py`'s head; test_mtp.py's 1F1B case went for this one); first dense layers on
+# other splits and schedules: tests/parallel/test_pipeline_uneven.py and test_pipeline_compose.py (two stacks).
 IN_STAGES = dict(pipeline=2, fsdp=2, expert=2, pipeline_schedule="zero_bubble", pipeline_layers=(1, 2))
 
 
@@ -128,18 +139,15 @@ def in_stages():
 def test_first_dense_layers_and_mtp_train_on_a_pipeline_as_on_one_device(reference_mtp, in_stages):
     """The first dense layer in the first stage's dense slots (zeros on the other stages: the identity),
     then the MoE layers, then MTP with the head: losses, grad norms, gradients, `mtp_loss` and the model
-    state after 3 steps (the MTP block's bias and expert load, summed over the stages' rows) equal one
+    state after 3 steps (the MTP blocks' bias and expert load, summed over the stages' rows) equal one
     device's with the same 2 micro-batches; the padding slots' gradients are exactly 0."""
     got, ref = in_stages, reference_mtp
-    assert_same_run(got, ref, "pipeline2-fsdp2-expert2-zero_bubble-1+2 mtp", GRADS_END_RTOL)
+    assert_same_mtp_run(got, ref, "pipeline2-fsdp2-expert2-zero_bubble-1+2 mtp", GRADS_END_RTOL)
     pipe = got["trainer"].step_cfg.pipeline
     for k in pipe.stacks:
         for a in jax.tree.leaves(got["held"]["grads"][k]):
             a = np.asarray(pipe.from_stages(a))
             assert not np.any(np.delete(a, pipe.real_slots(a.shape[0], k), axis=0)), k
-    assert float(np.abs(ref["grads"]["mtp"]["eh_proj"]).max()) > 0
-    np.testing.assert_allclose([float(m["mtp_loss"]) for m in got["metrics"]],
-                               [float(m["mtp_loss"]) for m in ref["metrics"]], rtol=FP32_RTOL)
     assert float(np.abs(ref["model_state"]["mtp"]["block"]["mlp"]["balance"]["load"]).sum()) > 0
     for a, b in zip(jax.tree.leaves(got["model_state"]), jax.tree.leaves(ref["model_state"])):
         np.testing.assert_allclose(a, b, rtol=FP32_RTOL, atol=1e-6)

@@ -65,26 +65,25 @@ def gemma_reference():
 def test_gemma_trains_on_meshes_as_on_one_device(gemma_reference, mesh):
     """The pipeline's second stage holds layers 4, 5, 6: its slot 1 is global (the stage passes its first
     layer), and the stages are uneven (4 + 3: 7 layers). (Tensor with sequence parallelism: the context
-    case below, context2-ring-fsdp2-tensor2-sp. `data` adds only the replica vmap: the layer kinds do not
-    see it.)"""
+    case below, context2-ring-fsdp2-tensor2-sp with flash. `data` adds only the replica vmap: the layer
+    kinds do not see it.)"""
     got = run(with_mesh(GEMMA, micro_batches=2 if mesh.get("pipeline") else 1, **mesh))
     assert_same_run(got, gemma_reference, str(mesh), GRADS_END_RTOL)
     assert gemma_reference["losses"][-1] < gemma_reference["losses"][0]
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("mesh", [dict(context=2, fsdp=2, tensor=2, sequence_parallel=True),
-                                  dict(context=2, fsdp=2, attention="flash")],
-                         ids=["context2-ring-fsdp2-tensor2-sp", "context2-ring-flash-fsdp2"])
-def test_gemma_trains_with_context_parallelism_and_our_kernel_as_on_one_device(gemma_reference, mesh):
+def test_gemma_trains_with_context_parallelism_and_our_kernel_as_on_one_device(gemma_reference):
     """The ring takes each layer's kind (a window of 8 on the local layers, none on the global one) per
-    chunk pair, through the reference and through our flash kernel (the interpreter): losses, grad norms,
-    the gradients as the meshes above."""
-    mesh = dict(mesh)
-    attention = mesh.pop("attention", None)
-    cfg = GEMMA if attention is None else GEMMA.replace(model=dataclasses.replace(GEMMA.model, attention=attention))
+    chunk pair through our flash kernel (the interpreter), with heads over tensor and the sandwich norms
+    under sequence parallelism: losses, grad norms, the gradients as the meshes above. One program for
+    both (was context2-ring-fsdp2-tensor2-sp with the reference kernel and context2-ring-flash-fsdp2: the
+    ring's pair branches are the same for either kernel; the reference's per pair with a window:
+    tests/ops/test_sliding_window.py's context4-ring-contiguous-data2)."""
+    mesh = dict(context=2, fsdp=2, tensor=2, sequence_parallel=True)
+    cfg = GEMMA.replace(model=dataclasses.replace(GEMMA.model, attention="flash"))
     got = run(with_mesh(cfg, **mesh))
-    assert_same_run(got, gemma_reference, f"{mesh} {attention}", GRADS_END_RTOL)
+    assert_same_run(got, gemma_reference, f"{mesh} flash", GRADS_END_RTOL)
 
 
 def test_the_global_layers_change_the_loss(gemma_reference):

@@ -216,8 +216,9 @@ def remat_reference():
     return run(with_mesh(BASE), devices=jax.devices()[:1])
 
 
-# dots_with_no_batch_dims_saveable: with the flash kernel, in the test below (the same policy, the kernel's
-# residuals kept too).
+# dots_with_no_batch_dims_saveable: with the flash kernel, tests/ops/test_sliding_window.py's
+# test_a_window_trains_with_our_kernel_as_with_the_reference (the same policy, the kernel's residuals kept
+# too; was this file's test_flash_kept_by_the_remat_policy_gives_the_same_losses_and_grads).
 @pytest.mark.parametrize("policy", ["full", "dots_saveable", "save_attention_out", "offload_dots"])
 def test_remat_policies_same_losses_and_grads(policy, remat_reference):
     assert BASE.model.remat == "none"
@@ -225,18 +226,6 @@ def test_remat_policies_same_losses_and_grads(policy, remat_reference):
     got = run(with_mesh(cfg), devices=jax.devices()[:1])
     assert np.all(np.diff(remat_reference["losses"]) < 0), remat_reference["losses"]
     assert_same_run(got, remat_reference, f"remat={policy}")
-
-
-@pytest.mark.heavy  # the flash kernels in Pallas's interpreter, twice
-def test_flash_kept_by_the_remat_policy_gives_the_same_losses_and_grads():
-    """dots_with_no_batch_dims_saveable keeps the flash kernel's output and log-sum-exp (the backward
-    no longer runs the forward kernel again: tests/compiler/test_lower.py counts it): the backward
-    reads them as it read the recomputed ones, so losses and gradients are remat=none's."""
-    flash = dataclasses.replace(BASE.model, attention="flash")
-    ref = run(with_mesh(BASE.replace(model=flash)), devices=jax.devices()[:1])
-    got = run(with_mesh(BASE.replace(model=dataclasses.replace(flash, remat="dots_with_no_batch_dims_saveable"))),
-              devices=jax.devices()[:1])
-    assert_same_run(got, ref, "flash, remat=dots_with_no_batch_dims_saveable")
 
 
 def test_tied_embeddings_have_no_lm_head_and_train():
@@ -253,17 +242,17 @@ def test_tied_embeddings_have_no_lm_head_and_train():
     state = trainer.init()
     assert "lm_head" not in state.params
     batch = trainer.shard_batch(batch_for(cfg))
-    # The embedding gets gradients from both the lookup and the logits.
-    loss0, grads = trainer.grads(state.params, batch)
-    # Tied, the table is the output projection too: at init the loss is near ln(V), as untied (an
-    # N(0, 1) table gives logits of std sqrt(d_model): a loss of 56 here, 1,300 for llama3_1b).
-    assert abs(float(loss0) - math.log(cfg.model.vocab_size)) < 0.05 * math.log(cfg.model.vocab_size), float(loss0)
-    assert float(jnp.abs(grads["embed"]).max()) > 0
     losses = []
-    for _ in range(4):
-        state, m = trainer.step(state, batch)
+    for i in range(4):  # one program: the step that also returns its gradients
+        state, m, grads = trainer.step_and_grads(state, batch)
         losses.append(float(m["loss"]))
         assert int(m["skipped"]) == 0
+        if i == 0:  # the embedding gets gradients from both the lookup and the logits
+            assert float(jnp.abs(grads["embed"]).max()) > 0
+    # Tied, the table is the output projection too: at init the loss is near ln(V), as untied (an
+    # N(0, 1) table gives logits of std sqrt(d_model): a loss of 56 here, 1,300 for llama3_1b).
+    loss0 = losses[0]
+    assert abs(loss0 - math.log(cfg.model.vocab_size)) < 0.05 * math.log(cfg.model.vocab_size), loss0
     assert np.all(np.diff(losses) < 0), losses
 
 
@@ -371,20 +360,21 @@ def test_z_loss_gradients():
         sc = step_lib.StepConfig(graphdef=graphdef, tx=tx, lr_schedule=schedule(opt, 10), z_loss=z)
         return jax.jit(lambda p, b: step_lib.loss_and_grads(p, b, jnp.float32(1.0), sc))(params, batch)
 
-    def manual(z: float):
+    @jax.jit  # z traced: one program for both
+    def manual(params: dict, z: jax.Array):
         def objective(p):
             logits = apply(graphdef, p, batch["inputs"], batch["positions"], batch["segment_ids"])
             mask = batch["loss_mask"]
             ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
             log_z = jax.nn.logsumexp(logits, axis=-1)
             return ((ce + z * log_z ** 2) * mask).sum() / mask.sum(), (ce * mask).sum() / mask.sum()
-        return jax.jit(jax.grad(objective, has_aux=True))(params)
+        return jax.grad(objective, has_aux=True)(params)
 
     z = 1e-2
     loss0, grads0 = step_grads(0.0)
     loss_z, grads_z = step_grads(z)
-    ref_grads0, ref_ce = manual(0.0)
-    ref_grads_z, _ = manual(z)
+    ref_grads0, ref_ce = manual(params, jnp.float32(0.0))
+    ref_grads_z, _ = manual(params, jnp.float32(z))
     # z_loss=0 is plain cross-entropy; z_loss>0 adds exactly z*log(Z)^2 per token.
     assert_tree_close(grads0, ref_grads0, FP32_RTOL, what="z_loss=0 ")
     assert_tree_close(grads_z, ref_grads_z, FP32_RTOL, what=f"z_loss={z} ")

@@ -54,6 +54,9 @@ def loss_fn(cfg: ModelConfig, devices: int | None = None):
     return loss
 
 
+_init = jax.jit(init_params, static_argnums=(0, 1))  # one program (eager, each op compiled alone)
+
+
 def traced(fn, mesh):
     """`fn` traced under the trainer's rules for `mesh` (None: outside the trainer)."""
     if mesh is None:
@@ -67,7 +70,7 @@ def traced(fn, mesh):
 
 @pytest.mark.parametrize("segments", [False, True])
 def test_one_cpu_device_formulations_match_the_plain_ones(segments):
-    params = init_params(SHAPE, seed=0)
+    params = _init(SHAPE, 0)
     args = batch(segments=segments)
     plain_loss, plain_grads = jax.jit(jax.value_and_grad(loss_fn(SHAPE)))(params, *args)
     cpu_loss, cpu_grads = jax.jit(traced(jax.value_and_grad(loss_fn(SHAPE, 1)), mesh_of(1)))(params, *args)
@@ -80,7 +83,7 @@ def test_only_the_one_cpu_device_step_uses_them(devices, expected):
     """Outside the trainer (lumen_jax.plan's probe) and on 8 devices the jaxpr is the plain one: no
     token-gradient projection (the plain program's own custom VJPs, SwiGLU's and RMSNorm's, are in
     every program)."""
-    params = init_params(SHAPE, seed=0)
+    params = _init(SHAPE, 0)
     grad = jax.grad(loss_fn(SHAPE, devices))
     jaxpr = str(jax.make_jaxpr(traced(grad, None if devices is None else mesh_of(devices)))(params, *batch()))
     assert ("name=token_grad_project" in jaxpr) == expected and "name=swiglu" in jaxpr
@@ -105,7 +108,7 @@ def test_remat_policies_see_the_projections_as_dots(remat):
     the token-gradient projections too (without `ops.projection.remat_policy` it would see one
     opaque custom_vjp_call and recompute every projection), and each policy stays itself."""
     cfg = dataclasses.replace(SHAPE, remat=remat)
-    params = init_params(cfg, seed=0)
+    params = _init(SHAPE, 0)  # the parameters do not depend on the policy
     flops = {name: jax.jit(traced(jax.grad(loss_fn(cfg, n)), mesh)).lower(params, *batch()).compile()
              .cost_analysis()["flops"] for name, n, mesh in (("plain", None, None), ("cpu", 1, mesh_of(1)))}
     assert flops["cpu"] == pytest.approx(flops["plain"], rel=REMAT_FLOPS_RTOL), flops

@@ -41,14 +41,18 @@ def _counts_by_hand(trainer, params: dict, model_state: dict, batch: dict, bias:
     """Assignments per expert over the whole batch: the router's input from the model's layer, then
     softmax, score + bias, top-2 and the count in numpy."""
     graphdef = trainer.step_cfg.graphdef
-    model = nnx.merge(graphdef, params, model_state)
-    g, layer_state = nnx.split(model.moe_blocks)
-    block = nnx.merge(g, jax.tree.map(lambda v: v[0], layer_state))
-    cfg = model.cfg
-    x = model.embed_tokens(batch["inputs"])
-    h = block.attn_norm(x)
-    x = x + block.attn(h, batch["positions"], batch["segment_ids"], rope_frequencies(cfg), model.ops)
-    logits = np.asarray(block.mlp_norm(x) @ block.mlp.router[...], np.float64).reshape(-1, E)
+
+    @jax.jit  # one program (eager, each op compiled alone)
+    def router_logits(params, model_state, batch):
+        model = nnx.merge(graphdef, params, model_state)
+        g, layer_state = nnx.split(model.moe_blocks)
+        block = nnx.merge(g, jax.tree.map(lambda v: v[0], layer_state))
+        x = model.embed_tokens(batch["inputs"])
+        h = block.attn_norm(x)
+        x = x + block.attn(h, batch["positions"], batch["segment_ids"], rope_frequencies(model.cfg), model.ops)
+        return block.mlp_norm(x) @ block.mlp.router[...]
+
+    logits = np.asarray(router_logits(params, model_state, batch), np.float64).reshape(-1, E)
     scores = np.exp(logits - logits.max(-1, keepdims=True))
     scores /= scores.sum(-1, keepdims=True)
     chosen = np.argsort(scores + bias, axis=-1)[:, ::-1][:, :K]

@@ -35,8 +35,12 @@ def qkv(dtype=jnp.float32, b=2, t=24, n=4, kh=2, h=16, seed=0):
 
 def _grads(fn, q, k, v):
     cot = jax.random.normal(jax.random.key(9), q.shape, q.dtype)
-    out, vjp = jax.vjp(fn, q, k, v)
-    return out, vjp(cot)
+
+    @jax.jit  # one program (eager, each op compiled alone)
+    def out_and_grads(q, k, v):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(cot)
+    return out_and_grads(q, k, v)
 
 
 @pytest.mark.parametrize("window", [1, 5, 23])
@@ -155,11 +159,15 @@ def test_a_window_trains_on_meshes_as_on_one_device(window_reference, mesh):
 
 @pytest.mark.heavy
 def test_a_window_trains_with_our_kernel_as_with_the_reference(window_reference):
-    """`model.attention=flash` (the interpreter) under the window, on one device. Losses, grad norms
-    and the first step's gradients to float32, as the meshes above. Per chunk pair of the ring (the
-    window-edge pairs through the kernel's `q_offset`): tests/parallel/test_context_parallel.py, and in
-    training tests/model/test_gemma3.py's context2-ring-flash-fsdp2 (a window of 8 over 32 tokens)."""
-    flash = WINDOW.replace(model=dataclasses.replace(WINDOW.model, attention="flash"))
+    """`model.attention=flash` (the interpreter) under the window, on one device, with the remat policy
+    that keeps the kernel's output and log-sum-exp (dots_with_no_batch_dims_saveable: the backward no
+    longer runs the forward kernel again, tests/compiler/test_lower.py counts it, and reads them as it
+    read the recomputed ones). Losses, grad norms and the first step's gradients to float32 against
+    the reference without remat, as the meshes above. Per chunk pair of the ring (the window-edge pairs
+    through the kernel's `q_offset`): tests/parallel/test_context_parallel.py, and in training
+    tests/model/test_gemma3.py's context2-ring-fsdp2-tensor2-sp (a window of 8 over 32 tokens)."""
+    flash = WINDOW.replace(model=dataclasses.replace(WINDOW.model, attention="flash",
+                                                     remat="dots_with_no_batch_dims_saveable"))
     got = run(with_mesh(flash), devices=jax.devices()[:1])
     np.testing.assert_allclose(got["losses"], window_reference["losses"], rtol=FP32_RTOL)
     np.testing.assert_allclose(got["grad_norms"], window_reference["grad_norms"], rtol=FP32_RTOL)

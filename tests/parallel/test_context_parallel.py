@@ -139,7 +139,7 @@ def test_a_sliding_window_with_the_flash_kernel_per_chunk():
     unmasked, diagonal and window-edge pairs (its `q_offset`). The ring runs the same pair branches
     (`_attend`, `_masks`; its hops with a window: test_a_sliding_window_matches_single_device, with
     the kernel: test_flash_kernel_per_chunk, and in training tests/model/test_gemma3.py's
-    context2-ring-flash-fsdp2, a window of 8 over 32 tokens)."""
+    context2-ring-fsdp2-tensor2-sp, a window of 8 over 32 tokens)."""
     data = inputs(seed=13, segments=True)
     assert_matches(context_parallel(*data, c=4, strategy="allgather", causal=True, impl="flash", window=WINDOW),
                    reference(*data, causal=True, window=WINDOW))
