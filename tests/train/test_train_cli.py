@@ -1,4 +1,5 @@
-"""`python -m lumen_jax.train` end to end, in subprocesses: training runs and bad-input exits."""
+"""`python -m lumen_jax.train` end to end: training runs in subprocesses; bad-input exits (two in
+subprocesses, the rest through `train.cli.main` in this process)."""
 
 import glob
 import json
@@ -9,11 +10,13 @@ import sys
 
 import pytest
 
+from helpers.faults import IN_PROCESS
 from helpers.metrics import read_metrics
 from helpers.paths import REPO
 from lumen_jax.config import ConfigError
 from lumen_jax.config.checks import validate
 from lumen_jax.config.files import load_config
+from lumen_jax.train import cli as train_cli
 
 TIMEOUT_S = 120
 EXIT_BAD_INPUT = 2
@@ -33,9 +36,11 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("mesh", [[], ["mesh.fsdp=4", "mesh.tensor=2", "model.attention=auto"]],
-                         ids=["fsdp=8", "fsdp=4,tensor=2,auto"])
+@pytest.mark.parametrize("mesh", [["mesh.fsdp=4", "mesh.tensor=2", "model.attention=auto"]],
+                         ids=["fsdp=4,tensor=2,auto"])
 def test_tiny_yaml_trains(tmp_path, mesh):
+    """40 steps on a mesh with two axes: the loss falls, every metric is written. (tiny.yaml's own
+    fsdp=8 is the run test_tiny_gin_trains starts.)"""
     run_dir = str(tmp_path / "run")
     proc = train("configs/tiny.yaml", "train.steps=40", "log.every_steps=10", f"train.run_dir={run_dir}", *mesh)
     assert_ok(proc)
@@ -59,21 +64,21 @@ def test_tiny_yaml_trains(tmp_path, mesh):
     with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
         saved = json.load(f)
     assert saved["train"]["steps"] == 40 and saved["name"] == "tiny"
-    if mesh:
-        assert "mesh data=1 fsdp=4 pipeline=1 expert=1 context=1 tensor=2" in proc.stdout
-        # auto is resolved once, when the step is built, and the start-up line says how
-        assert "attention=auto: xla (cudnn and flash run on GPU; this is cpu)" in proc.stdout, proc.stdout
-    else:
-        assert "attention=auto" not in proc.stdout
+    assert "mesh data=1 fsdp=4 pipeline=1 expert=1 context=1 tensor=2" in proc.stdout
+    # auto is resolved once, when the step is built, and the start-up line says how
+    assert "attention=auto: xla (cudnn and flash run on GPU; this is cpu)" in proc.stdout, proc.stdout
 
 
 @pytest.mark.heavy
 def test_tiny_gin_trains(tmp_path):
+    """configs/tiny.gin: tiny.yaml's run (fsdp=8, the attention asked for by name: no auto line)."""
     run_dir = str(tmp_path / "run")
     proc = train("configs/tiny.gin", "train.steps=3", "log.every_steps=1", "log.progress=false",
                  f"train.run_dir={run_dir}")
     assert_ok(proc)
     assert "done: step 3" in proc.stdout
+    assert "mesh data=1 fsdp=8 pipeline=1 expert=1 context=1 tensor=1" in proc.stdout
+    assert "attention=auto" not in proc.stdout
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) for r in rows)
@@ -102,16 +107,27 @@ BAD_INPUTS = {
 }
 
 
+# The command itself (`python -m lumen_jax.train`: the exit status, no traceback) for the first two;
+# the rest through `train.cli.main` in this process (each subprocess start-up costs seconds).
+IN_A_SUBPROCESS = ("unknown key", "wrong type")
+
+
 @pytest.mark.parametrize("name", list(BAD_INPUTS))
-def test_bad_input_exits_2_with_one_line(tmp_path, name):
+def test_bad_input_exits_2_with_one_line(tmp_path, name, capsys):
     overrides, fragments = BAD_INPUTS[name]
     jsonl = corrupt_jsonl(tmp_path)
     overrides = [o.format(jsonl=jsonl) for o in overrides]
-    proc = train("configs/tiny.yaml", f"train.run_dir={tmp_path / 'run'}", *overrides)
-    assert proc.returncode == EXIT_BAD_INPUT, f"exit {proc.returncode}\nstderr:\n{proc.stderr[-3000:]}"
-    assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    if name in IN_A_SUBPROCESS:
+        proc = train("configs/tiny.yaml", f"train.run_dir={tmp_path / 'run'}", *overrides)
+        rc, err = proc.returncode, proc.stderr
+    else:
+        rc = train_cli.main(["--config", os.path.join(REPO, "configs/tiny.yaml"), f"train.run_dir={tmp_path / 'run'}",
+                             *IN_PROCESS, *overrides])
+        err = capsys.readouterr().err
+    assert rc == EXIT_BAD_INPUT, f"exit {rc}\nstderr:\n{err[-3000:]}"
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
     for fragment in fragments:
         assert fragment.format(jsonl=jsonl) in lines[0], (fragment, lines[0])
     assert not os.path.exists(os.path.join(tmp_path, "run", "metrics.jsonl"))
@@ -127,7 +143,6 @@ def test_mesh_error_names_the_axis_that_was_set():
 
 def test_vocab_smaller_than_the_tokenizer_exits_2_before_anything_is_written(tmp_path, capsys):
     """In process: the check runs after the data is opened, before the run directory is made."""
-    from lumen_jax.train import cli as train_cli
     run_dir = tmp_path / "run"
     rc = train_cli.main(["--config", os.path.join(REPO, "configs/tiny.yaml"), f"train.run_dir={run_dir}",
                          "model.vocab_size=200", "train.steps=1", "optim.warmup_steps=0", "runtime.cpu_devices=0",
