@@ -1,5 +1,5 @@
-"""`python -m lumen_jax.train` end to end: training runs in subprocesses; bad-input exits (two in
-subprocesses, the rest through `train.cli.main` in this process)."""
+"""`python -m lumen_jax.train` end to end: training runs and bad-input exits in subprocesses (the
+command's own exit; the table of bad inputs in process: tests/train/test_bad_inputs.py)."""
 
 import glob
 import json
@@ -86,50 +86,38 @@ def test_tiny_gin_trains(tmp_path):
         assert json.load(f)["name"] == "tiny"
 
 
-def corrupt_jsonl(tmp_path) -> str:
-    path = tmp_path / "corpus.jsonl"
-    path.write_text('{"text": "a fine document"}\n{"text": "a broken one\n{"text": "another"}\n')
-    return str(path)
-
-
+# The command itself (`python -m lumen_jax.train`: the exit status, one line, no traceback). Every other
+# bad input, and these two, through `train.cli.main` in process: tests/train/test_bad_inputs.py (a corrupt
+# data file below: it is found at the first read, after the run directory is made).
 BAD_INPUTS = {
     # name: (overrides, fragments the one-line message must contain)
     "unknown key": (["model.d_modle=1"], ["model.d_modle", "did you mean model.d_model"]),
     "wrong type": (["model.d_model=abc"], ["model.d_model", "must be an int"]),
-    "mesh product": (["mesh.fsdp=3", "mesh.tensor=1"], ["fsdp=3", "8 are available"]),
-    "mesh -1 cannot fill": (["mesh.tensor=3"], ["mesh.fsdp=-1", "8 devices", "mesh.tensor=3 does not divide 8"]),
-    "batch not divisible": (["data.global_batch_size=12"], ["data.global_batch_size=12", "multiple of 8"]),
-    "experts over mesh.expert": (["model.moe.num_experts=6", "mesh.expert=4"],
-                                 ["mesh.expert=4 does not divide model.moe.num_experts=6"]),
-    "missing data file": (["data.source=files", "data.paths=[/nonexistent/*.txt]"],
-                          ["data.paths", "/nonexistent/*.txt", "matches no files"]),
-    "corrupt jsonl": (["data.source=files", "data.paths=[{jsonl}]"], ["{jsonl}", "line 2", "not valid JSON"]),
 }
 
 
-# The command itself (`python -m lumen_jax.train`: the exit status, no traceback) for the first two;
-# the rest through `train.cli.main` in this process (each subprocess start-up costs seconds).
-IN_A_SUBPROCESS = ("unknown key", "wrong type")
-
-
 @pytest.mark.parametrize("name", list(BAD_INPUTS))
-def test_bad_input_exits_2_with_one_line(tmp_path, name, capsys):
+def test_bad_input_exits_2_with_one_line(tmp_path, name):
     overrides, fragments = BAD_INPUTS[name]
-    jsonl = corrupt_jsonl(tmp_path)
-    overrides = [o.format(jsonl=jsonl) for o in overrides]
-    if name in IN_A_SUBPROCESS:
-        proc = train("configs/tiny.yaml", f"train.run_dir={tmp_path / 'run'}", *overrides)
-        rc, err = proc.returncode, proc.stderr
-    else:
-        rc = train_cli.main(["--config", os.path.join(REPO, "configs/tiny.yaml"), f"train.run_dir={tmp_path / 'run'}",
-                             *IN_PROCESS, *overrides])
-        err = capsys.readouterr().err
-    assert rc == EXIT_BAD_INPUT, f"exit {rc}\nstderr:\n{err[-3000:]}"
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    proc = train("configs/tiny.yaml", f"train.run_dir={tmp_path / 'run'}", *overrides)
+    assert proc.returncode == EXIT_BAD_INPUT, f"exit {proc.returncode}\nstderr:\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     for fragment in fragments:
-        assert fragment.format(jsonl=jsonl) in lines[0], (fragment, lines[0])
+        assert fragment in lines[0], (fragment, lines[0])
+    assert not os.path.exists(os.path.join(tmp_path, "run", "metrics.jsonl"))
+
+
+def test_a_corrupt_jsonl_line_exits_2_with_one_line_and_no_metrics(tmp_path, capsys):
+    """In process (was a subprocess: the exit is the command's as above)."""
+    path = tmp_path / "corpus.jsonl"
+    path.write_text('{"text": "a fine document"}\n{"text": "a broken one\n{"text": "another"}\n')
+    rc = train_cli.main(["--config", os.path.join(REPO, "configs/tiny.yaml"), f"train.run_dir={tmp_path / 'run'}",
+                         "data.source=files", f"data.paths=[{path}]", *IN_PROCESS])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == EXIT_BAD_INPUT
+    assert len(lines) == 1 and lines[0].startswith(f"error: data file {path} line 2: not valid JSON"), lines
     assert not os.path.exists(os.path.join(tmp_path, "run", "metrics.jsonl"))
 
 
