@@ -352,8 +352,10 @@ def test_disk_full_during_save_is_a_clear_error(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(ocp.CheckpointManager, "save", full_after_first)
     # keep=1: step 2 is the one step kept, so deleting it before step 4 is committed would lose it.
+    # (data=4 fsdp=2: the step test_sdc_check_in_a_real_run_exits_4_and_records_it compiles.)
     rc = train_cli.main(["--config", "configs/tiny.yaml", f"train.run_dir={run_dir}", "train.steps=6",
-                         "checkpoint.every_steps=2", "checkpoint.keep=1", "optim.warmup_steps=0", *IN_PROCESS])
+                         "mesh.data=4", "mesh.fsdp=2", "checkpoint.every_steps=2", "checkpoint.keep=1",
+                         "optim.warmup_steps=0", *IN_PROCESS])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == train_cli.EXIT_BAD_INPUT
     assert len(err) == 1 and "No space left on device" in err[0] and "step 4" in err[0]
