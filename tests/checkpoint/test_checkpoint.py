@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from helpers.data import packed_batch
-from helpers.faults import IN_PROCESS
+from helpers.faults import IN_PROCESS, SUBPROCESS_SCHEDULE
 from helpers.meshes import mesh_shape, small_mesh
 from helpers.metrics import losses_and_grad_norms, read_metrics
 from helpers.paths import REPO
@@ -368,7 +368,7 @@ def test_disk_full_during_save_is_a_clear_error(tmp_path, capsys, monkeypatch):
 
 def _train_cmd(run_dir: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "lumen_jax.train", "--config", "configs/tiny.yaml",
-            f"train.run_dir={run_dir}", "log.every_steps=1", "log.progress=false", *extra]
+            f"train.run_dir={run_dir}", "log.every_steps=1", "log.progress=false", *SUBPROCESS_SCHEDULE, *extra]
 
 
 @pytest.mark.heavy
