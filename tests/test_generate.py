@@ -152,7 +152,7 @@ def moe_run(tmp_path_factory):
     cfg = Config(model=model, mesh=MeshConfig(data=2, fsdp=1, pipeline=2, expert=4),
                  data=DataConfig(seq_len=32, global_batch_size=8, builtin_max_bytes=200_000))
     run_dir = str(tmp_path_factory.mktemp("moe") / "run")
-    weights.save_weights(run_dir, cfg, jax.device_get(init_params(model, seed=3)))
+    weights.save_weights(run_dir, cfg, jax.device_get(jax.jit(init_params, static_argnums=(0, 1))(model, 3)))
     return run_dir
 
 
