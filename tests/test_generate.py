@@ -66,13 +66,14 @@ def test_sampling_is_seeded_and_tensor_2_equals_one_device(run):
     two = weights.load_onto_mesh(run_dir, None, ["mesh.tensor=2"], base_mesh=ONE_DEVICE)
     assert two.mesh.shape["tensor"] == 2 and two.mesh.devices.size == 2
     four = weights.load_onto_mesh(run_dir, None, ["mesh.tensor=2", "mesh.data=2"], base_mesh=ONE_DEVICE)
+    assert four.mesh.shape["tensor"] == 2 and four.mesh.devices.size == 4
+    # tensor=2 beside data=2 (the tensor split is the same program part as on tensor=2 alone)
     three = [*PROMPTS, [33]]  # over data=2: padded with a filler row
     assert Generator(four, Sampling()).generate(three, NEW) == Generator(one, Sampling()).generate(three, NEW)
     hot = Generator(one, Sampling(temperature=1.5, top_k=40, top_p=0.95))
     first = hot.generate(PROMPTS, NEW, seed=3)
     assert hot.generate(PROMPTS, NEW, seed=3) == first
     assert hot.generate(PROMPTS, NEW, seed=4) != first
-    assert Generator(two, Sampling()).generate(PROMPTS, NEW) == Generator(one, Sampling()).generate(PROMPTS, NEW)
 
 
 def test_cli_prompt_ids_last_line_prompts_file_and_bad_input(run, tmp_path, capsys):
@@ -151,7 +152,7 @@ def moe_run(tmp_path_factory):
     cfg = Config(model=model, mesh=MeshConfig(data=2, fsdp=1, pipeline=2, expert=4),
                  data=DataConfig(seq_len=32, global_batch_size=8, builtin_max_bytes=200_000))
     run_dir = str(tmp_path_factory.mktemp("moe") / "run")
-    weights.save_weights(run_dir, cfg, jax.device_get(init_params(model, seed=3)))
+    weights.save_weights(run_dir, cfg, jax.device_get(jax.jit(init_params, static_argnums=(0, 1))(model, 3)))
     return run_dir
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from helpers.data import packed_batch
-from helpers.faults import IN_PROCESS
+from helpers.faults import IN_PROCESS, SUBPROCESS_SCHEDULE, args as fault_args
 from helpers.meshes import mesh_shape, small_mesh
 from helpers.metrics import losses_and_grad_norms, read_metrics
 from helpers.paths import REPO
@@ -318,10 +318,11 @@ def test_sdc_check_in_a_real_run_exits_4_and_records_it(tmp_path, capsys, monkey
 def test_nonfinite_steps_in_a_row_stop_the_run(tmp_path, capsys, monkeypatch):
     _as_process_0_of_several(monkeypatch)
     run_dir = str(tmp_path / "run")
+    # helpers.faults' small run at lr=1e38: the step tests/train/test_run_faults.py's
+    # test_a_run_whose_every_step_was_skipped_is_not_done compiles (a constant schedule: any train.steps).
     with pytest.raises(SystemExit) as stopped:
-        train_cli.main(["--config", "configs/tiny.yaml", f"train.run_dir={run_dir}", "train.steps=12",
-                        "optim.lr=1e30", "optim.warmup_steps=0", "train.max_nonfinite_steps=3",
-                        "checkpoint.every_steps=1", "log.every_steps=1", *IN_PROCESS])
+        train_cli.main(fault_args(run_dir, "train.steps=12", "optim.lr=1e38", "train.max_nonfinite_steps=3",
+                                  "checkpoint.every_steps=1"))
     err = capsys.readouterr().err.strip().splitlines()
     assert stopped.value.code == train_cli.EXIT_DIVERGED, err
     assert len(err) == 1 and "3 steps in a row" in err[0] and "train.max_nonfinite_steps=3" in err[0]
@@ -332,7 +333,7 @@ def test_nonfinite_steps_in_a_row_stop_the_run(tmp_path, capsys, monkeypatch):
     assert f"the last checkpoint, step {steps[-1]} in" in err[0], err[0]  # named, and it is finite:
     restored = ckpt.restore_latest(_trainer(fsdp=8).abstract_state())
     assert restored.step == steps[-1] and nonfinite_paths(restored.state) == []
-    # lr=1e30: the first update's norm already overflows float32 (issue 18's guard), so every step is
+    # lr=1e38: the first update's norm already overflows float32 (issue 18's guard), so every step is
     # skipped; skipped_total counts the skipped steps before each row (one step late): 0, 1, 2.
     rows = read_metrics(run_dir)
     skipped = [int(r["skipped"]) for r in rows]
@@ -352,8 +353,10 @@ def test_disk_full_during_save_is_a_clear_error(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(ocp.CheckpointManager, "save", full_after_first)
     # keep=1: step 2 is the one step kept, so deleting it before step 4 is committed would lose it.
+    # (data=4 fsdp=2: the step test_sdc_check_in_a_real_run_exits_4_and_records_it compiles.)
     rc = train_cli.main(["--config", "configs/tiny.yaml", f"train.run_dir={run_dir}", "train.steps=6",
-                         "checkpoint.every_steps=2", "checkpoint.keep=1", "optim.warmup_steps=0", *IN_PROCESS])
+                         "mesh.data=4", "mesh.fsdp=2", "checkpoint.every_steps=2", "checkpoint.keep=1",
+                         "optim.warmup_steps=0", *IN_PROCESS])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == train_cli.EXIT_BAD_INPUT
     assert len(err) == 1 and "No space left on device" in err[0] and "step 4" in err[0]
@@ -366,7 +369,7 @@ def test_disk_full_during_save_is_a_clear_error(tmp_path, capsys, monkeypatch):
 
 def _train_cmd(run_dir: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "lumen_jax.train", "--config", "configs/tiny.yaml",
-            f"train.run_dir={run_dir}", "log.every_steps=1", "log.progress=false", *extra]
+            f"train.run_dir={run_dir}", "log.every_steps=1", "log.progress=false", *SUBPROCESS_SCHEDULE, *extra]
 
 
 @pytest.mark.heavy

@@ -186,7 +186,7 @@ def test_to_hf_refuses_qk_norm_with_qkv_bias(tmp_path, capsys):
     cfg = Config(model=ModelConfig(d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, ffn_dim=16, vocab_size=32,
                                    qkv_bias=True, qk_norm=True))
     run_dir, back = str(tmp_path / "run"), str(tmp_path / "back")
-    weights.save_weights(run_dir, cfg, init_params(cfg.model, 0))
+    weights.save_weights(run_dir, cfg, jax.jit(init_params, static_argnums=(0, 1))(cfg.model, 0))
     assert convert(["to-hf", "--run-dir", run_dir, "--out", back]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: model.qkv_bias=true with model.qk_norm=true has no place in LlamaForCausalLM") and (
@@ -208,7 +208,8 @@ def test_to_hf_of_our_gemma_layouts_loads_in_transformers_and_imports_back(tmp_p
               "all local": dict(global_every=0, rope_local_theta=0.0)}[layout]
     model = dataclasses.replace(cfg.model, compute_dtype="float32", **change)
     rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda a: a + 0.05 * rng.standard_normal(a.shape).astype(a.dtype), init_params(model, 0))
+    params = jax.tree.map(lambda a: a + 0.05 * rng.standard_normal(a.shape).astype(a.dtype),
+                          jax.jit(init_params, static_argnums=(0, 1))(model, 0))
     run_dir, back, again = (str(tmp_path / name) for name in ("run", "hf", "again"))
     weights.save_weights(run_dir, cfg.replace(model=model), params)
     assert convert(["to-hf", "--run-dir", run_dir, "--out", back]) == 0

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -123,7 +124,7 @@ def test_to_hf_refuses_a_routing_no_hf_family_has(tmp_path, capsys):
     from lumen_jax.model import init_params
 
     run_dir = str(tmp_path / "run")
-    weights.save_weights(run_dir, cfg, init_params(cfg.model, 0))
+    weights.save_weights(run_dir, cfg, jax.jit(init_params, static_argnums=(0, 1))(cfg.model, 0))
     back = str(tmp_path / "back")
     assert convert(["to-hf", "--run-dir", run_dir, "--out", back]) == 2
     err = capsys.readouterr().err.strip()

@@ -21,6 +21,10 @@ RUN_STEPS = 2
 # they are; no progress bar, no TensorBoard.
 IN_PROCESS = ["runtime.cpu_devices=0", "runtime.compilation_cache_dir=", "log.progress=false",
               "log.tensorboard=false"]
+# tiny.yaml's schedule pinned to 8 steps with a warm-up of 4, as tests/runtime/test_multihost.py's COMMON:
+# the training subprocesses of tiny.yaml that add it compile one init and one step between them (served
+# by `runtime.compilation_cache_dir`'s persistent cache), whatever their train.steps.
+SUBPROCESS_SCHEDULE = ["optim.decay_steps=8", "optim.warmup_steps=4"]
 SMALL = ["data.seq_len=32", "data.global_batch_size=8", "optim.schedule=constant", "optim.warmup_steps=0",
          "log.every_steps=1", f"checkpoint.every_steps={RUN_STEPS}"]
 

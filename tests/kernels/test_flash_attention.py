@@ -488,7 +488,7 @@ def tiny(attention: str, compute_dtype: str = "float32", blocks: tuple[int, int]
 
 @pytest.fixture(scope="module")
 def xla_fp32_losses() -> dict[str, np.ndarray]:
-    """The one-device xla losses and grad norms in float32: the reference of both float32 flash runs."""
+    """The one-device xla losses and grad norms in float32: the reference of the float32 flash run."""
     ref = losses(tiny("xla"), jax.devices()[:1])
     assert np.all(np.diff(ref["loss"]) < 0), ref
     return ref
@@ -498,12 +498,14 @@ def xla_fp32_losses() -> dict[str, np.ndarray]:
 # in the grad norms; 5e-5 and 2e-4 leave 10x. Dropping the document mask moves the losses by 3.4e-4
 # (float32 and bfloat16 alike).
 @pytest.mark.heavy
-@pytest.mark.parametrize("dtype, rtol, grad_rtol, blocks", [("float32", RTOL["float32"], RTOL["float32"], (16, 16)),
-                                                            ("bfloat16", 5e-5, 2e-4, (0, 0))],
-                         ids=["float32-blocks16", "bfloat16"])
-def test_training_flash_matches_xla(dtype, rtol, grad_rtol, blocks, xla_fp32_losses, monkeypatch):
-    """One device: packed rows with document masks through the flash dispatch; the float32 run sets
-    model.flash_block_q/kv=16 (the sequence is 32: two tiles each way), which must reach the kernel."""
+@pytest.mark.parametrize("dtype, rtol, grad_rtol, blocks, mesh",
+                         [("float32", RTOL["float32"], RTOL["float32"], (16, 16), dict(fsdp=4, tensor=2)),
+                          ("bfloat16", 5e-5, 2e-4, (0, 0), {})],
+                         ids=["float32-blocks16-sharded-fsdp4-tensor2", "bfloat16"])
+def test_training_flash_matches_xla(dtype, rtol, grad_rtol, blocks, mesh, xla_fp32_losses, monkeypatch):
+    """Packed rows with document masks through the flash dispatch give one device's xla losses and grad
+    norms: in bfloat16 on one device; in float32 on fsdp=4, tensor=2 (the kernel per shard, shard_map),
+    where model.flash_block_q/kv=16 (the sequence is 32: two tiles each way) must reach the kernel."""
     seen = []
     kernel = ops.flash_lib.flash_attention
 
@@ -513,22 +515,15 @@ def test_training_flash_matches_xla(dtype, rtol, grad_rtol, blocks, xla_fp32_los
 
     monkeypatch.setattr(ops.flash_lib, "flash_attention", spy)
     one = jax.devices()[:1]
+    if mesh:
+        require_eight_devices()
     ref = xla_fp32_losses if dtype == "float32" else losses(tiny("xla", dtype), one)
-    got = losses(tiny("flash", dtype, blocks), one)
+    got = losses(tiny("flash", dtype, blocks, **mesh), None if mesh else one)
     assert_same_losses_and_grad_norms(got, ref, rtol, grad_rtol)
     want = BlockSizes.default(16).with_overrides(*blocks) if blocks != (0, 0) else BlockSizes.default(16)
     assert seen and all(b == want for b in seen), (seen, want)
     if blocks != (0, 0):
         assert (want.block_q, want.block_kv, want.block_q_dq, want.block_kv_dkv) == (16, 16, 16, 16)
-
-
-@pytest.mark.heavy
-def test_training_flash_sharded_matches_single_device_fp32(xla_fp32_losses):
-    """fsdp=4, tensor=2: the kernel runs per shard (shard_map) and gives the 1-device xla losses and
-    grad norms at float32 tolerance."""
-    require_eight_devices()
-    got = losses(tiny("flash", fsdp=4, tensor=2), None)
-    assert_same_losses_and_grad_norms(got, xla_fp32_losses, RTOL["float32"], RTOL["float32"])
 
 
 def test_config_knobs():

@@ -4,6 +4,7 @@ the context devices otherwise hold it whole. The numbers stay one device's; the 
 state bytes per device fall by the context size."""
 
 import dataclasses
+import functools
 
 import jax
 import pytest
@@ -45,11 +46,24 @@ def test_state_over_context_equals_one_device(name, reference):
     assert specs["blocks"]["attn"]["wq"][1] == ("fsdp", "context"), specs["blocks"]["attn"]["wq"]
 
 
-def _compiled(**mesh) -> tuple[dict, dict]:
-    """(memory_analysis of the step, the planner's exact state bytes) on fsdp=4 x context=2, 2 micro-batches."""
-    cfg = with_mesh(BASE, micro_batches=2, fsdp=4, context=2, fsdp_grad_reduce="once", **mesh)
+def _compiled_step(**mesh):
+    """(config, layout, compiled step): bfloat16 compute, d_model 128, ZeRO-3 gathering per micro-batch;
+    compiled once for the tests that read it."""
+    return _compile(tuple(sorted(mesh.items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _compile(mesh: tuple):
+    cfg = with_mesh(BASE, **dict(mesh))
+    cfg = cfg.replace(model=dataclasses.replace(cfg.model, compute_dtype="bfloat16", d_model=128, ffn_dim=256))
     layout = layout_from_config(cfg, 8)
-    return memory.compiled_bytes(compile_step(cfg, layout)), state_bytes(cfg.model, layout)
+    return cfg, layout, compile_step(cfg, layout)
+
+
+def _compiled(**mesh) -> tuple[dict, dict]:
+    """(memory_analysis of the step, the planner's exact state bytes) on fsdp=4 x context=2."""
+    cfg, layout, compiled = _compiled_step(fsdp=4, context=2, **mesh)
+    return memory.compiled_bytes(compiled), state_bytes(cfg.model, layout)
 
 
 @pytest.mark.heavy
@@ -57,11 +71,11 @@ def test_compiled_state_falls_by_the_context_size():
     """The compiled step's arguments are the state as sharded by hand (every d_model-wide matrix
     over 8 devices, the norms' scales whole) and the batch; they hold half the state's bytes of the
     layout without the option (up to the norms, kept whole), and the step's bytes per device fall
-    with them."""
+    with them. (The step with the option is test_gathered_weights_are_not_kept_for_the_backward's.)"""
     old, old_state = _compiled()
     new, new_state = _compiled(zero_axes="fsdp+context")
     batch = 5 * 4 * BASE.data.global_batch_size * BASE.data.seq_len // 8
-    m = BASE.model
+    m = _compiled_step(fsdp=4, context=2)[0].model
     norms = (2 * m.num_layers + 1) * m.d_model * 4
     matrices = (m.vocab_size * m.d_model * 2 + m.num_layers * (
         2 * m.d_model * (m.num_heads + m.num_kv_heads) * m.d_model // m.num_heads + 3 * m.d_model * m.ffn_dim)) * 4
@@ -87,10 +101,8 @@ def test_gathered_weights_are_not_kept_for_the_backward(mesh):
     forward's, whose results are the backward's residuals, or the backward's) carries a gathered
     layer weight, only the shards: the backward gathers them again. So the planner keeps a layer's
     cast weights at the shard's size (`plan.memory.activation_bytes`)."""
-    cfg = with_mesh(BASE, **mesh)
-    cfg = cfg.replace(model=dataclasses.replace(cfg.model, compute_dtype="bfloat16", d_model=128, ffn_dim=256))
-    layout = layout_from_config(cfg, 8)
-    module = hlo.parse(compile_step(cfg, layout).as_text())
+    cfg, layout, compiled = _compiled_step(**mesh)
+    module = hlo.parse(compiled.as_text())
     m, layers = cfg.model, cfg.model.num_layers
     gathered = {(layers, m.d_model, m.ffn_dim), (layers, m.ffn_dim, m.d_model),
                 (layers, m.d_model, m.num_heads, m.d_model // m.num_heads)}

@@ -114,7 +114,7 @@ ALREADY_GOOD = {
     "config suffix": (["--config={notes}"], ["{notes}", "must end in .yaml"]),
     "invalid yaml": (["--config={broken}"], ["{broken}", "not valid YAML"]),
     "mesh product": (["mesh.fsdp=3", "mesh.tensor=1"], ["fsdp=3", "8 are available"]),
-    "mesh -1 cannot fill": (["mesh.tensor=3"], ["mesh.fsdp=-1", "mesh.tensor=3 does not divide 8"]),
+    "mesh -1 cannot fill": (["mesh.tensor=3"], ["mesh.fsdp=-1", "8 devices", "mesh.tensor=3 does not divide 8"]),
     "kv heads": (["model.num_kv_heads=3"], ["model.num_kv_heads=3 does not divide model.num_heads=4"]),
     "batch not divisible": (["data.global_batch_size=12"], ["data.global_batch_size=12", "multiple of 8"]),
     "negative lr": (["optim.lr=-1"], ["optim.lr=-1.0 must be > 0"]),
@@ -123,10 +123,12 @@ ALREADY_GOOD = {
     "keep 0": (["checkpoint.keep=0"], ["checkpoint.keep=0 must be >= 1"]),
     "files without paths": (["data.source=files"], ["data.source='files'", "data.paths"]),
     "missing data file": (["data.source=files", "data.paths=[/nonexistent/*.txt]"],
-                          ["/nonexistent/*.txt", "matches no files"]),
+                          ["data.paths", "/nonexistent/*.txt", "matches no files"]),
     "missing tokenizer": (["data.tokenizer=/nonexistent/tokenizer.json"],
                           ["data.tokenizer='/nonexistent/tokenizer.json'"]),
     "zero stage": (["mesh.zero_stage=4"], ["mesh.zero_stage=4"]),
+    "experts over mesh.expert": (["model.moe.num_experts=6", "mesh.expert=4"],
+                                 ["mesh.expert=4 does not divide model.moe.num_experts=6"]),
     "half a multi-process setup": (["distributed.coordinator=nohost:1234"], ["distributed.num_processes"]),
 }
 DIAGNOSTICS = {  # issue 30's settings

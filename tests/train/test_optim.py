@@ -32,11 +32,10 @@ def test_no_decay_exactly_on_the_norm_scales(tied):
 
 def test_decay_moves_matrices_and_leaves_norms():
     _, _, names = param_shapes_and_names(MODEL)
-    params = init_params(MODEL, seed=0)
+    params = jax.jit(init_params, static_argnums=(0, 1))(MODEL, 0)  # eager: each op compiled alone
     opt = OptimConfig(lr=0.1, warmup_steps=0, weight_decay=0.5, grad_clip=0.0, schedule="constant")
     tx = make_optimizer(opt, 10, names)
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    updates, _ = tx.update(zeros, tx.init(params), params)
+    updates, _ = jax.jit(lambda p: tx.update(jax.tree.map(jnp.zeros_like, p), tx.init(p), p))(params)
     for (path, u), p, decays in zip(jax.tree_util.tree_leaves_with_path(updates), jax.tree.leaves(params),
                                     jax.tree.leaves(decay_mask(names))):
         want = -opt.lr * opt.weight_decay * np.asarray(p) if decays else np.zeros_like(p)

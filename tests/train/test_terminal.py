@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from helpers.faults import SUBPROCESS_SCHEDULE
 from helpers.terminal import run_in_pty
 
 
@@ -14,7 +15,7 @@ def test_progress_bar_reaches_the_terminal_not_the_log(tmp_path, columns):
     the bar disappear: today's tqdm draws it (checked 2026-12-05); this keeps it so."""
     run_dir = tmp_path / "run"
     code, out = run_in_pty([sys.executable, "-m", "lumen_jax.train", "--config", "configs/tiny.yaml",
-                            "train.steps=6", "optim.warmup_steps=2", "log.every_steps=3", "log.tensorboard=false",
+                            "train.steps=6", *SUBPROCESS_SCHEDULE, "log.every_steps=3", "log.tensorboard=false",
                             f"train.run_dir={run_dir}"], columns=columns)
     assert code == 0, out[-3000:]
     assert "6/6" in out and "tok/s" in out and "loss " in out, out[-3000:]
