@@ -22,9 +22,14 @@ what it finished):
    causal, with and without segment ids (~8 documents a row), ours (flash) and cuDNN: forward and
    forward+backward ms, TFLOP/s (causal counted as half), and the forward's max error against the
    float32 reference on the same inputs (cuDNN's packed layout checked here).
-4. `fp8`: the same step with `model.fp8.recipe=delayed` (first and last layers bf16) against the
+4. `ring_pairs`: cuDNN on the chunk pairs of context parallelism (`model.attention=cudnn` under
+   `mesh.context` > 1: jax's private forward and backward, the backward from the merged output and
+   log-sum-exp) against our kernel on the same two pairs of a ring device, at half `--length`, with
+   documents: the errors of o, lse and the gradients, and each one's fwd+bwd ms. The first run on
+   a GPU of that path: `auto` takes it there once this holds.
+5. `fp8`: the same step with `model.fp8.recipe=delayed` (first and last layers bf16) against the
    bf16 auto step of section 2, traced and tabled like it.
-5. `sweep`: a few of our kernel's tiles (`attention_gpu.sweep_variants`) at head dim 64 and 128, T=8192,
+6. `sweep`: a few of our kernel's tiles (`attention_gpu.sweep_variants`) at head dim 64 and 128, T=8192,
    causal, with segment ids, forward+backward.
 
 `--dry-run` runs every section on CPU at tiny shapes (the kernels in Pallas's interpreter; cuDNN
@@ -345,6 +350,58 @@ def attention_alone(a: argparse.Namespace, deadline: float) -> list[dict]:
     return rows
 
 
+def ring_pairs(a: argparse.Namespace) -> list[dict]:
+    """cuDNN on the chunk pairs of context parallelism (`model.attention=cudnn` there), against our
+    kernel on one GPU: a query chunk with the key chunk before it (unmasked but for the document
+    spanning the two) and its own (the diagonal), merged by log-sum-exp, both backwards from the
+    merged output, as a device of the ring runs them (`parallel.context`). Per head dim: each
+    implementation's max error in o, lse, dq, dk, dv against our kernel's (relative to its
+    largest value), and fwd+bwd ms of the two pairs."""
+    import jax
+    import jax.numpy as jnp
+
+    import attention_gpu
+    from lumen_jax.config import ModelConfig
+    from lumen_jax.ops.attention import block_kernel
+    from lumen_jax.ops.choice import choose
+    from lumen_jax.parallel.context import _merge
+
+    n, kh = (int(x) for x in a.heads.split(","))
+    t = a.length // 2  # a chunk: context=2 zigzag cuts a sequence of --length into 4; two chunks here
+    rows = []
+    for h in (int(x) for x in a.head_dims.split(",")):
+        q, k, v, do = attention_gpu.inputs(a.batch, 2 * t, n, kh, h, jnp.bfloat16)
+        seg = jnp.asarray(documents(a.batch, 2 * t, a.documents))
+        q1, do1, s0, s1 = q[:, t:], do[:, t:].astype(jnp.float32), seg[:, :t], seg[:, t:]
+        chunks = (k[:, :t], v[:, :t], k[:, t:], v[:, t:])
+
+        def pairs(kernel, q1, k0, v0, k1, v1, do1):
+            o, lse = _merge(kernel.fwd(q1, k0, v0, s1, s0, False, 0, 0), kernel.fwd(q1, k1, v1, s1, s1, True, 0, 0))
+            no_dlse = jnp.zeros_like(lse)
+            dq0, dk0, dv0 = kernel.bwd(q1, k0, v0, s1, s0, o, lse, do1, no_dlse, False, 0, 0)
+            dq1, dk1, dv1 = kernel.bwd(q1, k1, v1, s1, s1, o, lse, do1, no_dlse, True, 0, 0)
+            return tuple(x.astype(jnp.float32) for x in (o, lse, dq0 + dq1, dk0, dv0, dk1, dv1))
+
+        results = {}
+        for impl in ("flash", "cudnn"):
+            row = {"head_dim": h, "impl": impl, "chunk": t}
+            try:
+                ops = choose(ModelConfig(attention=impl, d_model=n * h, num_heads=n, num_kv_heads=kh,
+                                         compute_dtype="bfloat16"), jax.devices()[:1], context=2)
+                fn = jax.jit(lambda *x, kernel=block_kernel(ops, h): pairs(kernel, *x))
+                results[impl] = fn(q1, *chunks, do1)
+                if "flash" in results and impl != "flash":
+                    for name, got, want in zip(("o", "lse", "dq", "dk0", "dv0", "dk1", "dv1"), results[impl],
+                                               results["flash"]):
+                        row[f"{name}_error"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+                row["fwd+bwd_ms"] = attention_gpu.timed(fn, (q1, *chunks, do1))[0] * 1e3
+            except Exception as e:  # noqa: BLE001 - a benchmark records and goes on
+                row["note"] = attention_gpu.short_error(e)
+            rows.append(row)
+            print(f"ring pairs {row}", flush=True)
+    return rows
+
+
 def sweep(a: argparse.Namespace, deadline: float) -> list[dict]:
     import jax.numpy as jnp
 
@@ -410,6 +467,12 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['head_dim']} | {'yes' if r['segment_ids'] else 'no'} | {r['impl']} | "
                      f"{_f(r.get('fwd_ms'), '.3f')} | {_f(r.get('fwd+bwd_ms'), '.3f')} | "
                      f"{_f(r.get('fwd+bwd_tflops'), '.1f')} | {_f(r.get('error'), '.1e')} | {r.get('note', '')} |")
+    lines += ["", "## Context ring's chunk pairs (cuDNN against our kernel)", "",
+              "| head dim | impl | chunk | fwd+bwd ms | max err o / lse / dq / dk / dv | note |", "|---|---|---|---|---|---|"]
+    for r in result.get("ring_pairs", []) if isinstance(result.get("ring_pairs"), list) else []:
+        errors = " / ".join(_f(r.get(f"{x}_error"), ".1e") for x in ("o", "lse", "dq", "dk1", "dv1"))
+        lines.append(f"| {r['head_dim']} | {r['impl']} | {r['chunk']} | {_f(r.get('fwd+bwd_ms'), '.3f')} | {errors} | "
+                     f"{r.get('note', '')} |")
     lines += ["", "## Tile sweep (flash, segment ids, fwd+bwd)", "", "| head dim | tiles | ms | note |", "|---|---|---|---|"]
     for r in result.get("sweep", []) if isinstance(result.get("sweep"), list) else []:
         lines.append(f"| {r['head_dim']} | {r['tiles']} | {_f(r.get('fwd+bwd_ms'), '.3f')} | {r.get('note', '')} |")
@@ -459,6 +522,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     timed_steps("auto")  # first: it carries the trace
     section("attention", lambda: attention_alone(a, deadline))
+    section("ring_pairs", lambda: ring_pairs(a))
     section("fp8", lambda: model_steps(a, "auto", "delayed", trace="trace-fp8-delayed"))
     for variant in VARIANTS[1:]:  # xla last: at 8k its scores may not fit
         timed_steps(variant)

@@ -23,6 +23,7 @@ implementation on each (query chunk, key chunk) pair through `block_kernel`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -79,11 +80,20 @@ def _cudnn_local(q, k, v, seg, *, causal, scale, fallback, window):
                                window=window)
 
 
-def block_kernel(ops: Ops, head_dim: int, *, scale: float | None = None) -> context_lib.BlockKernel:
-    """The chunk-pair attention that context parallelism runs: the reference or the flash kernels."""
-    if ops.attention == "cudnn":  # ops.choice runs flash (or xla) there instead
-        raise ValueError("cuDNN's backward drops the log-sum-exp's gradient: context parallelism cannot run it")
+def block_kernel(ops: Ops, head_dim: int, *, scale: float | None = None, causal: bool = True) -> context_lib.BlockKernel:
+    """The chunk-pair attention that context parallelism runs: the reference, the flash kernels, or
+    cuDNN's (`ops.cudnn.pair_forward`: its forward and backward from the merged output and
+    log-sum-exp, for causal attention; a sliding window, a row of many documents and non-causal
+    attention through flash, or the reference)."""
     scale = head_dim ** -0.5 if scale is None else scale
+    if ops.attention == "cudnn":
+        other = block_kernel(dataclasses.replace(ops, attention="flash" if ops.flash_blocks is not None else "xla"),
+                             head_dim, scale=scale)
+        if not causal:  # pair_forward reads an unmasked pair as one whose keys are all earlier
+            return other
+        return context_lib.BlockKernel(functools.partial(cudnn_lib.pair_forward, scale=scale, fallback=other.fwd),
+                                       functools.partial(cudnn_lib.pair_backward, scale=scale, fallback=other.bwd),
+                                       lse_grad=False)
     if ops.attention == "xla":
         def ref_fwd(q, k, v, q_seg, kv_seg, causal, window, offset):
             return reference(q, k, v, segment_ids_bt=q_seg, kv_segment_ids_bs=kv_seg, causal=causal,
@@ -132,7 +142,7 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
         return attention(q_btnh, k_bskh, v_pad, segment_ids_bt=segment_ids_bt, causal=causal, scale=scale,
                          ops=ops, window=window)[..., :hv]
     if ops.context:
-        kernel = block_kernel(ops, q_btnh.shape[-1], scale=scale)
+        kernel = block_kernel(ops, q_btnh.shape[-1], scale=scale, causal=causal)
         return context_lib.context_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=segment_ids_bt,
                                              causal=causal, kernel=kernel, window=window)[0]
     if ops.attention == "cudnn":

@@ -18,9 +18,10 @@ trace time where it runs. What is decided:
   more documents than its packed layout holds).
 - `context`: the mesh splits sequences over `context` (`mesh.context > 1`): attention runs context
   parallelism (`parallel/context.py`: ring or all-gather), each chunk pair by `attention`'s kernel.
-  Merging chunk pairs needs the gradient of each pair's log-sum-exp, which cuDNN's backward
-  drops: under context parallelism `cudnn` (explicit or auto) runs flash (or xla where flash
-  cannot), and `note` says so.
+  An explicit `cudnn` runs cuDNN on each chunk pair through jax's private forward and backward
+  (the backward from the merged output and log-sum-exp, `ops.cudnn.pair_forward`); `auto` runs
+  flash there (or xla where flash cannot) until that path has been measured on a GPU, and `note`
+  says so.
 - `cpu`: the trainer's step on a mesh of one CPU device runs the formulations of `ops/cpu.py`,
   which XLA:CPU runs faster (docs/PERFORMANCE.md, CPU section). Everything else (partitioned
   programs, GPUs, the model traced outside the trainer, e.g. the planner's probe) keeps the plain
@@ -190,7 +191,8 @@ def choose(model: ModelConfig, devices: Sequence[Any], context: int = 1) -> Ops:
                      moe_matmul="ragged" if platform == "gpu" else "blocks")
 
 
-_CONTEXT = "context parallelism merges chunk pairs by their log-sum-exp, whose gradient cuDNN's backward drops"
+_CONTEXT = ("under context parallelism cuDNN runs only when asked (model.attention=cudnn): its chunk-pair path "
+            "has not been measured on a GPU yet")
 
 
 def _attention(asked: str, platform: str, flash_problem: str | None, cudnn_problem: str | None,
@@ -204,7 +206,8 @@ def _attention(asked: str, platform: str, flash_problem: str | None, cudnn_probl
                           "or auto (cuDNN where it takes the case)")
     on_gpu_flash = "flash" if flash_problem is None and platform == "gpu" else "xla"
     if asked == "cudnn" and context:
-        return on_gpu_flash, f"attention=cudnn: {on_gpu_flash} ({_CONTEXT})"
+        return "cudnn", ("attention=cudnn: cuDNN on each chunk pair of context parallelism (forward and backward "
+                         f"from the merged output and log-sum-exp; a sliding window through {on_gpu_flash})")
     if asked != "auto":
         return asked, ""
     if platform != "gpu":

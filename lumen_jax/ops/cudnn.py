@@ -12,9 +12,11 @@
   instead (our flash kernel, or the reference where flash cannot take the shape). Segment ids must
   be contiguous runs (the data pipeline packs documents so); the reference would also join two
   runs of one id, this layout does not.
-- No log-sum-exp cotangent: cuDNN's backward ignores it (`return_residual=True` returns the
-  log-sum-exp, but its gradient is dropped) and takes no merged output, so context parallelism,
-  which merges chunk pairs by their log-sum-exp, never runs cuDNN (`ops.choice`).
+- Context parallelism (`pair_forward`, `pair_backward`): the public call's backward ignores the
+  log-sum-exp's cotangent (`return_residual=True` returns it, its gradient is dropped) and takes no
+  merged output, so each chunk pair of the ring calls jax's private forward and backward
+  primitives instead, the backward from the merged output and log-sum-exp. Not yet run on a GPU:
+  `auto` keeps the flash kernel there; `model.attention=cudnn` asks for this path (`ops.choice`).
 
 - Under the remat policies the backward runs cuDNN's forward again (two forwards a layer under
   dots_with_no_batch_dims_saveable, the llama presets'): its residuals (output, log-sum-exp) are
@@ -164,3 +166,157 @@ def attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *,
                                             **({"sliding_window_length": window} if window else {}))
 
     return lax.cond(jnp.max(count) <= m, packed, fallback, q_btnh, k_bskh, v_bskh, segment_ids_bt)
+
+
+# --------------------------------------------------------------------------------------------------
+# One chunk pair of context parallelism (`parallel/context.py`'s BlockKernel) through cuDNN
+# --------------------------------------------------------------------------------------------------
+# jax's public call recomputes its residuals and drops the log-sum-exp's cotangent, and its backward
+# derives D = rowsum(dO * O) from the pair's own output: a pair of the ring needs the merged output
+# and log-sum-exp instead (FlashAttention-2's backward of one block). jax's private forward and
+# backward primitives take exactly those: the forward returns (o, softmax statistics [B, N, T]
+# float32, the natural-log log-sum-exp of the scaled scores), the backward takes the statistics and
+# the output it is given. Transformer Engine's ring attention calls cuDNN the same way.
+
+
+def _primitive_args(q: jax.Array, packed: tuple[jax.Array, ...] | None) -> tuple[jax.Array, ...]:
+    """bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets, page tables: absent ones as empty arrays."""
+    none = jnp.zeros(0, q.dtype)
+    return (none, *(packed or (none,) * 4), none, none)
+
+
+def _static(mask_type, scale: float) -> dict:
+    return dict(scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False), mask_type=mask_type,
+                layout=_fused.AttentionLayout.BTNH.value, sliding_window_length=None)
+
+
+def _forward_primitive(q, k, v, packed, mask_type, scale: float) -> tuple[jax.Array, jax.Array]:
+    """jax's private cuDNN training forward: (o, softmax statistics; [B * M, N, T] when packed)."""
+    o, stats = _fused._dot_product_attention_fwd_p_wrapper.bind(q, k, v, *_primitive_args(q, packed),
+                                                                 is_training=True, **_static(mask_type, scale))
+    return o, stats
+
+
+def _backward_primitive(q, k, v, packed, stats, o, do, mask_type, scale: float) -> tuple[jax.Array, ...]:
+    """jax's private cuDNN backward from the given statistics and output: (dq, dk, dv)."""
+    dq, dk, dv = _fused._dot_product_attention_bwd_p_wrapper.bind(q, k, v, *_primitive_args(q, packed), stats, o, do,
+                                                                  **_static(mask_type, scale))
+    return dq, dk, dv
+
+
+def _statistics_index(packed: tuple[jax.Array, ...], t: int) -> tuple[jax.Array, jax.Array]:
+    """Where each query token's softmax statistics sit in the packed layout: (sequence, position)
+    [B, T]. In that layout cuDNN sees every document as a sequence of its own, numbered across the
+    batch in order (jax moves the [B, M] lengths and offsets of the documents to the left), and its
+    statistics are [B * M, N, T] by (sequence, head, position within the sequence)."""
+    q_len, q_off = packed[0], packed[2][:, :-1]
+    starts = jnp.where(q_len >= 0, q_off, t)  # [B, M]: each document's first token; T where none
+    doc = jnp.sum(jnp.arange(t)[None, :, None] >= starts[:, None, :], axis=-1) - 1  # [B, T]
+    count = jnp.sum(q_len >= 0, axis=1)
+    first = jnp.cumsum(count) - count  # [B]: the batch's sequence number of the row's first document
+    return first[:, None] + doc, jnp.arange(t)[None] - jnp.take_along_axis(q_off, jnp.maximum(doc, 0), axis=1)
+
+
+def _cudnn_fwd(q, k, v, packed, mask_type, scale: float) -> tuple[jax.Array, jax.Array]:
+    """(o [B, T, N, H] in q's dtype, lse [B, N, T] float32) of cuDNN's training forward."""
+    o, stats = _forward_primitive(q, k, v, packed, mask_type, scale)
+    if packed is None:
+        return o, stats
+    seq, pos = _statistics_index(packed, q.shape[1])
+    return o, jnp.moveaxis(stats[seq, :, pos], -1, 1)  # [B, T, N] -> [B, N, T]
+
+
+def _cudnn_bwd(q, k, v, packed, o, lse, do, mask_type, scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(dq, dk, dv) of cuDNN's backward from the given output `o` and log-sum-exp `lse` [B, N, T]."""
+    if packed is not None:  # the statistics in the packed layout's order (`_statistics_index`)
+        b, t, n, _ = q.shape
+        seq, pos = _statistics_index(packed, t)
+        lse = jnp.zeros((b * (packed[0].shape[1]), n, t), jnp.float32).at[seq, :, pos].set(jnp.moveaxis(lse, 1, -1))
+    return _backward_primitive(q, k, v, packed, lse, o, do, mask_type, scale)
+
+
+def _run_length(seg: jax.Array, reverse: bool = False) -> jax.Array:
+    """[B] the length of each row's first (or, `reverse`, last) run of one segment id."""
+    seg = seg[:, ::-1] if reverse else seg
+    return jnp.sum(jnp.cumprod(seg == seg[:, :1], axis=1), axis=1, dtype=jnp.int32)
+
+
+def _spanning_document(q_seg: jax.Array, kv_seg: jax.Array):
+    """A pair whose keys are all earlier than its queries: only a document that runs from the keys'
+    chunk into the queries' chunk (the keys' last run and the queries' first, one id) attends in it.
+    Returns (packed layout of that one document per row, queries that attend [B, T], keys attended
+    [B, S]); a row where none spans gets a one-token stand-in document, masked out by the caller."""
+    t, s = q_seg.shape[1], kv_seg.shape[1]
+    joined = q_seg[:, 0] == kv_seg[:, -1]
+    lq, lk = _run_length(q_seg), _run_length(kv_seg, reverse=True)
+    lq1, lk1 = jnp.where(joined, lq, 1), jnp.where(joined, lk, 1)
+    unused = jnp.full_like(lq1, -1)
+    packed = (jnp.stack([lq1, unused], 1), jnp.stack([lk1, unused], 1),
+              jnp.stack([jnp.zeros_like(lq1), lq1, unused], 1), jnp.stack([s - lk1, jnp.full_like(lk1, s), unused], 1))
+    queries = joined[:, None] & (jnp.arange(t)[None] < lq[:, None])
+    keys = joined[:, None] & (jnp.arange(s)[None] >= s - lk[:, None])
+    return packed, queries, keys
+
+
+def pair_forward(q, k, v, q_seg, kv_seg, causal: bool, window: int, offset, *, scale: float, fallback: Callable,
+                 max_documents: int = MAX_DOCUMENTS) -> tuple[jax.Array, jax.Array]:
+    """A BlockKernel's forward (`parallel.context.BlockKernel`) through cuDNN: (o float32, lse).
+
+    The ring calls it on two kinds of pair (`pair_kind`): keys all earlier (`causal` False, no mask
+    but the documents') and the diagonal (`causal`, the queries' and keys' chunk one). Documents:
+    on the diagonal every document of the chunk packed as on one device (PADDING_CAUSAL; a row of
+    more than `max_documents` through `fallback`), off it the one document that spans the two
+    chunks (`_spanning_document`). A sliding window runs `fallback` (the flash kernel, or the
+    reference), as do the two chunks of a window's edge."""
+    if window or (q_seg is None) != (kv_seg is None):
+        return fallback(q, k, v, q_seg, kv_seg, causal, window, offset)
+    if q_seg is None:
+        o, lse = _cudnn_fwd(q, k, v, None, _fused.MaskType.CAUSAL if causal else _fused.MaskType.NO_MASK, scale)
+        return o.astype(jnp.float32), lse
+    if causal:
+        m = min(max_documents, q.shape[1])
+        (seqlen, offsets, count), (kv_seqlen, kv_offsets, _) = packed_documents(q_seg, m), packed_documents(kv_seg, m)
+
+        def packed(q, k, v, q_seg, kv_seg):
+            o, lse = _cudnn_fwd(q, k, v, (seqlen, kv_seqlen, offsets, kv_offsets), _fused.MaskType.PADDING_CAUSAL, scale)
+            return o.astype(jnp.float32), lse
+
+        return lax.cond(jnp.max(count) <= m, packed, lambda *a: fallback(*a, causal, window, offset),
+                        q, k, v, q_seg, kv_seg)
+    packed_one, queries, _ = _spanning_document(q_seg, kv_seg)
+    o, lse = _cudnn_fwd(q, k, v, packed_one, _fused.MaskType.PADDING, scale)
+    o = jnp.where(queries[:, :, None, None], o.astype(jnp.float32), 0.0)
+    return o, jnp.where(queries[:, None, :], lse, -jnp.inf)
+
+
+def pair_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, causal: bool, window: int, offset, *, scale: float,
+                  fallback: Callable, max_documents: int = MAX_DOCUMENTS) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A BlockKernel's backward through cuDNN, from the merged `o` and `lse` (`pair_forward`'s
+    cases). `dlse` must be zero: cuDNN's backward takes no log-sum-exp cotangent, and
+    `parallel.context.context_attention` stops the log-sum-exp's gradient for this kernel."""
+    del dlse
+    if window or (q_seg is None) != (kv_seg is None):
+        return fallback(q, k, v, q_seg, kv_seg, o, lse, do, jnp.zeros_like(lse), causal, window, offset)
+    o, do = o.astype(q.dtype), do.astype(q.dtype)
+    if q_seg is None:
+        mask = _fused.MaskType.CAUSAL if causal else _fused.MaskType.NO_MASK
+        return _cudnn_bwd(q, k, v, None, o, lse, do, mask, scale)
+    if causal:
+        m = min(max_documents, q.shape[1])
+        (seqlen, offsets, count), (kv_seqlen, kv_offsets, _) = packed_documents(q_seg, m), packed_documents(kv_seg, m)
+
+        def packed(q, k, v, q_seg, kv_seg, o, lse, do):
+            return _cudnn_bwd(q, k, v, (seqlen, kv_seqlen, offsets, kv_offsets), o, lse, do,
+                              _fused.MaskType.PADDING_CAUSAL, scale)
+
+        def other(q, k, v, q_seg, kv_seg, o, lse, do):
+            return tuple(g.astype(q.dtype) for g in fallback(q, k, v, q_seg, kv_seg, o, lse, do, jnp.zeros_like(lse),
+                                                             causal, window, offset))
+
+        return lax.cond(jnp.max(count) <= m, packed, other, q, k, v, q_seg, kv_seg, o, lse, do)
+    packed_one, queries, keys = _spanning_document(q_seg, kv_seg)
+    do = jnp.where(queries[:, :, None, None], do, jnp.zeros((), do.dtype))  # the other queries see no key here
+    dq, dk, dv = _cudnn_bwd(q, k, v, packed_one, o, lse, do, _fused.MaskType.PADDING, scale)
+    zero = jnp.zeros((), dq.dtype)
+    return (jnp.where(queries[:, :, None, None], dq, zero), jnp.where(keys[:, :, None, None], dk, zero),
+            jnp.where(keys[:, :, None, None], dv, zero))

@@ -26,7 +26,8 @@ carries its K/V on), one wholly inside runs unmasked, and one the window's edge 
 with the queries' global offset against the keys' (`BlockKernel`'s `offset`).
 
 The per-pair attention is a `BlockKernel` supplied by `lumen_jax.ops.attention.block_kernel` (the
-Pallas flash kernel or the jnp reference, as `ops.choice` chose): forward -> (o, lse), backward from
+Pallas flash kernel, cuDNN's through jax's private forward and backward, or the jnp reference, as
+`ops.choice` chose): forward -> (o, lse), backward from
 the merged (o, lse). `context_attention` is the entry point; it runs the schedule per device through
 `parallel.shard.per_device`.
 Shape letters: B batch, T local sequence, N query heads, K kv heads, H head dim, C context size.
@@ -61,10 +62,13 @@ class BlockKernel:
     bwd(q, k, v, q_seg, kv_seg, o, lse, do, dlse, causal, window, offset) -> (dq, dk, dv): this
       pair's share of the gradients given the *merged* output and log-sum-exp (FlashAttention-2's
       backward).
+    lse_grad: False where `bwd` takes no log-sum-exp cotangent (cuDNN's): `context_attention` then
+      returns the log-sum-exp with its gradient stopped, so `dlse` is zero.
     """
 
     fwd: Callable
     bwd: Callable
+    lse_grad: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,5 +391,6 @@ def context_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, *
     spec = _Spec(Layout(mesh.shape[AXIS], rules.context_balance), rules.context_parallel, bool(causal), kernel,
                  int(window))
     fn = lambda q, k, v, seg: _local(q, k, v, seg, seg, spec)  # noqa: E731
-    return shard.per_device(fn, in_axes=(Q_AXES, KV_AXES, KV_AXES, SEQ_AXES),
-                            out_axes=(Q_AXES, LSE_AXES))(q_btnh, k_bskh, v_bskh, segment_ids_bt)
+    out, lse = shard.per_device(fn, in_axes=(Q_AXES, KV_AXES, KV_AXES, SEQ_AXES),
+                                out_axes=(Q_AXES, LSE_AXES))(q_btnh, k_bskh, v_bskh, segment_ids_bt)
+    return out, lse if kernel.lse_grad else lax.stop_gradient(lse)

@@ -164,11 +164,13 @@ class Row:
 
 
 def setting_of(plan: Plan) -> str:
-    """The options `predict.best_setting` chooses, in one short cell: remat, micro-batches, and the
-    mesh options that differ from their defaults (ZeRO-3, every micro-batch, per micro-batch, float32)."""
+    """The options `predict.best_setting` chooses, in one short cell: remat, micro-batches, the
+    mesh options that differ from their defaults (ZeRO-3, every micro-batch, per micro-batch,
+    float32), and cuDNN on the chunk pairs where context parallelism runs it (`auto` does not)."""
     mesh, defaults = plan.layout.mesh, MeshConfig()
     changed = [f"{k}={getattr(mesh, k)}" for k in ("zero_stage", "fsdp_grad_reduce", "fsdp_regather", "reduce_dtype")
                if getattr(mesh, k) != getattr(defaults, k)]
+    changed += ["attention=cudnn"] * (mesh.context > 1 and plan.attention == "cudnn")
     return " ".join([plan.remat, f"m={plan.layout.micro_batches}", *changed])
 
 

@@ -126,14 +126,14 @@ def planned_attention(attention: str, model: ModelConfig, context: int = 1, hopp
     memory), `flash` (our kernel) or `cudnn`, as `ops.choice` picks it for the trainer's packed
     rows: `auto` is cudnn where cuDNN takes the case (bfloat16/float16, a head dim that is a
     multiple of 8 up to 256, a `hopper` (sm_90) or later GPU for the packed layout) and no context
-    parallelism (whose chunk pairs need the log-sum-exp's gradient cuDNN drops), else flash; an
-    explicit cudnn runs flash under context parallelism too."""
+    parallelism (there `auto` keeps our kernel until cuDNN's chunk-pair path has run on a GPU), else
+    flash; an explicit cudnn runs cuDNN on the chunk pairs under context parallelism too."""
     if attention not in ("auto", "cudnn"):
         return "flash" if attention == "flash" else "xla"
     head_dim = model.resolved_head_dim
     takes = attention == "cudnn" or (hopper and model.compute_dtype in ("bfloat16", "float16")
                                      and head_dim % 8 == 0 and head_dim <= 256)
-    return "cudnn" if takes and context == 1 else "flash"
+    return "cudnn" if takes and (context == 1 or attention == "cudnn") else "flash"
 
 
 def _hopper(hw: Hardware) -> bool:
@@ -240,8 +240,10 @@ def predict(cfg: Config, layout: Layout, hw: Hardware, *, remat: str | None = No
     fraction = planned_score_fraction(model, layout.mesh, seq, attention)
     redo_as = attention if kernel_kept else "xla"  # the reference attention keeps no kernel residuals
     redo = recomputes(remat, layout.mesh.context, layout.mesh.context_parallel, redo_as)
-    if kernel == "cudnn" and kernel_kept and remat != "none":  # our cuDNN call's residuals are out of reach
-        redo = {**redo, "attention": True}  # of the remat names (ops/cudnn.py); a published program's are not
+    if kernel == "cudnn" and kernel_kept and remat != "none" and layout.mesh.context == 1:
+        # Our cuDNN call's residuals are out of reach of the remat names (ops/cudnn.py); a published
+        # program's are not, nor the context ring's (its custom VJP keeps the merged o and lse).
+        redo = {**redo, "attention": True}
     hw_per_token = planned_flops_per_token(model, layout, seq, remat, score_fraction=fraction, redo=redo)
     comms = tuple(collectives(model, layout, hw, seq, micro_batch, remat, moe_backend, context_grads))
     if efficiency is None:
@@ -474,14 +476,20 @@ def settings(cfg: Config, layout: Layout, hw: Hardware, *, top: int = 5, **predi
     tried are the remat policies of `SEARCH_REMATS`, without a pipeline the micro-batch counts that
     split the device's sequences (`train.micro_batches`), over fsdp the ZeRO stages of
     `ZERO_STAGES`, `mesh.fsdp_grad_reduce` (with several micro-batches) and (ZeRO-3)
-    `mesh.fsdp_regather` both ways, and `mesh.reduce_dtype` both ways where gradients cross devices."""
+    `mesh.fsdp_regather` both ways, `mesh.reduce_dtype` both ways where gradients cross devices,
+    and under context parallelism with `auto` attention cuDNN on the chunk pairs
+    (`model.attention=cudnn`, which `auto` does not pick there) where cuDNN takes the model."""
     mesh = layout.mesh
     sequences = cfg.data.global_batch_size // (mesh.data * mesh.fsdp * mesh.expert)
     counts = [layout.micro_batches] if layout.pipeline > 1 else _divisors(sequences)
+    asked = predict_kwargs.pop("attention", None) or cfg.model.attention
+    kernels = [asked]
+    if mesh.context > 1 and asked == "auto" and planned_attention(asked, cfg.model, 1, _hopper(hw)) == "cudnn":
+        kernels.append("cudnn")
     found, taken = [], {}
-    for m, remat, zero, reduce, regather, dtype in itertools.product(
+    for m, remat, zero, reduce, regather, dtype, attention in itertools.product(
             counts, SEARCH_REMATS, ZERO_STAGES, COMM_OPTIONS["fsdp_grad_reduce"], COMM_OPTIONS["fsdp_regather"],
-            REDUCE_DTYPES):
+            REDUCE_DTYPES, kernels):
         if (zero != mesh.zero_stage and mesh.fsdp == 1) or \
                 (reduce != mesh.fsdp_grad_reduce and (m == 1 or mesh.fsdp == 1)) or \
                 (regather != mesh.fsdp_regather and (mesh.fsdp == 1 or zero < 3)) or \
@@ -490,8 +498,8 @@ def settings(cfg: Config, layout: Layout, hw: Hardware, *, top: int = 5, **predi
         tried = dataclasses.replace(layout, micro_batches=m, mesh=dataclasses.replace(
             mesh, zero_stage=zero, fsdp_grad_reduce=reduce, fsdp_regather=regather, reduce_dtype=dtype))
         c = cfg.replace(mesh=tried.mesh, train=dataclasses.replace(cfg.train, micro_batches=m))
-        if _trainer_takes(c, tried, taken) and _fits(c, tried, hw, remat, **predict_kwargs):
-            found.append(predict(c, tried, hw, remat=remat, **predict_kwargs))
+        if _trainer_takes(c, tried, taken) and _fits(c, tried, hw, remat, attention=attention, **predict_kwargs):
+            found.append(predict(c, tried, hw, remat=remat, attention=attention, **predict_kwargs))
     return sorted(found, key=lambda p: (-round(p.mfu, 4), p.bytes_per_device["total"]))[:top]
 
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers.meshes import mesh_shape
 from helpers.tolerances import SAME_MATH_FP32_RTOL
 from lumen_jax.compiler.lower import TargetGpu
 from lumen_jax.config import ATTENTION_IMPLS, ConfigError, ModelConfig
@@ -18,6 +19,8 @@ from lumen_jax.ops import cudnn
 from lumen_jax.ops.attention import attention
 from lumen_jax.ops.choice import Ops, choose
 from lumen_jax.ops.reference import reference
+from lumen_jax.parallel.mesh import make_mesh
+from lumen_jax.parallel.rules import Rules, activate
 
 HOPPER, AMPERE = [TargetGpu("9.0")], [TargetGpu("8.0")]
 BF16 = dict(d_model=256, num_heads=4, num_kv_heads=2, compute_dtype="bfloat16")  # head_dim 64
@@ -49,15 +52,42 @@ def test_auto_on_a_gpu_takes_cudnn_where_it_takes_the_case_and_says_why():
     assert cpu.attention == "xla" and cpu.note == "attention=auto: xla (cudnn and flash run on GPU; this is cpu)"
 
 
-def test_context_parallelism_keeps_our_kernel_and_says_so():
-    """Chunk pairs merge by their log-sum-exp, whose gradient cuDNN's backward drops."""
-    for asked in ("auto", "cudnn"):
-        ops = choose(model(asked), HOPPER, context=2)
-        assert ops.attention == "flash" and ops.context, ops
-        assert ops.note.startswith(f"attention={asked}: flash (" + "cuDNN: " * (asked == "auto")), ops.note
-        assert "log-sum-exp, whose gradient cuDNN's backward drops" in ops.note
-    with pytest.raises(ValueError, match="context parallelism cannot run it"):
-        attention(*qkv(jnp.bfloat16), ops=Ops(attention="cudnn", context=True))
+def test_context_parallelism_runs_cudnn_only_when_asked_and_says_so():
+    """`auto` keeps our kernel on the chunk pairs until cuDNN's pair path has run on a GPU; an
+    explicit cudnn runs it (`ops.cudnn.pair_forward`), with flash beside it for windows and rows
+    of many documents."""
+    ops = choose(model("auto"), HOPPER, context=2)
+    assert ops.attention == "flash" and ops.context, ops
+    assert ops.note.startswith("attention=auto: flash (cuDNN: under context parallelism cuDNN runs only when asked"), ops.note
+    ops = choose(model("cudnn"), HOPPER, context=2)
+    assert ops.attention == "cudnn" and ops.context and ops.flash_blocks is not None, ops
+    assert ops.note.startswith("attention=cudnn: cuDNN on each chunk pair of context parallelism"), ops.note
+
+
+def test_the_cuda_ring_calls_cudnn_on_every_chunk_pair():
+    """Under context parallelism (ring, context=2 zigzag: 2 hops x 4 chunk pairs, each pair a switch
+    of skip / unmasked / diagonal) an explicit cudnn lowers for CUDA to cuDNN's forward and backward
+    in every unmasked and diagonal branch: causal and unmasked without documents, the packed
+    layout's masks with them; no flash kernel where nothing falls back (no window)."""
+    mesh = make_mesh(mesh_shape(data=4, context=2))
+    ops = dataclasses.replace(choose(model("cudnn", d_model=128), HOPPER, context=2), interpret=False)
+    q, k, v = (jax.ShapeDtypeStruct((4, 64, n, 32), jnp.bfloat16) for n in (4, 2, 2))
+
+    def loss(q, k, v, seg):
+        with activate(mesh, Rules(context_parallel="ring")):
+            return jnp.sum(attention(q, k, v, segment_ids_bt=seg, ops=ops).astype(jnp.float32))
+
+    def lowered(seg) -> str:
+        with cudnn.lowering_without_gpu("9.0"):
+            fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+            return fn.trace(q, k, v, seg).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
+
+    for seg, masks in [(None, {"CAUSAL", "NO_MASK"}), (jax.ShapeDtypeStruct((4, 64), jnp.int32), {"PADDING", "PADDING_CAUSAL"})]:
+        text = lowered(seg)
+        targets = re.findall(r'custom_call_target="(__cudnn\$[^"]+)"', text)
+        assert {t: targets.count(t) for t in set(targets)} == {"__cudnn$fmhaSoftmax": 16, "__cudnn$fmhaSoftmaxBackward": 16}
+        assert set(re.findall(r'mask_type\W+(\w+)', text)) == masks
+        assert ("flash_fwd" in text) == (seg is not None)  # the diagonal's fallback for rows of many documents
 
 
 def test_an_explicit_cudnn_it_cannot_take_is_one_config_error():

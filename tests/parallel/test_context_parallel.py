@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 
 from helpers.meshes import mesh_shape
 from lumen_jax.ops import attention as attention_ops
+from lumen_jax.ops import cudnn
 from lumen_jax.ops.choice import Ops
 from lumen_jax.ops.reference import mask as reference_mask
 from lumen_jax.ops.reference import reference as reference_attention
@@ -52,7 +53,7 @@ def reference(q, k, v, seg, ct_o, ct_lse, causal, window=0):
 def _compiled(c: int, strategy: str, causal: bool, has_seg: bool, balance: str, impl: str, window: int):
     mesh = make_mesh(mesh_shape(data=8 // c, context=c))
     rules = Rules(context_parallel=strategy, context_balance=balance)
-    kernel = attention_ops.block_kernel(Ops(attention=impl, interpret=True), H)  # CPU: the interpreter
+    kernel = attention_ops.block_kernel(Ops(attention=impl, interpret=True), H, causal=causal)  # CPU: the interpreter
 
     def loss(q, k, v, seg, ct_o, ct_lse):
         with activate(mesh, rules):
@@ -101,6 +102,88 @@ def test_matches_single_device(c, strategy, causal, segments):
     data = inputs(seed=c, segments=segments)
     assert_matches(context_parallel(*data, c=c, strategy=strategy, causal=causal),
                    reference(*data, causal=causal))
+
+
+def _emulated_mask(b, t, s, packed, mask_type):
+    """[B, T, S] what cuDNN attends to, as its documentation reads: without `packed` the whole pair,
+    causal from the top left under CAUSAL; packed, each (offset, length) of the queries with the
+    same-numbered one of the keys, causal from both first tokens under PADDING_CAUSAL."""
+    causal = mask_type in (cudnn._fused.MaskType.CAUSAL, cudnn._fused.MaskType.PADDING_CAUSAL)
+    qi, ki = jnp.arange(t)[None, None, :, None], jnp.arange(s)[None, None, None, :]
+    if packed is None:
+        return jnp.broadcast_to(ki <= qi if causal else True, (b, 1, t, s)).any(1)
+    q_len, kv_len, q_off, kv_off = (x[:, :, None, None] for x in (packed[0], packed[1], packed[2][:, :-1],
+                                                                  packed[3][:, :-1]))
+    inside = (q_len >= 0) & (qi >= q_off) & (qi < q_off + q_len) & (ki >= kv_off) & (ki < kv_off + kv_len)
+    return (inside & ((ki - kv_off <= qi - q_off) if causal else True)).any(1)
+
+
+def _packed_statistics(lse, packed, to_packed: bool):
+    """The statistics' packed layout as its documentation reads: document after document across
+    the batch (B x M slots, the unused ones -1), [sequence, head, position in the document]."""
+    q_len, q_off = packed[0], packed[2]
+    (b, m), (_, n, t) = q_len.shape, lse.shape
+    padded = jnp.pad(lse, ((0, 0), (0, 0), (0, t)))
+    out = jnp.zeros((b * m, n, t) if to_packed else (b, n, t), jnp.float32)
+    seq = jnp.int32(0)
+    for row in range(b):
+        for d in range(m):
+            used = q_len[row, d] >= 0
+            if to_packed:  # sequence `seq` takes the row's tokens from its offset on
+                out = jnp.where(used, out.at[seq].set(jax.lax.dynamic_slice_in_dim(padded[row], q_off[row, d], t, 1)), out)
+            else:  # the row's tokens of this document read theirs back
+                back = jax.lax.dynamic_slice_in_dim(jnp.pad(lse[seq], ((0, 0), (t, t))), t - q_off[row, d], t, 1)
+                inside = (jnp.arange(t) >= q_off[row, d]) & (jnp.arange(t) < q_off[row, d] + q_len[row, d])
+                out = out.at[row].set(jnp.where(used & inside, back, out[row]))
+            seq = seq + used.astype(jnp.int32)
+    return out
+
+
+def _emulated_fwd(q, k, v, packed, mask_type, scale):
+    """cuDNN's training forward on CPU: (o, statistics); rows outside every document NaN (unspecified)."""
+    b, t, n, h = q.shape
+    g = n // k.shape[2]
+    visible = _emulated_mask(b, t, k.shape[1], packed, mask_type)[:, None]
+    scores = jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, g, 2)) * scale
+    lse = jax.nn.logsumexp(jnp.where(visible, scores, -jnp.inf), axis=-1)
+    o = jnp.einsum("bnts,bsnh->btnh", jnp.where(visible, jnp.exp(scores - lse[..., None]), 0.0), jnp.repeat(v, g, 2))
+    seen = visible.any(-1)  # [B, 1, T]
+    o, lse = jnp.where(seen[:, 0, :, None, None], o, jnp.nan), jnp.where(seen, lse, jnp.nan)
+    return o, lse if packed is None else _packed_statistics(lse, packed, to_packed=True)
+
+
+def _emulated_bwd(q, k, v, packed, stats, o, do, mask_type, scale):
+    """cuDNN's backward on CPU from the given statistics and o (FlashAttention-2's); rows no
+    document holds NaN."""
+    b, t, n, h = q.shape
+    g = n // k.shape[2]
+    lse = stats if packed is None else _packed_statistics(stats, packed, to_packed=False)
+    visible = _emulated_mask(b, t, k.shape[1], packed, mask_type)[:, None]
+    kr, vr = jnp.repeat(k, g, 2), jnp.repeat(v, g, 2)
+    p = jnp.where(visible, jnp.exp(jnp.einsum("btnh,bsnh->bnts", q, kr) * scale - lse[..., None]), 0.0)
+    ds = p * (jnp.einsum("btnh,bsnh->bnts", do, vr) - jnp.einsum("btnh,btnh->bnt", do, o)[..., None])
+    dq = jnp.einsum("bnts,bsnh->btnh", ds, kr) * scale
+    fold = lambda x: x.reshape(b, x.shape[1], n // g, g, h).sum(3)  # noqa: E731 - GQA: the group's sum
+    dk, dv = fold(jnp.einsum("bnts,btnh->bsnh", ds, q) * scale), fold(jnp.einsum("bnts,btnh->bsnh", p, do))
+    q_seen, k_seen = visible.any(-1)[:, 0, :, None, None], visible.any(-2)[:, 0, :, None, None]
+    return jnp.where(q_seen, dq, jnp.nan), jnp.where(k_seen, dk, jnp.nan), jnp.where(k_seen, dv, jnp.nan)
+
+
+@pytest.mark.parametrize("c,strategy,segments", [(2, "ring", True), (4, "ring", True), (2, "allgather", False)])
+def test_cudnn_chunk_pairs_match_one_device_with_cudnn_emulated(monkeypatch, c, strategy, segments):
+    """`model.attention=cudnn` under context parallelism: each chunk pair through cuDNN's private
+    forward and backward (the backward from the merged output and log-sum-exp), emulated here on
+    the CPU as its documentation describes (rows outside every document NaN; the statistics of
+    packed documents in its packed order): the glue (masks, the packed layout of a pair's
+    documents and of their statistics, the document spanning two chunks, the merge) equals one
+    device. The log-sum-exp is returned without a gradient (cuDNN's backward takes none)."""
+    monkeypatch.setattr(cudnn, "_forward_primitive", _emulated_fwd)
+    monkeypatch.setattr(cudnn, "_backward_primitive", _emulated_bwd)
+    q, k, v, seg, ct_o, _ = inputs(seed=13, segments=segments)
+    no_lse_grad = jnp.zeros((B, N, L), jnp.float32)
+    assert_matches(context_parallel(q, k, v, seg, ct_o, 0.1 + no_lse_grad, c=c, strategy=strategy, causal=True,
+                                    impl="cudnn"),
+                   reference(q, k, v, seg, ct_o, no_lse_grad, causal=True))
 
 
 # A sliding window of 20 over L = 64: with C = 4 zigzag (8 chunks of 8 tokens) the pairs one chunk
