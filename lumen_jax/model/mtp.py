@@ -57,7 +57,7 @@ def shifted(batch: dict, k: int, ops: Ops) -> tuple[jax.Array, jax.Array, jax.Ar
     targets, mask, seg = batch["targets"], batch["loss_mask"], batch["segment_ids"]
     inputs_k = targets if k == 1 else sequence.shift_left(targets, k - 1, ops)[0]
     targets_k, in_row = sequence.shift_left(targets, k, ops)
-    keep = jnp.asarray(in_row)[None] & (sequence.shift_left(mask, k, ops)[0] > 0)
+    keep = jnp.asarray(in_row) & (sequence.shift_left(mask, k, ops)[0] > 0)
     if seg is not None:
         keep = keep & (sequence.shift_left(seg, k, ops)[0] == seg)
     return inputs_k, targets_k, keep.astype(mask.dtype)

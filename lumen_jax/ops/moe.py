@@ -45,6 +45,7 @@ from lumen_jax.ops import grouped
 from lumen_jax.ops.choice import Ops
 from lumen_jax.ops.state import ModelState
 from lumen_jax.ops.projection import Tape
+from lumen_jax.parallel import context as context_lib
 from lumen_jax.parallel import expert, shard
 
 WEIGHTS = ("w_gate", "w_up", "w_down")  # the MoE layer's attributes (`Tape.grouped`)
@@ -116,13 +117,34 @@ def _balance_loss(ids_btk: jax.Array, probs_bte: jax.Array, num_experts: int, ax
     return num_experts * jnp.sum(jax.lax.stop_gradient(f) * probs_bte.mean(axes), axis=-1)
 
 
+def _sequence_balance_loss(ids_btk: jax.Array, probs_bte: jax.Array, num_experts: int, context: bool) -> jax.Array:
+    """`_balance_loss` per row, averaged over the rows. Under context parallelism (`context`) a row's
+    tokens lie on several devices, and inside the step's replica vmap (several micro-batches,
+    `context` a replica axis) the array a step sees holds one device's chunk of every row: each
+    device sums its chunk's f and P and the sums are added over `context` (a mean over the chunk
+    alone weighed each chunk as a sequence of its own: the router's gradients 0.24% off)."""
+    if not context:
+        return _balance_loss(ids_btk, probs_bte, num_experts, (1,)).mean()
+
+    def per_row(ids, probs):  # over the mesh's `context` axis by name: inside the vmap `seq` maps to none
+        add = lambda x: jax.lax.psum(x, context_lib.AXIS)  # noqa: E731
+        t, k = add(jnp.asarray(ids.shape[1], jnp.float32)), ids.shape[-1]
+        f = add(jax.nn.one_hot(ids, num_experts, dtype=jnp.float32).sum((1, 2))) / (t * k)
+        return num_experts * jnp.sum(jax.lax.stop_gradient(f) * add(probs.sum(1)) / t, axis=-1)
+
+    return shard.per_device(per_row, in_axes=(("batch", "seq", None), ("batch", "seq", None)),
+                            out_axes=("batch",))(ids_btk, probs_bte).mean()
+
+
 def route(x_btd: jax.Array, w_router_de: jax.Array, cfg: MoeConfig,
-          state: dict[str, jax.Array] | None = None) -> tuple[jax.Array, jax.Array, dict]:
+          state: dict[str, jax.Array] | None = None, context: bool = False) -> tuple[jax.Array, jax.Array, dict]:
     """Each token's experts and their weights (see the module docstring).
 
     Args:
       x_btd: the (normed) tokens [B, T, D]; w_router_de: the router [D, E].
       state: balance=bias only, the layer's {"bias", "load"} [E] (`balance_state`).
+      context: the rows' tokens are split over `context` (`Ops.context`): the per-row statistics
+        of `sequence_balance_loss` add up over its devices (`_sequence_balance_loss`).
 
     Returns:
       (expert ids [B, T, K] int32, weights [B, T, K] float32, stats): stats {balance_loss,
@@ -148,7 +170,7 @@ def route(x_btd: jax.Array, w_router_de: jax.Array, cfg: MoeConfig,
     if state is not None:
         weights = _emit_state(weights, state["bias"], state["load"], bias, load)
     stats = {"balance_loss": _balance_loss(ids, probs, e, (0, 1)),
-             "sequence_balance_loss": _balance_loss(ids, probs, e, (1,)).mean(),
+             "sequence_balance_loss": _sequence_balance_loss(ids, probs, e, context),
              "router_z_loss": jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
              "fraction": load / load.sum(), "load": load}
     return ids.astype(jnp.int32), weights, stats
@@ -166,7 +188,7 @@ def moe(x_btd: jax.Array, w_router_de: jax.Array, w_gate_edf: jax.Array, w_up_ed
       (y_btd in x's dtype, aux): aux["loss"] is the weighted sum of the auxiliary losses (what the
       objective adds), the other entries are metrics (`moe/...`, scalars).
     """
-    ids, weights, stats = route(x_btd, w_router_de, cfg, state)
+    ids, weights, stats = route(x_btd, w_router_de, cfg, state, ops.context)
     y_btd, kept = routed_experts(x_btd, ids, weights, w_gate_edf, w_up_edf, w_down_efd,
                                  capacity_factor=cfg.capacity_factor, exchange=ops.moe_exchange,
                                  matmul=ops.moe_matmul, tape=tape)

@@ -113,16 +113,31 @@ def unpermute_tokens(x, layout: Layout, axis: int = 1):
     return jnp.take(x, np.argsort(layout.order(x.shape[axis])), axis=axis)
 
 
-def shift_tokens(x_bt: jax.Array, k: int) -> tuple[jax.Array, np.ndarray]:
+def shift_tokens(x_bt: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """x [B, T] (a global array, the sequence over `context` in the active layout's order) at the token
-    k later in the original order (the last k wrap around), and [T] whether that token lies in the row,
-    both in the layout's order: a gather by a static index (`ops.sequence.shift_left`)."""
+    k later in the original order (the last k wrap around), and [B, T] whether that token lies in the
+    row, both in the layout's order (`ops.sequence.shift_left`).
+
+    Per device: each device gathers its rows' ids over `context` (int32 [B, T], cheap next to the
+    activations), takes every token's k-th successor by a static index over the whole row and keeps
+    its own chunk. So it holds inside the step's replica `vmap` too (several micro-batches, `context`
+    a replica axis), where the array a step sees is one context device's chunk of every row: a
+    gather over that chunk alone wrapped around inside the chunk."""
     mesh, rules = rules_lib.active()
     layout = Layout(mesh.shape[AXIS], rules.context_balance)
-    t = x_bt.shape[1]
-    order = np.arange(t) if layout.balance == "contiguous" or layout.size == 1 else layout.order(t)
-    source = np.argsort(order)[(order + k) % t]  # the held position of each token's k-th successor
-    return jnp.take(x_bt, jnp.asarray(source, jnp.int32), axis=1), order < t - k
+
+    def local(x):
+        length = x.shape[1]
+        t = length * layout.size
+        order = np.arange(t) if layout.balance == "contiguous" else layout.order(t)
+        source = np.argsort(order)[(order + k) % t]  # the held position of each token's k-th successor
+        start = lax.axis_index(AXIS) * length
+        whole = lax.all_gather(x, AXIS, axis=1, tiled=True)
+        shifted = lax.dynamic_slice_in_dim(jnp.take(whole, jnp.asarray(source, jnp.int32), axis=1), start, length, 1)
+        in_row = lax.dynamic_slice_in_dim(jnp.asarray(order < t - k), start, length, 0)
+        return shifted, jnp.broadcast_to(in_row[None], x.shape)
+
+    return shard.per_device(local, in_axes=(SEQ_AXES,), out_axes=(SEQ_AXES, SEQ_AXES))(x_bt)
 
 
 def pair_kind(q_chunk, k_chunk, causal: bool, window: int = 0, chunk_len: int = 1):

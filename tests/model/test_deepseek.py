@@ -54,12 +54,17 @@ def reference():
     return run(with_mesh(DEEPSEEK_MTP), devices=jax.devices()[:1])
 
 
+@pytest.fixture(scope="module")
+def reference_mtp():
+    return run(with_mesh(DEEPSEEK_MTP, micro_batches=2), devices=jax.devices()[:1])
+
+
 @pytest.mark.heavy
-@pytest.mark.parametrize("mesh", [dict(expert=2, context=2, tensor=2, sequence_parallel=True),
-                                  dict(context=2, tensor=2, context_parallel="allgather",
-                                       context_balance="contiguous")],
-                         ids=["expert2-context2-tensor2-sp", "context2-tensor2-allgather-contiguous"])
-def test_deepseek_trains_on_meshes_as_on_one_device(reference, mesh):
+@pytest.mark.parametrize("micro_batches, mesh", [(2, dict(expert=2, context=2, tensor=2, sequence_parallel=True)),
+                                                 (1, dict(context=2, tensor=2, context_parallel="allgather",
+                                                          context_balance="contiguous"))],
+                         ids=["expert2-context2-tensor2-sp-m2", "context2-tensor2-allgather-contiguous"])
+def test_deepseek_trains_on_meshes_as_on_one_device(request, micro_batches, mesh):
     """Heads over tensor with the latent replicated, sequence parallel; the expanded K/V around the context
     ring (values padded to the q/k head dim); experts over expert: one program for the three (was
     fsdp2-tensor2-sp and expert2-context2-fsdp2; the latent over fsdp: the pipeline case below). (`data`
@@ -67,8 +72,14 @@ def test_deepseek_trains_on_meshes_as_on_one_device(reference, mesh):
     the context devices, in zigzag's held order (the ring) and in contiguous order (all-gathered), and
     their blocks attend through context parallelism as the main layers do; `mtp_loss` as one device's
     (were test_mtp.py's context2-fsdp2-ring-zigzag and context2-tensor2-allgather-contiguous, MLA with 2
-    dense depths)."""
-    got = run(with_mesh(DEEPSEEK_MTP, **mesh))
+    dense depths). With 2 micro-batches `context` is a replica axis of the step's vmap, whose body holds
+    one context device's chunk of every row: the shifts gather the row over `context` per device (a
+    shift within the chunk wrapped the MTP targets inside each chunk: the MTP gradients up to 86% off,
+    the grad norm 0.7%), and the sequence-wise balance loss adds its per-row statistics over `context`
+    (a chunk's own statistics: the routers' gradients 0.24% off); with one, the step sees the whole row. Each against one device with as many micro-batches (2: the
+    pipeline test's `reference_mtp`; `mtp_loss` is the micro-batches' mean, 2e-5 off one batch's)."""
+    reference = request.getfixturevalue("reference_mtp" if micro_batches == 2 else "reference")
+    got = run(with_mesh(DEEPSEEK_MTP, micro_batches, **mesh))
     assert_same_mtp_run(got, reference, str(mesh), GRADS_END_RTOL)
     assert reference["losses"][-1] < reference["losses"][0]
 
@@ -123,11 +134,6 @@ def test_what_mla_cannot_do_is_one_config_line(case):
 # schedule (`pipeline/units.py`'s head; test_mtp.py's 1F1B case went for this one); first dense layers on
 # other splits and schedules: tests/parallel/test_pipeline_uneven.py and test_pipeline_compose.py (two stacks).
 IN_STAGES = dict(pipeline=2, fsdp=2, expert=2, pipeline_schedule="zero_bubble", pipeline_layers=(1, 2))
-
-
-@pytest.fixture(scope="module")
-def reference_mtp():
-    return run(with_mesh(DEEPSEEK_MTP, micro_batches=2), devices=jax.devices()[:1])
 
 
 @pytest.fixture(scope="module")
