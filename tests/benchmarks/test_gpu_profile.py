@@ -97,7 +97,7 @@ def test_dry_run_runs_every_section_and_writes_one_folder(tmp_path, monkeypatch)
     assert all(attention[(s, "flash")]["error"] < 1e-2 and attention[(s, "flash")]["fwd+bwd_ms"] > 0 for s in (False, True))
     assert "ConfigError" in attention[(True, "cudnn")]["note"]
     pairs = {r["impl"]: r for r in result["ring_pairs"]}
-    assert pairs["flash"]["fwd+bwd_ms"] > 0 and "ConfigError" in pairs["cudnn"]["note"]  # cuDNN's pairs: GPU only
+    assert pairs["xla"]["fwd+bwd_ms"] > 0 and "ConfigError" in pairs["cudnn"]["note"]  # cuDNN's pairs: GPU only
     assert [r["tiles"] for r in result["sweep"]][0] == "default" and all("fwd+bwd_ms" in r for r in result["sweep"])
     for trace in ("trace-bf16", "trace-fp8-delayed"):
         files = [f for _, _, fs in os.walk(os.path.join(out, trace)) for f in fs]
