@@ -258,6 +258,18 @@ def _spanning_document(q_seg: jax.Array, kv_seg: jax.Array):
     return packed, queries, keys
 
 
+def _plain_mask(causal: bool):
+    return _fused.MaskType.CAUSAL if causal else _fused.MaskType.NO_MASK
+
+
+def _chunk_documents(seg: jax.Array, max_documents: int) -> tuple[tuple[jax.Array, ...], jax.Array]:
+    """The diagonal pair's documents in the packed layout (queries and keys are one chunk, so one
+    layout serves both), and whether every row's fit in `max_documents`."""
+    m = min(max_documents, seg.shape[1])
+    seqlen, offsets, count = packed_documents(seg, m)
+    return (seqlen, seqlen, offsets, offsets), jnp.max(count) <= m
+
+
 def pair_forward(q, k, v, q_seg, kv_seg, causal: bool, window: int, offset, *, scale: float, fallback: Callable,
                  max_documents: int = MAX_DOCUMENTS) -> tuple[jax.Array, jax.Array]:
     """A BlockKernel's forward (`parallel.context.BlockKernel`) through cuDNN: (o float32, lse).
@@ -271,18 +283,16 @@ def pair_forward(q, k, v, q_seg, kv_seg, causal: bool, window: int, offset, *, s
     if window or (q_seg is None) != (kv_seg is None):
         return fallback(q, k, v, q_seg, kv_seg, causal, window, offset)
     if q_seg is None:
-        o, lse = _cudnn_fwd(q, k, v, None, _fused.MaskType.CAUSAL if causal else _fused.MaskType.NO_MASK, scale)
+        o, lse = _cudnn_fwd(q, k, v, None, _plain_mask(causal), scale)
         return o.astype(jnp.float32), lse
     if causal:
-        m = min(max_documents, q.shape[1])
-        (seqlen, offsets, count), (kv_seqlen, kv_offsets, _) = packed_documents(q_seg, m), packed_documents(kv_seg, m)
+        documents, fit = _chunk_documents(q_seg, max_documents)
 
         def packed(q, k, v, q_seg, kv_seg):
-            o, lse = _cudnn_fwd(q, k, v, (seqlen, kv_seqlen, offsets, kv_offsets), _fused.MaskType.PADDING_CAUSAL, scale)
+            o, lse = _cudnn_fwd(q, k, v, documents, _fused.MaskType.PADDING_CAUSAL, scale)
             return o.astype(jnp.float32), lse
 
-        return lax.cond(jnp.max(count) <= m, packed, lambda *a: fallback(*a, causal, window, offset),
-                        q, k, v, q_seg, kv_seg)
+        return lax.cond(fit, packed, lambda *a: fallback(*a, causal, window, offset), q, k, v, q_seg, kv_seg)
     packed_one, queries, _ = _spanning_document(q_seg, kv_seg)
     o, lse = _cudnn_fwd(q, k, v, packed_one, _fused.MaskType.PADDING, scale)
     o = jnp.where(queries[:, :, None, None], o.astype(jnp.float32), 0.0)
@@ -292,28 +302,25 @@ def pair_forward(q, k, v, q_seg, kv_seg, causal: bool, window: int, offset, *, s
 def pair_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, causal: bool, window: int, offset, *, scale: float,
                   fallback: Callable, max_documents: int = MAX_DOCUMENTS) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A BlockKernel's backward through cuDNN, from the merged `o` and `lse` (`pair_forward`'s
-    cases). `dlse` must be zero: cuDNN's backward takes no log-sum-exp cotangent, and
-    `parallel.context.context_attention` stops the log-sum-exp's gradient for this kernel."""
-    del dlse
+    cases). cuDNN's backward takes no log-sum-exp cotangent: `dlse` is zero, as
+    `parallel.context.context_attention` stops the log-sum-exp's gradient for this kernel (the
+    fallback gets it as it is)."""
     if window or (q_seg is None) != (kv_seg is None):
-        return fallback(q, k, v, q_seg, kv_seg, o, lse, do, jnp.zeros_like(lse), causal, window, offset)
+        return fallback(q, k, v, q_seg, kv_seg, o, lse, do, dlse, causal, window, offset)
     o, do = o.astype(q.dtype), do.astype(q.dtype)
     if q_seg is None:
-        mask = _fused.MaskType.CAUSAL if causal else _fused.MaskType.NO_MASK
-        return _cudnn_bwd(q, k, v, None, o, lse, do, mask, scale)
+        return _cudnn_bwd(q, k, v, None, o, lse, do, _plain_mask(causal), scale)
     if causal:
-        m = min(max_documents, q.shape[1])
-        (seqlen, offsets, count), (kv_seqlen, kv_offsets, _) = packed_documents(q_seg, m), packed_documents(kv_seg, m)
+        documents, fit = _chunk_documents(q_seg, max_documents)
 
-        def packed(q, k, v, q_seg, kv_seg, o, lse, do):
-            return _cudnn_bwd(q, k, v, (seqlen, kv_seqlen, offsets, kv_offsets), o, lse, do,
-                              _fused.MaskType.PADDING_CAUSAL, scale)
+        def packed(q, k, v, q_seg, kv_seg, o, lse, do, dlse):
+            return _cudnn_bwd(q, k, v, documents, o, lse, do, _fused.MaskType.PADDING_CAUSAL, scale)
 
-        def other(q, k, v, q_seg, kv_seg, o, lse, do):
-            return tuple(g.astype(q.dtype) for g in fallback(q, k, v, q_seg, kv_seg, o, lse, do, jnp.zeros_like(lse),
+        def other(q, k, v, q_seg, kv_seg, o, lse, do, dlse):
+            return tuple(g.astype(q.dtype) for g in fallback(q, k, v, q_seg, kv_seg, o, lse, do, dlse,
                                                              causal, window, offset))
 
-        return lax.cond(jnp.max(count) <= m, packed, other, q, k, v, q_seg, kv_seg, o, lse, do)
+        return lax.cond(fit, packed, other, q, k, v, q_seg, kv_seg, o, lse, do, dlse)
     packed_one, queries, keys = _spanning_document(q_seg, kv_seg)
     do = jnp.where(queries[:, :, None, None], do, jnp.zeros((), do.dtype))  # the other queries see no key here
     dq, dk, dv = _cudnn_bwd(q, k, v, packed_one, o, lse, do, _fused.MaskType.PADDING, scale)

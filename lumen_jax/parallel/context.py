@@ -131,11 +131,11 @@ def shift_tokens(x_bt: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
         t = length * layout.size
         order = np.arange(t) if layout.balance == "contiguous" else layout.order(t)
         source = np.argsort(order)[(order + k) % t]  # the held position of each token's k-th successor
-        start = lax.axis_index(AXIS) * length
+        start = lax.axis_index(AXIS) * length  # this device's chunk of the held order
+        mine = lax.dynamic_slice_in_dim(jnp.asarray(source, jnp.int32), start, length)
+        in_row = lax.dynamic_slice_in_dim(jnp.asarray(order < t - k), start, length)
         whole = lax.all_gather(x, AXIS, axis=1, tiled=True)
-        shifted = lax.dynamic_slice_in_dim(jnp.take(whole, jnp.asarray(source, jnp.int32), axis=1), start, length, 1)
-        in_row = lax.dynamic_slice_in_dim(jnp.asarray(order < t - k), start, length, 0)
-        return shifted, jnp.broadcast_to(in_row[None], x.shape)
+        return jnp.take(whole, mine, axis=1), jnp.broadcast_to(in_row[None], x.shape)
 
     return shard.per_device(local, in_axes=(SEQ_AXES,), out_axes=(SEQ_AXES, SEQ_AXES))(x_bt)
 
