@@ -92,9 +92,11 @@ class Checkpointer:
         self._manager = self._open()
 
     def _open(self) -> ocp.CheckpointManager:
+        # create=False: the folder appears with the first save, so a start-up that fails (a corrupt data
+        # file at the first batch) leaves no empty checkpoints/ behind in a new run directory.
         options = ocp.CheckpointManagerOptions(
             max_to_keep=self.cfg.keep, keep_period=self.cfg.keep_every or None,
-            enable_async_checkpointing=self.cfg.async_save, create=True, cleanup_tmp_directories=True)
+            enable_async_checkpointing=self.cfg.async_save, create=False, cleanup_tmp_directories=True)
         return ocp.CheckpointManager(self.directory, options=options)
 
     @property
@@ -184,7 +186,9 @@ class Checkpointer:
             # Orbax's writer threads can still be touching the folder when the failure reaches us (seen:
             # the folder back after one removal): remove until it stays gone, for up to 2 s.
             for _ in range(20):
-                left = [n for n in os.listdir(self.directory) if n.startswith(f"{step}.orbax-checkpoint-tmp")]
+                # the first save's failure may come before Orbax made the folder (create=False in _open)
+                names = os.listdir(self.directory) if os.path.isdir(self.directory) else []
+                left = [n for n in names if n.startswith(f"{step}.orbax-checkpoint-tmp")]
                 if not left:
                     break
                 for name in left:

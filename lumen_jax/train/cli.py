@@ -106,12 +106,11 @@ def train(cfg: Config, stop=None) -> dict:
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                               f"vocabulary ({data.tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer!r}); "
                               f"set model.vocab_size>={data.tokenizer.vocab_size}")
-        # Before anything in the run directory changes: does its checkpoint fit this config?
+        # Before anything in the run directory changes: does its checkpoint fit this config? (The loop
+        # writes config.json once the first batch is read.)
         config = to_dict(cfg)
         resume.check(config, os.path.join(run_dir, "checkpoints"), trainer.stored_abstract_state(), run_dir,
                      data.check_state)
-        if jax.process_index() == 0:
-            rundir.write_json(run_dir, "config.json", config)
         spec = loop.RunSpec(train=cfg.train, checkpoint=cfg.checkpoint, log=cfg.log, config=config,
                             param_count=param_counts(cfg.model)["total"],
                             throughput=Throughput.of(cfg.model, cfg.data.seq_len, cfg.data.global_batch_size,

@@ -125,11 +125,15 @@ def _run(trainer: Trainer, data: Iterator, run_dir: str, spec: RunSpec, stop: St
                         layout=trainer.stored)
     data = timing.TimedData(data)  # the seconds `next(data)` takes: data_wait_s
     state, start = _start(trainer, data, ckpt, spec.train.init_from)
+    t0 = time.perf_counter()
+    # The first batch is read before the run directory changes: a missing or corrupt data file met here
+    # (DataError, exit 2) leaves a new run directory empty (removed) and a resumed one as it was.
+    batch = trainer.shard_batch(next(data))
+    if is_main:
+        rundir.write_json(run_dir, "config.json", spec.config)
     attempt = events.count("start") + 1  # this run directory's attempt number (1: the first start)
     events.write("start", resume_step=start, run_attempt=attempt)
 
-    t0 = time.perf_counter()
-    batch = trainer.shard_batch(next(data))
     hooks_lib.fault_sigterm_at_startup()
     compiled = trainer.step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0

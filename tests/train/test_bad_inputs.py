@@ -328,3 +328,25 @@ def test_changed_data_files_are_named_on_resume(tmp_path, capfd):
     capfd.readouterr()
     assert train_cli.main(args(run, *files, f"train.steps={RUN_STEPS + 1}", "data.on_change=restart")) == 0
     assert "the data starts again from its first batch" in capfd.readouterr().err
+
+
+def test_a_corrupt_data_line_met_on_resume_changes_nothing(tmp_path, capfd):
+    """A corrupt line the first batch after a resume reads: one line naming the file and line, exit 2, and
+    the run directory as it was, bytes and mtimes (config.json was rewritten and a start event appended
+    before the first read). Unshuffled, 8 streams of 40-token documents in 33-token rows: 2 steps read
+    lines 1-16, the third batch line 17 first."""
+    path = tmp_path / "corpus.jsonl"
+    text = ['{"text": "document %02d: ' % i + "x" * 23 + '"}' for i in range(1, 40)]  # 38 bytes: 40 tokens
+    text[16] = '{"text": "cut short'
+    path.write_text("\n".join(text) + "\n")
+    run = str(tmp_path / "run")
+    files = ["data.source=files", f"data.paths=[{path}]", "data.shuffle=false"]
+    assert train_cli.main(args(run, *files)) == 0, capfd.readouterr().err
+    before = snapshot(run)
+    mtimes = {p: os.stat(os.path.join(run, p)).st_mtime_ns for p in before}
+    capfd.readouterr()
+    assert train_cli.main(args(run, *files, f"train.steps={RUN_STEPS + 2}")) == train_cli.EXIT_BAD_INPUT
+    [line] = capfd.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: data file {path} line 17: not valid JSON") and "fix or remove the line" in line
+    assert snapshot(run) == before
+    assert {p: os.stat(os.path.join(run, p)).st_mtime_ns for p in before} == mtimes

@@ -83,15 +83,14 @@ def test_a_shape_key_taken_for_numeric_still_exits_2_and_moves_nothing(shared, t
         with open(meta_path(ckpts, RUN_STEPS), "w") as f:
             json.dump(meta, f)
     monkeypatch.setattr(resume, "_NUMERIC_MODEL_KEYS", resume._NUMERIC_MODEL_KEYS | {"model.num_kv_heads"})
-    # Refused at start-up, nothing in the run directory changes; refused at the restore, config.json
-    # already holds the new config (written before the loop starts), the checkpoints are untouched.
-    kept = run if recorded else ckpts
-    before = snapshot(kept)
+    # Refused at start-up or at the restore: nothing in the run directory changes (config.json is written
+    # once the restore and the first batch have succeeded).
+    before = snapshot(run)
     rc = train_cli.main(args(run, f"train.steps={RUN_STEPS + 1}", "model.num_kv_heads=4"))
     lines = capfd.readouterr().err.strip().splitlines()
     assert rc == train_cli.EXIT_BAD_INPUT and len(lines) == 1, lines
     assert "other shapes" in lines[0] and "[2, 64, 2, 16]" in lines[0] and "[2, 64, 4, 16]" in lines[0], lines[0]
-    assert snapshot(kept) == before
+    assert snapshot(run) == before
     if not recorded:
         monkeypatch.undo()
         assert train_cli.main(args(run)) == 0  # train.steps reached: restores step 2, trains nothing

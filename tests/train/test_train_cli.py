@@ -88,7 +88,7 @@ def test_tiny_gin_trains(tmp_path):
 
 # The command itself (`python -m lumen_jax.train`: the exit status, one line, no traceback). Every other
 # bad input, and these two, through `train.cli.main` in process: tests/train/test_bad_inputs.py (a corrupt
-# data file below: it is found at the first read, after the run directory is made).
+# data file below: it is found at the first read, before anything is written in the run directory).
 BAD_INPUTS = {
     # name: (overrides, fragments the one-line message must contain)
     "unknown key": (["model.d_modle=1"], ["model.d_modle", "did you mean model.d_model"]),
@@ -110,7 +110,8 @@ def test_bad_input_exits_2_with_one_line(tmp_path, name):
 
 
 def test_a_corrupt_jsonl_line_exits_2_with_one_line_and_no_metrics(tmp_path, capsys):
-    """In process (was a subprocess: the exit is the command's as above)."""
+    """In process (was a subprocess: the exit is the command's as above). The run directory it would have
+    made is left absent."""
     path = tmp_path / "corpus.jsonl"
     path.write_text('{"text": "a fine document"}\n{"text": "a broken one\n{"text": "another"}\n')
     rc = train_cli.main(["--config", os.path.join(REPO, "configs/tiny.yaml"), f"train.run_dir={tmp_path / 'run'}",
@@ -118,7 +119,7 @@ def test_a_corrupt_jsonl_line_exits_2_with_one_line_and_no_metrics(tmp_path, cap
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == EXIT_BAD_INPUT
     assert len(lines) == 1 and lines[0].startswith(f"error: data file {path} line 2: not valid JSON"), lines
-    assert not os.path.exists(os.path.join(tmp_path, "run", "metrics.jsonl"))
+    assert not os.path.exists(tmp_path / "run"), os.listdir(tmp_path / "run")  # no config.json, events, checkpoints/
 
 
 def test_mesh_error_names_the_axis_that_was_set():
