@@ -205,8 +205,8 @@ def _model_shape(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str
            f"model.global_every={m.global_every} with model.moe.num_experts={m.moe.num_experts}: local and global "
            "layers are not yet grouped with MoE layers; use model.global_every=0 or a dense model")
     yield (m.remat not in REMAT_SAVES or not (m.mla or m.moe.enabled),
-           f"model.remat={m.remat} saves named projections of dense attention and MLP layers, which "
-           f"{'latent attention (model.kv_lora_rank)' if m.mla else 'MoE layers (model.moe.num_experts)'} do not name; "
+           f"model.remat={m.remat} saves named projections of dense attention and MLP layers, and "
+           f"{'latent attention (model.kv_lora_rank)' if m.mla else 'MoE layers (model.moe.num_experts)'} name none; "
            "use dots_with_no_batch_dims_saveable, save_attention_out or full")
 
 
