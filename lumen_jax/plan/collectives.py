@@ -154,7 +154,10 @@ class StepShape:
     @property
     def redo_inputs(self) -> int:
         """A selective policy's recompute (`config.REMAT_SAVES`): the gathered norm outputs it reads
-        again, one per sublayer whose column-parallel projections it re-runs (a whole layer's: 2)."""
+        again, one per sublayer whose column-parallel projections it re-runs (a whole layer's: 2), as
+        full's count has it. (The compiled CPU step of fsdp=4 x tensor=2 sp gathers the same bytes
+        under every policy, full's too, at 1 and 2 micro-batches; its re-reduced o and the collective
+        matmul's permutes match: `compiler.compiled.collective_bytes`, 2026-12-06.)"""
         return sum(any(n in self.redone for n in group) for group in (_QKV, _GATE_UP))
 
     @property

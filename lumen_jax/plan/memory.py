@@ -184,6 +184,8 @@ CONTEXT_BACKWARD_ROWS: dict[str, tuple[float, float]] = {
     "dots_with_no_batch_dims_saveable": (0.0, 0.55), "save_attention_out": (1.64, 0.0),
 }
 CONTEXT_BACKWARD_ROWS["offload_dots"] = CONTEXT_BACKWARD_ROWS["dots_with_no_batch_dims_saveable"]
+# (not refitted: the compiled steps of fsdp=4 x context=2 ring and fsdp=2 x context=4 all-gather gave
+# +0.1% to +4.9% for save_dot_except_mlpwi_1 and save_qkv_proj, 2026-12-06)
 CONTEXT_BACKWARD_ROWS.update(dict.fromkeys(REMAT_SAVES, CONTEXT_BACKWARD_ROWS["dots_with_no_batch_dims_saveable"]))
 LOGIT_ROWS = 1.74  # fp32 logits (and their gradient) per token, V/t wide, in one chunk of the loss
 HEAD_WEIGHT_COPIES = 2  # with chunks: float32 D x V/t copies of the output layer beside them (its gradient's sum, ...)
