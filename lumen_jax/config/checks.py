@@ -15,7 +15,7 @@ import re
 import struct
 from typing import Any, Callable, Iterator
 
-from lumen_jax.config import Config, ConfigError, MeshConfig, from_dict, show, to_dict
+from lumen_jax.config import REMAT_SAVES, Config, ConfigError, MeshConfig, from_dict, show, to_dict
 
 # (key, comparison, bound): the range each number must lie in, checked before anything divides by it.
 # Emulated CPU devices one process may start: XLA starts a thread pool per device (100,000 hung
@@ -204,6 +204,10 @@ def _model_shape(cfg: Config, shape: dict[str, int]) -> Iterator[tuple[bool, str
     yield (not m.global_every or not m.moe.enabled,
            f"model.global_every={m.global_every} with model.moe.num_experts={m.moe.num_experts}: local and global "
            "layers are not yet grouped with MoE layers; use model.global_every=0 or a dense model")
+    yield (m.remat not in REMAT_SAVES or not (m.mla or m.moe.enabled),
+           f"model.remat={m.remat} saves named projections of dense attention and MLP layers, and "
+           f"{'latent attention (model.kv_lora_rank)' if m.mla else 'MoE layers (model.moe.num_experts)'} name none; "
+           "use dots_with_no_batch_dims_saveable, save_attention_out or full")
 
 
 @rule

@@ -34,8 +34,20 @@ CONTEXT_BALANCE = ("zigzag", "contiguous")  # which sequence chunks each context
 # How sequence parallelism's tensor collectives run: GSPMD's all-gather / reduce-scatter on the critical
 # path | decomposed into ppermute steps under the partial matmuls (lumen_jax/parallel/collective_matmul.py)
 TENSOR_OVERLAP = ("none", "collective_matmul")
+# The selective policies (MaxText's names) save only the named projection outputs of this table and
+# recompute the rest (model/layers.py names them under these policies only): MaxText's query_proj,
+# key_proj, value_proj (q, k, v before RoPE), out_proj (attention's o), mlpwi_0 (gate), mlpwi_1 (up),
+# mlpwo (down). Dense attention and MLP only (model/mla.py and MoE experts name none: refused).
+# No gradient reads down's output, so saving mlpwo saves nothing: MaxText's save_dot_except_mlp
+# would be save_dot_except_mlpwi's program. save_dot_except_mlpwi_1 is ours: it recomputes up only.
+PROJECTION_NAMES = ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
+REMAT_SAVES = {
+    "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
+    "save_dot_except_mlpwi": ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwo"),
+    "save_dot_except_mlpwi_1": ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwi_0", "mlpwo"),
+}
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
-                  "save_attention_out", "offload_dots")
+                  "save_attention_out", "offload_dots", *REMAT_SAVES)
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")
 ROPE_SCALINGS = ("none", "llama3", "linear", "yarn")
 NORM_SCALES = ("weight", "one_plus_weight")  # RMSNorm times w (w from 1) | times 1 + w (w from 0: Gemma)
@@ -503,6 +515,7 @@ MOVED: dict[str, str] = {
 
 
 __all__ = ["ConfigError", "ATTENTION_IMPLS", "CONTEXT_PARALLEL", "CONTEXT_BALANCE", "TENSOR_OVERLAP", "REMAT_POLICIES",
+           "REMAT_SAVES", "PROJECTION_NAMES",
            "COMPUTE_DTYPES", "ROPE_SCALINGS", "NORM_SCALES", "BLOCK_NORMS", "MLP_ACTIVATIONS", "EMBED_SCALES",
            "FP8_RECIPES", "FP8_LAYERS", "FP8_KEEP_BF16",
            "MOE_ROUTERS", "MOE_BALANCE", "Fp8Config", "MoeConfig", "MixtureSource", "DATA_ORDERS", "ITEMS", "ModelConfig", "MeshConfig", "OptimConfig",

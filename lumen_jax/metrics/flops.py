@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from lumen_jax.config import REMAT_POLICIES, ModelConfig
+from lumen_jax.config import PROJECTION_NAMES, REMAT_POLICIES, REMAT_SAVES, ModelConfig
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
@@ -98,29 +98,59 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> f
 
 
 # What the backward pass runs again under each remat policy, assumed from what the policy saves
-# (docs/FLOPS.md): `projections` (the layers' linear maps), `attention` (QK^T and AV). The planner
-# reads the same two facts off the model's residuals instead (`plan.residuals.recomputes`).
-RECOMPUTES: dict[str, dict[str, bool]] = {
-    "none": {"projections": False, "attention": False},
-    "dots_saveable": {"projections": False, "attention": False},  # every dot output is saved
-    "offload_dots": {"projections": False, "attention": False},  # ... or offloaded
-    "dots_with_no_batch_dims_saveable": {"projections": False, "attention": True},  # QK^T, AV have batch dims
-    "save_attention_out": {"projections": True, "attention": False},
-    "full": {"projections": True, "attention": True},
+# (docs/FLOPS.md): `projections` (the layers' linear maps re-run, by their `config.PROJECTION_NAMES`:
+# all of them, none, or a selective policy's), `attention` (QK^T and AV). The planner reads the same
+# facts off the model's residuals instead (`plan.residuals.recomputes`), the selective policies'
+# projections from this table.
+# A selective policy (`config.REMAT_SAVES`) re-runs the projections the backward reads and it does not
+# save: every one but down's (mlpwo), whose output no gradient reads (its own backward reads its input,
+# SwiGLU(gate, up)). With the reference attention it re-runs QK^T and AV too (unnamed: not saved); the
+# flash kernel's residuals it keeps. (`full` and `save_attention_out` are counted with down's forward,
+# which XLA drops: a mild upper bound, docs/FLOPS.md.)
+_READ_BY_BACKWARD = tuple(n for n in PROJECTION_NAMES if n != "mlpwo")
+RECOMPUTES: dict[str, dict[str, tuple[str, ...] | bool]] = {
+    "none": {"projections": (), "attention": False},
+    "dots_saveable": {"projections": (), "attention": False},  # every dot output is saved
+    "offload_dots": {"projections": (), "attention": False},  # ... or offloaded
+    "dots_with_no_batch_dims_saveable": {"projections": (), "attention": True},  # QK^T, AV have batch dims
+    "save_attention_out": {"projections": PROJECTION_NAMES, "attention": False},
+    "full": {"projections": PROJECTION_NAMES, "attention": True},
+    **{name: {"projections": tuple(n for n in _READ_BY_BACKWARD if n not in saved), "attention": True}
+       for name, saved in REMAT_SAVES.items()},
 }
+
+
+def projection_params(cfg: ModelConfig, names: tuple[str, ...] | bool) -> float:
+    """The matmul weights per token of one layer's projections `names` (`config.PROJECTION_NAMES`;
+    True: all of them, the layer's `layer_matmul`, MoE and latent attention included; False: none).
+    A subset is counted for a dense layer with grouped-query attention (the selective policies'
+    models: `config.checks` refuses them with MoE or latent attention)."""
+    if not names:
+        return 0.0
+    if names is True or set(names) == set(PROJECTION_NAMES):
+        return float(param_counts(cfg)["layer_matmul"])
+    if cfg.mla or cfg.moe.enabled:
+        raise ValueError(f"projections {names} of a layer with latent attention or MoE are not counted "
+                         "one by one; the selective remat policies refuse those models")
+    d, h, f = cfg.d_model, cfg.resolved_head_dim, cfg.ffn_dim
+    q, kv = d * cfg.num_heads * h, d * cfg.num_kv_heads * h
+    each = {"query_proj": q, "key_proj": kv, "value_proj": kv, "out_proj": q, "mlpwi_0": d * f, "mlpwi_1": d * f,
+            "mlpwo": d * f}
+    return float(sum(each[n] for n in names))
 
 
 def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, remat: str | None = None, *,
                              score_fraction: float = 0.5, context: int = 1,
-                             recomputes: Mapping[str, bool] | None = None) -> float:
+                             recomputes: Mapping[str, tuple[str, ...] | bool] | None = None) -> float:
     """Model FLOPs plus the forward work the backward pass re-runs (the HFU numerator).
 
     `6 * matmul_params + (1 + backward) * attention + the recomputed forward work`, where
     `attention` is the attention forward over `score_fraction` of the S x S square and `backward`
     is 2 forwards (dV, dP, dQ, dK), or 2.5 under context parallelism (`context` > 1: the chunk
     kernel's backward recomputes QK^T from the saved log-sum-exp, whatever the policy). The
-    recompute is 2 * L * layer_matmul when the projections are re-run and the attention forward
-    when QK^T and AV are; the logits matmul lies outside the checkpointed layers.
+    recompute is 2 * L * the re-run projections' weights (`projection_params`: layer_matmul when
+    all are re-run) and the attention forward when QK^T and AV are; the logits matmul lies outside
+    the checkpointed layers.
 
     Pipeline stages change nothing here: a stage's backward runs from the residuals its forward
     saved under the same policy (`parallel/pipeline/executor.py`); the fill and the drain are the
@@ -133,7 +163,8 @@ def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, remat: str | None =
         score_fraction: the part of the S x S square counted: 0.5 (the causal half, the MFU
           convention of `flops_per_token`), 1 (the whole square), or the busiest device's share.
         context: devices on the context axis.
-        recomputes: {projections, attention} -> re-run; None takes `RECOMPUTES[remat]`.
+        recomputes: {projections: the re-run projections' names (or a bool: all, none), attention:
+          re-run}; None takes `RECOMPUTES[remat]`.
     """
     remat = cfg.remat if remat is None else remat
     if remat not in REMAT_POLICIES:
@@ -143,6 +174,6 @@ def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, remat: str | None =
     counts = param_counts(cfg)
     attention = attention_forward_flops_per_token(cfg, seq_len, causal=False) * score_fraction
     backward = 2.0 if context == 1 else 2.5
-    projections = 2.0 * cfg.num_layers * counts["layer_matmul"]
-    remat_redo = (attention if redo["attention"] else 0.0) + (projections if redo["projections"] else 0.0)
+    projections = 2.0 * cfg.num_layers * projection_params(cfg, redo["projections"])
+    remat_redo = (attention if redo["attention"] else 0.0) + projections
     return 6.0 * counts["matmul"] + (1 + backward) * attention + remat_redo

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from lumen_jax.config import ModelConfig
+from lumen_jax.config import REMAT_SAVES, ModelConfig
 from lumen_jax.ops.attention import attention
 from lumen_jax.ops.choice import Ops
 from lumen_jax.ops.projection import Tape, project, project_columns, project_rows, projection_state
@@ -61,6 +61,13 @@ def _columns(module: nnx.Module, ops: Ops, layer_type: str, state: nnx.Dict | No
         states = None if state is None else tuple(state[name] for name in names)
         return project_columns(specs, x, ws, ops, layer_type, states)
     return cols
+
+
+def _named(on: bool, x: jax.Array, name: str) -> jax.Array:
+    """`x` named `name` for the selective remat policies (`config.REMAT_SAVES`) when `on`; else `x`
+    itself, so the other policies' programs are theirs by construction (as `Attention.name_out`;
+    named always, the other policies' probed residuals and lowered steps measured the same)."""
+    return checkpoint_name(x, name) if on else x
 
 
 class RMSNorm(nnx.Module):
@@ -201,6 +208,7 @@ class Attention(nnx.Module):
         self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"),
                          cfg.init_std / math.sqrt(2 * cfg.num_layers))
         self.name_out = cfg.remat == "save_attention_out"  # `out`: the one policy that reads the name
+        self.name_projections = cfg.remat in REMAT_SAVES  # q, k, v, o: the selective policies' names
         if cfg.qkv_bias:  # Qwen2: learned biases of the q, k, v projections (zero at init)
             self.bq = nnx.Param(jnp.zeros((n, h), jnp.float32), out_sharding=("heads", "head_dim"))
             self.bk = nnx.Param(jnp.zeros((k, h), jnp.float32), out_sharding=("kv_heads", "head_dim"))
@@ -235,6 +243,9 @@ class Attention(nnx.Module):
         """Rotated queries [B, T, N, H], rotated keys and values [B, T, K, H] (also the KV cache's entries)."""
         q, k, v = _columns(self, ops, "attention", self.projections, tape)(
             ("btd,dnh->btnh", "btd,dkh->btkh", "btd,dkh->btkh"), x_btd, ("wq", "wk", "wv"), ("q", "k", "v"))
+        # the products, before bias, norm and RoPE: what dots_saveable keeps (q_norm's backward reads its input)
+        named = self.name_projections
+        q, k, v = _named(named, q, "query_proj"), _named(named, k, "key_proj"), _named(named, v, "value_proj")
         if hasattr(self, "bq"):
             q, k, v = (y + b[...].astype(y.dtype) for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
         if hasattr(self, "q_norm"):
@@ -253,7 +264,8 @@ class Attention(nnx.Module):
         # flash kernel's), which the compiled program stores once but the planner's probe counts.
         o = constrain(o_btnh, ("batch", "seq", "act_heads", None))
         o = checkpoint_name(o, "attention_out") if self.name_out else o
-        return _projector(self, ops, "attention", self.projections, tape)("btnh,nhd->btd", o, "wo", "o", rows=True)
+        y = _projector(self, ops, "attention", self.projections, tape)("btnh,nhd->btd", o, "wo", "o", rows=True)
+        return _named(self.name_projections, y, "out_proj")
 
 
 class MLP(nnx.Module):
@@ -267,13 +279,16 @@ class MLP(nnx.Module):
         self.w_down = _param(rngs, (f, d), ("mlp", "embed"), cfg.init_std / math.sqrt(2 * cfg.num_layers))
         self.projections = projection_state(ops, "mlp", ("gate", "up", "down"))
         self.activation = cfg.mlp_activation
+        self.name_projections = cfg.remat in REMAT_SAVES  # gate, up, down: the selective policies' names
 
     def __call__(self, x_btd: jax.Array, ops: Ops, tape: Tape | None = None) -> jax.Array:
         gate, up = _columns(self, ops, "mlp", self.projections, tape)(
             ("btd,df->btf", "btd,df->btf"), x_btd, ("w_gate", "w_up"), ("gate", "up"))
+        gate, up = _named(self.name_projections, gate, "mlpwi_0"), _named(self.name_projections, up, "mlpwi_1")
         gated = swiglu(gate, up) if self.activation == "silu" else jax.nn.gelu(gate, approximate=True) * up
         h = constrain(gated, ("batch", "seq", "act_mlp"))
-        return _projector(self, ops, "mlp", self.projections, tape)("btf,fd->btd", h, "w_down", "down", rows=True)
+        y = _projector(self, ops, "mlp", self.projections, tape)("btf,fd->btd", h, "w_down", "down", rows=True)
+        return _named(self.name_projections, y, "mlpwo")
 
 
 class Block(nnx.Module):

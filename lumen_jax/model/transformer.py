@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lumen_jax.config import ModelConfig
+from lumen_jax.config import REMAT_SAVES, ModelConfig
 from lumen_jax.kernels import flash_attention as flash_lib
 from lumen_jax.model.layers import MLP, Attention, Block, _param, layer_rope, local_layers, norm
 from lumen_jax.model import mtp as mtp_lib
@@ -43,6 +43,10 @@ _REMAT_POLICIES = {
     "save_attention_out": jax.checkpoint_policies.save_only_these_names("attention_out", flash_lib.RESIDUAL_NAME),
     "offload_dots": lambda prim, *avals, **params: _KEEP_FLASH(prim, *avals, **params) or _OFFLOAD_DOTS(
         prim, *avals, **params),
+    # the selective ones (MaxText's): the named projection outputs (`model.layers`), and, as the dots
+    # policies, the flash kernel's and fp8's residuals; everything else is recomputed
+    **{name: jax.checkpoint_policies.save_only_these_names(*saved, flash_lib.RESIDUAL_NAME, *SAVED_WITH_DOTS)
+       for name, saved in REMAT_SAVES.items()},
 }
 
 

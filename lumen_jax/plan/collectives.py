@@ -8,7 +8,7 @@ import dataclasses
 import math
 from typing import Callable
 
-from lumen_jax.config import MeshConfig, ModelConfig
+from lumen_jax.config import PROJECTION_NAMES, MeshConfig, ModelConfig
 from lumen_jax.metrics import flops
 from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.plan import moe as moe_plan
@@ -17,6 +17,8 @@ from lumen_jax.plan.hardware import AXES, Hardware, Layout, compute_bytes, first
 from lumen_jax.plan.memory import F32 as F32_BYTES
 from lumen_jax.plan.memory import regathered_inputs, split_backward, state_bytes
 from lumen_jax.plan.residuals import recomputes
+
+_QKV, _GATE_UP = ("query_proj", "key_proj", "value_proj"), ("mlpwi_0", "mlpwi_1")  # one gathered input each
 
 DTYPE_NAMES = {2: "bf16", 4: "fp32"}  # by bytes, in a collective's description
 
@@ -142,8 +144,27 @@ class StepShape:
         return "+".join(a for a in axes if self.layout.size(a) > 1) or axes[0]
 
     @property
-    def redo(self) -> bool:  # the backward recomputes the projections
+    def redone(self) -> tuple[str, ...]:  # the projections the backward recomputes (`residuals.recomputes`)
         return recomputes(self.remat, self.layout.mesh.context, self.layout.mesh.context_parallel)["projections"]
+
+    @property
+    def redo(self) -> bool:  # the backward recomputes every projection (the layer)
+        return set(self.redone) == set(PROJECTION_NAMES)
+
+    @property
+    def redo_inputs(self) -> int:
+        """A selective policy's recompute (`config.REMAT_SAVES`): the gathered norm outputs it reads
+        again, one per sublayer whose column-parallel projections it re-runs (a whole layer's: 2), as
+        full's count has it. (The compiled CPU step of fsdp=4 x tensor=2 sp gathers the same bytes
+        under every policy, full's too, at 1 and 2 micro-batches; its re-reduced o and the collective
+        matmul's permutes match: `compiler.compiled.collective_bytes`, 2026-12-06.)"""
+        return sum(any(n in self.redone for n in group) for group in (_QKV, _GATE_UP))
+
+    @property
+    def redo_outputs(self) -> int:
+        """... and the row-parallel outputs it reduces again: the attention's o (down's output no
+        gradient reads, so no policy re-runs it but full and save_attention_out, counted as measured)."""
+        return int("out_proj" in self.redone)
 
 
 def _fsdp_shards(mesh: MeshConfig) -> int:
@@ -291,7 +312,7 @@ def _tensor(s: StepShape, add: Add) -> None:
     if s.layout.pipeline > 1:
         _pipelined_tensor(s, add)
         return
-    reductions = 2 + 5 + (2 if s.redo else 0)
+    reductions = 2 + 5 + (2 if s.redo else s.redo_outputs)
     if _collective_matmul(s, add, m * layers, m * layers):
         # outside the layers as without it: the final norm's output and the embedding's gradient
         # gathered, the head's input gradient scattered, the vocab table gathered once
@@ -309,7 +330,7 @@ def _tensor(s: StepShape, add: Add) -> None:
         # the weight gradients (two device-group spellings of one all-gather, which CSE leaves
         # apart; with one micro-batch it did not: 4); outside the layers the final norm's output,
         # the embedding's gradient and (once: loop-invariant) the vocab table for the lookup.
-        gathers = 2 + 4 + (2 if s.redo else 0)
+        gathers = 2 + 4 + (2 if s.redo else s.redo_inputs)
         add("tensor", "all-gather", f"activations, {gathers}/layer (sequence parallel)", row,
             m * (gathers * layers + 2), False)
         add("tensor", "all-gather", "vocab table for the embedding lookup (sequence parallel; hoisted)",
@@ -455,9 +476,9 @@ def _collective_matmul(s: StepShape, add: Add, forwards: float, backwards: float
     mesh = s.layout.mesh
     if mesh.tensor_overlap != "collective_matmul" or not mesh.sequence_parallel or mesh.tensor == 1:
         return False
-    n, again = mesh.tensor, 3 if s.redo else 2
+    n, again = mesh.tensor, 3 if s.redo or s.redo_outputs else 2
     add("tensor", "send/recv", f"activations, collective matmul: 4/layer forward, {4 + again}/layer backward"
-        f" ({'3 recomputed' if s.redo else '2 gathered again'}), {n - 1} steps of 1/{n} of a row each", s.row / n,
+        f" ({'3 recomputed' if again == 3 else '2 gathered again'}), {n - 1} steps of 1/{n} of a row each", s.row / n,
         (4 * forwards + (4 + again) * backwards) * (n - 1), True)
     return True
 
@@ -478,7 +499,7 @@ def _pipelined_tensor(s: StepShape, add: Add) -> None:
     gradient (a full [tokens, D] row) and its 1/P share; once, the embedding lookup's."""
     model, prog = s.model, _lockstep(s)
     ticks, chunk = unit_ticks(prog), s.layers / prog.virtual
-    regather, rereduce = (2, 1) if s.redo else (0, 0)  # a backward that recomputes its projections
+    regather, rereduce = (2, 1) if s.redo else (s.redo_inputs, s.redo_outputs)  # a backward that recomputes
     # ... or gathers the layer's own rows of its two norm outputs again (`memory.regathered_inputs`:
     # remat none; measured on pipeline=2 x fsdp=2 x tensor=2, 1f1b, m=4: +2 rows per layer of each
     # backward tick, the stash holding the local rows)

@@ -98,7 +98,7 @@ def compute_seconds(model: ModelConfig, layout: Layout, seq_len: int, micro_batc
                     attention: str, hw: Hardware, eff: Efficiency, *, score_fraction: float = 0.5,
                     kernel: str = "cudnn", loss: str = "chunked", update_bytes: float = 0.0) -> Compute:
     """One device's compute per step: for each of the m micro-batches, the stage's layers' GEMMs
-    (forward 1, backward 2, +1 when the backward recomputes the projections: `redo`), the attention
+    (forward 1, backward 2, + the share of them the backward recomputes: `redo`), the attention
     core (forward 1, backward 2; the reference's 2.5 under context parallelism; +1 forward when recomputed) over
     `score_fraction` of the square, the logits GEMM (its share: 1/p of it per device) and the
     memory-bound work; once per step the optimizer's update, moving `update_bytes` through HBM.
@@ -110,8 +110,9 @@ def compute_seconds(model: ModelConfig, layout: Layout, seq_len: int, micro_batc
     c = compute_bytes(model)
     m_tokens = micro_batch * seq_len / mesh.context
     layers = layout.stage_layers(model.num_layers, first_layers(model))
-    passes = 3.0 + (1.0 if redo["projections"] else 0.0)
     per_layer = sum(eff.gemm_seconds(m_tokens, k, n, hw, peak, c) for k, n in layer_gemms(model, mesh.tensor))
+    # + the re-run projections' share of the layer's GEMMs, by their FLOPs (all of them: one forward)
+    passes = 3.0 + flops.projection_params(model, redo["projections"]) / flops.param_counts(model)["layer_matmul"]
     vocab = model.vocab_size / mesh.tensor
     logit_gemm = eff.gemm_seconds(m_tokens, model.d_model, vocab, hw, peak, c)
     if loss == "float32":  # the backward's two GEMMs take the float32 gradient of the logits

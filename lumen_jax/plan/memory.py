@@ -12,7 +12,7 @@ import functools
 import math
 
 from lumen_jax.metrics import flops
-from lumen_jax.config import ConfigError, MeshConfig, ModelConfig
+from lumen_jax.config import REMAT_SAVES, ConfigError, MeshConfig, ModelConfig
 from lumen_jax.ops.choice import Ops
 from lumen_jax.ops.loss import chunk_count
 from lumen_jax.parallel.pipeline import schedule as pipeline_lib
@@ -166,6 +166,15 @@ BACKWARD_ROWS: dict[str, tuple[float, float]] = {
     "save_attention_out": (6.06, 0.0),
 }
 BACKWARD_ROWS["offload_dots"] = BACKWARD_ROWS["dots_with_no_batch_dims_saveable"]  # same on the device
+# The selective policies (`config.REMAT_SAVES`) save projections and, with the reference attention, no
+# scores: the backward re-derives the scores as under dots_with_no_batch_dims_saveable, whose score
+# rows they take. The share: save_qkv_proj's as there (the compiled CPU step against the plan,
+# tests/plan/test_plan.py's XLA_CASES meshes: data=8 +2.2%, fsdp=4 x tensor=2 sp -5.3%); the two that
+# recompute gate and/or up hold the MLP's F-wide rows (recomputed, and SwiGLU's rebuilt ones) live
+# together: at 0.55 data=8 gave -9.0% and -10.4%; 0.85 gives -4.5% and -5.0% there, -3.4% and -4.0% on
+# the sp mesh (save_dot_except_mlpwi_1, save_dot_except_mlpwi; 2026-12-06).
+BACKWARD_ROWS.update(dict.fromkeys(REMAT_SAVES, BACKWARD_ROWS["dots_with_no_batch_dims_saveable"]))
+BACKWARD_ROWS.update(dict.fromkeys(("save_dot_except_mlpwi", "save_dot_except_mlpwi_1"), (3.25, 0.85)))
 # The same under context parallelism (mesh.context > 1, xla chunk kernel), fitted to 14 compiled
 # CPU steps (docs/PLANNING.md, section 2). XLA:CPU keeps the score blocks of all the chunk pairs
 # of the unrolled ring hops live together, so the rows still span the whole sequence; with
@@ -175,6 +184,9 @@ CONTEXT_BACKWARD_ROWS: dict[str, tuple[float, float]] = {
     "dots_with_no_batch_dims_saveable": (0.0, 0.55), "save_attention_out": (1.64, 0.0),
 }
 CONTEXT_BACKWARD_ROWS["offload_dots"] = CONTEXT_BACKWARD_ROWS["dots_with_no_batch_dims_saveable"]
+# (not refitted: the compiled steps of fsdp=4 x context=2 ring and fsdp=2 x context=4 all-gather gave
+# +0.1% to +4.9% for save_dot_except_mlpwi_1 and save_qkv_proj, 2026-12-06)
+CONTEXT_BACKWARD_ROWS.update(dict.fromkeys(REMAT_SAVES, CONTEXT_BACKWARD_ROWS["dots_with_no_batch_dims_saveable"]))
 LOGIT_ROWS = 1.74  # fp32 logits (and their gradient) per token, V/t wide, in one chunk of the loss
 HEAD_WEIGHT_COPIES = 2  # with chunks: float32 D x V/t copies of the output layer beside them (its gradient's sum, ...)
 TP_PARTIAL_SUMS = 3  # row-parallel matmul outputs: full-width partial sums before the all-reduce

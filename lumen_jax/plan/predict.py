@@ -9,7 +9,7 @@ import math
 from typing import Any, Callable
 
 from lumen_jax.metrics import flops
-from lumen_jax.config import Config, ConfigError, MeshConfig, ModelConfig
+from lumen_jax.config import REMAT_SAVES, Config, ConfigError, MeshConfig, ModelConfig
 from lumen_jax.config.checks import validate
 from lumen_jax.parallel.pipeline import schedule as pipeline_lib
 from lumen_jax.plan.collectives import Collective, collectives
@@ -304,9 +304,18 @@ def _may_fit(cfg: Config, layout: Layout, hw: Hardware, memory_fraction: float =
     return sum(n for _, n in state) + fp8 <= hw.memory_bytes * memory_fraction
 
 
-SEARCH_REMATS = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "full")
+# the selective two recompute the MLP's up (save_dot_except_mlpwi_1) or gate and up (save_dot_except_mlpwi):
+# between dots_with_no_batch_dims_saveable and full in bytes and in time (`search_remats`)
+SEARCH_REMATS = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_dot_except_mlpwi_1",
+                 "save_dot_except_mlpwi", "full")
 SEARCH_DEPTHS = (1, 2, 4, 8, 16)  # pipeline stages --search tries when the config and --pipeline set none
 REDUCE_DTYPES = ("float32", "bfloat16")  # mesh.reduce_dtype, tried wherever gradients cross devices
+def search_remats(model: ModelConfig) -> tuple[str, ...]:
+    """`SEARCH_REMATS` that `model` takes: without the selective ones (`config.REMAT_SAVES`) where
+    latent attention or MoE layers name no projections (`config.checks` refuses them)."""
+    return tuple(r for r in SEARCH_REMATS if r not in REMAT_SAVES or not (model.mla or model.moe.enabled))
+
+
 SEARCH_VIRTUAL = (2, 4, 8)  # interleaved virtual stages --search tries (each chunk at least one layer or MoE group)
 
 
@@ -449,7 +458,7 @@ def _search_depth(cfg: Config, num_devices: int, hw: Hardware, pipeline: int,
                                 # the second if the first does not fit; neither where no remat policy can
                                 tries = [tried for tried in (layout, _bf16_reductions(layout))
                                          if tried is not None and _may_fit(cfg, tried, hw, **predict_kwargs)]
-                                for remat in SEARCH_REMATS:
+                                for remat in search_remats(m):
                                     if on_plan is not None:
                                         on_plan(1)
                                     for tried in tries:
@@ -488,8 +497,8 @@ def settings(cfg: Config, layout: Layout, hw: Hardware, *, top: int = 5, **predi
         kernels.append("cudnn")
     found, taken = [], {}
     for m, remat, zero, reduce, regather, dtype, attention in itertools.product(
-            counts, SEARCH_REMATS, ZERO_STAGES, COMM_OPTIONS["fsdp_grad_reduce"], COMM_OPTIONS["fsdp_regather"],
-            REDUCE_DTYPES, kernels):
+            counts, search_remats(cfg.model), ZERO_STAGES, COMM_OPTIONS["fsdp_grad_reduce"],
+            COMM_OPTIONS["fsdp_regather"], REDUCE_DTYPES, kernels):
         if (zero != mesh.zero_stage and mesh.fsdp == 1) or \
                 (reduce != mesh.fsdp_grad_reduce and (m == 1 or mesh.fsdp == 1)) or \
                 (regather != mesh.fsdp_regather and (mesh.fsdp == 1 or zero < 3)) or \

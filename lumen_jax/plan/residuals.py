@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import print_saved_residuals
 
-from lumen_jax.config import MeshConfig, ModelConfig
+from lumen_jax.config import PROJECTION_NAMES, REMAT_SAVES, MeshConfig, ModelConfig
 from lumen_jax.metrics import flops
 from lumen_jax.model import apply, param_shapes_and_names
 from lumen_jax.ops.choice import Ops
@@ -164,19 +164,26 @@ def computed_score_fraction(seq_len: int) -> float:
     return layer_residuals("none", seq_len).counts()[("S", "f")] or 1.0
 
 
-def recomputes(remat: str, context: int = 1, context_parallel: str = "ring", attention: str = "xla") -> dict[str, bool]:
-    """Which forward work the backward pass re-runs: `projections` unless the policy saves a
-    projection (an F- or KV-wide row), `attention` (QK^T, PV) unless it saves scores (under context
-    parallelism: unless it keeps the ring's residuals, whose log-sum-exp is the N-wide row, or the
-    chunk kernels' scores; with the flash kernel outside context parallelism: unless it keeps the
-    kernel's log-sum-exp, the N-wide row, beside its output)."""
+def recomputes(remat: str, context: int = 1, context_parallel: str = "ring",
+               attention: str = "xla") -> dict[str, tuple[str, ...] | bool]:
+    """Which forward work the backward pass re-runs: `projections`, the re-run projections' names
+    (`config.PROJECTION_NAMES`): all of them unless the policy saves a projection (an F- or KV-wide
+    row), none if it does; a selective policy's (`config.REMAT_SAVES`) from `flops.RECOMPUTES`, as the
+    probe's rows carry no names (tests/plan/test_plan.py checks its F-wide rows against it);
+    `attention` (QK^T, PV) unless it saves scores (under context parallelism: unless it keeps the
+    ring's residuals, whose log-sum-exp is the N-wide row, or the chunk kernels' scores; with the
+    flash kernel outside context parallelism: unless it keeps the kernel's log-sum-exp, the N-wide
+    row, beside its output)."""
     return dict(_recomputes(remat, context, context_parallel, attention))
 
 
 @functools.lru_cache(maxsize=256)  # the search asks it several times for every candidate
-def _recomputes(remat: str, context: int, context_parallel: str, attention: str) -> dict[str, bool]:
+def _recomputes(remat: str, context: int, context_parallel: str, attention: str) -> dict[str, tuple[str, ...] | bool]:
     kinds = {k for k, _ in layer_residuals(remat, context=context, context_parallel=context_parallel).counts(host=True)}
     again = "S" not in kinds and (context == 1 or "N" not in kinds)
     if attention == "flash" and context == 1:
         again = "N" not in {k for k, _ in layer_residuals(remat, attention="flash").counts(host=True)}
-    return {"projections": not kinds & {"F", "KV"}, "attention": again}
+    projections = () if kinds & {"F", "KV"} else PROJECTION_NAMES
+    if remat in REMAT_SAVES:
+        projections = flops.RECOMPUTES[remat]["projections"]
+    return {"projections": projections, "attention": again}

@@ -417,6 +417,16 @@ def test_gqa_and_head_dim():
     validate(with_(TINY, model=dict(d_model=66, head_dim=16), mesh=dict(data=4, fsdp=2)), 8)
 
 
+def test_selective_remat_needs_named_projections():
+    """The selective remat policies save named projections, which latent attention and MoE layers do not name."""
+    for model in ("tiny_moe", "tiny_deepseek_v3"):
+        cfg = load_config(cfg_path(f"{model}.yaml"), ["model.remat=save_dot_except_mlpwi_1"])
+        msg = error(validate, cfg, 8)
+        assert msg.startswith("model.remat=save_dot_except_mlpwi_1 saves named projections") and "\n" not in msg
+        assert ("kv_lora_rank" if model == "tiny_deepseek_v3" else "moe.num_experts") in msg
+    validate(with_(TINY, model=dict(remat="save_dot_except_mlpwi_1")), 8)
+
+
 def test_batch_and_sequence():
     msg = error(validate, with_(TINY, data=dict(global_batch_size=12)), 8)
     assert msg.startswith("data.global_batch_size=12 is not divisible by mesh.data*mesh.fsdp*mesh.expert*train.micro_batches=1*8*1*1=8")

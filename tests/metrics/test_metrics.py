@@ -85,7 +85,12 @@ def test_hardware_flops_per_remat_policy():
     attention = 2 * 2 * seq * 4 * 16 * 2 / 2  # forward attention, causal
     expected = {"none": model, "dots_saveable": model, "offload_dots": model,
                 "dots_with_no_batch_dims_saveable": model + attention,
-                "save_attention_out": model + projections, "full": model + projections + attention}
+                "save_attention_out": model + projections, "full": model + projections + attention,
+                # the selective policies: the projections they re-run, by hand (up, gate: D x F = 64 x 172;
+                # o: N*H x D = 64 x 64), and QK^T, AV, which they do not name
+                "save_dot_except_mlpwi_1": model + 2 * 2 * 64 * 172 + attention,
+                "save_dot_except_mlpwi": model + 2 * 2 * 2 * 64 * 172 + attention,
+                "save_qkv_proj": model + 2 * 2 * (64 * 64 + 2 * 64 * 172) + attention}
     assert set(expected) == set(REMAT_POLICIES)
     for policy, value in expected.items():
         assert flops.hardware_flops_per_token(SMALL, seq, policy) == value, policy

@@ -219,13 +219,25 @@ def remat_reference():
 # dots_with_no_batch_dims_saveable: with the flash kernel, tests/ops/test_sliding_window.py's
 # test_a_window_trains_with_our_kernel_as_with_the_reference (the same policy, the kernel's residuals kept
 # too; was this file's test_flash_kept_by_the_remat_policy_gives_the_same_losses_and_grads).
-@pytest.mark.parametrize("policy", ["full", "dots_saveable", "save_attention_out", "offload_dots"])
+# The selective policies (named projections): save_qkv_proj recomputes o, gate and up, save_dot_except_mlpwi_1
+# up alone; save_dot_except_mlpwi (gate and up) runs on tensor=2 with sequence parallelism below.
+@pytest.mark.parametrize("policy", ["full", "dots_saveable", "save_attention_out", "offload_dots", "save_qkv_proj",
+                                    "save_dot_except_mlpwi_1"])
 def test_remat_policies_same_losses_and_grads(policy, remat_reference):
     assert BASE.model.remat == "none"
     cfg = BASE.replace(model=dataclasses.replace(BASE.model, remat=policy))
     got = run(with_mesh(cfg), devices=jax.devices()[:1])
     assert np.all(np.diff(remat_reference["losses"]) < 0), remat_reference["losses"]
     assert_same_run(got, remat_reference, f"remat={policy}")
+
+
+@pytest.mark.heavy
+def test_selective_remat_with_sequence_parallel_tensor_matches_one_device(remat_reference):
+    """remat=save_dot_except_mlpwi on fsdp=4 x tensor=2 with sequence parallelism (its named projections
+    sharded, the recomputed gate and up behind the gathered MLP input) gives one device's remat=none run."""
+    cfg = BASE.replace(model=dataclasses.replace(BASE.model, remat="save_dot_except_mlpwi"))
+    got = run(with_mesh(cfg, fsdp=4, tensor=2, sequence_parallel=True))
+    assert_same_run(got, remat_reference, "remat=save_dot_except_mlpwi fsdp=4,tensor=2,sp")
 
 
 def test_tied_embeddings_have_no_lm_head_and_train():

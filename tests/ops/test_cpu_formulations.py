@@ -102,7 +102,9 @@ def test_the_trainer_chooses_them_on_one_cpu_device_only():
 REMAT_FLOPS_RTOL = 0.006
 
 
-@pytest.mark.parametrize("remat", [r for r in REMAT_POLICIES if r not in ("none", "offload_dots")])
+# The selective policies name the projections' outputs alike: one of them here (all three passed, 2026-12-06).
+@pytest.mark.parametrize("remat", [r for r in REMAT_POLICIES
+                                   if r not in ("none", "offload_dots", "save_dot_except_mlpwi", "save_qkv_proj")])
 def test_remat_policies_see_the_projections_as_dots(remat):
     """The same compiled FLOPs with and without the CPU formulations: a policy that saves dots saves
     the token-gradient projections too (without `ops.projection.remat_policy` it would see one
