@@ -407,7 +407,8 @@ def search(cfg: Config, num_devices: int, hw: Hardware, *, pipeline: int = 1, to
         at_depth = sorted(_search_depth(cfg, num_devices, hw, depth, on_plan, **predict_kwargs), key=rank)
         found += at_depth
         leaders += at_depth[:top]  # each depth's own: another depth's leaders must not hide them
-    # mesh.reduce_dtype changes only the gradient bytes: tried on the leaders, each kept as its own candidate
+    # mesh.reduce_dtype changes only the gradient bytes: the other way tried on the leaders, each kept as
+    # its own candidate (a float32 plan ranks below its bfloat16 twin, so the top holds it only beside it)
     for plan in leaders:
         for dtype in REDUCE_DTYPES:
             mesh = plan.layout.mesh
@@ -455,16 +456,17 @@ def _search_depth(cfg: Config, num_devices: int, hw: Hardware, pipeline: int,
                                 if staged.pipeline_schedule == "zero_bubble" and staged.pipeline > 1:
                                     staged = dataclasses.replace(staged, tensor_overlap="none")  # refused with it
                                 layout = Layout(staged, pipeline=pipeline, micro_batches=steps)
-                                # the second if the first does not fit; neither where no remat policy can
-                                tries = [tried for tried in (layout, _bf16_reductions(layout))
-                                         if tried is not None and _may_fit(cfg, tried, hw, **predict_kwargs)]
+                                # bfloat16 sums where gradients cross devices in float32: they rank
+                                # at least as high (no slower, fewer bytes), so `search` tries float32
+                                # on the leaders alone and still finds every plan of the top
+                                tried = _bf16_reductions(layout) or layout
+                                if not _may_fit(cfg, tried, hw, **predict_kwargs):
+                                    continue  # under no remat policy
                                 for remat in search_remats(m):
                                     if on_plan is not None:
                                         on_plan(1)
-                                    for tried in tries:
-                                        if _fits(cfg, tried, hw, remat, **predict_kwargs):
-                                            found.append(predict(cfg, tried, hw, remat=remat, **predict_kwargs))
-                                            break
+                                    if _fits(cfg, tried, hw, remat, **predict_kwargs):
+                                        found.append(predict(cfg, tried, hw, remat=remat, **predict_kwargs))
     return found
 
 
