@@ -113,6 +113,15 @@ def _rows(x: jax.Array, p: int, s: jax.Array, pieces: int = 1) -> jax.Array:
     return picked.reshape(b // p, *rest)
 
 
+def _jitted(stage: Callable, taps: Any) -> Callable:
+    """`stage` (its last argument the arrays of the probed `taps`, or None) as one `jax.jit`: the
+    stage's layers are traced once, and JAX caches that jaxpr, its jvp and its partial evaluation
+    (the residuals) for every later call in the same trace context (each segment's forward, each
+    backward's structure and weight residuals, `Device.start`'s shapes). The step's program is the
+    same: XLA inlines the calls before it optimizes."""
+    return jax.jit(lambda c, o, st, x, mb, v, t: stage(c, o, st, x, mb, v, None if t is None else taps.tapping(t)))
+
+
 class Carry(NamedTuple):
     """What one device carries from tick to tick (with R > 1 replica groups: each leaf [R, ...])."""
 
@@ -168,6 +177,8 @@ class Device:
     table: Any = None  # the embedding table the lookup reads (`StageFns.table` of the cast weights)
     groups: tuple[int, int] = (1, 1)  # the devices a micro-batch's rows and tokens are split over (`row_groups`)
     mtp: bool = False  # multi-token prediction runs with the head (`StageFns.mtp`)
+    # `stage` as one `jax.jit` (`start`: `_jitted`), which `residuals` calls
+    traced_stage: Callable | None = None
 
     @property
     def act_dtype(self):
@@ -190,19 +201,22 @@ class Device:
             jax.eval_shape(lambda: dev.stage(chunk0, dev.other, state0, zeros_act, zero_mb, jnp.int32(0), probe))
             if any(probe.found.values()):
                 dev = dataclasses.replace(dev, taps=probe, w_tree=jax.tree.structure(jax.eval_shape(probe.zeros, chunk0)))
+        dev = dataclasses.replace(dev, traced_stage=_jitted(dev.stage, dev.taps))
         w_shapes = [] if dev.taps is None else jax.tree.leaves(jax.eval_shape(dev.taps.zeros, chunk0))
         leaves_fn = lambda c, o, st, x, mb, v: jax.tree.leaves(dev.residuals(c, o, st, x, mb, v)[1])  # noqa: E731
+        metrics_fn = lambda c, o, st, x, mb, v: dev.residuals(c, o, st, x, mb, v)[2]  # noqa: E731
         varying = (zeros_act, zero_mb, jnp.int32(0))
         if r > 1:  # as the replica vmap makes them: a shard_map inside (the experts' dispatch) sees its group's rows
-            leaves_fn = jax.vmap(leaves_fn, in_axes=(None, None, None, 0, 0, None), spmd_axis_name=replica_axes)
+            # (and the ticks' trace context: `traced_stage`'s jaxpr is traced here once, for them too)
+            leaves_fn, metrics_fn = (jax.vmap(fn, in_axes=(None, None, None, 0, 0, None), spmd_axis_name=replica_axes)
+                                     for fn in (leaves_fn, metrics_fn))
             varying = (*jax.tree.map(lambda a: jnp.zeros((r, *a.shape), a.dtype), varying[:2]), varying[2])
         stashed, shapes = _varying(leaves_fn, (chunk0, dev.other, state0), varying)
         if r > 1:  # a stashed leaf [R, ...] (the carry adds R below); the others are the weights'
             shapes = [jax.ShapeDtypeStruct(a.shape[1:] if keep else a.shape, a.dtype) for a, keep in zip(shapes, stashed)]
         dev = dataclasses.replace(dev, stashed=tuple(stashed))
-        metrics0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32),
-                                jax.eval_shape(lambda: dev.residuals(chunk0, dev.other, state0, zeros_act, zero_mb,
-                                                                     jnp.int32(0))[2]))
+        metrics0 = jax.tree.map(lambda a: jnp.zeros(a.shape[1:] if r > 1 else a.shape, jnp.float32),
+                                jax.eval_shape(metrics_fn, chunk0, dev.other, state0, *varying))
         slots = lambda n, a: jnp.zeros((n + 1, *a.shape), a.dtype)  # noqa: E731
         carry = Carry(stash=[slots(prog.slots, a) for a, keep in zip(shapes, stashed) if keep],
                        w_stash=[slots(prog.wslots, a) for a in w_shapes], g_stash=slots(prog.slots, zeros_act),
@@ -229,12 +243,12 @@ class Device:
     def residuals(self, chunk: dict, other: dict, state: dict, x_recv: jax.Array, mb: dict, v: jax.Array):
         """(y, the vjp holding the forward's residuals, metrics) of `stage`. Split backward: the vjp
         also takes the projections' zero taps, whose cotangents are what the weight unit needs."""
+        stage = self.traced_stage
         if self.taps is None:
-            (y, _), vjp, metrics = jax.vjp(lambda c, o, st, x: self.stage(c, o, st, x, mb, v), chunk, other, state,
+            (y, _), vjp, metrics = jax.vjp(lambda c, o, st, x: stage(c, o, st, x, mb, v, None), chunk, other, state,
                                            x_recv, has_aux=True)
             return y, vjp, metrics
-        (y, _), vjp, metrics = jax.vjp(lambda c, o, st, x, t: self.stage(self.taps.stop(c), o, st, x, mb, v,
-                                                                         self.taps.tapping(t)),
+        (y, _), vjp, metrics = jax.vjp(lambda c, o, st, x, t: stage(self.taps.stop(c), o, st, x, mb, v, t),
                                        chunk, other, state, x_recv, self.taps.zeros(chunk), has_aux=True)
         return y, vjp, metrics
 
