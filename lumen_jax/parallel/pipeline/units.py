@@ -60,14 +60,25 @@ class StageFns:
 
 def _varying(fn: Callable, weights: tuple, varying: tuple) -> tuple[list[bool], list[Any]]:
     """Per output leaf of `fn(*weights, *varying)`: whether it depends on `varying` (a walk of the
-    jaxpr: an equation's outputs depend on what any of its inputs depends on), and its shape and dtype."""
+    jaxpr: an equation's outputs depend on what any of its inputs depends on; the jitted stage's
+    equation (`_jitted`) is walked inside, as if inlined), and its shape and dtype."""
     jaxpr = jax.make_jaxpr(fn)(*weights, *varying).jaxpr
     n_weights = len(jax.tree.leaves(weights))
-    dep = set(jaxpr.invars[n_weights:])
+    outer = _depends(jaxpr, [i >= n_weights for i in range(len(jaxpr.invars))], inline=_STAGE)
+    return outer, [v.aval for v in jaxpr.outvars]
+
+
+def _depends(jaxpr: Any, inputs: list[bool], inline: str | None = None) -> list[bool]:
+    """Per output of `jaxpr`: whether it depends on an input flagged in `inputs`; the equations of
+    jitted functions named `inline` are walked inside (one level), the others as one equation."""
+    dep = {v for v, d in zip(jaxpr.invars, inputs) if d}
     for eqn in jaxpr.eqns:
-        if any(not hasattr(v, "val") and v in dep for v in eqn.invars):
+        ins = [not hasattr(v, "val") and v in dep for v in eqn.invars]
+        if inline is not None and eqn.params.get("name") == inline and "jaxpr" in eqn.params:
+            dep.update(v for v, d in zip(eqn.outvars, _depends(eqn.params["jaxpr"].jaxpr, ins)) if d)
+        elif any(ins):
             dep.update(eqn.outvars)
-    return [not hasattr(v, "val") and v in dep for v in jaxpr.outvars], [v.aval for v in jaxpr.outvars]
+    return [not hasattr(v, "val") and v in dep for v in jaxpr.outvars]
 
 
 def row_groups(rows: int, tokens: int) -> tuple[int, int]:
@@ -125,7 +136,12 @@ def _jitted(stage: Callable, taps: Any) -> Callable:
     (the residuals) for every later call in the same trace context (each segment's forward, each
     backward's structure and weight residuals, `Device.start`'s shapes). The step's program is the
     same: XLA inlines the calls before it optimizes."""
-    return jax.jit(lambda c, o, st, x, mb, v, t: stage(c, o, st, x, mb, v, None if t is None else taps.tapping(t)))
+    def pipeline_stage(c, o, st, x, mb, v, t):
+        return stage(c, o, st, x, mb, v, None if t is None else taps.tapping(t))
+    return jax.jit(pipeline_stage)
+
+
+_STAGE = "pipeline_stage"  # the jitted stage's name in a jaxpr (`_varying` walks inside it)
 
 
 class Carry(NamedTuple):
