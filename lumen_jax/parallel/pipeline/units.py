@@ -60,14 +60,25 @@ class StageFns:
 
 def _varying(fn: Callable, weights: tuple, varying: tuple) -> tuple[list[bool], list[Any]]:
     """Per output leaf of `fn(*weights, *varying)`: whether it depends on `varying` (a walk of the
-    jaxpr: an equation's outputs depend on what any of its inputs depends on), and its shape and dtype."""
+    jaxpr: an equation's outputs depend on what any of its inputs depends on; the jitted stage's
+    equation (`_jitted`) is walked inside, as if inlined), and its shape and dtype."""
     jaxpr = jax.make_jaxpr(fn)(*weights, *varying).jaxpr
     n_weights = len(jax.tree.leaves(weights))
-    dep = set(jaxpr.invars[n_weights:])
+    outer = _depends(jaxpr, [i >= n_weights for i in range(len(jaxpr.invars))], inline=_STAGE)
+    return outer, [v.aval for v in jaxpr.outvars]
+
+
+def _depends(jaxpr: Any, inputs: list[bool], inline: str | None = None) -> list[bool]:
+    """Per output of `jaxpr`: whether it depends on an input flagged in `inputs`; the equations of
+    jitted functions named `inline` are walked inside (one level), the others as one equation."""
+    dep = {v for v, d in zip(jaxpr.invars, inputs) if d}
     for eqn in jaxpr.eqns:
-        if any(not hasattr(v, "val") and v in dep for v in eqn.invars):
+        ins = [not hasattr(v, "val") and v in dep for v in eqn.invars]
+        if inline is not None and eqn.params.get("name") == inline and "jaxpr" in eqn.params:
+            dep.update(v for v, d in zip(eqn.outvars, _depends(eqn.params["jaxpr"].jaxpr, ins)) if d)
+        elif any(ins):
             dep.update(eqn.outvars)
-    return [not hasattr(v, "val") and v in dep for v in jaxpr.outvars], [v.aval for v in jaxpr.outvars]
+    return [not hasattr(v, "val") and v in dep for v in jaxpr.outvars]
 
 
 def row_groups(rows: int, tokens: int) -> tuple[int, int]:
@@ -111,6 +122,26 @@ def _rows(x: jax.Array, p: int, s: jax.Array, pieces: int = 1) -> jax.Array:
         raise ValueError(f"{b} rows in {pieces} groups do not split over {p} pipeline stages")
     picked = jax.lax.dynamic_index_in_dim(x.reshape(pieces, p, b // (pieces * p), *rest), s, axis=1, keepdims=False)
     return picked.reshape(b // p, *rest)
+
+
+def _at(a: jax.Array, i: jax.Array) -> jax.Array:
+    """a[i] for a traced index i: the same dynamic slice as jnp's indexing, without its ~1 ms of
+    Python per call (a tick reads every stashed residual leaf and every chunk leaf this way)."""
+    return jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
+
+
+def _jitted(stage: Callable, taps: Any) -> Callable:
+    """`stage` (its last argument the arrays of the probed `taps`, or None) as one `jax.jit`: the
+    stage's layers are traced once, and JAX caches that jaxpr, its jvp and its partial evaluation
+    (the residuals) for every later call in the same trace context (each segment's forward, each
+    backward's structure and weight residuals, `Device.start`'s shapes). The step's program is the
+    same: XLA inlines the calls before it optimizes."""
+    def pipeline_stage(c, o, st, x, mb, v, t):
+        return stage(c, o, st, x, mb, v, None if t is None else taps.tapping(t))
+    return jax.jit(pipeline_stage)
+
+
+_STAGE = "pipeline_stage"  # the jitted stage's name in a jaxpr (`_varying` walks inside it)
 
 
 class Carry(NamedTuple):
@@ -168,13 +199,15 @@ class Device:
     table: Any = None  # the embedding table the lookup reads (`StageFns.table` of the cast weights)
     groups: tuple[int, int] = (1, 1)  # the devices a micro-batch's rows and tokens are split over (`row_groups`)
     mtp: bool = False  # multi-token prediction runs with the head (`StageFns.mtp`)
+    # `stage` as one `jax.jit` (`start`: `_jitted`), which `residuals` calls
+    traced_stage: Callable | None = None
 
     @property
     def act_dtype(self):
         return jnp.dtype(self.pipe.compute_dtype)
 
-    def chunk(self, tree: dict, c: jax.Array) -> dict:
-        return jax.tree.map(lambda a: a[c], tree)
+    def chunk(self, tree: dict, c: jax.Array | int) -> dict:
+        return jax.tree.map(lambda a: a[c] if isinstance(c, int) else _at(a, c), tree)
 
     def start(self, chunk0: dict, zeros_act: jax.Array, zero_mb: dict, r: int,
               replica_axes: tuple[str, ...]) -> tuple["Device", "Carry"]:
@@ -190,19 +223,22 @@ class Device:
             jax.eval_shape(lambda: dev.stage(chunk0, dev.other, state0, zeros_act, zero_mb, jnp.int32(0), probe))
             if any(probe.found.values()):
                 dev = dataclasses.replace(dev, taps=probe, w_tree=jax.tree.structure(jax.eval_shape(probe.zeros, chunk0)))
+        dev = dataclasses.replace(dev, traced_stage=_jitted(dev.stage, dev.taps))
         w_shapes = [] if dev.taps is None else jax.tree.leaves(jax.eval_shape(dev.taps.zeros, chunk0))
         leaves_fn = lambda c, o, st, x, mb, v: jax.tree.leaves(dev.residuals(c, o, st, x, mb, v)[1])  # noqa: E731
+        metrics_fn = lambda c, o, st, x, mb, v: dev.residuals(c, o, st, x, mb, v)[2]  # noqa: E731
         varying = (zeros_act, zero_mb, jnp.int32(0))
         if r > 1:  # as the replica vmap makes them: a shard_map inside (the experts' dispatch) sees its group's rows
-            leaves_fn = jax.vmap(leaves_fn, in_axes=(None, None, None, 0, 0, None), spmd_axis_name=replica_axes)
+            # (and the ticks' trace context: `traced_stage`'s jaxpr is traced here once, for them too)
+            leaves_fn, metrics_fn = (jax.vmap(fn, in_axes=(None, None, None, 0, 0, None), spmd_axis_name=replica_axes)
+                                     for fn in (leaves_fn, metrics_fn))
             varying = (*jax.tree.map(lambda a: jnp.zeros((r, *a.shape), a.dtype), varying[:2]), varying[2])
         stashed, shapes = _varying(leaves_fn, (chunk0, dev.other, state0), varying)
         if r > 1:  # a stashed leaf [R, ...] (the carry adds R below); the others are the weights'
             shapes = [jax.ShapeDtypeStruct(a.shape[1:] if keep else a.shape, a.dtype) for a, keep in zip(shapes, stashed)]
         dev = dataclasses.replace(dev, stashed=tuple(stashed))
-        metrics0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32),
-                                jax.eval_shape(lambda: dev.residuals(chunk0, dev.other, state0, zeros_act, zero_mb,
-                                                                     jnp.int32(0))[2]))
+        metrics0 = jax.tree.map(lambda a: jnp.zeros(a.shape[1:] if r > 1 else a.shape, jnp.float32),
+                                jax.eval_shape(metrics_fn, chunk0, dev.other, state0, *varying))
         slots = lambda n, a: jnp.zeros((n + 1, *a.shape), a.dtype)  # noqa: E731
         carry = Carry(stash=[slots(prog.slots, a) for a, keep in zip(shapes, stashed) if keep],
                        w_stash=[slots(prog.wslots, a) for a in w_shapes], g_stash=slots(prog.slots, zeros_act),
@@ -229,12 +265,12 @@ class Device:
     def residuals(self, chunk: dict, other: dict, state: dict, x_recv: jax.Array, mb: dict, v: jax.Array):
         """(y, the vjp holding the forward's residuals, metrics) of `stage`. Split backward: the vjp
         also takes the projections' zero taps, whose cotangents are what the weight unit needs."""
+        stage = self.traced_stage
         if self.taps is None:
-            (y, _), vjp, metrics = jax.vjp(lambda c, o, st, x: self.stage(c, o, st, x, mb, v), chunk, other, state,
+            (y, _), vjp, metrics = jax.vjp(lambda c, o, st, x: stage(c, o, st, x, mb, v, None), chunk, other, state,
                                            x_recv, has_aux=True)
             return y, vjp, metrics
-        (y, _), vjp, metrics = jax.vjp(lambda c, o, st, x, t: self.stage(self.taps.stop(c), o, st, x, mb, v,
-                                                                         self.taps.tapping(t)),
+        (y, _), vjp, metrics = jax.vjp(lambda c, o, st, x, t: stage(self.taps.stop(c), o, st, x, mb, v, t),
                                        chunk, other, state, x_recv, self.taps.zeros(chunk), has_aux=True)
         return y, vjp, metrics
 
@@ -342,7 +378,7 @@ class Device:
         # its structure and weight residuals
         _, vjp, _ = self.residuals(self.chunk(self.stacked, chunk), self.other, chunk_state, zeros_act, zero_mb, v)
         leaves, treedef = jax.tree.flatten(vjp)
-        kept = iter([buf[slot] for buf in c.stash])
+        kept = iter([_at(buf, slot) for buf in c.stash])
         vjp = jax.tree.unflatten(treedef, [next(kept) if keep else leaf for leaf, keep in zip(leaves, self.stashed)])
         g = jnp.where(v == prog.stages * prog.virtual - 1, c.g_stash[slot], g_recv) * valid.astype(self.act_dtype)
         d_aux = valid.astype(jnp.float32) * self.scale * self.aux_share
@@ -364,7 +400,7 @@ class Device:
     def weight(self, c: Carry, w: Cell) -> Carry:
         """This stage's weight unit `w` (split backward): the tapped projections' weight gradients, one
         einsum each, from the inputs and output cotangents its backward stashed."""
-        cts = jax.tree.unflatten(self.w_tree, [buf[w.wslot] for buf in c.w_stash])
+        cts = jax.tree.unflatten(self.w_tree, [_at(buf, w.wslot) for buf in c.w_stash])
         d_w = self.taps.weight_grads(lambda p: self.cast({**self.other, **p}), self.chunk(self.stacked, w.chunk), cts)
         d_w = jax.tree.map(lambda d: jnp.where(w.valid > 0, d, jnp.zeros_like(d)), d_w)
         return c._replace(d_stacked={k: jax.tree.map(lambda a, d: a.at[w.chunk].add(d.astype(a.dtype)), a, d_w[k])
