@@ -120,14 +120,14 @@ RECOMPUTES: dict[str, dict[str, tuple[str, ...] | bool]] = {
 }
 
 
-def projection_params(cfg: ModelConfig, names: tuple[str, ...] | bool) -> float:
+def projection_params(cfg: ModelConfig, names: tuple[str, ...]) -> float:
     """The matmul weights per token of one layer's projections `names` (`config.PROJECTION_NAMES`;
-    True: all of them, the layer's `layer_matmul`, MoE and latent attention included; False: none).
+    all of them: the layer's `layer_matmul`, MoE and latent attention included; none: 0).
     A subset is counted for a dense layer with grouped-query attention (the selective policies'
     models: `config.checks` refuses them with MoE or latent attention)."""
     if not names:
         return 0.0
-    if names is True or set(names) == set(PROJECTION_NAMES):
+    if set(names) == set(PROJECTION_NAMES):
         return float(param_counts(cfg)["layer_matmul"])
     if cfg.mla or cfg.moe.enabled:
         raise ValueError(f"projections {names} of a layer with latent attention or MoE are not counted "

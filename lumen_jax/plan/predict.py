@@ -310,17 +310,15 @@ SEARCH_REMATS = ("none", "dots_saveable", "dots_with_no_batch_dims_saveable", "s
                  "save_dot_except_mlpwi", "full")
 SEARCH_DEPTHS = (1, 2, 4, 8, 16)  # pipeline stages --search tries when the config and --pipeline set none
 REDUCE_DTYPES = ("float32", "bfloat16")  # mesh.reduce_dtype, tried wherever gradients cross devices
+SEARCH_VIRTUAL = (2, 4, 8)  # interleaved virtual stages --search tries (each chunk at least one layer or MoE group)
+ZERO_STAGES = (1, 2, 3)  # mesh.zero_stage, which `settings` tries over fsdp
+COMM_OPTIONS = {"fsdp_grad_reduce": ("every_micro_batch", "once"), "fsdp_regather": ("per_micro_batch", "per_step")}
+
+
 def search_remats(model: ModelConfig) -> tuple[str, ...]:
     """`SEARCH_REMATS` that `model` takes: without the selective ones (`config.REMAT_SAVES`) where
     latent attention or MoE layers name no projections (`config.checks` refuses them)."""
     return tuple(r for r in SEARCH_REMATS if r not in REMAT_SAVES or not (model.mla or model.moe.enabled))
-
-
-SEARCH_VIRTUAL = (2, 4, 8)  # interleaved virtual stages --search tries (each chunk at least one layer or MoE group)
-
-
-ZERO_STAGES = (1, 2, 3)  # mesh.zero_stage, which `settings` tries over fsdp
-COMM_OPTIONS = {"fsdp_grad_reduce": ("every_micro_batch", "once"), "fsdp_regather": ("per_micro_batch", "per_step")}
 
 
 def _divisors(n: int) -> list[int]:
