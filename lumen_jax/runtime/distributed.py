@@ -35,6 +35,7 @@ import math
 import os
 import socket
 import sys
+import time
 from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 from lumen_jax.config import ConfigError, DistributedConfig, MeshConfig, show
@@ -157,10 +158,44 @@ def leave(code: int) -> NoReturn:
     that stopped with an error would wait there for peers that wait for it inside a collective. Leaving
     at once stops the heartbeats instead, and the coordination service stops the others within
     `distributed.heartbeat_timeout_s`.
+
+    Process 0 hosts the coordination service, so it leaves last: every other process marks its own
+    leaving in the service, then leaves, and process 0 waits for those marks (up to LEAVE_GRACE_S in
+    all) and LEAVE_LINGER_S more, the time a marked peer needs to be gone. Without the wait, a peer
+    that reaches the same error a moment later (a device mismatch every process finds) loses the
+    service first and dies of it (JAX's "Socket closed", SIGABRT, no message of its own). A peer
+    stuck in a collective never marks: process 0 then leaves after the grace. A peer that is gone
+    does not stop process 0 within the linger: the service counts it dead only after
+    `distributed.heartbeat_timeout_s`.
     """
     sys.stdout.flush()
     sys.stderr.flush()
+    _mark_leaving_or_wait_for_peers()
     os._exit(code)
+
+
+LEAVE_GRACE_S = 10
+LEAVE_LINGER_S = 1
+
+
+def _mark_leaving_or_wait_for_peers() -> None:
+    import jax
+    from jax._src import distributed as jax_distributed  # the client has no public accessor
+
+    client = jax_distributed.global_state.client
+    if client is None:
+        return
+    try:
+        me = jax.process_index()
+        if me != 0:
+            client.key_value_set(f"lumen_jax/left/{me}", "1")
+            return
+        deadline = time.monotonic() + LEAVE_GRACE_S
+        for p in range(1, jax.process_count()):
+            client.blocking_key_value_get(f"lumen_jax/left/{p}", max(1, int((deadline - time.monotonic()) * 1000)))
+        time.sleep(LEAVE_LINGER_S)
+    except Exception:  # noqa: BLE001 - the grace ran out or the service is gone: leave anyway
+        return
 
 
 # --------------------------------------------------------------------------------------------------

@@ -203,14 +203,29 @@ def test_batch_share_follows_the_mesh():
 # Real processes
 # --------------------------------------------------------------------------------------------------
 
+# Process 1 reaches its error 2 s after process 0. Process 0 hosts the coordination service: had it left at
+# once, process 1 would lose the service mid-way (exit 1, JAX's "Socket closed") instead of printing its own
+# line. CI once lost that race with no delay planted, process 1's last barrier reply still in flight.
+_SLOW_TO_ITS_ERROR = """
+import sys, time
+from lumen_jax.runtime import distributed
+check = distributed.check_devices
+distributed.check_devices = lambda infos: (time.sleep(2), check(infos))[1]
+from lumen_jax.train.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_device_mismatch_stops_every_process_with_its_message(tmp_path):
-    """Two SLURM-style tasks (the SLURM start-up path) where one sees 4 devices and the other 2."""
+    """Two SLURM-style tasks (the SLURM start-up path) where one sees 4 devices and the other 2, the
+    second slower to reach the error."""
     port = str(_load_launcher().free_port())
     procs = []
     for i, devices in enumerate((4, 2)):
         env = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "2", "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i),
                "SLURM_STEP_NODELIST": "localhost", "SLURM_NNODES": "1", "JAX_COORDINATOR_PORT": port}
-        cmd = [PY, "-m", "lumen_jax.train", *COMMON, f"train.run_dir={tmp_path}", "runtime.platform=cpu",
+        start = ["-m", "lumen_jax.train"] if i == 0 else ["-c", _SLOW_TO_ITS_ERROR]
+        cmd = [PY, *start, *COMMON, f"train.run_dir={tmp_path}", "runtime.platform=cpu",
                f"runtime.cpu_devices={devices}"]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **env}, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, start_new_session=True))
