@@ -290,6 +290,14 @@ class Checkpointer:
         return f"checkpoint {src} is unusable ({type(error).__name__}: {reason}); moved to {dst}"
 
     def close(self) -> None:
+        """Waits for a save in flight and reports it committed (a run stopped by an error mid-run still
+        records the checkpoint its rerun resumes from), then closes. A failed write is not raised here:
+        the run is already stopping with its own error, and `_write_failed` has removed the partial folder."""
+        if self._in_flight is not None:
+            try:
+                self.wait()
+            except CheckpointError:
+                pass
         self._manager.close()
 
 

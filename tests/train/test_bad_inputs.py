@@ -330,17 +330,38 @@ def test_changed_data_files_are_named_on_resume(tmp_path, capfd):
     assert "the data starts again from its first batch" in capfd.readouterr().err
 
 
-def test_a_corrupt_data_line_met_on_resume_changes_nothing(tmp_path, capfd):
-    """A corrupt line the first batch after a resume reads: one line naming the file and line, exit 2, and
-    the run directory as it was, bytes and mtimes (config.json was rewritten and a start event appended
-    before the first read). Unshuffled, 8 streams of 40-token documents in 33-token rows: 2 steps read
-    lines 1-16, the third batch line 17 first."""
+def _line_17_cut_short(tmp_path) -> tuple[str, list[str]]:
+    """Unshuffled, 8 streams of 40-token documents in 33-token rows: 2 steps read lines 1-16, the third
+    batch line 17 first, which is cut short. Returns the file and the data overrides."""
     path = tmp_path / "corpus.jsonl"
     text = ['{"text": "document %02d: ' % i + "x" * 23 + '"}' for i in range(1, 40)]  # 38 bytes: 40 tokens
     text[16] = '{"text": "cut short'
     path.write_text("\n".join(text) + "\n")
+    return str(path), ["data.source=files", f"data.paths=[{path}]", "data.shuffle=false"]
+
+
+def test_a_corrupt_data_line_met_mid_run_keeps_and_records_the_last_checkpoint(tmp_path, capfd):
+    """Met while step 2 runs (the loop reads batch 3 then): one line, exit 2, step 1's checkpoint committed
+    and its `checkpoint` event written, which the supervisor and a rerun read (the save was still in
+    flight when the error came: only closing the checkpointer waited for it, and it wrote no event)."""
+    import json
+    from lumen_jax.checkpoint.layout import checkpoints_dir, committed_steps
+    path, files = _line_17_cut_short(tmp_path)
     run = str(tmp_path / "run")
-    files = ["data.source=files", f"data.paths=[{path}]", "data.shuffle=false"]
+    assert train_cli.main(args(run, *files, "train.steps=4", "checkpoint.every_steps=1")) == train_cli.EXIT_BAD_INPUT
+    [line] = capfd.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: data file {path} line 17: not valid JSON"), line
+    assert committed_steps(checkpoints_dir(run)) == [1]
+    events = [json.loads(e) for e in open(os.path.join(run, "events.jsonl"))]
+    assert [e.get("step") for e in events if e["event"] == "checkpoint"] == [1], events
+
+
+def test_a_corrupt_data_line_met_on_resume_changes_nothing(tmp_path, capfd):
+    """A corrupt line the first batch after a resume reads: one line naming the file and line, exit 2, and
+    the run directory as it was, bytes and mtimes (config.json was rewritten and a start event appended
+    before the first read)."""
+    path, files = _line_17_cut_short(tmp_path)
+    run = str(tmp_path / "run")
     assert train_cli.main(args(run, *files)) == 0, capfd.readouterr().err
     before = snapshot(run)
     mtimes = {p: os.stat(os.path.join(run, p)).st_mtime_ns for p in before}
