@@ -204,10 +204,7 @@ class Checkpointer:
 
     def last_committed(self) -> str:
         """Names the newest committed checkpoint (waiting for a save in flight), for messages."""
-        try:
-            self.wait()
-        except CheckpointError:
-            pass
+        self._wait_quietly()
         steps = committed_steps(self.directory)
         if not steps:
             return f"no checkpoint was committed in {self.directory}"
@@ -293,12 +290,15 @@ class Checkpointer:
         """Waits for a save in flight and reports it committed (a run stopped by an error mid-run still
         records the checkpoint its rerun resumes from), then closes. A failed write is not raised here:
         the run is already stopping with its own error, and `_write_failed` has removed the partial folder."""
-        if self._in_flight is not None:
-            try:
-                self.wait()
-            except CheckpointError:
-                pass
+        self._wait_quietly()
         self._manager.close()
+
+    def _wait_quietly(self) -> None:
+        """`wait`, a failed write left unraised (`_write_failed` has named and removed it)."""
+        try:
+            self.wait()
+        except CheckpointError:
+            pass
 
 
 def _held_step(state: Any) -> int | None:

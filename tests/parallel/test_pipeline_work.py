@@ -223,11 +223,13 @@ def test_the_embedding_gradient_keeps_its_rows_on_their_devices(name):
     assert not ids, f"{name}: token ids gathered over fsdp or context: {ids}"
 
 
-STASH_CASES = {  # 4 layers on 2 stages, m = 4: each stage's chunk is 2 layers (MoE: one dense, one MoE)
-    "fp32 1f1b": (dict(), dict(pipeline=2, data=2, pipeline_schedule="1f1b")),
-    "bf16 dots_saveable 1f1b": (dict(compute_dtype="bfloat16", remat="dots_saveable"),
+# 4 layers on 2 stages, m = 4: each stage's chunk is 2 layers (MoE every 2nd layer: one dense, one MoE).
+# (model overrides, MoE or not, mesh)
+STASH_CASES = {
+    "fp32 1f1b": (dict(), False, dict(pipeline=2, data=2, pipeline_schedule="1f1b")),
+    "bf16 dots_saveable 1f1b": (dict(compute_dtype="bfloat16", remat="dots_saveable"), False,
                                 dict(pipeline=2, data=2, pipeline_schedule="1f1b")),
-    "moe fp32 1f1b": (dict(moe="every 2nd"), dict(pipeline=2, expert=2, pipeline_schedule="1f1b")),
+    "moe fp32 1f1b": (dict(), True, dict(pipeline=2, expert=2, pipeline_schedule="1f1b")),
 }
 
 
@@ -246,11 +248,10 @@ def test_the_stash_keeps_what_depends_on_the_micro_batch_and_no_weight(name, mon
     from lumen_jax.config import MoeConfig
     from lumen_jax.parallel.pipeline import units
 
-    model, mesh = STASH_CASES[name]
-    moe = model.pop("moe", None)
-    cfg4 = BASE.replace(model=dataclasses.replace(
-        BASE.model, num_layers=4, **model,
-        **({"moe": MoeConfig(num_experts=4, top_k=2, every_n_layers=2)} if moe else {})))
+    model, moe, mesh = STASH_CASES[name]
+    if moe:
+        model = {**model, "moe": MoeConfig(num_experts=4, top_k=2, every_n_layers=2)}
+    cfg4 = BASE.replace(model=dataclasses.replace(BASE.model, num_layers=4, **model))
     cfg = with_mesh(cfg4, micro_batches=4, **mesh)
     seen = []
     start = units.Device.start
